@@ -1,0 +1,170 @@
+"""The Python API: load once, generate many times.
+
+    from specdec import SpecDecoder
+    sd = SpecDecoder(target="default", draft="ngram", tau=4)
+    out = sd.generate("Write a haiku about caches", max_new_tokens=64)
+    print(out.text, out.stats["acceptance_rate"])
+    for piece in sd.stream("Tell me a story"): print(piece, end="")
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from time import perf_counter
+
+from . import models
+from .drafters import ModelDrafter, NgramDrafter, NoDrafter
+from .engine import Engine
+from .errors import InvalidRequest, PromptTooLong
+from .sampling import SamplingParams
+from .trace import CycleRecord, summarize
+
+DEFAULT_DRAFT = "ngram"  # until a trained draft ships
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: str
+    stats: dict
+    records: list[CycleRecord] = field(repr=False, default_factory=list)
+
+
+@dataclass
+class Chunk:
+    """One cycle's worth of streamed output. `text` may be empty (held back: a stop string might be starting);
+    the final chunk carries `result`."""
+    text: str
+    record: CycleRecord
+    result: GenerationResult | None = None
+
+
+def _positive_int(name, value):
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise InvalidRequest(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+class SpecDecoder:
+    def __init__(self, target: str = models.DEFAULT_MODEL, draft: str = DEFAULT_DRAFT, tau: int = 4):
+        model, tok = models.load(target)
+        self._setup(model, tok, self._drafter(draft, target, model, tok), tau, draft)
+
+    @classmethod
+    def from_models(cls, model, tokenizer, draft="ngram", tau: int = 4, draft_tokenizer=None) -> SpecDecoder:
+        """Wrap already-loaded models. `draft` is a drafter name, a drafter object or a draft causal LM."""
+        self = cls.__new__(cls)
+        if isinstance(draft, str):
+            drafter = self._drafter(draft, None, model, tokenizer)
+        elif hasattr(draft, "propose"):
+            drafter = draft
+        else:
+            models.check_compatible(tokenizer, draft_tokenizer or tokenizer, "model")
+            drafter = ModelDrafter(draft, model.config.vocab_size)
+        self._setup(model, tokenizer, drafter, tau, getattr(drafter, "name", str(draft)))
+        return self
+
+    def _drafter(self, draft, target_spec, model, tok):
+        if draft == "ngram":
+            return NgramDrafter()
+        if draft == "none":
+            return NoDrafter()
+        if draft == target_spec or draft == "target":
+            return ModelDrafter(model, model.config.vocab_size, name="target")
+        draft_model, draft_tok = models.load(draft)
+        models.check_compatible(tok, draft_tok, draft)
+        return ModelDrafter(draft_model, model.config.vocab_size, name=str(draft))
+
+    def _setup(self, model, tok, drafter, tau, draft_name):
+        self.model, self.tokenizer, self.draft_name = model, tok, draft_name
+        self.tau = _positive_int("tau", tau)
+        self.context_window = models.context_window(model)
+        self.engine = Engine(model, drafter, model.config.vocab_size, models.eos_ids(model, tok), self.context_window)
+
+    # ---- prompts -------------------------------------------------------------------------------------------
+    def encode(self, prompt, chat: bool = True) -> list[int]:
+        """A string or a list of {role, content} messages -> prompt token ids (chat template unless chat=False)."""
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str)
+                for m in messages):
+            raise InvalidRequest("prompt must be a non-empty string or a list of {role, content} messages")
+        if not any(m["content"].strip() for m in messages):
+            raise InvalidRequest("prompt is empty")
+        if chat and self.tokenizer.chat_template:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        else:
+            ids = self.tokenizer("\n".join(m["content"] for m in messages)).input_ids
+        if len(ids) >= self.context_window:
+            raise PromptTooLong(f"prompt is {len(ids)} tokens; the target's context window is {self.context_window}")
+        return ids
+
+    # ---- generation ----------------------------------------------------------------------------------------
+    def stream_chunks(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
+                      top_k: int = 0, seed: int | None = None, stop: list[str] | str | None = None,
+                      chat: bool = True, tau: int | None = None) -> Iterator[Chunk]:
+        _positive_int("max_new_tokens", max_new_tokens)
+        tau = self.tau if tau is None else _positive_int("tau", tau)
+        params = SamplingParams(temperature, top_p, top_k, seed)
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if not all(isinstance(s, str) and s for s in stops):
+            raise InvalidRequest("stop strings must be non-empty strings")
+        prompt_ids = self.encode(prompt, chat)
+        text = _StopText(self.tokenizer, stops)
+        records, generated, sent = [], [], ""
+        start = perf_counter()
+        for rec in self.engine.run(prompt_ids, max_new_tokens, params, tau, text.stop_check if stops else None):
+            records.append(rec)
+            generated.extend(rec.emitted)
+            visible = text.visible(generated, final=rec.finish_reason is not None)
+            delta, sent = visible[len(sent):], visible
+            if rec.finish_reason is None:
+                yield Chunk(delta, rec)
+        stats = summarize(records, perf_counter() - start, len(generated))
+        yield Chunk(delta, rec, GenerationResult(sent, generated, len(prompt_ids), rec.finish_reason, stats, records))
+
+    def stream(self, prompt, **kwargs) -> Iterator[str]:
+        """Text as it is committed."""
+        for chunk in self.stream_chunks(prompt, **kwargs):
+            if chunk.text:
+                yield chunk.text
+
+    def generate(self, prompt, **kwargs) -> GenerationResult:
+        for chunk in self.stream_chunks(prompt, **kwargs):
+            pass
+        return chunk.result
+
+
+class _StopText:
+    """Decodes generated ids and applies stop strings: the text never shows a stop string or anything after it,
+    and while generating, text that could be the start of a stop string is held back."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tok, self.stops = tokenizer, stops
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def _first_stop(self, text: str) -> int | None:
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        return min(hits) if hits else None
+
+    def stop_check(self, ids: list[int]) -> int | None:
+        """How many tokens to keep: the shortest prefix whose text completes a stop string."""
+        if self._first_stop(self.decode(ids)) is None:
+            return None
+        return next(m for m in range(1, len(ids) + 1) if self._first_stop(self.decode(ids[:m])) is not None)
+
+    def visible(self, ids: list[int], final: bool) -> str:
+        text = self.decode(ids)
+        cut = self._first_stop(text)
+        if cut is not None:
+            return text[:cut]
+        if final:
+            return text
+        text = text.rstrip("\ufffd")  # an unfinished multi-byte character
+        hold = max((n for s in self.stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+        return text[: len(text) - hold]

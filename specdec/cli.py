@@ -1,0 +1,95 @@
+"""Command line: `specdec generate PROMPT ...` (more subcommands register themselves in COMMANDS)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import SpecDecError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one readable line, exit 2 (argparse prints usage too; keep it short)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _model_args(p):
+    p.add_argument("--target", default="default", help="HF model dir, .gguf file, or 'default' (SmolLM2-135M)")
+    p.add_argument("--draft", default=None, help="draft model dir/.gguf, 'ngram', 'none' (target only) or 'target'")
+    p.add_argument("--tau", type=int, default=4, help="draft block size (tokens proposed per cycle)")
+
+
+def _sampling_args(p):
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text (no chat template)")
+
+
+def cmd_generate(args) -> int:
+    from .api import DEFAULT_DRAFT, SpecDecoder
+    from .trace import write_jsonl
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    sd = SpecDecoder(target=args.target, draft=args.draft or DEFAULT_DRAFT, tau=args.tau)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                  top_k=args.top_k, seed=args.seed, chat=not args.no_chat, stop=args.stop)
+    for chunk in sd.stream_chunks(prompt, **kwargs):
+        if not args.json:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+    result = chunk.result
+    if args.trace:
+        try:
+            write_jsonl(result.records, args.trace)
+        except OSError as e:
+            raise SpecDecError(f"cannot write trace {args.trace}: {e.strerror}")
+    s = result.stats
+    if args.json:
+        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": s}))
+    else:
+        print()
+        rate = "n/a" if s["acceptance_rate"] is None else f"{s['acceptance_rate']:.2f}"
+        print(f"[{s['new_tokens']} tokens in {s['wall_s']:.2f}s = {s['tokens_per_s']} tok/s | draft "
+              f"{sd.draft_name} tau={sd.tau} | acceptance {rate}, mean accepted {s['mean_accepted_len']}, "
+              f"{s['target_passes']} target passes]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="specdec", description="Lossless speculative decoding for LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    g = sub.add_parser("generate", help="generate text for one prompt, streaming it to stdout")
+    g.add_argument("prompt", help="the prompt text, or - to read it from stdin")
+    _model_args(g)
+    _sampling_args(g)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--trace", default=None, help="write one JSON record per cycle to this JSONL file")
+    g.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats)")
+    g.set_defaults(func=cmd_generate)
+    for register in EXTRA_COMMANDS:
+        register(sub, _model_args, _sampling_args)
+    return parser
+
+
+EXTRA_COMMANDS: list = []  # subcommands added by other modules: fn(subparsers, model_args, sampling_args)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except SpecDecError as e:
+        print(f"specdec: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("specdec: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

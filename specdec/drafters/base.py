@@ -1,0 +1,37 @@
+"""The drafter seam: propose k tokens after a context, with the distributions they were sampled from."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from ..sampling import SamplingParams
+
+
+@dataclass
+class Draft:
+    tokens: list[int] = field(default_factory=list)
+    q: torch.Tensor | None = None  # [len(tokens), V] warped draft probabilities; None = deterministic (one-hot)
+
+
+class Drafter(Protocol):
+    name: str
+
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
+        """Up to k tokens continuing `context` (the committed sequence). May return fewer, even none."""
+
+    def reset(self) -> None:
+        """Forget all state from earlier generations."""
+
+
+class NoDrafter:
+    """`none`: proposes nothing, so every cycle is one plain target step (the baseline, same code path)."""
+
+    name = "none"
+
+    def propose(self, context, k, params, generator) -> Draft:
+        return Draft()
+
+    def reset(self) -> None:
+        pass

@@ -1,0 +1,31 @@
+"""A draft causal LM sharing the target's tokenizer. Keeps its own KV cache; catches up on tokens it did not
+produce (the target's corrections) at the start of the next proposal."""
+from __future__ import annotations
+
+import torch
+
+from ..kv import CachedModel
+from ..sampling import warp
+from .base import Draft
+
+
+class ModelDrafter:
+    def __init__(self, model, vocab_size: int, name: str = "model"):
+        self.lm = CachedModel(model, vocab_size)
+        self.name = name
+
+    def propose(self, context, k, params, generator) -> Draft:
+        seq, qs = list(context), []
+        for _ in range(k):
+            logits = self.lm.forward(seq)[-1]
+            if params.greedy:
+                token = int(logits.argmax())
+            else:
+                q = warp(logits, params)
+                token = int(torch.multinomial(q, 1, generator=generator))
+                qs.append(q)
+            seq.append(token)
+        return Draft(seq[len(context):], torch.stack(qs) if qs else None)
+
+    def reset(self) -> None:
+        self.lm.reset()

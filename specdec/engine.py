@@ -1,0 +1,67 @@
+"""The speculative cycle: draft -> verify in one target pass -> accept -> emit -> roll back."""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from time import perf_counter
+
+import torch
+
+from .drafters.base import Drafter
+from .kv import CachedModel
+from .sampling import SamplingParams, warp
+from .trace import CycleRecord
+from .verification import greedy_verify, sample_verify
+
+StopCheck = Callable[[list[int]], "int | None"]  # generated ids -> how many to keep, if a stop string completed
+
+
+class Engine:
+    def __init__(self, target_model, drafter: Drafter, vocab_size: int, eos_ids: set[int], context_window: int):
+        self.target = CachedModel(target_model, vocab_size)
+        self.drafter, self.eos_ids, self.context_window = drafter, set(eos_ids), context_window
+
+    def run(self, prompt: list[int], max_new_tokens: int, params: SamplingParams, tau: int,
+            stop: StopCheck | None = None) -> Iterator[CycleRecord]:
+        """Yields one record per cycle; the last one carries finish_reason."""
+        self.target.reset()
+        self.drafter.reset()
+        gen = params.generator()
+        seq, n_prompt = list(prompt), len(prompt)
+        for cycle in range(max_new_tokens):  # >= 1 token per cycle
+            t0 = perf_counter()
+            room = min(max_new_tokens - (len(seq) - n_prompt), self.context_window - len(seq))
+            k = max(0, min(tau, room - 1))  # never draft more than can be emitted
+            draft = self.drafter.propose(seq, k, params, gen) if k else None
+            proposed = draft.tokens[:k] if draft else []
+            t1 = perf_counter()
+
+            logits = self.target.forward(seq + proposed, len(proposed) + 1)
+            if params.greedy:
+                n, token = greedy_verify(torch.tensor(proposed, dtype=torch.long), logits)
+            else:
+                q = draft.q[: len(proposed)] if draft is not None and draft.q is not None else None
+                n, token = sample_verify(torch.tensor(proposed, dtype=torch.long), q, warp(logits, params), gen)
+            emitted, finish = self._cut(proposed[:n] + [token], seq, n_prompt, stop, max_new_tokens)
+            seq.extend(emitted)
+            self.target.rollback(len(seq) - 1)  # keep the committed prefix; the newest token is fed next cycle
+            t2 = perf_counter()
+
+            yield CycleRecord(cycle, tau, proposed, n, emitted, draft_ms=round((t1 - t0) * 1e3, 3),
+                              verify_ms=round((t2 - t1) * 1e3, 3), cycle_ms=round((perf_counter() - t0) * 1e3, 3),
+                              finish_reason=finish)
+            if finish:
+                return
+
+    def _cut(self, emitted, seq, n_prompt, stop, max_new_tokens):
+        """Truncate this cycle's tokens at EOS, a stop string, the token budget or the context window."""
+        for i, t in enumerate(emitted):
+            if t in self.eos_ids:
+                return emitted[: i + 1], "stop"
+        if stop is not None:
+            keep = stop(seq[n_prompt:] + emitted)
+            if keep is not None:
+                return emitted[: max(0, keep - (len(seq) - n_prompt))], "stop"
+        room = min(max_new_tokens - (len(seq) - n_prompt), self.context_window - len(seq))
+        if len(emitted) >= room:
+            return emitted[:room], "length"
+        return emitted, None

@@ -1,0 +1,68 @@
+"""KV-cache bookkeeping shared by the target and model drafters."""
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import DynamicCache
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i
+
+
+class CachedModel:
+    """A causal LM plus a KV cache that tracks which tokens it holds.
+
+    `forward(tokens, n_logits)` runs only the tokens the cache lacks (rolling back past any divergence first, which
+    is how rejected drafts are discarded) and returns logits for the last `n_logits` positions of `tokens`.
+    """
+
+    def __init__(self, model, vocab_size: int):
+        self.model, self.vocab_size = model, vocab_size
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = DynamicCache()
+        self.tokens: list[int] = []
+
+    def rollback(self, length: int) -> None:
+        drop = len(self.tokens) - length
+        if drop > 0:
+            self.cache.crop(-drop)  # negative = remove this many (transformers 4.x and 5.x agree)
+            del self.tokens[length:]
+
+    @torch.inference_mode()
+    def forward(self, tokens: list[int], n_logits: int = 1) -> torch.Tensor:
+        # keep at least n_logits tokens to run so their logits exist
+        self.rollback(min(common_prefix_len(self.tokens, tokens), len(tokens) - n_logits))
+        new = tokens[len(self.tokens):]
+        cache_kw = {_CACHE_ARG: self.cache}  # the cache is updated in place
+        out = self.model(input_ids=torch.tensor([new]), use_cache=True, logits_to_keep=n_logits, **cache_kw)
+        self.tokens.extend(new)
+        return _fit_vocab(out.logits[0, -n_logits:], self.vocab_size)
+
+
+def _cache_arg_name() -> str:
+    """transformers 5.x renamed forward(past_key_values=) to forward(cache=)."""
+    from transformers.models.llama.modeling_llama import LlamaForCausalLM
+    return "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+
+
+_CACHE_ARG = _cache_arg_name()
+
+
+def _fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Models may pad their output head; align every model to the target's vocabulary size."""
+    if logits.shape[-1] > vocab:
+        return logits[..., :vocab]
+    if logits.shape[-1] < vocab:
+        pad = logits.new_full((*logits.shape[:-1], vocab - logits.shape[-1]), float("-inf"))
+        return torch.cat([logits, pad], -1)
+    return logits

@@ -1,0 +1,65 @@
+"""Per-cycle trace records and the summary computed from them."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class CycleRecord:
+    cycle: int
+    tau: int  # block size asked of the drafter this cycle
+    proposed: list[int]  # draft token ids (may be fewer than tau)
+    accepted: int  # drafted tokens the target accepted
+    emitted: list[int]  # tokens appended this cycle: accepted drafts + the target's own token (cut at stops)
+    draft_ms: float
+    verify_ms: float
+    cycle_ms: float
+    finish_reason: str | None = None  # set on the last record: "stop" or "length"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def acceptance_by_position(records: list[CycleRecord]) -> list[float | None]:
+    """alpha_k = P(draft k accepted | drafts 1..k-1 accepted), estimated over the cycles that reached k."""
+    depth = max((len(r.proposed) for r in records), default=0)
+    reached, passed = [0] * depth, [0] * depth
+    for r in records:
+        for k in range(min(len(r.proposed), r.accepted + 1)):
+            reached[k] += 1
+            passed[k] += k < r.accepted
+    return [round(p / n, 4) if n else None for p, n in zip(passed, reached)]
+
+
+def summarize(records: list[CycleRecord], wall_s: float, new_tokens: int) -> dict:
+    proposed = sum(len(r.proposed) for r in records)
+    accepted = sum(r.accepted for r in records)
+    cycles = len(records)
+    return {
+        "new_tokens": new_tokens,
+        "wall_s": round(wall_s, 4),
+        "tokens_per_s": round(new_tokens / wall_s, 3) if wall_s > 0 else None,
+        "cycles": cycles,
+        "target_passes": cycles,  # one verification forward per cycle
+        "target_passes_per_token": round(cycles / new_tokens, 4) if new_tokens else None,
+        "proposed": proposed,
+        "accepted": accepted,
+        "acceptance_rate": round(accepted / proposed, 4) if proposed else None,
+        "mean_accepted_len": round(accepted / cycles, 4) if cycles else None,
+        "acceptance_by_position": acceptance_by_position(records),
+        "draft_ms": round(sum(r.draft_ms for r in records), 3),
+        "verify_ms": round(sum(r.verify_ms for r in records), 3),
+        "finish_reason": records[-1].finish_reason if records else None,
+    }
+
+
+def write_jsonl(records: list[CycleRecord], path) -> None:
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps(r.to_dict()) + "\n")
+
+
+def read_jsonl(path) -> list[CycleRecord]:
+    with open(path) as f:
+        return [CycleRecord(**json.loads(line)) for line in f if line.strip()]

@@ -1,0 +1,50 @@
+"""Acceptance rules: pure functions over tensors, no models involved.
+
+Shapes: `draft` [k] token ids, `target_logits`/`p` [k+1, V] (row i scores position i of the block, the last row
+is the position after the block), `q` [k, V] the distributions the draft sampled from (None = one-hot drafts).
+Each returns (n_accepted, next_token): the n accepted draft tokens followed by the target's own token.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def greedy_verify(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
+    """Accept while the draft token equals the target's argmax; the target's argmax at the first
+    mismatch (or after the block) is the correction / bonus token."""
+    choice = target_logits.argmax(-1)
+    n = int(torch.cumprod((draft == choice[: len(draft)]).long(), 0).sum()) if len(draft) else 0
+    return n, int(choice[n])
+
+
+def acceptance_prob(p_tok: torch.Tensor, q_tok: torch.Tensor) -> torch.Tensor:
+    """min(1, p(x)/q(x)) for the drafted x (Leviathan et al. 2023, Alg. 1)."""
+    return torch.clamp(p_tok / q_tok, max=1.0)
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)): the distribution to resample from after a rejection.
+    If p == q numerically there is nothing left (rejection had probability 0); fall back to p."""
+    r = torch.clamp(p - q, min=0)
+    total = r.sum(-1, keepdim=True)
+    return torch.where(total > 0, r / total.clamp(min=torch.finfo(r.dtype).tiny), p)
+
+
+def one_hot_q(draft: torch.Tensor, vocab: int, dtype=torch.float64) -> torch.Tensor:
+    """q for drafters that propose deterministically (n-gram): all mass on the proposed token."""
+    return torch.nn.functional.one_hot(draft, vocab).to(dtype)
+
+
+def sample_verify(draft: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor,
+                  generator: torch.Generator) -> tuple[int, int]:
+    """Speculative sampling: the emitted tokens are distributed exactly as sampling from p alone."""
+    k = len(draft)
+    if k == 0:
+        return 0, int(torch.multinomial(p[0], 1, generator=generator))
+    q = one_hot_q(draft, p.shape[-1], p.dtype) if q is None else q.to(p.dtype)
+    idx = torch.arange(k)
+    accept_p = acceptance_prob(p[idx, draft], q[idx, draft])
+    u = torch.rand(k, generator=generator, dtype=p.dtype)
+    n = int(torch.cumprod((u < accept_p).long(), 0).sum())
+    dist = p[k] if n == k else residual(p[n], q[n])
+    return n, int(torch.multinomial(dist, 1, generator=generator))
