@@ -56,6 +56,9 @@ def _cache_root() -> Path:
 
 def _gguf_to_dir(path: Path) -> Path:
     """Dequantise a GGUF file once into a cached model directory; return that directory."""
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ModelLoadError(f"cannot load model {path}: not a GGUF file (bad magic bytes)")
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
     out = _cache_root() / "gguf" / f"{path.stem}-{key}"

@@ -1,0 +1,97 @@
+"""The CLI and the API on bad input: one readable line and a non-zero exit (CLI) or a specific exception (API)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from tiny import reference_greedy
+
+from specdec import InvalidRequest, PromptTooLong, SpecDecoder
+from specdec.cli import main
+from specdec.trace import read_jsonl
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_generate_json_and_trace(capsys, tmp_path, tiny_dirs, tok, target):
+    trace = tmp_path / "t.jsonl"
+    code, out, err = run_cli(capsys, "generate", "Hello", "--target", tiny_dirs["target"], "--draft",
+                             tiny_dirs["draft"], "--tau", "3", "--max-new-tokens", "25", "--json", "--trace",
+                             str(trace))
+    assert code == 0, err
+    data = json.loads(out)
+    prompt = tok("<user>Hello\n<assistant>", add_special_tokens=False).input_ids
+    assert data["token_ids"] == reference_greedy(target, prompt, 25)
+    assert data["text"] == tok.decode(data["token_ids"], skip_special_tokens=True)
+    for key in ["new_tokens", "wall_s", "tokens_per_s", "target_passes", "acceptance_rate", "mean_accepted_len",
+                "acceptance_by_position"]:
+        assert key in data["stats"]
+    records = read_jsonl(trace)
+    assert len(records) == data["stats"]["target_passes"]
+    assert [t for r in records for t in r.emitted] == data["token_ids"]
+    line = json.loads(trace.read_text().splitlines()[0])
+    assert {"cycle", "tau", "proposed", "accepted", "emitted", "draft_ms", "verify_ms", "cycle_ms"} <= set(line)
+
+
+def test_generate_streams_text(capsys, tiny_dirs):
+    code, out, err = run_cli(capsys, "generate", "Hello", "--target", tiny_dirs["target"], "--draft", "ngram",
+                             "--max-new-tokens", "12", "--no-chat", "--temperature", "0.9", "--seed", "1")
+    assert code == 0 and len(out.strip("\n")) > 0 and "tok/s" in err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["", ], "prompt is empty"),
+    (["hi", "--max-new-tokens", "0"], "max_new_tokens must be"),
+    (["hi", "--tau", "0"], "tau must be"),
+    (["hi", "--temperature", "-1"], "temperature must be"),
+    (["hi", "--top-p", "0"], "top_p must be"),
+    (["hi", "--top-p", "1.5"], "top_p must be"),
+    (["hi", "--top-k", "-1"], "top_k must be"),
+    (["hi", "--draft", "/no/such/model"], "model path not found"),
+    (["hi", "--draft", "ALIEN"], "different tokenizer"),
+    (["x" * 300, "--no-chat"], "context window"),
+    (["hi", "--trace", "/no/such/dir/t.jsonl"], "cannot write trace"),
+])
+def test_bad_input_one_line_nonzero(capsys, tiny_dirs, args, message):
+    args = [tiny_dirs["alien"] if a == "ALIEN" else a for a in args]
+    code, out, err = run_cli(capsys, "generate", *args, "--target", tiny_dirs["target"])
+    assert code != 0 and message in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_missing_and_unreadable_target(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "generate", "hi", "--target", str(tmp_path / "nope"))
+    assert code == 2 and "model path not found" in err
+    (tmp_path / "junk.gguf").write_text("not a gguf")
+    code, _, err = run_cli(capsys, "generate", "hi", "--target", str(tmp_path / "junk.gguf"))
+    assert code == 2 and "cannot load model" in err and len(err.strip().splitlines()) == 1
+    (tmp_path / "emptydir").mkdir()
+    code, _, err = run_cli(capsys, "generate", "hi", "--target", str(tmp_path / "emptydir"))
+    assert code == 2 and "cannot load model" in err
+
+
+def test_argparse_errors_are_one_line():
+    r = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "hi", "--tau", "two"],
+                       capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 2 and "invalid int value" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_api_raises_specific_exceptions(tok, target):
+    sd = SpecDecoder.from_models(target, tok, draft="ngram")
+    with pytest.raises(InvalidRequest):
+        sd.generate("   ")
+    with pytest.raises(InvalidRequest):
+        sd.generate([{"role": "user"}])
+    with pytest.raises(InvalidRequest):
+        sd.generate("hi", max_new_tokens=-3)
+    with pytest.raises(InvalidRequest):
+        sd.generate("hi", stop=[""])
+    with pytest.raises(PromptTooLong):
+        sd.generate("y" * 400, chat=False)
+    with pytest.raises(InvalidRequest):
+        SpecDecoder.from_models(target, tok, draft="ngram", tau=0)

