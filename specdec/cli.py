@@ -69,12 +69,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--trace", default=None, help="write one JSON record per cycle to this JSONL file")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats)")
     g.set_defaults(func=cmd_generate)
-    for register in EXTRA_COMMANDS:
+    for register in _extra_commands():
         register(sub, _model_args, _sampling_args)
     return parser
 
 
-EXTRA_COMMANDS: list = []  # subcommands added by other modules: fn(subparsers, model_args, sampling_args)
+def _extra_commands():
+    from . import bench
+    return [bench.register]
+
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,164 @@
+"""`specdec bench`: target-only and every (draft, tau) configuration on the same prompts in one process,
+interleaved prompt by prompt so machine noise hits every configuration alike, after a warm-up."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from time import perf_counter
+
+import torch
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from . import models
+from .api import SpecDecoder
+from .drafters import ModelDrafter, NgramDrafter, NoDrafter
+from .errors import InvalidRequest, SpecDecError
+from .prompts import load_prompts
+
+
+@dataclass
+class Config:
+    draft: str
+    tau: int
+    policy: str = "fixed"
+    hf: bool = False  # transformers' generate / assisted generation, the peer reference
+    tokens: int = 0
+    seconds: float = 0.0
+    proposed: int = 0
+    accepted: int = 0
+    cycles: int = 0
+    outputs: list = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        who = "hf" if self.hf else "specdec"
+        return f"{who}:{self.draft}" + ("" if self.draft == "none" else f" tau={self.tau}")
+
+
+class Bench:
+    def __init__(self, target: str, drafts: list[str], taus: list[int], max_new_tokens: int, compare_hf: bool):
+        if max_new_tokens < 1 or any(t < 1 for t in taus):
+            raise InvalidRequest("max-new-tokens and tau must be >= 1")
+        self.model, self.tok = models.load(target)
+        self.max_new_tokens = max_new_tokens
+        self.draft_models = {}
+        for d in drafts:
+            if d not in ("ngram", "none", "target") and d not in self.draft_models:
+                dm, dt = models.load(d)
+                models.check_compatible(self.tok, dt, d)
+                self.draft_models[d] = dm
+        self.configs = [Config("none", 1)] + [Config(d, t) for d in drafts if d != "none" for t in taus]
+        if compare_hf:
+            self.configs += [Config("none", 1, hf=True)] + [Config(d, t, hf=True) for d in drafts
+                                                             if d != "none" for t in taus]
+        vocab = self.model.config.vocab_size
+        self._decoders = {}
+        for c in self.configs:
+            if not c.hf:
+                drafter = {"ngram": NgramDrafter, "none": NoDrafter}.get(c.draft)
+                drafter = drafter() if drafter else ModelDrafter(self._draft_model(c.draft), vocab, c.draft)
+                self._decoders[c.label] = SpecDecoder.from_models(self.model, self.tok, drafter, c.tau)
+
+    def _draft_model(self, name):
+        return self.model if name == "target" else self.draft_models[name]
+
+    def _run_one(self, c: Config, prompt: dict, max_new_tokens: int):
+        if not c.hf:
+            out = self._decoders[c.label].generate(prompt["prompt"], max_new_tokens=max_new_tokens,
+                                                   chat=prompt["chat"])
+            s = out.stats
+            return out.token_ids, s["wall_s"], s["proposed"], s["accepted"], s["cycles"]
+        ids = self._decoders[self.configs[0].label].encode(prompt["prompt"], prompt["chat"])
+        kw = {}
+        if c.draft == "ngram":
+            kw = dict(prompt_lookup_num_tokens=c.tau)
+        elif c.draft != "none":
+            kw = dict(assistant_model=self._draft_model(c.draft), num_assistant_tokens=c.tau,
+                      num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0)
+        x = torch.tensor([ids])
+        t0 = perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                                      do_sample=False, pad_token_id=self.tok.eos_token_id, **kw)
+        return out[0, len(ids):].tolist(), perf_counter() - t0, 0, 0, 0
+
+    def run(self, prompts: list[dict], console: Console | None = None) -> list[dict]:
+        for c in self.configs:  # warm-up: first-call costs (allocations, kernels) stay out of the numbers
+            self._run_one(c, prompts[0], 4)
+        with Progress(console=console, transient=True) as bar:
+            task = bar.add_task("bench", total=len(prompts) * len(self.configs))
+            for i, p in enumerate(prompts):
+                order = self.configs[i % len(self.configs):] + self.configs[: i % len(self.configs)]
+                for c in order:  # rotate the order per prompt: no configuration always runs first
+                    ids, secs, prop, acc, cyc = self._run_one(c, p, self.max_new_tokens)
+                    c.outputs.append(ids)
+                    c.tokens += len(ids)
+                    c.seconds += secs
+                    c.proposed, c.accepted, c.cycles = c.proposed + prop, c.accepted + acc, c.cycles + cyc
+                    bar.advance(task)
+        return self.results()
+
+    def results(self) -> list[dict]:
+        base = self.configs[0]
+        base_tps = base.tokens / base.seconds
+        rows = []
+        for c in self.configs:
+            tps = c.tokens / c.seconds
+            rows.append({
+                "config": c.label, "engine": "transformers" if c.hf else "specdec", "draft": c.draft,
+                "tau": None if c.draft == "none" else c.tau, "policy": None if c.hf else c.policy,
+                "tokens": c.tokens, "seconds": round(c.seconds, 3), "tokens_per_s": round(tps, 3),
+                "speedup": round(tps / base_tps, 3),
+                "acceptance_rate": round(c.accepted / c.proposed, 4) if c.proposed else None,
+                "mean_accepted_len": round(c.accepted / c.cycles, 4) if c.cycles else None,
+                "target_passes_per_token": round(c.cycles / c.tokens, 4) if c.cycles else None,
+                "identical_to_baseline": c.outputs == base.outputs,
+            })
+        return rows
+
+
+def print_table(rows: list[dict], console: Console) -> None:
+    table = Table(title="specdec bench (speedup vs specdec target-only, same run)")
+    for col in ["config", "tokens/s", "speedup", "accept", "mean acc len", "passes/tok", "identical"]:
+        table.add_column(col, justify="left" if col == "config" else "right")
+    fmt = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
+    for r in rows:
+        table.add_row(r["config"], fmt(r["tokens_per_s"]), fmt(r["speedup"], "{:.2f}x"), fmt(r["acceptance_rate"]),
+                      fmt(r["mean_accepted_len"]), fmt(r["target_passes_per_token"]),
+                      "yes" if r["identical_to_baseline"] else "NO")
+    console.print(table)
+
+
+def cmd_bench(args) -> int:
+    from .api import DEFAULT_DRAFT
+    prompts = load_prompts(args.prompts)
+    if args.limit:
+        prompts = prompts[: args.limit]
+    bench = Bench(args.target, args.draft or [DEFAULT_DRAFT], args.tau or [2, 4, 6], args.max_new_tokens,
+                  args.compare_hf)
+    console = Console(stderr=True)
+    rows = bench.run(prompts, console)
+    print_table(rows, Console(width=max(120, Console().width)))
+    if args.json:
+        try:
+            with open(args.json, "w") as f:
+                json.dump({"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "results": rows}, f,
+                          indent=2)
+        except OSError as e:
+            raise SpecDecError(f"cannot write {args.json}: {e.strerror}")
+    return 0
+
+
+def register(sub, model_args, sampling_args):
+    b = sub.add_parser("bench", help="compare target-only and speculative configurations side by side")
+    b.add_argument("--prompts", default=None, help="JSONL of {prompt, mode}; default: the shipped prompt sets")
+    b.add_argument("--target", default="default")
+    b.add_argument("--draft", action="append", help="repeatable: model path, ngram, target")
+    b.add_argument("--tau", action="append", type=int, help="repeatable (default 2 4 6)")
+    b.add_argument("--max-new-tokens", type=int, default=64)
+    b.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
+    b.add_argument("--compare-hf", action="store_true", help="add transformers' (assisted) generate as reference")
+    b.add_argument("--json", default=None, help="write per-configuration results here")
+    b.set_defaults(func=cmd_bench)
