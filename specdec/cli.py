@@ -76,7 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _extra_commands():
     from . import bench
-    return [bench.register]
+    out = [bench.register]
+    try:
+        from . import server
+        out.append(server.register)
+    except ImportError:  # the server extra is not installed
+        pass
+    return out
 
 
 

@@ -1,0 +1,201 @@
+"""OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions (streaming or not), /v1/models, /health,
+/metrics. Every error is a 4xx (or 429/504) with an OpenAI-style error object."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import SpecDecError
+from .metrics import Metrics
+from .schemas import ChatRequest, CompletionRequest
+from .worker import JobTimeout, Worker
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None):
+        self.status, self.message, self.type, self.code = status, message, type_, code
+
+
+def error_body(message: str, type_: str = "invalid_request_error", code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+
+
+def create_app(decoder, model_name: str = "specdec", api_key: str | None = None, max_queue: int = 16,
+               timeout_s: float = 300.0, max_tokens_default: int = 256, max_body_bytes: int = 1 << 20,
+               trace_dir: str | None = None) -> FastAPI:
+    metrics = Metrics()
+    worker = Worker(decoder, metrics, max_queue, timeout_s, trace_dir)
+    app = FastAPI(title="specdec", docs_url=None, redoc_url=None)
+    app.state.metrics, app.state.worker, app.state.decoder = metrics, worker, decoder
+    app.router.add_event_handler("shutdown", worker.stop)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        """Auth and body-size limits before any parsing, then count the request by status."""
+        path = request.url.path
+        if api_key and path != "/health" and request.headers.get("authorization") != f"Bearer {api_key}":
+            response = JSONResponse(error_body("missing or invalid API key", "authentication_error",
+                                               "invalid_api_key"), status_code=401)
+        elif int(request.headers.get("content-length") or 0) > max_body_bytes:
+            response = JSONResponse(error_body(f"request body larger than {max_body_bytes} bytes"), 413)
+        else:
+            response = await call_next(request)
+        metrics.requests.labels(endpoint=path if path in KNOWN_PATHS else "other",
+                                status=str(response.status_code)).inc()
+        return response
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return JSONResponse(error_body(exc.message, exc.type, exc.code), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request, exc: RequestValidationError):
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        return JSONResponse(error_body(f"{where + ': ' if where else ''}{err.get('msg', 'invalid request')}"), 400)
+
+    @app.exception_handler(SpecDecError)
+    async def _specdec(request, exc: SpecDecError):
+        return JSONResponse(error_body(str(exc)), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, exc: StarletteHTTPException):
+        return JSONResponse(error_body(str(exc.detail), "invalid_request_error"), status_code=exc.status_code)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "queue_depth": worker.pending}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                            "owned_by": "specdec"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatRequest, request: Request):
+        messages = [m.model_dump() for m in req.messages]
+        return await _serve(req, request, messages, chat=True, kind="chat")
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        return await _serve(req, request, req.prompt, chat=False, kind="text")
+
+    async def _serve(req, request: Request, prompt, chat: bool, kind: str):
+        if req.model is not None and req.model != model_name:
+            raise APIError(404, f"model {req.model!r} does not exist; this server serves {model_name!r}",
+                           code="model_not_found")
+        prompt_tokens = len(decoder.encode(prompt, chat))  # raises InvalidRequest / PromptTooLong -> 400
+        room = decoder.context_window - prompt_tokens
+        max_tokens = req.max_tokens or min(max_tokens_default, room)
+        if max_tokens > room:
+            raise APIError(400, f"max_tokens {max_tokens} + prompt {prompt_tokens} tokens exceed the context "
+                                f"window of {decoder.context_window}", code="context_length_exceeded")
+        job = worker.submit(dict(prompt=prompt, chat=chat, max_new_tokens=max_tokens, temperature=req.temperature,
+                                 top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=req.stop))
+        if job is None:
+            raise APIError(429, "server busy: request queue is full, retry later", "rate_limit_error",
+                           "queue_full")
+        meta = dict(id=("chatcmpl-" if kind == "chat" else "cmpl-") + job.id, created=int(time.time()),
+                    model=model_name)
+        if req.stream:
+            return StreamingResponse(_sse(job, meta, kind, req.include_usage), media_type="text/event-stream")
+        return await _collect(job, meta, kind, request)
+
+    async def _events(job):
+        """Worker events for one job, cancelling it if the consumer goes away."""
+        try:
+            while True:
+                kind, payload = await job.events.get()
+                if kind == "end":
+                    return
+                yield kind, payload
+        finally:
+            job.cancel()
+
+    async def _collect(job, meta, kind, request: Request):
+        text, result = [], None
+        events = _events(job)
+        try:
+            while True:
+                try:
+                    ev, payload = await asyncio.wait_for(events.__anext__(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return Response(status_code=499)
+                    continue
+                except StopAsyncIteration:
+                    break
+                if ev == "error":
+                    raise _as_api_error(payload)
+                text.append(payload.text)
+                result = payload.result or result
+        finally:
+            await events.aclose()
+        text, finish = "".join(text), result.finish_reason
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+                  if kind == "chat" else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
+        return {**meta, "object": "chat.completion" if kind == "chat" else "text_completion", "choices": [choice],
+                "usage": _usage(result), "specdec": _spec_stats(result)}
+
+    async def _sse(job, meta, kind, include_usage):
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+        def event(delta_text, finish=None, first=False):
+            if kind == "chat":
+                delta = {"role": "assistant", "content": delta_text} if first else {"content": delta_text}
+                if finish:
+                    delta = {}
+                choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": delta_text, "logprobs": None, "finish_reason": finish}
+            return f"data: {json.dumps({**meta, 'object': obj, 'choices': [choice]})}\n\n"
+
+        if kind == "chat":
+            yield event("", first=True)
+        async for ev, payload in _events(job):
+            if ev == "error":
+                err = _as_api_error(payload)
+                yield f"data: {json.dumps(error_body(err.message, err.type, err.code))}\n\n"
+                break
+            if payload.text:
+                yield event(payload.text)
+            if payload.result is not None:
+                yield event("", finish=payload.result.finish_reason)
+                if include_usage:
+                    yield f"data: {json.dumps({**meta, 'object': obj, 'choices': [], 'usage': _usage(payload.result), 'specdec': _spec_stats(payload.result)})}\n\n"  # noqa: E501
+        yield "data: [DONE]\n\n"
+
+    return app
+
+
+KNOWN_PATHS = {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions"}
+
+
+def _as_api_error(exc) -> APIError:
+    if isinstance(exc, JobTimeout):
+        return APIError(504, str(exc), "timeout_error", "timeout")
+    if isinstance(exc, SpecDecError):
+        return APIError(400, str(exc))
+    return APIError(500, f"internal error: {type(exc).__name__}", "server_error")
+
+
+def _usage(result) -> dict:
+    n = len(result.token_ids)
+    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": n, "total_tokens": result.prompt_tokens + n}
+
+
+def _spec_stats(result) -> dict:
+    s = result.stats
+    return {k: s[k] for k in ("acceptance_rate", "mean_accepted_len", "target_passes", "proposed", "accepted",
+                              "acceptance_by_position", "tokens_per_s")}

@@ -1,0 +1,38 @@
+"""Prometheus metrics, on a registry of the app's own (several apps can live in one process, e.g. tests).
+Acceptance rate = accepted / drafted; mean accepted length = accepted / cycles (as vLLM users compute them)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+MS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class Metrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("specdec_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
+                                registry=r)
+        self.generated = Counter("specdec_generated_tokens", "Tokens generated", registry=r)
+        self.prompt_tokens = Counter("specdec_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.drafted = Counter("specdec_draft_tokens", "Draft tokens proposed", registry=r)
+        self.accepted = Counter("specdec_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.accepted_pos = Counter("specdec_accepted_tokens_by_position", "Accepted draft tokens by position",
+                                    ["position"], registry=r)
+        self.cycles = Counter("specdec_cycles", "Speculative cycles (one target pass each)", registry=r)
+        self.draft_time = Histogram("specdec_draft_seconds", "Draft time per cycle", buckets=MS_BUCKETS, registry=r)
+        self.verify_time = Histogram("specdec_verify_seconds", "Verify time per cycle", buckets=MS_BUCKETS,
+                                     registry=r)
+        self.tau = Histogram("specdec_tau", "Block size chosen per cycle", buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16),
+                             registry=r)
+        self.queue_depth = Gauge("specdec_queue_depth", "Requests waiting or running", registry=r)
+
+    def observe_cycle(self, rec) -> None:
+        self.cycles.inc()
+        self.drafted.inc(len(rec.proposed))
+        self.accepted.inc(rec.accepted)
+        for k in range(rec.accepted):
+            self.accepted_pos.labels(position=str(k + 1)).inc()
+        self.generated.inc(len(rec.emitted))
+        self.draft_time.observe(rec.draft_ms / 1e3)
+        self.verify_time.observe(rec.verify_ms / 1e3)
+        self.tau.observe(rec.tau)

@@ -1,0 +1,52 @@
+"""OpenAI-compatible request bodies, validated by pydantic. Unknown fields are refused (extra="forbid") so a
+client never silently gets a different behaviour than it asked for."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=0)  # extension
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: Literal[1] = 1
+    stream: bool = False
+    stream_options: dict | None = None
+    user: str | None = None
+    presence_penalty: Literal[0] = 0
+    frequency_penalty: Literal[0] = 0
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else v or []
+        if len(stops) > 4 or not all(stops):
+            raise ValueError("stop must be up to 4 non-empty strings")
+        return stops
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatRequest(_Request):
+    messages: list[Message] = Field(min_length=1)
+
+
+class CompletionRequest(_Request):
+    prompt: str = Field(min_length=1)
+    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions

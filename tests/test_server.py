@@ -1,0 +1,241 @@
+"""Real HTTP on 127.0.0.1 against the tiny model: the official openai client, bad input, auth, queueing,
+disconnects, timeouts and /metrics."""
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from specdec import SpecDecoder
+from specdec.drafters import NgramDrafter
+from specdec.server import create_app
+from specdec.trace import read_jsonl
+
+
+class SlowDrafter(NgramDrafter):
+    """Makes each cycle take >= 40 ms so queueing, disconnects and timeouts can be observed."""
+    name = "slow"
+
+    def propose(self, context, k, params, generator):
+        time.sleep(0.04)
+        return super().propose(context, k, params, generator)
+
+
+class LiveServer:
+    def __init__(self, app):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 10
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.app = app
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(5)
+
+    def metrics(self) -> dict:
+        text = httpx.get(self.url + "/metrics", headers=getattr(self, "auth", {})).text
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        return out
+
+
+@pytest.fixture(scope="module")
+def decoder(tok, target, draft_close):
+    return SpecDecoder.from_models(target, tok, draft=draft_close, tau=3)
+
+
+@pytest.fixture(scope="module")
+def live(decoder, tmp_path_factory):
+    srv = LiveServer(create_app(decoder, model_name="tiny", trace_dir=str(tmp_path_factory.mktemp("traces"))))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def slow_server(tok, target):
+    servers = []
+
+    def make(**kwargs):
+        sd = SpecDecoder.from_models(target, tok, draft=SlowDrafter(), tau=2)
+        servers.append(LiveServer(create_app(sd, model_name="tiny", **kwargs)))
+        return servers[-1]
+    yield make
+    for srv in servers:
+        srv.stop()
+
+
+def client(srv, key="none"):
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0, timeout=30)
+
+
+def test_openai_client_chat_and_completions_equal_generate(live, decoder):
+    c = client(live)
+    want = decoder.generate([{"role": "user", "content": "Hello"}], max_new_tokens=20)
+    r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=20,
+                                  temperature=0)
+    assert r.choices[0].message.content == want.text and r.choices[0].finish_reason == want.finish_reason
+    assert r.usage.completion_tokens == len(want.token_ids) and r.usage.prompt_tokens == want.prompt_tokens
+    assert r.model_extra["specdec"]["target_passes"] == want.stats["target_passes"]
+    stream = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=20,
+                                       temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want.text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == want.finish_reason
+    assert chunks[-1].usage.completion_tokens == len(want.token_ids)
+
+    want = decoder.generate("def f(x):", max_new_tokens=15, chat=False)
+    r = c.completions.create(model="tiny", prompt="def f(x):", max_tokens=15, temperature=0)
+    assert r.choices[0].text == want.text
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model="tiny", prompt="def f(x):", max_tokens=15, temperature=0, stream=True))
+    assert streamed == want.text
+
+
+def test_http_greedy_equals_cli_generate(live, tiny_dirs, capsys):
+    from specdec.cli import main
+    assert main(["generate", "abc", "--target", tiny_dirs["target"], "--draft", "ngram", "--no-chat",
+                 "--max-new-tokens", "12", "--json"]) == 0
+    cli = json.loads(capsys.readouterr().out)
+    r = client(live).completions.create(model="tiny", prompt="abc", max_tokens=12, temperature=0)
+    assert r.choices[0].text == cli["text"]
+
+
+def test_sampling_stop_and_seed(live):
+    c = client(live)
+    kw = dict(model="tiny", prompt="Hello", max_tokens=20, temperature=1.0, seed=5)
+    a, b = c.completions.create(**kw).choices[0].text, c.completions.create(**kw).choices[0].text
+    assert a == b
+    stop = a[3:5]
+    r = c.completions.create(**kw, stop=[stop])
+    assert r.choices[0].text == a[: a.find(stop)] and r.choices[0].finish_reason == "stop"
+
+
+def test_models_and_health(live):
+    assert client(live).models.list().data[0].id == "tiny"
+    assert httpx.get(live.url + "/health").json()["status"] == "ok"
+
+
+BAD = [
+    ("/v1/chat/completions", b"{not json", 400),
+    ("/v1/chat/completions", {"messages": "hello"}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400),
+    ("/v1/chat/completions", {"messages": []}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "  "}]}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": -0.5}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": []}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}, 404),
+    ("/v1/completions", {"prompt": ""}, 400),
+    ("/v1/completions", {"prompt": "x" * 400}, 400),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400),
+    ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400),
+    ("/v1/completions", b"x" * (2 << 20), 413),
+    ("/v1/nothing", {}, 404),
+]
+
+
+@pytest.mark.parametrize("path,body,status", BAD)
+def test_bad_input_gets_4xx_error_object(live, path, body, status):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(live.url + path, content=content, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["message"]
+
+
+def test_api_key(decoder):
+    srv = LiveServer(create_app(decoder, model_name="tiny", api_key="sekret"))
+    try:
+        assert httpx.get(srv.url + "/health").status_code == 200
+        for path in ["/v1/models", "/metrics"]:
+            assert httpx.get(srv.url + path).status_code == 401
+            assert httpx.get(srv.url + path, headers={"authorization": "Bearer wrong"}).status_code == 401
+        with pytest.raises(openai.AuthenticationError):
+            client(srv, "wrong").completions.create(model="tiny", prompt="hi", max_tokens=2)
+        assert client(srv, "sekret").completions.create(model="tiny", prompt="hi", max_tokens=2).choices
+    finally:
+        srv.stop()
+
+
+def test_full_queue_disconnect_and_recovery(slow_server):
+    """max_queue=1: while one stream runs, another request is refused at once with 429; dropping the stream
+    cancels its generation and frees the worker for the next request."""
+    slow = slow_server(max_queue=1)
+    body = {"prompt": "Hello", "max_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=10) as hc:
+        with hc.stream("POST", slow.url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())
+            t0 = time.time()
+            busy = httpx.post(slow.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert busy.status_code == 429 and time.time() - t0 < 1.0
+            assert busy.json()["error"]["code"] == "queue_full"
+        # the stream is closed here, long before its 200 tokens (~8 s) were generated
+    deadline = time.time() + 3
+    while httpx.get(slow.url + "/health").json()["queue_depth"] and time.time() < deadline:
+        time.sleep(0.05)
+    ok = httpx.post(slow.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3, "temperature": 0})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+    assert slow.metrics()[("specdec_generated_tokens_total", ())] < 100  # the dropped stream stopped early
+
+
+def test_timeout_stops_cleanly(slow_server):
+    slow = slow_server(timeout_s=0.5)
+    r = httpx.post(slow.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 200, "temperature": 0},
+                   timeout=10)
+    assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+    ok = httpx.post(slow.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "temperature": 0})
+    assert ok.status_code == 200
+
+
+def test_metrics_consistent_with_responses(decoder):
+    srv = LiveServer(create_app(decoder, model_name="tiny"))
+    try:
+        c = client(srv)
+        served = [c.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0) for p in ["a", "bb"]]
+        served.append(c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=9, temperature=0))
+        httpx.post(srv.url + "/v1/completions", json={"prompt": ""})
+        m = srv.metrics()
+        assert m[("specdec_generated_tokens_total", ())] == sum(r.usage.completion_tokens for r in served)
+        assert m[("specdec_prompt_tokens_total", ())] == sum(r.usage.prompt_tokens for r in served)
+        assert m[("specdec_cycles_total", ())] == sum(r.model_extra["specdec"]["target_passes"] for r in served)
+        assert m[("specdec_draft_tokens_total", ())] == sum(r.model_extra["specdec"]["proposed"] for r in served)
+        accepted = sum(r.model_extra["specdec"]["accepted"] for r in served)
+        assert m[("specdec_accepted_tokens_total", ())] == accepted
+        by_pos = sum(v for (name, _), v in m.items() if name == "specdec_accepted_tokens_by_position_total")
+        assert by_pos == accepted
+        assert m[("specdec_requests_total", (("endpoint", "/v1/completions"), ("status", "200")))] == 2
+        assert m[("specdec_requests_total", (("endpoint", "/v1/completions"), ("status", "400")))] == 1
+        assert m[("specdec_verify_seconds_count", ())] == m[("specdec_cycles_total", ())]
+        assert m[("specdec_queue_depth", ())] == 0
+    finally:
+        srv.stop()
+
+
+def test_trace_dir_per_request(live):
+    trace_dir = live.app.state.worker.trace_dir
+    before = set(trace_dir.glob("*.jsonl")) if trace_dir.exists() else set()
+    r = client(live).completions.create(model="tiny", prompt="trace me", max_tokens=10, temperature=0)
+    new = set(trace_dir.glob("*.jsonl")) - before
+    assert len(new) == 1
+    records = read_jsonl(new.pop())
+    assert sum(len(x.emitted) for x in records) == r.usage.completion_tokens
