@@ -14,7 +14,9 @@ from time import perf_counter
 
 from . import models
 from .drafters import ModelDrafter, NgramDrafter, NoDrafter
+from .drafters.feature import FeatureDrafter, is_feature_draft
 from .engine import Engine
+from .policy import make_policy
 from .errors import InvalidRequest, PromptTooLong
 from .sampling import SamplingParams
 from .trace import CycleRecord, summarize
@@ -48,12 +50,14 @@ def _positive_int(name, value):
 
 
 class SpecDecoder:
-    def __init__(self, target: str = models.DEFAULT_MODEL, draft: str = DEFAULT_DRAFT, tau: int = 4):
+    def __init__(self, target: str = models.DEFAULT_MODEL, draft: str = DEFAULT_DRAFT, tau: int = 4,
+                 policy: str = "fixed"):
         model, tok = models.load(target)
-        self._setup(model, tok, self._drafter(draft, target, model, tok), tau, draft)
+        self._setup(model, tok, self._drafter(draft, target, model, tok), tau, draft, policy)
 
     @classmethod
-    def from_models(cls, model, tokenizer, draft="ngram", tau: int = 4, draft_tokenizer=None) -> SpecDecoder:
+    def from_models(cls, model, tokenizer, draft="ngram", tau: int = 4, draft_tokenizer=None,
+                    policy: str = "fixed") -> SpecDecoder:
         """Wrap already-loaded models. `draft` is a drafter name, a drafter object or a draft causal LM."""
         self = cls.__new__(cls)
         if isinstance(draft, str):
@@ -63,7 +67,7 @@ class SpecDecoder:
         else:
             models.check_compatible(tokenizer, draft_tokenizer or tokenizer, "model")
             drafter = ModelDrafter(draft, model.config.vocab_size)
-        self._setup(model, tokenizer, drafter, tau, getattr(drafter, "name", str(draft)))
+        self._setup(model, tokenizer, drafter, tau, getattr(drafter, "name", str(draft)), policy)
         return self
 
     def _drafter(self, draft, target_spec, model, tok):
@@ -73,13 +77,19 @@ class SpecDecoder:
             return NoDrafter()
         if draft == target_spec or draft == "target":
             return ModelDrafter(model, model.config.vocab_size, name="target")
+        path = models.resolve(draft)
+        if is_feature_draft(path):
+            from .distill import tokenizer_fingerprint
+            return FeatureDrafter.load(path, model, tokenizer_fingerprint(tok), name=str(draft))
         draft_model, draft_tok = models.load(draft)
         models.check_compatible(tok, draft_tok, draft)
         return ModelDrafter(draft_model, model.config.vocab_size, name=str(draft))
 
-    def _setup(self, model, tok, drafter, tau, draft_name):
+    def _setup(self, model, tok, drafter, tau, draft_name, policy):
         self.model, self.tokenizer, self.draft_name = model, tok, draft_name
         self.tau = _positive_int("tau", tau)
+        self.policy = make_policy(policy, self.tau).name
+        self._policies = {}  # (name, tau) -> policy; adaptive estimates persist across requests
         self.context_window = models.context_window(model)
         self.engine = Engine(model, drafter, model.config.vocab_size, models.eos_ids(model, tok), self.context_window)
 
@@ -105,9 +115,12 @@ class SpecDecoder:
     # ---- generation ----------------------------------------------------------------------------------------
     def stream_chunks(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                       top_k: int = 0, seed: int | None = None, stop: list[str] | str | None = None,
-                      chat: bool = True, tau: int | None = None) -> Iterator[Chunk]:
+                      chat: bool = True, tau: int | None = None, policy: str | None = None) -> Iterator[Chunk]:
         _positive_int("max_new_tokens", max_new_tokens)
         tau = self.tau if tau is None else _positive_int("tau", tau)
+        key = (policy or self.policy, tau)
+        if key not in self._policies:
+            self._policies[key] = make_policy(key[0], tau)
         params = SamplingParams(temperature, top_p, top_k, seed)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if not all(isinstance(s, str) and s for s in stops):
@@ -116,7 +129,8 @@ class SpecDecoder:
         text = _StopText(self.tokenizer, stops)
         records, generated, sent = [], [], ""
         start = perf_counter()
-        for rec in self.engine.run(prompt_ids, max_new_tokens, params, tau, text.stop_check if stops else None):
+        for rec in self.engine.run(prompt_ids, max_new_tokens, params, self._policies[key],
+                                   text.stop_check if stops else None):
             records.append(rec)
             generated.extend(rec.emitted)
             visible = text.visible(generated, final=rec.finish_reason is not None)

@@ -15,6 +15,7 @@ from . import models
 from .api import SpecDecoder
 from .drafters import ModelDrafter, NgramDrafter, NoDrafter
 from .errors import InvalidRequest, SpecDecError
+from .policy import make_policy
 from .prompts import load_prompts
 
 
@@ -34,32 +35,40 @@ class Config:
     @property
     def label(self) -> str:
         who = "hf" if self.hf else "specdec"
-        return f"{who}:{self.draft}" + ("" if self.draft == "none" else f" tau={self.tau}")
+        pol = "" if self.hf or self.policy == "fixed" else f" {self.policy}"
+        return f"{who}:{self.draft}" + ("" if self.draft == "none" else f" tau={self.tau}{pol}")
 
 
 class Bench:
-    def __init__(self, target: str, drafts: list[str], taus: list[int], max_new_tokens: int, compare_hf: bool):
+    """`loaded` = (model, tokenizer, {draft name: model}) reuses loaded models; `configs` = [(draft, tau)] or
+    [(draft, tau, policy)] replaces the drafts x taus x policies grid."""
+
+    def __init__(self, target: str, drafts: list[str], taus: list[int], max_new_tokens: int, compare_hf: bool,
+                 policies: list[str] | None = None, loaded=None, configs=None):
+        policies = policies or ["fixed"]
         if max_new_tokens < 1 or any(t < 1 for t in taus):
             raise InvalidRequest("max-new-tokens and tau must be >= 1")
-        self.model, self.tok = models.load(target)
+        for p in policies:
+            make_policy(p, 1)
+        self.model, self.tok, self.draft_models = loaded if loaded else (*models.load(target), {})
         self.max_new_tokens = max_new_tokens
-        self.draft_models = {}
         for d in drafts:
             if d not in ("ngram", "none", "target") and d not in self.draft_models:
                 dm, dt = models.load(d)
                 models.check_compatible(self.tok, dt, d)
                 self.draft_models[d] = dm
-        self.configs = [Config("none", 1)] + [Config(d, t) for d in drafts if d != "none" for t in taus]
+        grid = configs or [(d, t, p) for d in drafts if d != "none" for t in taus for p in policies]
+        self.configs = [Config("none", 1)] + [Config(*c) for c in grid]
         if compare_hf:
             self.configs += [Config("none", 1, hf=True)] + [Config(d, t, hf=True) for d in drafts
                                                              if d != "none" for t in taus]
-        vocab = self.model.config.vocab_size
-        self._decoders = {}
-        for c in self.configs:
-            if not c.hf:
-                drafter = {"ngram": NgramDrafter, "none": NoDrafter}.get(c.draft)
-                drafter = drafter() if drafter else ModelDrafter(self._draft_model(c.draft), vocab, c.draft)
-                self._decoders[c.label] = SpecDecoder.from_models(self.model, self.tok, drafter, c.tau)
+        self._decoders = {c.label: self.decoder_for(c.draft, c.tau, c.policy) for c in self.configs if not c.hf}
+
+    def decoder_for(self, draft: str, tau: int, policy: str = "fixed") -> SpecDecoder:
+        drafter = {"ngram": NgramDrafter, "none": NoDrafter}.get(draft)
+        drafter = drafter() if drafter else ModelDrafter(self._draft_model(draft), self.model.config.vocab_size,
+                                                         draft)
+        return SpecDecoder.from_models(self.model, self.tok, drafter, tau, policy=policy)
 
     def _draft_model(self, name):
         return self.model if name == "target" else self.draft_models[name]
@@ -137,7 +146,7 @@ def cmd_bench(args) -> int:
     if args.limit:
         prompts = prompts[: args.limit]
     bench = Bench(args.target, args.draft or [DEFAULT_DRAFT], args.tau or [2, 4, 6], args.max_new_tokens,
-                  args.compare_hf)
+                  args.compare_hf, policies=args.policy)
     console = Console(stderr=True)
     rows = bench.run(prompts, console)
     print_table(rows, Console(width=max(120, Console().width)))
@@ -157,6 +166,7 @@ def register(sub, model_args, sampling_args):
     b.add_argument("--target", default="default")
     b.add_argument("--draft", action="append", help="repeatable: model path, ngram, target")
     b.add_argument("--tau", action="append", type=int, help="repeatable (default 2 4 6)")
+    b.add_argument("--policy", action="append", help="repeatable: fixed (default), heuristic, adaptive")
     b.add_argument("--max-new-tokens", type=int, default=64)
     b.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
     b.add_argument("--compare-hf", action="store_true", help="add transformers' (assisted) generate as reference")

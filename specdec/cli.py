@@ -17,6 +17,7 @@ def _model_args(p):
     p.add_argument("--target", default="default", help="HF model dir, .gguf file, or 'default' (SmolLM2-135M)")
     p.add_argument("--draft", default=None, help="draft model dir/.gguf, 'ngram', 'none' (target only) or 'target'")
     p.add_argument("--tau", type=int, default=4, help="draft block size (tokens proposed per cycle)")
+    p.add_argument("--policy", default="fixed", help="how tau is chosen each cycle: fixed, heuristic, adaptive")
 
 
 def _sampling_args(p):
@@ -30,10 +31,12 @@ def _sampling_args(p):
 
 def cmd_generate(args) -> int:
     from .api import DEFAULT_DRAFT, SpecDecoder
+    from .policy import make_policy
     from .trace import write_jsonl
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    sd = SpecDecoder(target=args.target, draft=args.draft or DEFAULT_DRAFT, tau=args.tau)
+    make_policy(args.policy, 1)  # validate before loading models
+    sd = SpecDecoder(target=args.target, draft=args.draft or DEFAULT_DRAFT, tau=args.tau, policy=args.policy)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, seed=args.seed, chat=not args.no_chat, stop=args.stop)
     for chunk in sd.stream_chunks(prompt, **kwargs):
@@ -53,7 +56,7 @@ def cmd_generate(args) -> int:
         print()
         rate = "n/a" if s["acceptance_rate"] is None else f"{s['acceptance_rate']:.2f}"
         print(f"[{s['new_tokens']} tokens in {s['wall_s']:.2f}s = {s['tokens_per_s']} tok/s | draft "
-              f"{sd.draft_name} tau={sd.tau} | acceptance {rate}, mean accepted {s['mean_accepted_len']}, "
+              f"{sd.draft_name} tau={sd.tau} policy={sd.policy} | acceptance {rate}, mean accepted {s['mean_accepted_len']}, "
               f"{s['target_passes']} target passes]", file=sys.stderr)
     return 0
 
@@ -75,8 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _extra_commands():
-    from . import bench
-    out = [bench.register]
+    from . import analyze, bench, check, distill, tune
+    out = [bench.register, tune.register, analyze.register, check.register, distill.register]
     try:
         from . import server
         out.append(server.register)

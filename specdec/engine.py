@@ -8,6 +8,7 @@ import torch
 
 from .drafters.base import Drafter
 from .kv import CachedModel
+from .policy import FixedPolicy
 from .sampling import SamplingParams, warp
 from .trace import CycleRecord
 from .verification import greedy_verify, sample_verify
@@ -19,36 +20,49 @@ class Engine:
     def __init__(self, target_model, drafter: Drafter, vocab_size: int, eos_ids: set[int], context_window: int):
         self.target = CachedModel(target_model, vocab_size)
         self.drafter, self.eos_ids, self.context_window = drafter, set(eos_ids), context_window
+        self.wants_hidden = getattr(drafter, "wants_target_hidden", False)
 
-    def run(self, prompt: list[int], max_new_tokens: int, params: SamplingParams, tau: int,
+    def run(self, prompt: list[int], max_new_tokens: int, params: SamplingParams, policy,
             stop: StopCheck | None = None) -> Iterator[CycleRecord]:
-        """Yields one record per cycle; the last one carries finish_reason."""
+        """Yields one record per cycle; the last one carries finish_reason. `policy` picks τ each cycle
+        (an int means a fixed τ)."""
+        policy = FixedPolicy(policy) if isinstance(policy, int) else policy
+        policy.start()
         self.target.reset()
         self.drafter.reset()
         gen = params.generator()
         seq, n_prompt = list(prompt), len(prompt)
         for cycle in range(max_new_tokens):  # >= 1 token per cycle
             t0 = perf_counter()
+            tau = policy.next_tau()
             room = min(max_new_tokens - (len(seq) - n_prompt), self.context_window - len(seq))
             k = max(0, min(tau, room - 1))  # never draft more than can be emitted
             draft = self.drafter.propose(seq, k, params, gen) if k else None
             proposed = draft.tokens[:k] if draft else []
             t1 = perf_counter()
 
-            logits = self.target.forward(seq + proposed, len(proposed) + 1)
+            if self.wants_hidden:
+                logits, hidden = self.target.forward(seq + proposed, len(proposed) + 1, hidden=True)
+                start = self.target.last_start
+            else:
+                logits = self.target.forward(seq + proposed, len(proposed) + 1)
             if params.greedy:
                 n, token = greedy_verify(torch.tensor(proposed, dtype=torch.long), logits)
             else:
                 q = draft.q[: len(proposed)] if draft is not None and draft.q is not None else None
                 n, token = sample_verify(torch.tensor(proposed, dtype=torch.long), q, warp(logits, params), gen)
+            if self.wants_hidden:  # target features of the committed positions (all but the newest token)
+                self.drafter.observe_target(start, hidden[: len(seq) + n - start])
             emitted, finish = self._cut(proposed[:n] + [token], seq, n_prompt, stop, max_new_tokens)
             seq.extend(emitted)
             self.target.rollback(len(seq) - 1)  # keep the committed prefix; the newest token is fed next cycle
             t2 = perf_counter()
 
-            yield CycleRecord(cycle, tau, proposed, n, emitted, draft_ms=round((t1 - t0) * 1e3, 3),
-                              verify_ms=round((t2 - t1) * 1e3, 3), cycle_ms=round((perf_counter() - t0) * 1e3, 3),
-                              finish_reason=finish)
+            record = CycleRecord(cycle, tau, proposed, n, emitted, draft_ms=round((t1 - t0) * 1e3, 3),
+                                 verify_ms=round((t2 - t1) * 1e3, 3), cycle_ms=round((perf_counter() - t0) * 1e3, 3),
+                                 finish_reason=finish)
+            policy.observe(record)
+            yield record
             if finish:
                 return
 

@@ -39,14 +39,23 @@ class CachedModel:
             del self.tokens[length:]
 
     @torch.inference_mode()
-    def forward(self, tokens: list[int], n_logits: int = 1) -> torch.Tensor:
+    def forward(self, tokens: list[int], n_logits: int = 1, hidden: bool = False):
+        """-> logits [n_logits, V]; with hidden=True also the final hidden states of the tokens run, which start
+        at position `self.last_start`."""
         # keep at least n_logits tokens to run so their logits exist
         self.rollback(min(common_prefix_len(self.tokens, tokens), len(tokens) - n_logits))
+        self.last_start = len(self.tokens)
         new = tokens[len(self.tokens):]
         cache_kw = {_CACHE_ARG: self.cache}  # the cache is updated in place
-        out = self.model(input_ids=torch.tensor([new]), use_cache=True, logits_to_keep=n_logits, **cache_kw)
+        ids = torch.tensor([new])
         self.tokens.extend(new)
-        return _fit_vocab(out.logits[0, -n_logits:], self.vocab_size)
+        if not hidden:
+            out = self.model(input_ids=ids, use_cache=True, logits_to_keep=n_logits, **cache_kw)
+            return _fit_vocab(out.logits[0, -n_logits:], self.vocab_size)
+        # the same computation as the causal LM's forward, split so the final hidden states are kept
+        h = self.model.get_decoder()(input_ids=ids, use_cache=True, **cache_kw).last_hidden_state[0]
+        logits = self.model.get_output_embeddings()(h[-n_logits:])
+        return _fit_vocab(logits, self.vocab_size), h
 
 
 def _cache_arg_name() -> str:

@@ -197,6 +197,25 @@ def test_full_queue_disconnect_and_recovery(slow_server):
     assert slow.metrics()[("specdec_generated_tokens_total", ())] < 100  # the dropped stream stopped early
 
 
+def test_long_non_streaming_request_completes(slow_server):
+    slow = slow_server()
+    r = httpx.post(slow.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 40, "temperature": 0},
+                   timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 40
+
+
+def test_client_disconnect_non_streaming_frees_worker(slow_server):
+    slow = slow_server(max_queue=1)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(slow.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 200, "temperature": 0},
+                   timeout=0.5)
+    deadline = time.time() + 5
+    while httpx.get(slow.url + "/health").json()["queue_depth"] and time.time() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(slow.url + "/health").json()["queue_depth"] == 0
+    assert slow.metrics()[("specdec_generated_tokens_total", ())] < 100
+
+
 def test_timeout_stops_cleanly(slow_server):
     slow = slow_server(timeout_s=0.5)
     r = httpx.post(slow.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 200, "temperature": 0},

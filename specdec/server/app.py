@@ -36,20 +36,7 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
     app.state.metrics, app.state.worker, app.state.decoder = metrics, worker, decoder
     app.router.add_event_handler("shutdown", worker.stop)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        """Auth and body-size limits before any parsing, then count the request by status."""
-        path = request.url.path
-        if api_key and path != "/health" and request.headers.get("authorization") != f"Bearer {api_key}":
-            response = JSONResponse(error_body("missing or invalid API key", "authentication_error",
-                                               "invalid_api_key"), status_code=401)
-        elif int(request.headers.get("content-length") or 0) > max_body_bytes:
-            response = JSONResponse(error_body(f"request body larger than {max_body_bytes} bytes"), 413)
-        else:
-            response = await call_next(request)
-        metrics.requests.labels(endpoint=path if path in KNOWN_PATHS else "other",
-                                status=str(response.status_code)).inc()
-        return response
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics)
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
@@ -102,7 +89,8 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
             raise APIError(400, f"max_tokens {max_tokens} + prompt {prompt_tokens} tokens exceed the context "
                                 f"window of {decoder.context_window}", code="context_length_exceeded")
         job = worker.submit(dict(prompt=prompt, chat=chat, max_new_tokens=max_tokens, temperature=req.temperature,
-                                 top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=req.stop))
+                                 top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=req.stop,
+                                 tau=req.tau, policy=req.policy))
         if job is None:
             raise APIError(429, "server busy: request queue is full, retry later", "rate_limit_error",
                            "queue_full")
@@ -112,36 +100,26 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
             return StreamingResponse(_sse(job, meta, kind, req.include_usage), media_type="text/event-stream")
         return await _collect(job, meta, kind, request)
 
-    async def _events(job):
-        """Worker events for one job, cancelling it if the consumer goes away."""
-        try:
-            while True:
-                kind, payload = await job.events.get()
-                if kind == "end":
-                    return
-                yield kind, payload
-        finally:
-            job.cancel()
-
     async def _collect(job, meta, kind, request: Request):
-        text, result = [], None
-        events = _events(job)
+        text, result, checked = [], None, time.monotonic()
         try:
             while True:
-                try:
-                    ev, payload = await asyncio.wait_for(events.__anext__(), timeout=0.5)
-                except asyncio.TimeoutError:
+                if time.monotonic() - checked > 0.5:  # notice a client that hung up while it waits or runs
+                    checked = time.monotonic()
                     if await request.is_disconnected():
                         return Response(status_code=499)
+                try:
+                    ev, payload = await asyncio.wait_for(job.events.get(), timeout=0.5)
+                except asyncio.TimeoutError:
                     continue
-                except StopAsyncIteration:
+                if ev == "end":
                     break
                 if ev == "error":
                     raise _as_api_error(payload)
                 text.append(payload.text)
                 result = payload.result or result
         finally:
-            await events.aclose()
+            job.cancel()  # a no-op once the job has ended
         text, finish = "".join(text), result.finish_reason
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
                   if kind == "chat" else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
@@ -161,25 +139,80 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
                 choice = {"index": 0, "text": delta_text, "logprobs": None, "finish_reason": finish}
             return f"data: {json.dumps({**meta, 'object': obj, 'choices': [choice]})}\n\n"
 
-        if kind == "chat":
-            yield event("", first=True)
-        async for ev, payload in _events(job):
-            if ev == "error":
-                err = _as_api_error(payload)
-                yield f"data: {json.dumps(error_body(err.message, err.type, err.code))}\n\n"
-                break
-            if payload.text:
-                yield event(payload.text)
-            if payload.result is not None:
-                yield event("", finish=payload.result.finish_reason)
-                if include_usage:
-                    yield f"data: {json.dumps({**meta, 'object': obj, 'choices': [], 'usage': _usage(payload.result), 'specdec': _spec_stats(payload.result)})}\n\n"  # noqa: E501
-        yield "data: [DONE]\n\n"
+        try:  # a client that hangs up cancels this generator; the finally stops its generation
+            if kind == "chat":
+                yield event("", first=True)
+            while (item := await job.events.get())[0] != "end":
+                ev, payload = item
+                if ev == "error":
+                    err = _as_api_error(payload)
+                    yield f"data: {json.dumps(error_body(err.message, err.type, err.code))}\n\n"
+                    break
+                if payload.text:
+                    yield event(payload.text)
+                if payload.result is not None:
+                    yield event("", finish=payload.result.finish_reason)
+                    if include_usage:
+                        usage = {**meta, "object": obj, "choices": [], "usage": _usage(payload.result),
+                                 "specdec": _spec_stats(payload.result)}
+                        yield f"data: {json.dumps(usage)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            job.cancel()
 
     return app
 
 
 KNOWN_PATHS = {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions"}
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class Guard:
+    """Pure ASGI middleware (BaseHTTPMiddleware would hide client disconnects from the endpoints): API key and
+    body-size checks before any parsing, and a request counter by endpoint and status."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, metrics: Metrics):
+        self.app, self.api_key, self.max_body, self.metrics = app, api_key, max_body_bytes, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path, headers = scope["path"], dict(scope["headers"])
+        status = {"code": 500}
+
+        async def send_counted(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        received = 0
+
+        async def receive_limited():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_body:
+                raise _BodyTooLarge
+            return message
+
+        try:
+            if self.api_key and path != "/health" and \
+                    headers.get(b"authorization", b"") != f"Bearer {self.api_key}".encode():
+                await JSONResponse(error_body("missing or invalid API key", "authentication_error",
+                                              "invalid_api_key"), 401)(scope, receive, send_counted)
+            elif int(headers.get(b"content-length", b"0") or 0) > self.max_body:
+                raise _BodyTooLarge
+            else:
+                await self.app(scope, receive_limited, send_counted)
+        except _BodyTooLarge:
+            await JSONResponse(error_body(f"request body larger than {self.max_body} bytes"), 413)(
+                scope, receive, send_counted)
+        finally:
+            self.metrics.requests.labels(endpoint=path if path in KNOWN_PATHS else "other",
+                                         status=str(status["code"])).inc()
 
 
 def _as_api_error(exc) -> APIError:

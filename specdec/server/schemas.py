@@ -14,7 +14,9 @@ class _Request(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=0)  # extension
+    top_k: int = Field(default=0, ge=0)  # extensions: top_k, tau, policy
+    tau: int | None = Field(default=None, ge=1, le=64)
+    policy: Literal["fixed", "heuristic", "adaptive"] | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
     n: Literal[1] = 1

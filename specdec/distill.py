@@ -1,0 +1,303 @@
+"""`specdec distill`: train a feature-conditioned draft (drafters/feature.py) for a target.
+
+1. data     — the target's own greedy responses to a shipped prompt set (+ user prompts), generated in batches,
+              plus optional plain-text files;
+2. labels   — one teacher-forcing pass of the target per sequence: its final hidden state and argmax at every
+              position;
+3. train    — the draft layer learns to predict the next hidden state (smooth L1) and the target's argmax through
+              the target's head over a reduced vocabulary (cross-entropy), on target features and, in a second
+              unrolled pass, on its own predicted features (what it sees from draft position 2 on);
+4. save     — a model directory (safetensors + specdec_draft.json) that `--draft DIR` loads;
+5. report   — on held-out prompts (the bench sets, never used for training): acceptance by position, mean
+              accepted length, draft cost per token vs one target pass, predicted and measured speedup.
+Every phase resumes from what an interrupted run left in OUT/work.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+from pathlib import Path
+from time import perf_counter
+
+import torch
+from rich.console import Console
+from rich.progress import Progress
+from torch.nn import functional as F
+
+from . import models
+from .drafters.feature import FeatureDrafter, net_for_target, save_draft
+from .errors import InvalidRequest, SpecDecError
+from .prompts import HERE as PROMPT_DIR
+from .prompts import load_prompts
+
+console = Console(stderr=True)
+
+
+def tokenizer_fingerprint(tok) -> str:
+    items = sorted(tok.get_vocab().items())
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
+
+
+def _progress():
+    return Progress(console=console, transient=False)
+
+
+# ---- 1. data ---------------------------------------------------------------------------------------------------
+@torch.inference_mode()
+def generate_responses(model, tok, prompts: list[dict], path: Path, max_new_tokens: int, batch: int,
+                       device: str) -> list[list[int]]:
+    """Greedy responses, batched with left padding; appended to `path` batch by batch (resumable)."""
+    from .api import SpecDecoder
+    done = [json.loads(line)["ids"] for line in path.read_text().splitlines()] if path.exists() else []
+    enc = SpecDecoder.from_models(model, tok, "none")
+    eos = models.eos_ids(model, tok)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else min(eos)
+    todo = prompts[len(done):]
+    with _progress() as bar, open(path, "a") as f:
+        task = bar.add_task("target responses", total=len(prompts), completed=len(done))
+        for i in range(0, len(todo), batch):
+            chunk = [enc.encode(p["prompt"], p["chat"]) for p in todo[i:i + batch]]
+            width = max(map(len, chunk))
+            ids = torch.tensor([[pad] * (width - len(c)) + c for c in chunk], device=device)
+            mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in chunk], device=device)
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=pad, eos_token_id=sorted(eos))
+            for c, row in zip(chunk, out[:, width:].tolist()):
+                cut = next((k + 1 for k, t in enumerate(row) if t in eos), len(row))
+                seq = c + row[:cut]
+                done.append(seq)
+                f.write(json.dumps({"ids": seq}) + "\n")
+            f.flush()
+            bar.advance(task, len(chunk))
+    return done
+
+
+def text_sequences(tok, files: list[str], length: int = 256) -> list[list[int]]:
+    seqs = []
+    for name in files:
+        try:
+            ids = tok(Path(name).read_text()).input_ids
+        except OSError as e:
+            raise SpecDecError(f"cannot read text file {name}: {e.strerror}")
+        seqs += [ids[i:i + length] for i in range(0, len(ids) - 8, length)]
+    return seqs
+
+
+# ---- 2. teacher labels -----------------------------------------------------------------------------------------
+@torch.inference_mode()
+def teacher_labels(model, seqs: list[list[int]], path: Path, device: str) -> list[dict]:
+    """Per sequence: final hidden states (fp16) and the target's argmax at every position."""
+    if path.exists():
+        return torch.load(path)
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    out = []
+    with _progress() as bar:
+        task = bar.add_task("teacher labels", total=len(seqs))
+        for s in seqs:
+            h = decoder(input_ids=torch.tensor([s], device=device)).last_hidden_state[0]
+            out.append({"ids": torch.tensor(s), "h": h.half().cpu(), "argmax": head(h).argmax(-1).cpu()})
+            bar.advance(task)
+    torch.save(out, path)
+    return out
+
+
+def reduced_vocab(data: list[dict], size: int, must: set[int], vocab: int) -> torch.Tensor:
+    """The `size` tokens the target predicts most often (plus EOS), sorted: draft index -> target id."""
+    counts = torch.zeros(vocab)
+    for d in data:
+        counts.index_add_(0, d["argmax"], torch.ones(len(d["argmax"])))
+    top = torch.argsort(counts, descending=True)[:size].tolist()
+    keep = list(dict.fromkeys(sorted(must) + top))[:size]
+    return torch.tensor(sorted(keep))
+
+
+# ---- 3. training -----------------------------------------------------------------------------------------------
+def _batch(items, embed, to_reduced, device):
+    T = max(len(d["ids"]) for d in items)
+    d_model = embed.shape[1]
+    B = len(items)
+    emb = torch.zeros(B, T, d_model)
+    feat_in = torch.zeros(B, T, d_model)
+    target_h = torch.zeros(B, T, d_model)
+    labels = torch.full((B, T), -100, dtype=torch.long)
+    for b, d in enumerate(items):
+        n = len(d["ids"])
+        emb[b, :n] = embed[d["ids"]]
+        h = d["h"].float()
+        feat_in[b, 1:n] = h[:-1]
+        target_h[b, :n] = h
+        labels[b, :n] = to_reduced[d["argmax"]]
+    return [t.to(device) for t in (emb, feat_in, target_h, labels)]
+
+
+def _loss(net, head_r, emb, feat_in, target_h, labels):
+    pred, _ = net(emb, feat_in, 0)
+    mask = target_h.abs().sum(-1, keepdim=True) > 0  # real positions (padding is all zeros)
+    reg = (F.smooth_l1_loss(pred, target_h, reduction="none") * mask).sum() / mask.sum() / pred.shape[-1]
+    ce = F.cross_entropy((pred @ head_r.T).flatten(0, 1), labels.flatten(), ignore_index=-100)
+    acc = ((pred @ head_r.T).argmax(-1) == labels)[labels != -100].float().mean()
+    return pred, reg, ce, acc
+
+
+def train(net, data, embed, head, vocab_map, epochs: int, batch: int, lr: float, seed: int, ckpt: Path,
+          device: str) -> dict:
+    torch.manual_seed(seed)
+    net.to(device).train()
+    embed, head_r = embed.float(), head[vocab_map].float().to(device)
+    to_reduced = torch.full((head.shape[0],), -100, dtype=torch.long)
+    to_reduced[vocab_map] = torch.arange(len(vocab_map))
+    opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.0)
+    order = sorted(range(len(data)), key=lambda i: len(data[i]["ids"]))  # similar lengths batch together
+    batches = [order[i:i + batch] for i in range(0, len(order), batch)]
+    total = epochs * len(batches)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=total, pct_start=0.05)
+    start_epoch, history = 0, []
+    if ckpt.exists():
+        state = torch.load(ckpt)
+        net.load_state_dict(state["net"])
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        start_epoch, history = state["epoch"], state["history"]
+        console.print(f"resuming training from epoch {start_epoch}")
+    with _progress() as bar:
+        task = bar.add_task("training", total=total, completed=start_epoch * len(batches))
+        for epoch in range(start_epoch, epochs):
+            rng_epoch = random.Random(seed * 1_000_003 + epoch)  # same order whether resumed or not
+            sums = {"reg": 0.0, "ce": 0.0, "acc": 0.0, "acc2": 0.0}
+            for idx in rng_epoch.sample(batches, len(batches)):
+                emb, feat_in, target_h, labels = _batch([data[i] for i in idx], embed, to_reduced, device)
+                pred, reg, ce, acc = _loss(net, head_r, emb, feat_in, target_h, labels)
+                # unrolled pass: inputs are the draft's own predictions, as from draft position 2 on
+                own = torch.cat([torch.zeros_like(pred[:, :1]), pred[:, :-1].detach()], 1)
+                _, reg2, ce2, acc2 = _loss(net, head_r, emb, own, target_h, labels)
+                loss = ce + reg + 0.5 * (ce2 + reg2)
+                opt.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+                opt.step()
+                sched.step()
+                for k, v in (("reg", reg), ("ce", ce), ("acc", acc), ("acc2", acc2)):
+                    sums[k] += float(v.detach())
+                bar.update(task, advance=1, description=f"training e{epoch + 1} acc {float(acc):.2f}")
+            history.append({k: round(v / len(batches), 4) for k, v in sums.items()})
+            torch.save({"net": net.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                        "epoch": epoch + 1, "history": history}, ckpt)
+    net.cpu().eval()
+    return {"epochs": history}
+
+
+# ---- 5. report -------------------------------------------------------------------------------------------------
+def report(target_model, tok, drafter, prompts: list[dict], max_new_tokens: int, tau: int) -> dict:
+    from .analyze import cost_model, verify_curve
+    from .api import SpecDecoder
+    from .trace import acceptance_by_position
+    spec = SpecDecoder.from_models(target_model, tok, drafter, tau)
+    base = SpecDecoder.from_models(target_model, tok, "none")
+    spec.generate(prompts[0]["prompt"], max_new_tokens=4, chat=prompts[0]["chat"])  # warm-up
+    base.generate(prompts[0]["prompt"], max_new_tokens=4, chat=prompts[0]["chat"])
+    recs, base_recs, t_spec, t_base, n_spec, n_base, identical = [], [], 0.0, 0.0, 0, 0, True
+    for p in prompts:
+        a = spec.generate(p["prompt"], max_new_tokens=max_new_tokens, chat=p["chat"])
+        b = base.generate(p["prompt"], max_new_tokens=max_new_tokens, chat=p["chat"])
+        recs += a.records[1:]
+        base_recs += b.records[1:]
+        t_spec, t_base = t_spec + a.stats["wall_s"], t_base + b.stats["wall_s"]
+        n_spec, n_base = n_spec + len(a.token_ids), n_base + len(b.token_ids)
+        identical &= a.token_ids == b.token_ids
+    proposed = sum(len(r.proposed) for r in recs)
+    alphas = [a or 0.0 for a in acceptance_by_position(recs)]
+    t_target = sum(r.verify_ms for r in base_recs) / len(base_recs)
+    c_ms = sum(r.draft_ms for r in recs) / max(1, proposed)
+    curve = verify_curve(recs) | {1: t_target}
+    overhead = sum(r.cycle_ms - r.draft_ms - r.verify_ms for r in recs) / len(recs)
+    return {"prompts": len(prompts), "tau": tau, "acceptance_rate": round(sum(r.accepted for r in recs) / proposed, 4),
+            "acceptance_by_position": alphas, "mean_accepted_len": round(sum(r.accepted for r in recs) / len(recs), 4),
+            "draft_ms_per_token": round(c_ms, 3), "target_pass_ms": round(t_target, 3),
+            "draft_cost_ratio": round(c_ms / t_target, 4),
+            "predicted_speedup": round(cost_model(alphas, tau, c_ms, curve, overhead, t_target), 3),
+            "measured_speedup": round((n_spec / t_spec) / (n_base / t_base), 3), "identical_to_target": identical}
+
+
+# ---- the command -----------------------------------------------------------------------------------------------
+def distill(target: str, out: str, prompt_files: list[str], text_files: list[str], max_new_tokens: int = 128,
+            gen_batch: int = 16, reduced: int = 8192, epochs: int = 4, batch: int = 8, lr: float = 2e-3,
+            seed: int = 0, limit: int = 0, eval_limit: int = 0, eval_tau: int = 4, device: str = "auto",
+            loaded=None) -> dict:
+    if max_new_tokens < 1 or gen_batch < 1 or epochs < 1 or batch < 1 or lr <= 0 or eval_tau < 1:
+        raise InvalidRequest("--max-new-tokens, --gen-batch, --epochs, --batch and --eval-tau must be >= 1, "
+                             "--lr > 0")
+    if reduced < 2:
+        raise InvalidRequest("--reduced-vocab must be >= 2")
+    out_dir, work = Path(out), Path(out) / "work"
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+        (work / ".write-test").write_text("ok")
+    except OSError as e:
+        raise SpecDecError(f"cannot write to {out}: {e.strerror}")
+    prompts = [p for f in (prompt_files or [PROMPT_DIR / "distill.jsonl"]) for p in load_prompts(f)]
+    if limit:
+        prompts = prompts[:limit]
+    model, tok = loaded or models.load(target)
+    if reduced > model.config.vocab_size:
+        raise InvalidRequest(f"--reduced-vocab {reduced} exceeds the target's vocabulary ({model.config.vocab_size})")
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    model.to(device)
+    t0 = perf_counter()
+    seqs = generate_responses(model, tok, prompts, work / "sequences.jsonl", max_new_tokens, gen_batch, device)
+    seqs += text_sequences(tok, text_files or [])
+    t_data = perf_counter() - t0
+    data = teacher_labels(model, seqs, work / "labels.pt", device)
+    vocab_map = reduced_vocab(data, reduced, models.eos_ids(model, tok), model.config.vocab_size)
+    embed = model.get_input_embeddings().weight.detach().cpu()
+    head = model.get_output_embeddings().weight.detach().cpu()
+    decoder = model.get_decoder()
+    torch.manual_seed(seed)
+    net = net_for_target(model.config, init_from=(decoder.layers[-1], decoder.norm))
+    t1 = perf_counter()
+    hist = train(net, data, embed, head, vocab_map, epochs, batch, lr, seed, work / "checkpoint.pt", device)
+    t_train = perf_counter() - t1
+    model.cpu()
+    fp = tokenizer_fingerprint(tok)
+    meta = {"recipe": {"prompts": len(prompts), "text_files": text_files or [], "max_new_tokens": max_new_tokens,
+                       "reduced_vocab": reduced, "epochs": epochs, "batch": batch, "lr": lr, "seed": seed},
+            "tokens": int(sum(len(d["ids"]) for d in data)), "train_history": hist["epochs"]}
+    save_draft(net, vocab_map, out_dir, fp, target_name=str(target), extra=meta)
+    drafter = FeatureDrafter.load(out_dir, model, fp)
+    held_out = load_prompts()[: eval_limit or None]
+    rep = {**meta, "seconds": {"data": round(t_data, 1), "train": round(t_train, 1)},
+           "held_out": report(model, tok, drafter, held_out, 64, eval_tau)}
+    (out_dir / "distill_report.json").write_text(json.dumps(rep, indent=2))
+    return rep
+
+
+def cmd_distill(args) -> int:
+    rep = distill(args.target, args.out, args.prompts or [], args.text or [], args.max_new_tokens, args.gen_batch,
+                  args.reduced_vocab, args.epochs, args.batch, args.lr, args.seed, args.limit, args.eval_limit,
+                  args.eval_tau, args.device)
+    h = rep["held_out"]
+    print(json.dumps(h, indent=2))
+    print(f"draft saved to {args.out}: acceptance {h['acceptance_rate']}, draft/target cost "
+          f"{h['draft_cost_ratio']}, measured speedup {h['measured_speedup']}x on {h['prompts']} held-out prompts")
+    return 0
+
+
+def register(sub, model_args, sampling_args):
+    d = sub.add_parser("distill", help="train a fast draft for a target on its own outputs")
+    d.add_argument("--target", default="default")
+    d.add_argument("--out", required=True, help="directory for the draft (and work/ for resumable state)")
+    d.add_argument("--prompts", action="append", help="JSONL prompt files (default: the shipped distill set)")
+    d.add_argument("--text", action="append", help="plain text files to add as training sequences")
+    d.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
+    d.add_argument("--max-new-tokens", type=int, default=128, help="length of the target's responses")
+    d.add_argument("--gen-batch", type=int, default=16)
+    d.add_argument("--reduced-vocab", type=int, default=8192, help="draft head size (most frequent target tokens)")
+    d.add_argument("--epochs", type=int, default=4)
+    d.add_argument("--batch", type=int, default=8)
+    d.add_argument("--lr", type=float, default=2e-3)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--eval-limit", type=int, default=0, help="held-out prompts for the report (0 = all)")
+    d.add_argument("--eval-tau", type=int, default=4)
+    d.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda")
+    d.set_defaults(func=cmd_distill)

@@ -1,0 +1,210 @@
+"""A feature-conditioned draft (EAGLE, Li et al. 2024): one small transformer layer that predicts the target's
+next final hidden state from (embedding of token j, target hidden state at j-1), read out through the target's
+own output head restricted to a reduced vocabulary. It reuses the target's embeddings and head (nothing of them
+is shipped) and is cheap: one layer plus a head over the most frequent tokens.
+
+Positions j whose input feature came from the target are cached; positions drafted from the draft's own
+predicted features are discarded after each proposal and recomputed once the target has verified them.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..errors import IncompatibleDraft, ModelLoadError
+from ..kv import common_prefix_len
+from ..sampling import warp
+from .base import Draft
+
+MARKER = "specdec_draft.json"
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding, rotate-half convention (as Llama). x [heads, T, hd], pos [T]."""
+    hd = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
+    ang = pos[:, None].float() * inv[None]
+    cos, sin = torch.cat([ang, ang], -1).cos().to(x.dtype), torch.cat([ang, ang], -1).sin().to(x.dtype)
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+class FeatureDraftNet(nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, intermediate: int, rope_theta: float, eps: float):
+        super().__init__()
+        self.cfg = dict(hidden=hidden, heads=heads, kv_heads=kv_heads, intermediate=intermediate,
+                        rope_theta=rope_theta, eps=eps)
+        self.hd = hidden // heads
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.q = nn.Linear(hidden, heads * self.hd, bias=False)
+        self.k = nn.Linear(hidden, kv_heads * self.hd, bias=False)
+        self.v = nn.Linear(hidden, kv_heads * self.hd, bias=False)
+        self.o = nn.Linear(heads * self.hd, hidden, bias=False)
+        self.mlp_norm = RMSNorm(hidden, eps)
+        self.gate = nn.Linear(hidden, intermediate, bias=False)
+        self.up = nn.Linear(hidden, intermediate, bias=False)
+        self.down = nn.Linear(intermediate, hidden, bias=False)
+        self.out_norm = RMSNorm(hidden, eps)
+
+    def forward(self, emb, feat, start: int, cache=None, mask=None):
+        """emb, feat [B, T, d] -> predicted next features [B, T, d], updated (k, v) cache.
+        Batched training passes mask=None with start=0 (causal); drafting passes B=1 and a cache."""
+        B, T, _ = emb.shape
+        h, kvh = self.cfg["heads"], self.cfg["kv_heads"]
+        x = self.fc(torch.cat([emb, feat], -1))
+        pos = torch.arange(start, start + T)
+        q = rope(self.q(x).view(B, T, h, self.hd).transpose(1, 2), pos, self.cfg["rope_theta"])
+        k = rope(self.k(x).view(B, T, kvh, self.hd).transpose(1, 2), pos, self.cfg["rope_theta"])
+        v = self.v(x).view(B, T, kvh, self.hd).transpose(1, 2)
+        if cache is not None:
+            k, v = torch.cat([cache[0], k], 2), torch.cat([cache[1], v], 2)
+        rep = h // kvh
+        ke, ve = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        if T == 1:
+            a = F.scaled_dot_product_attention(q, ke, ve)
+        elif cache is None or cache[0].shape[2] == 0:
+            a = F.scaled_dot_product_attention(q, ke, ve, is_causal=True)
+        else:  # new block after a cached prefix: causal within the block
+            L = ke.shape[2]
+            allowed = torch.ones(T, L, dtype=torch.bool).tril(L - T)
+            a = F.scaled_dot_product_attention(q, ke, ve, attn_mask=allowed)
+        x = x + self.o(a.transpose(1, 2).reshape(B, T, -1))
+        y = self.mlp_norm(x)
+        x = x + self.down(F.silu(self.gate(y)) * self.up(y))
+        return self.out_norm(x), (k, v)
+
+
+class FeatureDrafter:
+    """Drafter protocol + `observe_target(start, hidden)`: the engine hands it the target's final hidden states."""
+    wants_target_hidden = True
+
+    def __init__(self, net: FeatureDraftNet, embed: torch.Tensor, head: torch.Tensor, vocab_map: torch.Tensor,
+                 vocab_size: int, name: str = "feature"):
+        self.net, self.vocab_map, self.vocab_size, self.name = net.eval(), vocab_map, vocab_size, name
+        self.dtype = next(net.parameters()).dtype
+        self.embed = embed.to(self.dtype)
+        self.head = head[vocab_map].to(self.dtype).contiguous()  # the target's head rows for the reduced vocab
+        self.reset()
+
+    def reset(self) -> None:
+        d = self.net.cfg["hidden"]
+        self.feats = torch.zeros(0, d, dtype=self.embed.dtype)  # target features of committed positions
+        self.tokens: list[int] = []  # positions in the cache, all computed from target features
+        self.cache = None
+
+    def observe_target(self, start: int, hidden: torch.Tensor) -> None:
+        self.feats = torch.cat([self.feats[:start], hidden.to(self.feats.dtype)])
+
+    def _truncate(self, n: int) -> None:
+        if self.cache is not None and self.cache[0].shape[2] > n:
+            self.cache = (self.cache[0][:, :, :n], self.cache[1][:, :, :n])
+        del self.tokens[n:]
+
+    def _step(self, tokens: list[int], feats: torch.Tensor, start: int) -> torch.Tensor:
+        emb = F.embedding(torch.tensor(tokens), self.embed)[None]
+        out, self.cache = self.net(emb, feats[None], start, self.cache)
+        return out[0]
+
+    def _logits(self, feat: torch.Tensor) -> torch.Tensor:
+        return feat @ self.head.T
+
+    @torch.inference_mode()
+    def propose(self, context, k, params, generator) -> Draft:
+        L = len(context)
+        if len(self.feats) < L - 1 or L < 2:
+            return Draft()  # the target has not scored this context yet (first cycle)
+        keep = min(common_prefix_len(self.tokens, context), L - 1)
+        self._truncate(keep)
+        prev = torch.cat([torch.zeros(1, self.feats.shape[1], dtype=self.feats.dtype), self.feats[: L - 1]])
+        feat = self._step(context[keep:L], prev[keep:L], keep)[-1]
+        self.tokens = list(context)
+        drafted, qs = [], []
+        for i in range(k):
+            logits = self._logits(feat)
+            if params.greedy:
+                token = int(self.vocab_map[int(logits.argmax())])
+            else:
+                full = logits.new_full((self.vocab_size,), float("-inf"))
+                full[self.vocab_map] = logits
+                q = warp(full, params)
+                token = int(torch.multinomial(q, 1, generator=generator))
+                qs.append(q)
+            drafted.append(token)
+            if i + 1 < k:
+                feat = self._step([token], feat[None], L + i)[-1]
+        self._truncate(L)  # drop positions drafted from predicted features
+        return Draft(drafted, torch.stack(qs) if qs else None)
+
+    # ---- persistence ---------------------------------------------------------------------------------------
+    def save(self, out: Path, target_fingerprint: str) -> None:
+        save_draft(self.net, self.vocab_map, out, target_fingerprint)
+
+    @classmethod
+    def load(cls, path, target_model, target_fingerprint: str, name: str | None = None) -> FeatureDrafter:
+        path = Path(path)
+        try:
+            meta = json.loads((path / MARKER).read_text())
+            from safetensors.torch import load_file
+            weights = load_file(path / "model.safetensors")
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelLoadError(f"cannot load draft {path}: {e}")
+        if meta.get("target_fingerprint") != target_fingerprint:
+            raise IncompatibleDraft(f"draft {path} was trained for another target/tokenizer "
+                                    f"({meta.get('target_name', '?')})")
+        net = FeatureDraftNet(**meta["net"])
+        vocab_map = weights.pop("vocab_map").long()
+        net.load_state_dict({k: v.float() for k, v in weights.items()})
+        embed = target_model.get_input_embeddings().weight.detach()
+        head = target_model.get_output_embeddings().weight.detach()
+        return cls(net.float(), embed, head, vocab_map, target_model.config.vocab_size, name or str(path))
+
+
+def save_draft(net: FeatureDraftNet, vocab_map: torch.Tensor, out: Path, target_fingerprint: str,
+               target_name: str = "", dtype=torch.bfloat16, extra: dict | None = None) -> None:
+    from safetensors.torch import save_file
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to(dtype).contiguous() for k, v in net.state_dict().items()}
+    tensors["vocab_map"] = vocab_map.to(torch.int32).contiguous()
+    save_file(tensors, out / "model.safetensors")
+    meta = {"type": "feature", "net": net.cfg, "reduced_vocab": len(vocab_map),
+            "target_fingerprint": target_fingerprint, "target_name": target_name, **(extra or {})}
+    (out / MARKER).write_text(json.dumps(meta, indent=2))
+
+
+def is_feature_draft(path) -> bool:
+    return (Path(path) / MARKER).is_file()
+
+
+def net_for_target(config, init_from=None) -> FeatureDraftNet:
+    """A draft layer shaped like one of the target's layers (optionally initialised from it)."""
+    net = FeatureDraftNet(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+                          config.intermediate_size, float(getattr(config, "rope_theta", None) or
+                                                          (getattr(config, "rope_parameters", None) or {}).get(
+                                                              "rope_theta", 10000.0)), config.rms_norm_eps)
+    with torch.no_grad():
+        nn.init.normal_(net.fc.weight, std=1 / math.sqrt(2 * config.hidden_size))
+        if init_from is not None:
+            layer, norm = init_from
+            for mine, theirs in [(net.q, layer.self_attn.q_proj), (net.k, layer.self_attn.k_proj),
+                                 (net.v, layer.self_attn.v_proj), (net.o, layer.self_attn.o_proj),
+                                 (net.gate, layer.mlp.gate_proj), (net.up, layer.mlp.up_proj),
+                                 (net.down, layer.mlp.down_proj)]:
+                mine.weight.copy_(theirs.weight)
+            net.mlp_norm.weight.copy_(layer.post_attention_layernorm.weight)
+            net.out_norm.weight.copy_(norm.weight)
+    return net

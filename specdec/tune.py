@@ -1,0 +1,186 @@
+"""`specdec tune`: the draft/τ advisor.
+
+1. measure the target's verify cost as a curve T_verify(n) for n = 1..τmax+1 tokens (not a constant: it grows
+   once the target is compute bound);
+2. for each candidate draft, run it at τmax on sample prompts and measure acceptance by position α_k, draft time
+   per token and per-cycle overhead;
+3. predict the speedup of every (draft, τ) with the cost model (shared/DESIGN.md), confirm the best few by real
+   runs side by side with target-only, and recommend one with a plain-language reason — or recommend not
+   speculating when nothing beats target-only.
+"""
+from __future__ import annotations
+
+import json
+from statistics import median
+from time import perf_counter
+
+import torch
+
+from . import models
+from .analyze import cost_model
+from .api import SpecDecoder
+from .bench import Bench
+from .errors import InvalidRequest, SpecDecError
+from .kv import CachedModel
+from .prompts import load_prompts
+from .trace import acceptance_by_position
+
+
+@torch.inference_mode()
+def measure_verify_curve(model, vocab: int, prompt_ids: list[int], max_n: int, reps: int = 5) -> dict[int, float]:
+    """Median ms of one target pass over n new tokens after a cached prompt, n = 1..max_n."""
+    lm = CachedModel(model, vocab)
+    lm.forward(prompt_ids)
+    g = torch.Generator().manual_seed(0)
+    curve = {}
+    for _ in range(2):  # warm-up
+        lm.forward(prompt_ids + [1] * max_n, max_n)
+        lm.rollback(len(prompt_ids))
+    for n in range(1, max_n + 1):
+        times = []
+        for _ in range(reps):
+            extra = torch.randint(0, vocab, (n,), generator=g).tolist()
+            t0 = perf_counter()
+            lm.forward(prompt_ids + extra, n)
+            times.append((perf_counter() - t0) * 1e3)
+            lm.rollback(len(prompt_ids))
+        curve[n] = median(times)
+    return curve
+
+
+def profile_draft(decoder: SpecDecoder, prompts: list[dict], tau: int, max_new_tokens: int) -> dict:
+    """Acceptance by position, draft ms per token and overhead per cycle, measured at a fixed τ."""
+    records = []
+    for p in prompts:
+        records += decoder.generate(p["prompt"], max_new_tokens=max_new_tokens, chat=p["chat"], tau=tau,
+                                    policy="fixed").records[1:]  # cycle 0 carries the prefill
+    proposed = sum(len(r.proposed) for r in records)
+    alphas = [a if a is not None else 0.0 for a in acceptance_by_position(records)] or [0.0]
+    alphas += [alphas[-1]] * (tau - len(alphas))  # positions never reached: assume no better than the last
+    return {
+        "alphas": [round(a, 4) for a in alphas],
+        "acceptance_rate": round(sum(r.accepted for r in records) / proposed, 4) if proposed else 0.0,
+        "draft_ms_per_token": round(sum(r.draft_ms for r in records) / max(1, proposed), 4),
+        "overhead_ms": round(sum(r.cycle_ms - r.draft_ms - r.verify_ms for r in records) / max(1, len(records)), 4),
+        "cycles": len(records),
+    }
+
+
+def reason(best: dict, drafts: dict, t_target: float) -> str:
+    d = drafts[best["draft"]]
+    alphas = d["alphas"]
+    survives = max([k + 1 for k, a in enumerate(alphas) if a >= 0.5], default=0)
+    cost = d["draft_ms_per_token"] / t_target
+    text = (f"draft {best['draft']} at tau={best['tau']}: measured {best['measured_speedup']:.2f}x over target-only "
+            f"(predicted {best['predicted_speedup']:.2f}x); its acceptance stays >= 0.5 up to position {survives} "
+            f"and one draft token costs {cost:.3f} of a target step")
+    others = [(n, o) for n, o in drafts.items() if n != best["draft"]]
+    for name, o in others:
+        ratio = d["draft_ms_per_token"] / max(o["draft_ms_per_token"], 1e-6)
+        if ratio > 1.2:
+            text += (f"; it costs {ratio:.1f}x more per token than {name}, which its higher acceptance "
+                     f"({d['acceptance_rate']:.2f} vs {o['acceptance_rate']:.2f}) outweighs")
+        elif ratio < 1 / 1.2:
+            text += (f"; it is {1 / ratio:.1f}x cheaper per token than {name}, which outweighs "
+                     f"{name}'s acceptance ({o['acceptance_rate']:.2f} vs {d['acceptance_rate']:.2f})")
+    return text
+
+
+def tune(target: str, drafts: list[str], max_tau: int, prompts: list[dict], max_new_tokens: int, confirm: int,
+         loaded=None) -> dict:
+    if max_tau < 1 or confirm < 1 or max_new_tokens < 2:
+        raise InvalidRequest("--max-tau and --confirm must be >= 1, --max-new-tokens >= 2")
+    bench = Bench(target, drafts, [max_tau], max_new_tokens, compare_hf=False, loaded=loaded)
+    vocab = bench.model.config.vocab_size
+    probe_ids = SpecDecoder.from_models(bench.model, bench.tok, "none").encode(prompts[0]["prompt"],
+                                                                             prompts[0]["chat"])
+    curve = measure_verify_curve(bench.model, vocab, probe_ids, max_tau + 1)
+    t_target = curve[1]
+    profiles, predictions = {}, []
+    for name in drafts:
+        dec = bench.decoder_for(name, max_tau)
+        profiles[name] = prof = profile_draft(dec, prompts, max_tau, max_new_tokens)
+        for tau in range(1, max_tau + 1):
+            predictions.append({"draft": name, "tau": tau, "predicted_speedup": round(cost_model(
+                prof["alphas"], tau, prof["draft_ms_per_token"], curve, prof["overhead_ms"], t_target), 4)})
+    top = sorted(predictions, key=lambda p: -p["predicted_speedup"])[:confirm]
+    confirm_bench = Bench(target, sorted({p["draft"] for p in top}), [], max_new_tokens, compare_hf=False,
+                          loaded=(bench.model, bench.tok, bench.draft_models),
+                          configs=[(p["draft"], p["tau"]) for p in top])
+    measured = {(r["draft"], r["tau"]): r for r in confirm_bench.run(prompts)}
+    for p in top:
+        r = measured[(p["draft"], p["tau"])]
+        p.update(measured_speedup=r["speedup"], identical_to_baseline=r["identical_to_baseline"],
+                 tokens_per_s=r["tokens_per_s"])
+    best = max(top, key=lambda p: p["measured_speedup"])
+    if best["measured_speedup"] <= 1.0:
+        recommendation = {"draft": "none", "tau": None, "reason": (
+            f"no configuration beat target-only decoding (best: {best['draft']} tau={best['tau']} at "
+            f"{best['measured_speedup']:.2f}x): do not speculate with these drafts on this machine")}
+    else:
+        recommendation = {"draft": best["draft"], "tau": best["tau"], "reason": reason(best, profiles, t_target)}
+    return {"verify_ms_by_tokens": {str(k): round(v, 3) for k, v in curve.items()}, "target_step_ms": t_target,
+            "drafts": profiles, "predictions": predictions, "confirmed": top, "recommendation": recommendation}
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in report["drafts"]:
+        pts = [p for p in report["predictions"] if p["draft"] == name]
+        line, = ax.plot([p["tau"] for p in pts], [p["predicted_speedup"] for p in pts], marker=".",
+                        label=f"{name} (predicted)")
+        conf = [p for p in report["confirmed"] if p["draft"] == name]
+        if conf:
+            ax.scatter([p["tau"] for p in conf], [p["measured_speedup"] for p in conf], marker="o", s=60,
+                       facecolors="none", edgecolors=line.get_color(), label=f"{name} (measured)")
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1, label="target-only")
+    ax.set_xlabel("tau (draft tokens per cycle)")
+    ax.set_ylabel("speedup over target-only")
+    ax.set_title("specdec tune: " + report["recommendation"]["reason"][:70] + "…", fontsize=8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def cmd_tune(args) -> int:
+    from .api import DEFAULT_DRAFT
+    prompts = load_prompts(args.prompts)[: args.limit or None]
+    drafts = args.draft or sorted({DEFAULT_DRAFT, "ngram"})
+    report = tune(args.target, drafts, args.max_tau, prompts, args.max_new_tokens, args.confirm)
+    try:
+        if args.plot:
+            plot(report, args.plot)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=2)
+    except OSError as e:
+        raise SpecDecError(f"cannot write output: {e}")
+    curve = ", ".join(f"{k}:{v:.1f}" for k, v in report["verify_ms_by_tokens"].items())
+    print(f"target verify ms by tokens: {curve}")
+    for name, d in report["drafts"].items():
+        print(f"draft {name}: acceptance by position {d['alphas']}, {d['draft_ms_per_token']:.2f} ms/token")
+    for p in report["confirmed"]:
+        print(f"  {p['draft']} tau={p['tau']}: predicted {p['predicted_speedup']:.2f}x, measured "
+              f"{p['measured_speedup']:.2f}x{'' if p['identical_to_baseline'] else '  (OUTPUT DIFFERS!)'}")
+    rec = report["recommendation"]
+    print(f"recommendation: {rec['draft']}" + (f" --tau {rec['tau']}" if rec["tau"] else "") + f"\n  {rec['reason']}")
+    return 0
+
+
+def register(sub, model_args, sampling_args):
+    t = sub.add_parser("tune", help="measure drafts and tau, predict with the cost model, recommend one")
+    t.add_argument("--target", default="default")
+    t.add_argument("--draft", action="append", help="candidate draft (repeatable): model path, ngram, target")
+    t.add_argument("--max-tau", type=int, default=6)
+    t.add_argument("--prompts", default=None)
+    t.add_argument("--limit", type=int, default=6, help="prompts used (0 = all)")
+    t.add_argument("--max-new-tokens", type=int, default=48)
+    t.add_argument("--confirm", type=int, default=3, help="confirm the best N predictions by real runs")
+    t.add_argument("--plot", default="tune.png")
+    t.add_argument("--json", default="tune.json")
+    t.set_defaults(func=cmd_tune)

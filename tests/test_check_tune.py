@@ -1,0 +1,106 @@
+"""`specdec check` catches broken acceptance rules; `specdec tune`'s cost model predicts measured speedups."""
+import json
+import time
+
+import pytest
+import torch
+from tiny import VOCAB
+
+import specdec.engine
+from specdec.cli import main
+from specdec.tune import plot, tune
+from specdec.verification import sample_verify
+
+PROMPTS = ['{"prompt": "Hello world", "mode": "completion"}', '{"prompt": "abc", "mode": "chat"}',
+           '{"prompt": "The cat", "mode": "completion"}']
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(PROMPTS) + "\n")
+    return str(path)
+
+
+def run_check(capsys, tiny_dirs, prompts_file, *extra, draft="draft"):
+    code = main(["check", "--target", tiny_dirs["target"], "--draft", tiny_dirs[draft], "--prompts", prompts_file,
+                 "--tau", "4", "--max-new-tokens", "30", "--samples", "1500", "--top-k", "4", "--json", *extra])
+    return code, json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("draft", ["draft", "random"])
+def test_check_passes_on_correct_engine(capsys, tiny_dirs, prompts_file, draft):
+    code, rep = run_check(capsys, tiny_dirs, prompts_file, "--limit", "1", draft=draft)
+    assert code == 0 and rep["passed"] and all(r["ok"] for r in rep["greedy"])
+    assert rep["sampling"][0]["p_value"] >= 1e-3
+
+
+def test_check_catches_top2_greedy_acceptance(capsys, tiny_dirs, prompts_file, monkeypatch):
+    def top2_verify(draft, logits):  # BUG: accept whenever the draft token is in the target's top 2
+        top2 = logits.topk(2, -1).indices
+        n = 0
+        while n < len(draft) and int(draft[n]) in top2[n].tolist():
+            n += 1
+        return n, int(logits[n].argmax())
+    monkeypatch.setattr(specdec.engine, "greedy_verify", top2_verify)
+    code, rep = run_check(capsys, tiny_dirs, prompts_file, "--sampling-prompts", "0")
+    assert code == 1 and not rep["passed"]
+    bad = [r for r in rep["greedy"] if not r["ok"]]
+    assert bad and all(r["speculative"] != r["target"] and r["first_divergence"] >= 0 for r in bad)
+
+
+def test_check_catches_q_from_wrong_position(capsys, tiny_dirs, prompts_file, monkeypatch):
+    def shifted_q(draft, q, p, gen):  # BUG: q of the next position is used for the acceptance test
+        if q is not None and len(q) > 1:
+            q = torch.roll(q, -1, 0)
+        return sample_verify(draft, q, p, gen)
+    monkeypatch.setattr(specdec.engine, "sample_verify", shifted_q)
+    code, rep = run_check(capsys, tiny_dirs, prompts_file, "--limit", "1", draft="random")
+    assert code == 1 and rep["sampling"][0]["p_value"] < 1e-3
+
+
+def test_check_bad_input(capsys, tiny_dirs, prompts_file, tmp_path):
+    assert main(["check", "--target", tiny_dirs["target"], "--samples", "3"]) == 2
+    assert main(["check", "--target", tiny_dirs["target"], "--temperature", "0"]) == 2
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert main(["check", "--target", tiny_dirs["target"], "--prompts", str(empty)]) == 2
+    (tmp_path / "bad.jsonl").write_text('{"text": "no prompt field"}\n')
+    assert main(["check", "--target", tiny_dirs["target"], "--prompts", str(tmp_path / "bad.jsonl")]) == 2
+    assert "prompt" in capsys.readouterr().err
+
+
+class Sleepy(torch.nn.Module):
+    """A model whose every forward pass costs a fixed time, as on memory-bound hardware: the cost model's
+    inputs are then known, so its predictions can be held to a tolerance without a timed test of the machine."""
+
+    def __init__(self, inner, ms):
+        super().__init__()
+        self.inner, self.ms = inner, ms
+        self.config, self.generation_config = inner.config, inner.generation_config
+
+    def forward(self, **kw):
+        time.sleep(self.ms / 1e3)
+        return self.inner(**kw)
+
+
+def test_tune_predictions_match_measured_runs(tok, target, draft_close, tmp_path):
+    prompts = [{"prompt": p, "chat": False} for p in ["Hello world", "The cat", "abc"]]
+    loaded = (Sleepy(target, 15), tok, {"close": Sleepy(draft_close, 2)})
+    rep = tune("unused", ["close", "ngram"], 4, prompts, 30, confirm=3, loaded=loaded)
+    assert set(rep["drafts"]) == {"close", "ngram"} and len(rep["predictions"]) == 8
+    assert 14 < rep["target_step_ms"] < 25
+    for p in rep["confirmed"]:
+        assert p["identical_to_baseline"]
+        assert abs(p["predicted_speedup"] - p["measured_speedup"]) / p["measured_speedup"] < 0.25, p
+    rec = rep["recommendation"]
+    assert rec["draft"] in ("close", "ngram") and f"tau={rec['tau']}" in rec["reason"]
+    plot(rep, tmp_path / "tune.png")
+    assert (tmp_path / "tune.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_tune_recommends_not_speculating_when_nothing_wins(tok, target, draft_random):
+    prompts = [{"prompt": "Hello world", "chat": False}]
+    loaded = (Sleepy(target, 10), tok, {"slow": Sleepy(draft_random, 25)})
+    rep = tune("unused", ["slow"], 3, prompts, 20, confirm=2, loaded=loaded)
+    assert rep["recommendation"]["draft"] == "none" and "do not speculate" in rep["recommendation"]["reason"]

@@ -1,0 +1,172 @@
+"""The distillation pipeline end to end on a tiny random target, the feature draft's bookkeeping, and bad input."""
+import json
+
+import pytest
+import torch
+from tiny import VOCAB, reference_greedy
+
+from specdec import SpecDecoder
+from specdec.cli import main
+from specdec.distill import distill, reduced_vocab, tokenizer_fingerprint
+from specdec.drafters.feature import FeatureDrafter, net_for_target
+from specdec.engine import Engine
+from specdec.errors import IncompatibleDraft, InvalidRequest, SpecDecError
+from specdec.sampling import SamplingParams
+
+PROMPTS = ["Hello", "abc", "The cat", "x = 1", "Once", "Why?", "def f(", "12345", "hi there", "ok"]
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("p") / "p.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": p, "mode": "completion"}) for p in PROMPTS))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def distilled(tmp_path_factory, prompt_file, tok, target):
+    out = tmp_path_factory.mktemp("draft")
+    rep = distill("tiny", str(out), [prompt_file], [], max_new_tokens=24, gen_batch=4, reduced=40, epochs=3,
+                  batch=4, lr=3e-3, seed=0, eval_limit=2, device="cpu", loaded=(target, tok))
+    return out, rep
+
+
+def test_pipeline_end_to_end_is_lossless(distilled, tok, target):
+    out, rep = distilled
+    assert (out / "model.safetensors").is_file() and (out / "specdec_draft.json").is_file()
+    assert rep["tokens"] > 100 and len(rep["train_history"]) == 3
+    assert rep["held_out"]["identical_to_target"]
+    drafter = FeatureDrafter.load(out, target, tokenizer_fingerprint(tok))
+    engine = Engine(target, drafter, VOCAB, set(), 256)
+    for prompt in ["Hello", "The quick fox", "zz"]:
+        ids = tok(prompt).input_ids
+        for tau in (1, 3, 6):
+            recs = list(engine.run(ids, 30, SamplingParams(), tau))
+            assert [t for r in recs for t in r.emitted] == reference_greedy(target, ids, 30)
+            assert recs[0].proposed == [] and any(r.proposed for r in recs)  # drafts once features exist
+
+
+def test_training_learns_something(distilled):
+    _, rep = distilled
+    hist = rep["train_history"]
+    assert hist[-1]["ce"] < hist[0]["ce"]
+
+
+def test_draft_loads_through_cli_and_api(distilled, tiny_dirs, capsys):
+    out, _ = distilled
+    assert main(["generate", "Hello", "--target", tiny_dirs["target"], "--draft", str(out), "--no-chat",
+                 "--max-new-tokens", "12", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    plain = SpecDecoder(target=tiny_dirs["target"], draft="none").generate("Hello", max_new_tokens=12, chat=False)
+    assert got["token_ids"] == plain.token_ids
+
+
+def test_feature_draft_sampling_is_lossless(distilled, tok, target):
+    from test_verification import chi2_pvalue
+    from specdec.sampling import warp
+    out, _ = distilled
+    drafter = FeatureDrafter.load(out, target, tokenizer_fingerprint(tok))
+    sd = SpecDecoder.from_models(target, tok, draft=drafter, tau=3)
+    sp = SamplingParams(temperature=1.0, top_k=3)
+    ids = tok("Hello").input_ids
+    # first token comes from the target alone (no features yet); the second cycle is the first draft
+    with torch.inference_mode():
+        p1 = warp(target(torch.tensor([ids])).logits[0, -1], sp)
+    counts = {}
+    for seed in range(600):
+        t = sd.generate("Hello", max_new_tokens=3, chat=False, temperature=1.0, top_k=3, seed=seed).token_ids
+        counts[t[0]] = counts.get(t[0], 0) + 1
+    keys = sorted(set(counts) | set(p1.nonzero().flatten().tolist()))
+    assert chi2_pvalue(torch.tensor([counts.get(k, 0) for k in keys], dtype=torch.float64),
+                       p1[keys].double()) > 1e-3
+
+
+def test_reduced_vocab_mapping_exact(distilled, tok, target):
+    out, _ = distilled
+    drafter = FeatureDrafter.load(out, target, tokenizer_fingerprint(tok))
+    vm = drafter.vocab_map
+    assert len(vm) == 40 and torch.equal(vm, torch.sort(vm).values) and len(set(vm.tolist())) == 40
+    assert 2 in vm.tolist()  # EOS always kept
+    head = target.get_output_embeddings().weight
+    assert torch.allclose(drafter.head.double(), head[vm].double(), atol=1e-6)  # draft index i <-> target id vm[i]
+    data = [{"argmax": torch.tensor([5, 5, 5, 7, 7, 9])}]
+    assert reduced_vocab(data, 3, {2}, VOCAB).tolist() == [2, 5, 7]
+    assert reduced_vocab(data, 4, {2}, VOCAB).tolist() == [2, 5, 7, 9]
+
+
+def test_feature_drafter_cache_matches_full_recompute(tok, target):
+    """Incremental drafting (cache + rollback) gives the same features as a from-scratch pass."""
+    torch.manual_seed(0)
+    net = net_for_target(target.config).double()
+    embed = target.get_input_embeddings().weight.detach()
+    drafter = FeatureDrafter(net, embed, target.get_output_embeddings().weight.detach(), torch.arange(VOCAB), VOCAB)
+    ctx = tok("Hello world, hello").input_ids
+    feats = torch.randn(len(ctx), target.config.hidden_size, dtype=torch.float64)
+    drafter.observe_target(0, feats[: len(ctx) - 1])
+    first = drafter.propose(ctx, 3, SamplingParams(), None).tokens
+    drafter.observe_target(len(ctx) - 1, feats[len(ctx) - 1:])
+    drafter.propose(ctx + [first[0]], 2, SamplingParams(), None)
+    fresh = FeatureDrafter(net, embed, target.get_output_embeddings().weight.detach(), torch.arange(VOCAB), VOCAB)
+    fresh.observe_target(0, feats)
+    assert fresh.propose(ctx + [first[0]], 2, SamplingParams(), None).tokens == \
+        drafter.propose(ctx + [first[0]], 2, SamplingParams(), None).tokens
+    assert drafter.tokens == ctx + [first[0]] and drafter.cache[0].shape[2] == len(ctx) + 1
+
+
+def test_resume_from_checkpoint(tmp_path, prompt_file, tok, target, monkeypatch):
+    """An interrupted run picks up where it stopped (data kept, training from the last epoch checkpoint) and ends
+    where an uninterrupted run ends."""
+    import specdec.distill as d
+    kw = dict(max_new_tokens=12, gen_batch=5, reduced=30, epochs=2, batch=5, lr=3e-3, seed=1, eval_limit=1,
+              device="cpu", loaded=(target, tok))
+    straight = distill("tiny", str(tmp_path / "b"), [prompt_file], [], **kw)
+    real_batch, calls = d._batch, {"n": 0}
+
+    def interrupt_in_epoch_2(*a):
+        calls["n"] += 1
+        if calls["n"] == 3:  # 10 sequences / batch 5 = 2 batches per epoch
+            raise KeyboardInterrupt
+        return real_batch(*a)
+    monkeypatch.setattr(d, "_batch", interrupt_in_epoch_2)
+    with pytest.raises(KeyboardInterrupt):
+        distill("tiny", str(tmp_path / "a"), [prompt_file], [], **kw)
+    seqs = (tmp_path / "a" / "work" / "sequences.jsonl").read_text()
+    assert torch.load(tmp_path / "a" / "work" / "checkpoint.pt")["epoch"] == 1
+    monkeypatch.setattr(d, "_batch", real_batch)
+    resumed = distill("tiny", str(tmp_path / "a"), [prompt_file], [], **kw)
+    assert (tmp_path / "a" / "work" / "sequences.jsonl").read_text() == seqs  # data not regenerated
+    assert resumed["train_history"][0] == straight["train_history"][0]
+    assert resumed["train_history"][1]["ce"] == pytest.approx(straight["train_history"][1]["ce"], rel=1e-4)
+
+
+def test_bad_input(tmp_path, prompt_file, tok, target, tiny_dirs, capsys):
+    with pytest.raises(SpecDecError, match="no prompts"):
+        empty = tmp_path / "empty.jsonl"
+        empty.write_text("")
+        distill("tiny", str(tmp_path / "o"), [str(empty)], [], loaded=(target, tok))
+    with pytest.raises(InvalidRequest):
+        distill("tiny", str(tmp_path / "o"), [prompt_file], [], epochs=0, loaded=(target, tok))
+    with pytest.raises(InvalidRequest, match="exceeds"):
+        distill("tiny", str(tmp_path / "o"), [prompt_file], [], reduced=10 ** 6, loaded=(target, tok))
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    if not (ro / "x").exists():
+        try:
+            (ro / "probe").write_text("")
+            writable = True
+        except OSError:
+            writable = False
+        if not writable:
+            with pytest.raises(SpecDecError, match="cannot write"):
+                distill("tiny", str(ro / "out"), [prompt_file], [], loaded=(target, tok))
+    assert main(["distill", "--target", str(tmp_path / "missing"), "--out", str(tmp_path / "o")]) == 2
+    assert "model path not found" in capsys.readouterr().err
+    assert main(["distill", "--target", tiny_dirs["target"], "--out", "/proc/forbidden"]) == 2
+    assert "cannot write" in capsys.readouterr().err
+
+
+def test_draft_for_another_target_refused(distilled, tiny_dirs):
+    out, _ = distilled
+    with pytest.raises(IncompatibleDraft):
+        SpecDecoder(target=tiny_dirs["alien"], draft=str(out))

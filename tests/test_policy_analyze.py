@@ -1,0 +1,147 @@
+"""τ policies and the trace analyzer, on synthetic records with controlled acceptance and timings."""
+import json
+import random
+
+import pytest
+from tiny import VOCAB, reference_greedy
+
+from specdec.analyze import analyze
+from specdec.cli import main
+from specdec.drafters import ModelDrafter, NgramDrafter
+from specdec.engine import Engine
+from specdec.policy import AdaptivePolicy, FixedPolicy, HeuristicPolicy, make_policy
+from specdec.sampling import SamplingParams
+from specdec.trace import CycleRecord, write_jsonl
+
+T = 60.0  # ms, one target step
+
+
+def synthetic(alphas, tau, draft_ms=0.6, verify=lambda n: T, other_ms=0.5, cycles=300, empty_every=0, seed=0):
+    """Cycles whose acceptance follows alphas (by position, the last one repeats) and whose costs are given."""
+    rng = random.Random(seed)
+    recs = []
+    for i in range(cycles):
+        k = 0 if empty_every and i % empty_every == 0 else tau
+        n = 0
+        while n < k and rng.random() < alphas[min(n, len(alphas) - 1)]:
+            n += 1
+        d, v = draft_ms * k, verify(k + 1)
+        recs.append(CycleRecord(i, tau, [5] * k, n, [5] * (n + 1), round(d, 3), round(v, 3),
+                                round(d + v + other_ms, 3)))
+    return recs
+
+
+CASES = {
+    "none": dict(alphas=[0.9, 0.85, 0.5, 0.15], tau=3),
+    "low_acceptance": dict(alphas=[0.1], tau=2),
+    "draft_cost": dict(alphas=[0.6], tau=3, draft_ms=0.5 * T),
+    "verify_cost": dict(alphas=[0.7], tau=4, verify=lambda n: T * (1 + 0.5 * (n - 1)), empty_every=5),
+    "overhead": dict(alphas=[0.8, 0.7, 0.5], tau=3, other_ms=0.8 * T),
+    "tau_too_large": dict(alphas=[0.9, 0.2, 0.1], tau=8, draft_ms=0.05 * T),
+    "tau_too_small": dict(alphas=[0.95], tau=1),
+}
+
+
+@pytest.mark.parametrize("expected", list(CASES))
+def test_analyzer_names_the_right_bottleneck(expected):
+    rep = analyze(synthetic(**CASES[expected]))
+    assert rep["bottleneck"] == expected, rep["findings"]
+    if expected != "none":
+        assert rep["findings"][0]["recommendation"]
+
+
+def test_analyzer_numbers():
+    rep = analyze(synthetic(alphas=[0.8], tau=4, empty_every=4, verify=lambda n: T + n))
+    alphas = rep["acceptance_by_position"]
+    assert all(abs(a - 0.8) < 0.08 for a in alphas)
+    assert rep["costs"]["target_step_ms"] == pytest.approx(T + 1)
+    assert rep["costs"]["verify_ms_by_tokens"] == {"1": T + 1, "5": T + 5}
+    assert rep["time_split"]["draft_frac"] + rep["time_split"]["verify_frac"] + rep["time_split"]["other_frac"] \
+        == pytest.approx(1, abs=1e-3)
+    assert rep["speedup"]["measured_vs_target_step"] > 1.5  # ~3.4 tokens per ~1.05 target steps
+
+
+def test_analyze_cli(tmp_path, capsys):
+    path = tmp_path / "t.jsonl"
+    write_jsonl(synthetic(**CASES["tau_too_large"]), path)
+    assert main(["analyze", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["bottleneck"] == "tau_too_large"
+    assert main(["analyze", str(path)]) == 0
+    assert "bottleneck: tau_too_large" in capsys.readouterr().out
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"foo": 1}\n')
+    assert main(["analyze", str(bad)]) == 2
+    assert "not a specdec trace" in capsys.readouterr().err
+    assert main(["analyze", str(tmp_path / "missing.jsonl")]) == 2
+    (tmp_path / "empty.jsonl").write_text("")
+    assert main(["analyze", str(tmp_path / "empty.jsonl")]) == 2
+
+
+def rec(tau, proposed, accepted, draft_ms=1.0, verify_ms=T, cycle=1):
+    return CycleRecord(cycle, tau, [1] * proposed, accepted, [1] * (accepted + 1), draft_ms, verify_ms,
+                       draft_ms + verify_ms + 0.1)
+
+
+def test_fixed_and_heuristic():
+    f = FixedPolicy(3)
+    assert [f.next_tau() for _ in range(3)] == [3, 3, 3]
+    h = HeuristicPolicy(4, max_tau=8)
+    taus = []
+    for accepted_all in [True, True, True, False, False, True]:
+        t = h.next_tau()
+        taus.append(t)
+        h.observe(rec(t, t, t if accepted_all else 0))
+    assert taus == [4, 6, 8, 8, 7, 6] and h.next_tau() == 8
+    for _ in range(20):
+        h.observe(rec(h.next_tau(), h.next_tau(), 0))
+    assert h.next_tau() == 1
+    h.start()
+    assert h.next_tau() == 4
+    with pytest.raises(ValueError):
+        make_policy("greedy", 3)
+
+
+def drive(policy, alphas, cycles=200, draft_ms_per_token=0.5, verify=lambda n: T, seed=0, empty=False):
+    rng = random.Random(seed)
+    policy.start()
+    taus = []
+    for i in range(cycles):
+        t = policy.next_tau()
+        taus.append(t)
+        k = 0 if empty else t
+        n = 0
+        while n < k and rng.random() < alphas[min(n, len(alphas) - 1)]:
+            n += 1
+        policy.observe(rec(t, k, n, draft_ms=draft_ms_per_token * k, verify_ms=verify(k + 1), cycle=i + 1))
+    return taus
+
+
+def test_adaptive_picks_small_tau_for_draft_good_early_poor_late():
+    taus = drive(AdaptivePolicy(6), alphas=[0.9, 0.1, 0.05], draft_ms_per_token=3.0)
+    assert max(taus[-100:]) <= 2 and min(taus[-100:]) >= 1
+
+
+def test_adaptive_picks_large_tau_for_strong_cheap_draft():
+    taus = drive(AdaptivePolicy(2, max_tau=8), alphas=[0.97], draft_ms_per_token=0.3)
+    assert sum(taus[-100:]) / 100 >= 6
+
+
+def test_adaptive_stops_paying_for_empty_drafts():
+    """An n-gram drafter that never matches: the policy stops asking (τ=0) except for rare probes."""
+    taus = drive(AdaptivePolicy(4), alphas=[0.0], empty=True, verify=lambda n: T + 5 * (n - 1))
+    assert taus[-100:].count(0) >= 85
+
+
+def test_adaptive_goes_to_zero_when_speculation_loses():
+    taus = drive(AdaptivePolicy(4), alphas=[0.2], draft_ms_per_token=0.4 * T, verify=lambda n: T * (1 + 0.3 * n))
+    assert taus[-100:].count(0) >= 85
+
+
+@pytest.mark.parametrize("policy", ["heuristic", "adaptive"])
+def test_policies_stay_lossless(policy, tok, target, draft_close):
+    for drafter in [ModelDrafter(draft_close, VOCAB), NgramDrafter()]:
+        engine = Engine(target, drafter, VOCAB, set(), 256)
+        for prompt in ["Hello world", "abcabcabc"]:
+            ids = tok(prompt).input_ids
+            got = [t for r in engine.run(ids, 40, SamplingParams(), make_policy(policy, 3)) for t in r.emitted]
+            assert got == reference_greedy(target, ids, 40)
