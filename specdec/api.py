@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from time import perf_counter
 
 from . import models
@@ -21,7 +22,15 @@ from .errors import InvalidRequest, PromptTooLong
 from .sampling import SamplingParams
 from .trace import CycleRecord, summarize
 
-DEFAULT_DRAFT = "ngram"  # until a trained draft ships
+SHIPPED_DRAFT = Path(__file__).parent / "drafts" / "smollm2-135m-instruct"  # trained by `specdec distill`
+DEFAULT_DRAFT = None  # resolved per target by default_draft()
+
+
+def default_draft(target: str) -> str:
+    """The shipped distilled draft for the default target; the n-gram drafter for any other target."""
+    if target == models.DEFAULT_MODEL and is_feature_draft(SHIPPED_DRAFT):
+        return str(SHIPPED_DRAFT)
+    return "ngram"
 
 
 @dataclass
@@ -50,8 +59,9 @@ def _positive_int(name, value):
 
 
 class SpecDecoder:
-    def __init__(self, target: str = models.DEFAULT_MODEL, draft: str = DEFAULT_DRAFT, tau: int = 4,
+    def __init__(self, target: str = models.DEFAULT_MODEL, draft: str | None = DEFAULT_DRAFT, tau: int = 4,
                  policy: str = "fixed"):
+        draft = draft or default_draft(target)
         model, tok = models.load(target)
         self._setup(model, tok, self._drafter(draft, target, model, tok), tau, draft, policy)
 
@@ -79,8 +89,7 @@ class SpecDecoder:
             return ModelDrafter(model, model.config.vocab_size, name="target")
         path = models.resolve(draft)
         if is_feature_draft(path):
-            from .distill import tokenizer_fingerprint
-            return FeatureDrafter.load(path, model, tokenizer_fingerprint(tok), name=str(draft))
+            return FeatureDrafter.load(path, model, models.tokenizer_fingerprint(tok), name=str(draft))
         draft_model, draft_tok = models.load(draft)
         models.check_compatible(tok, draft_tok, draft)
         return ModelDrafter(draft_model, model.config.vocab_size, name=str(draft))

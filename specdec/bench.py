@@ -14,6 +14,7 @@ from rich.table import Table
 from . import models
 from .api import SpecDecoder
 from .drafters import ModelDrafter, NgramDrafter, NoDrafter
+from .drafters.feature import FeatureDrafter, is_feature_draft
 from .errors import InvalidRequest, SpecDecError
 from .policy import make_policy
 from .prompts import load_prompts
@@ -52,22 +53,33 @@ class Bench:
             make_policy(p, 1)
         self.model, self.tok, self.draft_models = loaded if loaded else (*models.load(target), {})
         self.max_new_tokens = max_new_tokens
+        self.feature_drafts = set()  # EAGLE-style drafts (specdec distill): they ride on the target's features
         for d in drafts:
-            if d not in ("ngram", "none", "target") and d not in self.draft_models:
+            if d in ("ngram", "none", "target") or d in self.draft_models:
+                continue
+            if is_feature_draft(models.resolve(d)):
+                self.feature_drafts.add(d)
+                FeatureDrafter.load(d, self.model, models.tokenizer_fingerprint(self.tok))  # fail early if incompatible
+            else:
                 dm, dt = models.load(d)
                 models.check_compatible(self.tok, dt, d)
                 self.draft_models[d] = dm
         grid = configs or [(d, t, p) for d in drafts if d != "none" for t in taus for p in policies]
         self.configs = [Config("none", 1)] + [Config(*c) for c in grid]
-        if compare_hf:
+        if compare_hf:  # transformers cannot run a feature-conditioned draft: no peer row for those
             self.configs += [Config("none", 1, hf=True)] + [Config(d, t, hf=True) for d in drafts
-                                                             if d != "none" for t in taus]
+                                                             if d != "none" and d not in self.feature_drafts
+                                                             for t in taus]
         self._decoders = {c.label: self.decoder_for(c.draft, c.tau, c.policy) for c in self.configs if not c.hf}
 
     def decoder_for(self, draft: str, tau: int, policy: str = "fixed") -> SpecDecoder:
         drafter = {"ngram": NgramDrafter, "none": NoDrafter}.get(draft)
-        drafter = drafter() if drafter else ModelDrafter(self._draft_model(draft), self.model.config.vocab_size,
-                                                         draft)
+        if drafter:
+            drafter = drafter()
+        elif draft in self.feature_drafts:
+            drafter = FeatureDrafter.load(draft, self.model, models.tokenizer_fingerprint(self.tok), name=draft)
+        else:
+            drafter = ModelDrafter(self._draft_model(draft), self.model.config.vocab_size, draft)
         return SpecDecoder.from_models(self.model, self.tok, drafter, tau, policy=policy)
 
     def _draft_model(self, name):
@@ -141,11 +153,11 @@ def print_table(rows: list[dict], console: Console) -> None:
 
 
 def cmd_bench(args) -> int:
-    from .api import DEFAULT_DRAFT
+    from .api import default_draft
     prompts = load_prompts(args.prompts)
     if args.limit:
         prompts = prompts[: args.limit]
-    bench = Bench(args.target, args.draft or [DEFAULT_DRAFT], args.tau or [2, 4, 6], args.max_new_tokens,
+    bench = Bench(args.target, args.draft or [default_draft(args.target)], args.tau or [2, 4, 6], args.max_new_tokens,
                   args.compare_hf, policies=args.policy)
     console = Console(stderr=True)
     rows = bench.run(prompts, console)

@@ -99,7 +99,7 @@ def check_sampling(decoder, prompt: dict, samples: int, params: SamplingParams) 
 
 
 def cmd_check(args) -> int:
-    from .api import DEFAULT_DRAFT, SpecDecoder
+    from .api import SpecDecoder
     from .prompts import load_prompts
 
     if args.samples < 50 or args.max_new_tokens < 1 or not 0 < args.alpha < 1:
@@ -108,7 +108,7 @@ def cmd_check(args) -> int:
     if params.greedy:
         raise InvalidRequest("the sampling check needs --temperature > 0")
     prompts = load_prompts(args.prompts)[: args.limit or None]
-    decoder = SpecDecoder(target=args.target, draft=args.draft or DEFAULT_DRAFT, tau=args.tau)
+    decoder = SpecDecoder(target=args.target, draft=args.draft, tau=args.tau)
     report = {"greedy": check_greedy(decoder, prompts, args.max_new_tokens)}
     if args.sampling_prompts:
         report["sampling"] = [check_sampling(decoder, p, args.samples, params)

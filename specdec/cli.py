@@ -30,13 +30,13 @@ def _sampling_args(p):
 
 
 def cmd_generate(args) -> int:
-    from .api import DEFAULT_DRAFT, SpecDecoder
+    from .api import SpecDecoder
     from .policy import make_policy
     from .trace import write_jsonl
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     make_policy(args.policy, 1)  # validate before loading models
-    sd = SpecDecoder(target=args.target, draft=args.draft or DEFAULT_DRAFT, tau=args.tau, policy=args.policy)
+    sd = SpecDecoder(target=args.target, draft=args.draft, tau=args.tau, policy=args.policy)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, seed=args.seed, chat=not args.no_chat, stop=args.stop)
     for chunk in sd.stream_chunks(prompt, **kwargs):

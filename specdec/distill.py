@@ -14,9 +14,7 @@ Every phase resumes from what an interrupted run left in OUT/work.
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import random
 from pathlib import Path
 from time import perf_counter
@@ -33,11 +31,6 @@ from .prompts import HERE as PROMPT_DIR
 from .prompts import load_prompts
 
 console = Console(stderr=True)
-
-
-def tokenizer_fingerprint(tok) -> str:
-    items = sorted(tok.get_vocab().items())
-    return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
 
 
 def _progress():
@@ -259,7 +252,7 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
     hist = train(net, data, embed, head, vocab_map, epochs, batch, lr, seed, work / "checkpoint.pt", device)
     t_train = perf_counter() - t1
     model.cpu()
-    fp = tokenizer_fingerprint(tok)
+    fp = models.tokenizer_fingerprint(tok)
     meta = {"recipe": {"prompts": len(prompts), "text_files": text_files or [], "max_new_tokens": max_new_tokens,
                        "reduced_vocab": reduced, "epochs": epochs, "batch": batch, "lr": lr, "seed": seed},
             "tokens": int(sum(len(d["ids"]) for d in data)), "train_history": hist["epochs"]}

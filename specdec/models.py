@@ -6,6 +6,7 @@ a normal model directory under $SPECDEC_CACHE (default ~/.cache/specdec), so lat
 from __future__ import annotations
 
 import hashlib
+import json
 import importlib.util
 import os
 import shutil
@@ -109,6 +110,12 @@ def check_compatible(target_tok, draft_tok, draft_name: str) -> None:
         diff = len(set(tv.items()) ^ set(dv.items()))
         raise IncompatibleDraft(f"draft {draft_name} has a different tokenizer from the target "
                                 f"({len(dv)} vs {len(tv)} tokens, {diff} entries differ)")
+
+
+def tokenizer_fingerprint(tok) -> str:
+    """Identifies a vocabulary: a feature draft records its target's and is refused by any other."""
+    items = sorted(tok.get_vocab().items())
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
 
 
 def eos_ids(model, tok) -> set[int]:

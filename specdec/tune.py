@@ -148,9 +148,9 @@ def plot(report: dict, path: str) -> None:
 
 
 def cmd_tune(args) -> int:
-    from .api import DEFAULT_DRAFT
+    from .api import default_draft
     prompts = load_prompts(args.prompts)[: args.limit or None]
-    drafts = args.draft or sorted({DEFAULT_DRAFT, "ngram"})
+    drafts = args.draft or list(dict.fromkeys([default_draft(args.target), "ngram"]))
     report = tune(args.target, drafts, args.max_tau, prompts, args.max_new_tokens, args.confirm)
     try:
         if args.plot:

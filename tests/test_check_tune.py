@@ -104,3 +104,25 @@ def test_tune_recommends_not_speculating_when_nothing_wins(tok, target, draft_ra
     loaded = (Sleepy(target, 10), tok, {"slow": Sleepy(draft_random, 25)})
     rep = tune("unused", ["slow"], 3, prompts, 20, confirm=2, loaded=loaded)
     assert rep["recommendation"]["draft"] == "none" and "do not speculate" in rep["recommendation"]["reason"]
+
+
+def test_bench_json_schema(tiny_dirs, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(PROMPTS[:2]) + "\n")
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--target", tiny_dirs["target"], "--prompts", str(prompts), "--draft", "ngram", "--draft",
+                 tiny_dirs["draft"], "--tau", "2", "--tau", "3", "--policy", "fixed", "--policy", "adaptive",
+                 "--max-new-tokens", "12", "--compare-hf", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    rows = data["results"]
+    # baseline + 2 drafts x 2 taus x 2 policies + hf baseline + hf 2 drafts x 2 taus
+    assert len(rows) == 1 + 8 + 1 + 4 and data["prompts"] == 2
+    for r in rows:
+        assert {"draft", "tau", "policy", "tokens_per_s", "speedup", "acceptance_rate", "mean_accepted_len",
+                "target_passes_per_token", "identical_to_baseline"} <= set(r)
+        assert r["identical_to_baseline"] is True and r["tokens_per_s"] > 0
+    assert rows[0]["draft"] == "none" and rows[0]["speedup"] == 1.0
+    assert {r["policy"] for r in rows if r["engine"] == "specdec" and r["draft"] != "none"} == {"fixed", "adaptive"}
+    assert "specdec bench" in capsys.readouterr().out
+    assert main(["bench", "--target", tiny_dirs["target"], "--prompts", str(prompts), "--policy", "magic"]) == 2
+    assert main(["bench", "--target", tiny_dirs["target"], "--prompts", str(tmp_path / "nope.jsonl")]) == 2

@@ -7,7 +7,8 @@ from tiny import VOCAB, reference_greedy
 
 from specdec import SpecDecoder
 from specdec.cli import main
-from specdec.distill import distill, reduced_vocab, tokenizer_fingerprint
+from specdec.distill import distill, reduced_vocab
+from specdec.models import tokenizer_fingerprint
 from specdec.drafters.feature import FeatureDrafter, net_for_target
 from specdec.engine import Engine
 from specdec.errors import IncompatibleDraft, InvalidRequest, SpecDecError

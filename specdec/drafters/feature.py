@@ -33,10 +33,9 @@ class RMSNorm(nn.Module):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
 
-def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding, rotate-half convention (as Llama). x [heads, T, hd], pos [T]."""
+def rope(x: torch.Tensor, pos: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, rotate-half convention (as Llama). x [..., T, hd], pos [T], inv [hd/2] frequencies."""
     hd = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
     ang = pos[:, None].float() * inv[None]
     cos, sin = torch.cat([ang, ang], -1).cos().to(x.dtype), torch.cat([ang, ang], -1).sin().to(x.dtype)
     x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
@@ -59,6 +58,8 @@ class FeatureDraftNet(nn.Module):
         self.up = nn.Linear(hidden, intermediate, bias=False)
         self.down = nn.Linear(intermediate, hidden, bias=False)
         self.out_norm = RMSNorm(hidden, eps)
+        self.register_buffer("inv_freq", 1.0 / rope_theta ** (torch.arange(0, self.hd, 2).float() / self.hd),
+                             persistent=False)
 
     def forward(self, emb, feat, start: int, cache=None, mask=None):
         """emb, feat [B, T, d] -> predicted next features [B, T, d], updated (k, v) cache.
@@ -67,8 +68,8 @@ class FeatureDraftNet(nn.Module):
         h, kvh = self.cfg["heads"], self.cfg["kv_heads"]
         x = self.fc(torch.cat([emb, feat], -1))
         pos = torch.arange(start, start + T)
-        q = rope(self.q(x).view(B, T, h, self.hd).transpose(1, 2), pos, self.cfg["rope_theta"])
-        k = rope(self.k(x).view(B, T, kvh, self.hd).transpose(1, 2), pos, self.cfg["rope_theta"])
+        q = rope(self.q(x).view(B, T, h, self.hd).transpose(1, 2), pos, self.inv_freq)
+        k = rope(self.k(x).view(B, T, kvh, self.hd).transpose(1, 2), pos, self.inv_freq)
         v = self.v(x).view(B, T, kvh, self.hd).transpose(1, 2)
         if cache is not None:
             k, v = torch.cat([cache[0], k], 2), torch.cat([cache[1], v], 2)
