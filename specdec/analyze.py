@@ -46,10 +46,14 @@ def expected_tokens(alphas: list[float], tau: int) -> float:
     return total
 
 
-def cost_model(alphas, tau, draft_ms_per_token, curve, overhead_ms, t_target):
-    """Predicted speedup over target-only: E[tokens](τ) · T_target(1) / (τ·c + T_verify(τ+1) + overhead)."""
-    time = tau * draft_ms_per_token + interpolate(curve, tau + 1) + overhead_ms
-    return expected_tokens(alphas, tau) * t_target / time
+def cost_model(alphas, tau, draft_ms_per_token, curve, overhead_ms, t_target, match_rate=1.0):
+    """Predicted speedup over target-only: E[tokens](τ) · T_target(1) / (τ·c + T_verify(τ+1) + overhead).
+    `match_rate` < 1 is for drafters that sometimes propose nothing (n-gram without a match): those cycles
+    make one token for one plain target step."""
+    spec_time = tau * draft_ms_per_token + interpolate(curve, tau + 1)
+    time = match_rate * spec_time + (1 - match_rate) * interpolate(curve, 1) + overhead_ms
+    tokens = match_rate * expected_tokens(alphas, tau) + (1 - match_rate)
+    return tokens * t_target / time
 
 
 def analyze(records: list[CycleRecord]) -> dict:
@@ -74,9 +78,13 @@ def analyze(records: list[CycleRecord]) -> dict:
     acc_rate = accepted / proposed if proposed else 0.0
     measured = tokens / total_ms * t_target if total_ms else 0.0
     tau_used = max(0, round(mean_tau))
-    predicted = cost_model(alphas, tau_used, c_ms, curve, overhead, t_target) if alphas or tau_used == 0 else None
-    best_tau = max(range(0, MAX_TAU + 1), key=lambda t: cost_model(alphas, t, c_ms, curve, overhead, t_target))
-    best = cost_model(alphas, best_tau, c_ms, curve, overhead, t_target)
+    asked = [r for r in records if r.tau > 0]
+    match = len(drafted_cycles) / len(asked) if asked else 1.0  # share of cycles that got a draft at all
+    predicted = (cost_model(alphas, tau_used, c_ms, curve, overhead, t_target, match)
+                 if alphas or tau_used == 0 else None)
+    best_tau = max(range(0, MAX_TAU + 1),
+                   key=lambda t: cost_model(alphas, t, c_ms, curve, overhead, t_target, match))
+    best = cost_model(alphas, best_tau, c_ms, curve, overhead, t_target, match)
     growth = interpolate(curve, tau_used + 1) / t_target if t_target else 1.0
 
     findings = []

@@ -55,12 +55,14 @@ def profile_draft(decoder: SpecDecoder, prompts: list[dict], tau: int, max_new_t
         records += decoder.generate(p["prompt"], max_new_tokens=max_new_tokens, chat=p["chat"], tau=tau,
                                     policy="fixed").records[1:]  # cycle 0 carries the prefill
     proposed = sum(len(r.proposed) for r in records)
-    alphas = [a if a is not None else 0.0 for a in acceptance_by_position(records)] or [0.0]
+    drafted = [r for r in records if r.proposed]
+    alphas = [a if a is not None else 0.0 for a in acceptance_by_position(drafted)] or [0.0]
     alphas += [alphas[-1]] * (tau - len(alphas))  # positions never reached: assume no better than the last
     return {
         "alphas": [round(a, 4) for a in alphas],
         "acceptance_rate": round(sum(r.accepted for r in records) / proposed, 4) if proposed else 0.0,
-        "draft_ms_per_token": round(sum(r.draft_ms for r in records) / max(1, proposed), 4),
+        "match_rate": round(len(drafted) / max(1, len(records)), 4),  # cycles that got any draft at all
+        "draft_ms_per_token": round(sum(r.draft_ms for r in drafted) / max(1, proposed), 4),
         "overhead_ms": round(sum(r.cycle_ms - r.draft_ms - r.verify_ms for r in records) / max(1, len(records)), 4),
         "cycles": len(records),
     }
@@ -102,7 +104,8 @@ def tune(target: str, drafts: list[str], max_tau: int, prompts: list[dict], max_
         profiles[name] = prof = profile_draft(dec, prompts, max_tau, max_new_tokens)
         for tau in range(1, max_tau + 1):
             predictions.append({"draft": name, "tau": tau, "predicted_speedup": round(cost_model(
-                prof["alphas"], tau, prof["draft_ms_per_token"], curve, prof["overhead_ms"], t_target), 4)})
+                prof["alphas"], tau, prof["draft_ms_per_token"], curve, prof["overhead_ms"], t_target,
+                prof["match_rate"]), 4)})
     top = sorted(predictions, key=lambda p: -p["predicted_speedup"])[:confirm]
     confirm_bench = Bench(target, sorted({p["draft"] for p in top}), [], max_new_tokens, compare_hf=False,
                           loaded=(bench.model, bench.tok, bench.draft_models),
