@@ -129,8 +129,9 @@ def _loss(net, head_r, emb, feat_in, target_h, labels):
     pred, _ = net(emb, feat_in, 0)
     mask = target_h.abs().sum(-1, keepdim=True) > 0  # real positions (padding is all zeros)
     reg = (F.smooth_l1_loss(pred, target_h, reduction="none") * mask).sum() / mask.sum() / pred.shape[-1]
-    ce = F.cross_entropy((pred @ head_r.T).flatten(0, 1), labels.flatten(), ignore_index=-100)
-    acc = ((pred @ head_r.T).argmax(-1) == labels)[labels != -100].float().mean()
+    logits = pred @ head_r.T
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    acc = (logits.argmax(-1) == labels)[labels != -100].float().mean()
     return pred, reg, ce, acc
 
 

@@ -126,3 +126,16 @@ def test_bench_json_schema(tiny_dirs, tmp_path, capsys):
     assert "specdec bench" in capsys.readouterr().out
     assert main(["bench", "--target", tiny_dirs["target"], "--prompts", str(prompts), "--policy", "magic"]) == 2
     assert main(["bench", "--target", tiny_dirs["target"], "--prompts", str(tmp_path / "nope.jsonl")]) == 2
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["serve", "--port", "0"], "--port must be"),
+    (["serve", "--max-queue", "0"], "--max-queue"),
+    (["serve", "--timeout", "-1"], "--timeout"),
+    (["tune", "--max-tau", "0"], "--max-tau"),
+    (["tune", "--confirm", "0"], "--confirm"),
+])
+def test_serve_and_tune_bad_input(argv, message, tiny_dirs, capsys):
+    assert main([*argv, "--target", tiny_dirs["target"]]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
