@@ -52,14 +52,7 @@ def generate_responses(model, tok, prompts: list[dict], path: Path, max_new_toke
         task = bar.add_task("target responses", total=len(prompts), completed=len(done))
         for i in range(0, len(todo), batch):
             chunk = [enc.encode(p["prompt"], p["chat"]) for p in todo[i:i + batch]]
-            width = max(map(len, chunk))
-            ids = torch.tensor([[pad] * (width - len(c)) + c for c in chunk], device=device)
-            mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in chunk], device=device)
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=pad, eos_token_id=sorted(eos))
-            for c, row in zip(chunk, out[:, width:].tolist()):
-                cut = next((k + 1 for k, t in enumerate(row) if t in eos), len(row))
-                seq = c + row[:cut]
+            for seq in _greedy_batch(model, chunk, max_new_tokens, pad, sorted(eos), device):
                 done.append(seq)
                 f.write(json.dumps({"ids": seq}) + "\n")
             f.flush()
@@ -67,13 +60,69 @@ def generate_responses(model, tok, prompts: list[dict], path: Path, max_new_toke
     return done
 
 
+def _greedy_batch(model, chunk: list[list[int]], max_new_tokens: int, pad: int, eos: list[int],
+                  device: str) -> list[list[int]]:
+    """Greedy continuations of a batch of prompts (left-padded), each cut after its first EOS."""
+    width = max(map(len, chunk))
+    ids = torch.tensor([[pad] * (width - len(c)) + c for c in chunk], device=device)
+    mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in chunk], device=device)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=pad, eos_token_id=eos)
+    seqs = []
+    for c, row in zip(chunk, out[:, width:].tolist()):
+        cut = next((k + 1 for k, t in enumerate(row) if t in eos), len(row))
+        seqs.append(c + row[:cut])
+    return seqs
+
+
+def pre_query(tok) -> list[int]:
+    """The chat template up to where the user's message begins (Magpie, Xu et al. 2024): sampling from here makes
+    an instruction-tuned target write a user query itself. Without a chat template: just BOS (free text)."""
+    if tok.chat_template:
+        mark = "\x00QUERY\x00"
+        text = tok.apply_chat_template([{"role": "user", "content": mark}], tokenize=False)
+        return tok(text[: text.index(mark)], add_special_tokens=False).input_ids
+    return [tok.bos_token_id if tok.bos_token_id is not None else 0]
+
+
+@torch.inference_mode()
+def self_chat_data(model, tok, n: int, path: Path, max_new_tokens: int, batch: int, seed: int,
+              device: str) -> list[list[int]]:
+    """`n` synthetic conversations: a user query sampled from the target (T=1, top-p 0.95, from the pre-query
+    template), then the target's greedy response to it, exactly as `generate` would prompt it. Diverse contexts
+    in the target's own distribution, at batched-generation cost. Appended to `path` per batch (resumable);
+    batch i is seeded with (seed, i) so a resumed run produces the same data."""
+    from .api import SpecDecoder
+    done = [json.loads(line)["ids"] for line in path.read_text().splitlines()] if path.exists() else []
+    enc = SpecDecoder.from_models(model, tok, "none")
+    eos = sorted(models.eos_ids(model, tok))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+    start = pre_query(tok)
+    with _progress() as bar, open(path, "a") as f:
+        task = bar.add_task("self-chat data", total=n, completed=min(n, len(done)))
+        while len(done) < n:
+            torch.manual_seed(seed * 1_000_003 + len(done) // batch)
+            b = min(batch, n - len(done))
+            q = model.generate(torch.tensor([start] * b, device=device), max_new_tokens=64, do_sample=True,
+                               temperature=1.0, top_p=0.95, top_k=0, pad_token_id=pad, eos_token_id=eos)
+            queries = [tok.decode([t for t in row if t not in eos and t != pad], skip_special_tokens=True).strip()
+                       for row in q[:, len(start):].tolist()]
+            chunk = [enc.encode(x, chat=True) if x else start for x in queries]
+            for seq in _greedy_batch(model, chunk, max_new_tokens, pad, eos, device):
+                done.append(seq)
+                f.write(json.dumps({"ids": seq}) + "\n")
+            f.flush()
+            bar.advance(task, b)
+    return done[:n]
+
+
 def text_sequences(tok, files: list[str], length: int = 256) -> list[list[int]]:
     seqs = []
     for name in files:
         try:
             ids = tok(Path(name).read_text()).input_ids
-        except OSError as e:
-            raise SpecDecError(f"cannot read text file {name}: {e.strerror}")
+        except (OSError, UnicodeDecodeError) as e:
+            raise SpecDecError(f"cannot read text file {name}: {getattr(e, 'strerror', None) or e}")
         seqs += [ids[i:i + length] for i in range(0, len(ids) - 8, length)]
     return seqs
 
@@ -135,25 +184,45 @@ def _loss(net, head_r, emb, feat_in, target_h, labels):
     return pred, reg, ce, acc
 
 
+@torch.no_grad()
+def evaluate(net, head_r, data, embed, to_reduced, batch: int, device: str) -> dict:
+    """Teacher-forced argmax agreement with the target on `data`: from target features (draft position 1) and
+    from the draft's own features (later positions)."""
+    net.eval()
+    hits = {"acc": 0.0, "acc2": 0.0}
+    n = 0
+    for i in range(0, len(data), batch):
+        emb, feat_in, target_h, labels = _batch(data[i:i + batch], embed, to_reduced, device)
+        pred, _, _, acc = _loss(net, head_r, emb, feat_in, target_h, labels)
+        own = torch.cat([torch.zeros_like(pred[:, :1]), pred[:, :-1]], 1)
+        _, _, _, acc2 = _loss(net, head_r, emb, own, target_h, labels)
+        m = int((labels != -100).sum())
+        hits["acc"], hits["acc2"], n = hits["acc"] + float(acc) * m, hits["acc2"] + float(acc2) * m, n + m
+    net.train()
+    return {k: round(v / max(1, n), 4) for k, v in hits.items()}
+
+
 def train(net, data, embed, head, vocab_map, epochs: int, batch: int, lr: float, seed: int, ckpt: Path,
-          device: str) -> dict:
+          device: str, val: list[dict] | None = None) -> dict:
+    """AdamW + one-cycle schedule; after each epoch the validation split (sequences never trained on) is scored
+    and the best epoch's weights are kept (early stopping)."""
     torch.manual_seed(seed)
     net.to(device).train()
     embed, head_r = embed.float(), head[vocab_map].float().to(device)
     to_reduced = torch.full((head.shape[0],), -100, dtype=torch.long)
     to_reduced[vocab_map] = torch.arange(len(vocab_map))
-    opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.01)
     order = sorted(range(len(data)), key=lambda i: len(data[i]["ids"]))  # similar lengths batch together
     batches = [order[i:i + batch] for i in range(0, len(order), batch)]
     total = epochs * len(batches)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=total, pct_start=0.05)
-    start_epoch, history = 0, []
+    start_epoch, history, best = 0, [], None
     if ckpt.exists():
         state = torch.load(ckpt)
         net.load_state_dict(state["net"])
         opt.load_state_dict(state["opt"])
         sched.load_state_dict(state["sched"])
-        start_epoch, history = state["epoch"], state["history"]
+        start_epoch, history, best = state["epoch"], state["history"], state.get("best")
         console.print(f"resuming training from epoch {start_epoch}")
     with _progress() as bar:
         task = bar.add_task("training", total=total, completed=start_epoch * len(batches))
@@ -175,11 +244,21 @@ def train(net, data, embed, head, vocab_map, epochs: int, batch: int, lr: float,
                 for k, v in (("reg", reg), ("ce", ce), ("acc", acc), ("acc2", acc2)):
                     sums[k] += float(v.detach())
                 bar.update(task, advance=1, description=f"training e{epoch + 1} acc {float(acc):.2f}")
-            history.append({k: round(v / len(batches), 4) for k, v in sums.items()})
+            row = {k: round(v / len(batches), 4) for k, v in sums.items()}
+            if val:
+                row["val"] = evaluate(net, head_r, val, embed, to_reduced, batch, device)
+                score = row["val"]["acc"] + row["val"]["acc2"]
+                if best is None or score > best["score"]:
+                    best = {"score": score, "epoch": epoch + 1,
+                            "net": {k: v.detach().clone() for k, v in net.state_dict().items()}}
+            history.append(row)
+            console.print(f"epoch {epoch + 1}: {row}")
             torch.save({"net": net.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                        "epoch": epoch + 1, "history": history}, ckpt)
+                        "epoch": epoch + 1, "history": history, "best": best}, ckpt)
+    if best is not None:
+        net.load_state_dict(best["net"])
     net.cpu().eval()
-    return {"epochs": history}
+    return {"epochs": history, "best_epoch": best["epoch"] if best else epochs}
 
 
 # ---- 5. report -------------------------------------------------------------------------------------------------
@@ -216,12 +295,14 @@ def report(target_model, tok, drafter, prompts: list[dict], max_new_tokens: int,
 
 # ---- the command -----------------------------------------------------------------------------------------------
 def distill(target: str, out: str, prompt_files: list[str], text_files: list[str], max_new_tokens: int = 128,
-            gen_batch: int = 16, reduced: int = 8192, epochs: int = 4, batch: int = 8, lr: float = 2e-3,
+            gen_batch: int = 64, reduced: int = 8192, epochs: int = 4, batch: int = 8, lr: float = 2e-3,
             seed: int = 0, limit: int = 0, eval_limit: int = 0, eval_tau: int = 4, device: str = "auto",
-            loaded=None) -> dict:
+            self_chat: int = 0, val_every: int = 50, loaded=None) -> dict:
     if max_new_tokens < 1 or gen_batch < 1 or epochs < 1 or batch < 1 or lr <= 0 or eval_tau < 1:
         raise InvalidRequest("--max-new-tokens, --gen-batch, --epochs, --batch and --eval-tau must be >= 1, "
                              "--lr > 0")
+    if self_chat < 0 or val_every < 0:
+        raise InvalidRequest("--self-chat and --val-every must be >= 0")
     if reduced < 2:
         raise InvalidRequest("--reduced-vocab must be >= 2")
     out_dir, work = Path(out), Path(out) / "work"
@@ -236,11 +317,13 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
     model, tok = loaded or models.load(target)
     if reduced > model.config.vocab_size:
         raise InvalidRequest(f"--reduced-vocab {reduced} exceeds the target's vocabulary ({model.config.vocab_size})")
+    texts = text_sequences(tok, text_files or [])  # read before hours of generation, so a bad path fails fast
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     model.to(device)
     t0 = perf_counter()
     seqs = generate_responses(model, tok, prompts, work / "sequences.jsonl", max_new_tokens, gen_batch, device)
-    seqs += text_sequences(tok, text_files or [])
+    seqs += self_chat_data(model, tok, self_chat, work / "self_chat.jsonl", max_new_tokens, gen_batch, seed, device)
+    seqs += texts
     t_data = perf_counter() - t0
     data = teacher_labels(model, seqs, work / "labels.pt", device)
     vocab_map = reduced_vocab(data, reduced, models.eos_ids(model, tok), model.config.vocab_size)
@@ -250,17 +333,24 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
     torch.manual_seed(seed)
     net = net_for_target(model.config, init_from=(decoder.layers[-1], decoder.norm))
     t1 = perf_counter()
-    hist = train(net, data, embed, head, vocab_map, epochs, batch, lr, seed, work / "checkpoint.pt", device)
+    # every val_every-th sequence is held out of training to pick the epoch (early stopping)
+    val = [d for i, d in enumerate(data) if val_every and i % val_every == val_every - 1]
+    train_data = [d for i, d in enumerate(data) if not (val_every and i % val_every == val_every - 1)] or data
+    hist = train(net, train_data, embed, head, vocab_map, epochs, batch, lr, seed, work / "checkpoint.pt", device,
+                 val)
     t_train = perf_counter() - t1
     model.cpu()
     fp = models.tokenizer_fingerprint(tok)
-    meta = {"recipe": {"prompts": len(prompts), "text_files": text_files or [], "max_new_tokens": max_new_tokens,
-                       "reduced_vocab": reduced, "epochs": epochs, "batch": batch, "lr": lr, "seed": seed},
-            "tokens": int(sum(len(d["ids"]) for d in data)), "train_history": hist["epochs"]}
+    meta = {"recipe": {"prompts": len(prompts), "self_chat": self_chat, "text_files": text_files or [],
+                       "max_new_tokens": max_new_tokens, "reduced_vocab": reduced, "epochs": epochs, "batch": batch,
+                       "lr": lr, "seed": seed},
+            "sequences": len(data), "tokens": int(sum(len(d["ids"]) for d in data)),
+            "train_history": hist["epochs"], "best_epoch": hist["best_epoch"]}
     save_draft(net, vocab_map, out_dir, fp, target_name=str(target), extra=meta)
     drafter = FeatureDrafter.load(out_dir, model, fp)
     held_out = load_prompts()[: eval_limit or None]
-    rep = {**meta, "seconds": {"data": round(t_data, 1), "train": round(t_train, 1)},
+    rep = {**meta, "seconds": {"data": round(t_data, 1), "labels": round(t1 - t0 - t_data, 1),
+                               "train": round(t_train, 1)},
            "held_out": report(model, tok, drafter, held_out, 64, eval_tau)}
     (out_dir / "distill_report.json").write_text(json.dumps(rep, indent=2))
     return rep
@@ -269,7 +359,7 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
 def cmd_distill(args) -> int:
     rep = distill(args.target, args.out, args.prompts or [], args.text or [], args.max_new_tokens, args.gen_batch,
                   args.reduced_vocab, args.epochs, args.batch, args.lr, args.seed, args.limit, args.eval_limit,
-                  args.eval_tau, args.device)
+                  args.eval_tau, args.device, args.self_chat, args.val_every)
     h = rep["held_out"]
     print(json.dumps(h, indent=2))
     print(f"draft saved to {args.out}: acceptance {h['acceptance_rate']}, draft/target cost "
@@ -285,7 +375,11 @@ def register(sub, model_args, sampling_args):
     d.add_argument("--text", action="append", help="plain text files to add as training sequences")
     d.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
     d.add_argument("--max-new-tokens", type=int, default=128, help="length of the target's responses")
-    d.add_argument("--gen-batch", type=int, default=16)
+    d.add_argument("--gen-batch", type=int, default=64, help="sequences generated together")
+    d.add_argument("--self-chat", type=int, default=0,
+                   help="extra synthetic conversations: the target writes a query, then answers it")
+    d.add_argument("--val-every", type=int, default=50,
+                   help="hold every Nth sequence out of training to pick the best epoch (0 = no split)")
     d.add_argument("--reduced-vocab", type=int, default=8192, help="draft head size (most frequent target tokens)")
     d.add_argument("--epochs", type=int, default=4)
     d.add_argument("--batch", type=int, default=8)

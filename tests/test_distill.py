@@ -28,14 +28,16 @@ def prompt_file(tmp_path_factory):
 def distilled(tmp_path_factory, prompt_file, tok, target):
     out = tmp_path_factory.mktemp("draft")
     rep = distill("tiny", str(out), [prompt_file], [], max_new_tokens=24, gen_batch=4, reduced=40, epochs=3,
-                  batch=4, lr=3e-3, seed=0, eval_limit=2, device="cpu", loaded=(target, tok))
+                  batch=4, lr=3e-3, seed=0, eval_limit=2, device="cpu", self_chat=6, val_every=4,
+                  loaded=(target, tok))
     return out, rep
 
 
 def test_pipeline_end_to_end_is_lossless(distilled, tok, target):
     out, rep = distilled
     assert (out / "model.safetensors").is_file() and (out / "specdec_draft.json").is_file()
-    assert rep["tokens"] > 100 and len(rep["train_history"]) == 3
+    assert rep["tokens"] > 100 and len(rep["train_history"]) == 3 and rep["sequences"] == len(PROMPTS) + 6
+    assert all(0 <= row["val"]["acc"] <= 1 for row in rep["train_history"]) and 1 <= rep["best_epoch"] <= 3
     assert rep["held_out"]["identical_to_target"]
     drafter = FeatureDrafter.load(out, target, tokenizer_fingerprint(tok))
     engine = Engine(target, drafter, VOCAB, set(), 256)
@@ -45,6 +47,44 @@ def test_pipeline_end_to_end_is_lossless(distilled, tok, target):
             recs = list(engine.run(ids, 30, SamplingParams(), tau))
             assert [t for r in recs for t in r.emitted] == reference_greedy(target, ids, 30)
             assert recs[0].proposed == [] and any(r.proposed for r in recs)  # drafts once features exist
+
+
+def test_self_chat_is_seeded_resumable_and_prompted_like_generate(tmp_path, tok, target):
+    """Self-chat sequences start with the chat template's pre-query part, contain the target's greedy answer to
+    the sampled query (as `generate` would prompt it), and a resumed run yields exactly a one-shot run's data."""
+    from specdec.distill import pre_query, self_chat_data
+    start = pre_query(tok)
+    assert tok.decode(start) == "<user>"
+    one_shot = self_chat_data(target, tok, 6, tmp_path / "a.jsonl", 10, 4, 3, "cpu")
+    self_chat_data(target, tok, 4, tmp_path / "b.jsonl", 10, 4, 3, "cpu")
+    assert self_chat_data(target, tok, 6, tmp_path / "b.jsonl", 10, 4, 3, "cpu") == one_shot
+    assert len(one_shot) == 6 and len({tuple(s) for s in one_shot}) > 1  # sampled queries differ
+    assert self_chat_data(target, tok, 6, tmp_path / "c.jsonl", 10, 4, 4, "cpu") != one_shot  # seed matters
+    spec = SpecDecoder.from_models(target, tok, "none")
+    for seq in one_shot:
+        assert seq[:len(start)] == start
+        text = tok.decode(seq)
+        query = text[len("<user>"):text.index("\n<assistant>")]
+        prompt = spec.encode(query) if query.strip() else start
+        assert seq[:len(prompt)] == prompt
+        assert seq[len(prompt):] == reference_greedy(target, prompt, 10)[:len(seq) - len(prompt)]
+
+
+def test_early_stopping_keeps_the_best_epoch(tmp_path, prompt_file, tok, target, monkeypatch):
+    """The saved draft holds the weights of the epoch that scored best on the held-out split, not the last."""
+    import specdec.distill as d
+    from safetensors.torch import load_file
+    scores = iter([{"acc": 0.5, "acc2": 0.4}, {"acc": 0.1, "acc2": 0.1}, {"acc": 0.2, "acc2": 0.1}])
+    monkeypatch.setattr(d, "evaluate", lambda *a: next(scores))
+    rep = distill("tiny", str(tmp_path / "o"), [prompt_file], [], max_new_tokens=8, gen_batch=5, reduced=30,
+                  epochs=3, batch=5, seed=0, eval_limit=1, val_every=3, loaded=(target, tok))
+    assert rep["best_epoch"] == 1
+    best = torch.load(tmp_path / "o" / "work" / "checkpoint.pt")["best"]
+    saved = load_file(tmp_path / "o" / "model.safetensors")
+    assert best["epoch"] == 1
+    assert torch.equal(saved["fc.weight"], best["net"]["fc.weight"].to(torch.bfloat16))
+    last = torch.load(tmp_path / "o" / "work" / "checkpoint.pt")["net"]
+    assert not torch.equal(saved["fc.weight"], last["fc.weight"].to(torch.bfloat16))
 
 
 def test_training_learns_something(distilled):
@@ -147,6 +187,11 @@ def test_bad_input(tmp_path, prompt_file, tok, target, tiny_dirs, capsys):
         distill("tiny", str(tmp_path / "o"), [str(empty)], [], loaded=(target, tok))
     with pytest.raises(InvalidRequest):
         distill("tiny", str(tmp_path / "o"), [prompt_file], [], epochs=0, loaded=(target, tok))
+    with pytest.raises(InvalidRequest, match="self-chat"):
+        distill("tiny", str(tmp_path / "o"), [prompt_file], [], self_chat=-1, loaded=(target, tok))
+    with pytest.raises(SpecDecError, match="cannot read text file"):
+        distill("tiny", str(tmp_path / "o"), [prompt_file], [str(tmp_path / "nope.txt")], reduced=40,
+                loaded=(target, tok))
     with pytest.raises(InvalidRequest, match="exceeds"):
         distill("tiny", str(tmp_path / "o"), [prompt_file], [], reduced=10 ** 6, loaded=(target, tok))
     ro = tmp_path / "ro"
