@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from . import models
+from . import hf_assist, models
 from .api import SpecDecoder
 from .drafters import ModelDrafter, NgramDrafter, NoDrafter
 from .drafters.feature import FeatureDrafter, is_feature_draft
@@ -66,10 +66,9 @@ class Bench:
                 self.draft_models[d] = dm
         grid = configs or [(d, t, p) for d in drafts if d != "none" for t in taus for p in policies]
         self.configs = [Config("none", 1)] + [Config(*c) for c in grid]
-        if compare_hf:  # transformers cannot run a feature-conditioned draft: no peer row for those
+        if compare_hf:  # feature drafts run inside transformers' assisted loop through hf_assist
             self.configs += [Config("none", 1, hf=True)] + [Config(d, t, hf=True) for d in drafts
-                                                             if d != "none" and d not in self.feature_drafts
-                                                             for t in taus]
+                                                             if d != "none" for t in taus]
         self._decoders = {c.label: self.decoder_for(c.draft, c.tau, c.policy) for c in self.configs if not c.hf}
 
     def decoder_for(self, draft: str, tau: int, policy: str = "fixed") -> SpecDecoder:
@@ -82,6 +81,10 @@ class Bench:
             drafter = ModelDrafter(self._draft_model(draft), self.model.config.vocab_size, draft)
         return SpecDecoder.from_models(self.model, self.tok, drafter, tau, policy=policy)
 
+    def _twin(self, c: Config) -> str:
+        """Our decoder for the same draft (its drafter instance is reused by the transformers row)."""
+        return next(o.label for o in self.configs if not o.hf and o.draft == c.draft)
+
     def _draft_model(self, name):
         return self.model if name == "target" else self.draft_models[name]
 
@@ -92,6 +95,11 @@ class Bench:
             s = out.stats
             return out.token_ids, s["wall_s"], s["proposed"], s["accepted"], s["cycles"]
         ids = self._decoders[self.configs[0].label].encode(prompt["prompt"], prompt["chat"])
+        if c.draft in self.feature_drafts:
+            drafter = self._decoders[self._twin(c)].engine.drafter
+            t0 = perf_counter()
+            out = hf_assist.generate(self.model, ids, drafter, c.tau, max_new_tokens, self.tok.eos_token_id)
+            return out, perf_counter() - t0, 0, 0, 0
         kw = {}
         if c.draft == "ngram":
             kw = dict(prompt_lookup_num_tokens=c.tau)
