@@ -68,7 +68,9 @@ class Bench:
         self.configs = [Config("none", 1)] + [Config(*c) for c in grid]
         if compare_hf:  # feature drafts run inside transformers' assisted loop through hf_assist
             self.configs += [Config("none", 1, hf=True)] + [Config(d, t, hf=True) for d in drafts
-                                                             if d != "none" for t in taus]
+                                                             if d != "none" and (hf_assist.SUPPORTED or
+                                                                                 d not in self.feature_drafts)
+                                                             for t in taus]
         self._decoders = {c.label: self.decoder_for(c.draft, c.tau, c.policy) for c in self.configs if not c.hf}
 
     def decoder_for(self, draft: str, tau: int, policy: str = "fixed") -> SpecDecoder:

@@ -38,41 +38,74 @@ def _progress():
 
 
 # ---- 1. data ---------------------------------------------------------------------------------------------------
+# A data item is {"ids": [...], "h": final hidden states [len(ids), d] or None}. Generation records the target's
+# hidden states as it goes (the same computation teacher forcing would repeat), so generated data needs no
+# separate labelling pass; plain text gets one in phase 2.
+class _Store:
+    """Generated sequences, appended batch by batch (resumable): ids in a JSONL file, hidden states in one
+    fp16 shard per batch next to it (written first, so a line never lacks its shard)."""
+
+    def __init__(self, path: Path):
+        self.path, self.shards = path, path.parent / f"{path.stem}_hidden"
+        self.items = []
+        for i, line in enumerate(path.read_text().splitlines() if path.exists() else []):
+            self.items.append({"ids": json.loads(line)["ids"], "h": None})
+        for shard in sorted(self.shards.glob("*.pt")) if self.shards.exists() else []:
+            first = int(shard.stem)
+            for j, h in enumerate(torch.load(shard)):
+                if first + j < len(self.items):  # the item keeps the positions that have a hidden state
+                    item = self.items[first + j]
+                    item["ids"], item["h"] = item["ids"][:len(h)], h
+
+    def add(self, batch: list[tuple[list[int], torch.Tensor]]) -> None:
+        self.shards.mkdir(exist_ok=True)
+        torch.save([h for _, h in batch], self.shards / f"{len(self.items):07d}.pt")
+        with open(self.path, "a") as f:
+            f.write("".join(json.dumps({"ids": seq}) + "\n" for seq, _ in batch))
+        self.items += [{"ids": seq[:len(h)], "h": h} for seq, h in batch]
+
+
 @torch.inference_mode()
 def generate_responses(model, tok, prompts: list[dict], path: Path, max_new_tokens: int, batch: int,
-                       device: str) -> list[list[int]]:
-    """Greedy responses, batched with left padding; appended to `path` batch by batch (resumable)."""
+                       device: str) -> list[dict]:
+    """Greedy responses, batched with left padding (resumable)."""
     from .api import SpecDecoder
-    done = [json.loads(line)["ids"] for line in path.read_text().splitlines()] if path.exists() else []
+    store = _Store(path)
     enc = SpecDecoder.from_models(model, tok, "none")
-    eos = models.eos_ids(model, tok)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else min(eos)
-    todo = prompts[len(done):]
-    with _progress() as bar, open(path, "a") as f:
-        task = bar.add_task("target responses", total=len(prompts), completed=len(done))
+    eos = sorted(models.eos_ids(model, tok))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+    todo = prompts[len(store.items):]
+    with _progress() as bar:
+        task = bar.add_task("target responses", total=len(prompts), completed=len(store.items))
         for i in range(0, len(todo), batch):
             chunk = [enc.encode(p["prompt"], p["chat"]) for p in todo[i:i + batch]]
-            for seq in _greedy_batch(model, chunk, max_new_tokens, pad, sorted(eos), device):
-                done.append(seq)
-                f.write(json.dumps({"ids": seq}) + "\n")
-            f.flush()
+            store.add(_greedy_batch(model, chunk, max_new_tokens, pad, eos, device))
             bar.advance(task, len(chunk))
-    return done
+    return store.items
 
 
 def _greedy_batch(model, chunk: list[list[int]], max_new_tokens: int, pad: int, eos: list[int],
-                  device: str) -> list[list[int]]:
-    """Greedy continuations of a batch of prompts (left-padded), each cut after its first EOS."""
+                  device: str) -> list[tuple[list[int], torch.Tensor]]:
+    """Greedy continuations of a batch of prompts (left-padded), each cut after its first EOS, with the target's
+    final hidden states at every position but the last (its token was never fed back)."""
     width = max(map(len, chunk))
     ids = torch.tensor([[pad] * (width - len(c)) + c for c in chunk], device=device)
     mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in chunk], device=device)
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                         pad_token_id=pad, eos_token_id=eos)
-    seqs = []
-    for c, row in zip(chunk, out[:, width:].tolist()):
+    steps = []  # the decoder's output for the prefill, then for each decode step
+    hook = model.get_decoder().register_forward_hook(lambda m, i, o: steps.append(o.last_hidden_state.half().cpu()))
+    try:
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=pad, eos_token_id=eos)
+    finally:
+        hook.remove()
+    hidden = torch.cat(steps, 1)
+    result = []
+    for b, (c, row) in enumerate(zip(chunk, out[:, width:].tolist())):
         cut = next((k + 1 for k, t in enumerate(row) if t in eos), len(row))
-        seqs.append(c + row[:cut])
-    return seqs
+        seq = c + row[:cut]
+        left = width - len(c)
+        result.append((seq, hidden[b, left:left + len(seq) - 1]))
+    return result
 
 
 def pre_query(tok) -> list[int]:
@@ -87,59 +120,60 @@ def pre_query(tok) -> list[int]:
 
 @torch.inference_mode()
 def self_chat_data(model, tok, n: int, path: Path, max_new_tokens: int, batch: int, seed: int,
-              device: str) -> list[list[int]]:
+              device: str) -> list[dict]:
     """`n` synthetic conversations: a user query sampled from the target (T=1, top-p 0.95, from the pre-query
     template), then the target's greedy response to it, exactly as `generate` would prompt it. Diverse contexts
     in the target's own distribution, at batched-generation cost. Appended to `path` per batch (resumable);
     batch i is seeded with (seed, i) so a resumed run produces the same data."""
     from .api import SpecDecoder
-    done = [json.loads(line)["ids"] for line in path.read_text().splitlines()] if path.exists() else []
+    store = _Store(path)
     enc = SpecDecoder.from_models(model, tok, "none")
     eos = sorted(models.eos_ids(model, tok))
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
     start = pre_query(tok)
-    with _progress() as bar, open(path, "a") as f:
-        task = bar.add_task("self-chat data", total=n, completed=min(n, len(done)))
-        while len(done) < n:
-            torch.manual_seed(seed * 1_000_003 + len(done) // batch)
-            b = min(batch, n - len(done))
+    with _progress() as bar:
+        task = bar.add_task("self-chat data", total=n, completed=min(n, len(store.items)))
+        while len(store.items) < n:
+            torch.manual_seed(seed * 1_000_003 + len(store.items) // batch)
+            b = min(batch, n - len(store.items))
             q = model.generate(torch.tensor([start] * b, device=device), max_new_tokens=64, do_sample=True,
                                temperature=1.0, top_p=0.95, top_k=0, pad_token_id=pad, eos_token_id=eos)
             queries = [tok.decode([t for t in row if t not in eos and t != pad], skip_special_tokens=True).strip()
                        for row in q[:, len(start):].tolist()]
             chunk = [enc.encode(x, chat=True) if x else start for x in queries]
-            for seq in _greedy_batch(model, chunk, max_new_tokens, pad, eos, device):
-                done.append(seq)
-                f.write(json.dumps({"ids": seq}) + "\n")
-            f.flush()
+            store.add(_greedy_batch(model, chunk, max_new_tokens, pad, eos, device))
             bar.advance(task, b)
-    return done[:n]
+    return store.items[:n]
 
 
-def text_sequences(tok, files: list[str], length: int = 256) -> list[list[int]]:
+def text_sequences(tok, files: list[str], length: int = 256) -> list[dict]:
     seqs = []
     for name in files:
         try:
             ids = tok(Path(name).read_text()).input_ids
         except (OSError, UnicodeDecodeError) as e:
             raise SpecDecError(f"cannot read text file {name}: {getattr(e, 'strerror', None) or e}")
-        seqs += [ids[i:i + length] for i in range(0, len(ids) - 8, length)]
+        seqs += [{"ids": ids[i:i + length], "h": None} for i in range(0, len(ids) - 8, length)]
     return seqs
 
 
 # ---- 2. teacher labels -----------------------------------------------------------------------------------------
 @torch.inference_mode()
-def teacher_labels(model, seqs: list[list[int]], path: Path, device: str) -> list[dict]:
-    """Per sequence: final hidden states (fp16) and the target's argmax at every position."""
+def teacher_labels(model, items: list[dict], path: Path, device: str) -> list[dict]:
+    """Per sequence: final hidden states (fp16; one teacher-forcing pass where generation did not record them)
+    and the target's argmax at every position."""
     if path.exists():
         return torch.load(path)
     decoder, head = model.get_decoder(), model.get_output_embeddings()
     out = []
     with _progress() as bar:
-        task = bar.add_task("teacher labels", total=len(seqs))
-        for s in seqs:
-            h = decoder(input_ids=torch.tensor([s], device=device)).last_hidden_state[0]
-            out.append({"ids": torch.tensor(s), "h": h.half().cpu(), "argmax": head(h).argmax(-1).cpu()})
+        task = bar.add_task("teacher labels", total=len(items))
+        for it in items:
+            h = it["h"]
+            if h is None:
+                h = decoder(input_ids=torch.tensor([it["ids"]], device=device)).last_hidden_state[0].half()
+            argmax = head(h.to(device, head.weight.dtype)).argmax(-1)
+            out.append({"ids": torch.tensor(it["ids"]), "h": h.cpu(), "argmax": argmax.cpu()})
             bar.advance(task)
     torch.save(out, path)
     return out

@@ -9,7 +9,10 @@ from functools import lru_cache
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
+from .errors import SpecDecError
 from .sampling import SamplingParams
+
+SUPPORTED = hasattr(CandidateGenerator, "requires_model_outputs")  # transformers 5: generators see the outputs
 
 
 class FeatureCandidates(CandidateGenerator):
@@ -55,6 +58,9 @@ def last_hidden_is_normed(model) -> bool:
 @torch.inference_mode()
 def generate(model, ids: list[int], drafter, tau: int, max_new_tokens: int, pad: int) -> list[int]:
     """transformers `generate` (greedy, assisted) with `drafter` proposing `tau` tokens per step."""
+    if not SUPPORTED:
+        raise SpecDecError("this transformers version cannot hand the target's hidden states to a candidate "
+                           "generator; upgrade transformers to compare feature drafts in its loop")
     x = torch.tensor([ids])
     norm = None if last_hidden_is_normed(model) else model.get_decoder().norm
     gen = FeatureCandidates(drafter, tau, len(ids) + max_new_tokens, norm)

@@ -57,17 +57,41 @@ def test_self_chat_is_seeded_resumable_and_prompted_like_generate(tmp_path, tok,
     assert tok.decode(start) == "<user>"
     one_shot = self_chat_data(target, tok, 6, tmp_path / "a.jsonl", 10, 4, 3, "cpu")
     self_chat_data(target, tok, 4, tmp_path / "b.jsonl", 10, 4, 3, "cpu")
-    assert self_chat_data(target, tok, 6, tmp_path / "b.jsonl", 10, 4, 3, "cpu") == one_shot
-    assert len(one_shot) == 6 and len({tuple(s) for s in one_shot}) > 1  # sampled queries differ
-    assert self_chat_data(target, tok, 6, tmp_path / "c.jsonl", 10, 4, 4, "cpu") != one_shot  # seed matters
+    resumed = self_chat_data(target, tok, 6, tmp_path / "b.jsonl", 10, 4, 3, "cpu")
+    assert [d["ids"] for d in resumed] == [d["ids"] for d in one_shot]
+    assert all(torch.equal(a["h"], b["h"]) for a, b in zip(resumed, one_shot))
+    assert len(one_shot) == 6 and len({tuple(d["ids"]) for d in one_shot}) > 1  # sampled queries differ
+    other_seed = self_chat_data(target, tok, 6, tmp_path / "c.jsonl", 10, 4, 4, "cpu")
+    assert [d["ids"] for d in other_seed] != [d["ids"] for d in one_shot]
     spec = SpecDecoder.from_models(target, tok, "none")
-    for seq in one_shot:
+    for d in one_shot:
+        seq = d["ids"]  # the last generated token is dropped: it has no hidden state
         assert seq[:len(start)] == start
         text = tok.decode(seq)
         query = text[len("<user>"):text.index("\n<assistant>")]
         prompt = spec.encode(query) if query.strip() else start
         assert seq[:len(prompt)] == prompt
         assert seq[len(prompt):] == reference_greedy(target, prompt, 10)[:len(seq) - len(prompt)]
+
+
+def test_generation_records_the_hidden_states_teacher_forcing_would_compute(tmp_path, tok, target):
+    """Hidden states captured during batched, left-padded generation = one teacher-forcing pass per sequence,
+    so generated data skips the labelling pass."""
+    from specdec.distill import generate_responses, teacher_labels
+    prompts = [{"prompt": p, "chat": i % 2 == 0} for i, p in enumerate(PROMPTS[:5])]
+    items = generate_responses(target, tok, prompts, tmp_path / "s.jsonl", 12, 3, "cpu")
+    assert all(d["h"] is not None and len(d["h"]) == len(d["ids"]) for d in items)
+    forced = teacher_labels(target, [{"ids": d["ids"], "h": None} for d in items], tmp_path / "f.pt", "cpu")
+    captured = teacher_labels(target, items, tmp_path / "c.pt", "cpu")
+    spec = SpecDecoder.from_models(target, tok, "none")
+    for p, f, c in zip(prompts, forced, captured):
+        assert torch.allclose(f["h"].float(), c["h"].float(), atol=2e-2, rtol=1e-2)
+        assert torch.equal(f["argmax"], c["argmax"]) and torch.equal(f["ids"], c["ids"])
+        n = len(spec.encode(p["prompt"], p["chat"]))  # greedy: each response token is the argmax before it
+        assert c["argmax"][n - 1:-1].tolist() == c["ids"][n:].tolist() and len(c["ids"]) > n
+    reloaded = generate_responses(target, tok, prompts, tmp_path / "s.jsonl", 12, 3, "cpu")  # nothing left to do
+    assert [d["ids"] for d in reloaded] == [d["ids"] for d in items]
+    assert all(torch.equal(a["h"], b["h"]) for a, b in zip(reloaded, items))
 
 
 def test_early_stopping_keeps_the_best_epoch(tmp_path, prompt_file, tok, target, monkeypatch):
