@@ -101,7 +101,7 @@ def test_early_stopping_keeps_the_best_epoch(tmp_path, prompt_file, tok, target,
     scores = iter([{"acc": 0.5, "acc2": 0.4}, {"acc": 0.1, "acc2": 0.1}, {"acc": 0.2, "acc2": 0.1}])
     monkeypatch.setattr(d, "evaluate", lambda *a: next(scores))
     rep = distill("tiny", str(tmp_path / "o"), [prompt_file], [], max_new_tokens=8, gen_batch=5, reduced=30,
-                  epochs=3, batch=5, seed=0, eval_limit=1, val_every=3, loaded=(target, tok))
+                  epochs=3, batch=5, seed=0, eval_limit=1, val_every=3, self_chat=0, loaded=(target, tok))
     assert rep["best_epoch"] == 1
     best = torch.load(tmp_path / "o" / "work" / "checkpoint.pt")["best"]
     saved = load_file(tmp_path / "o" / "model.safetensors")
@@ -220,7 +220,7 @@ def test_resume_from_checkpoint(tmp_path, prompt_file, tok, target, monkeypatch)
     where an uninterrupted run ends."""
     import specdec.distill as d
     kw = dict(max_new_tokens=12, gen_batch=5, reduced=30, epochs=2, batch=5, lr=3e-3, seed=1, eval_limit=1,
-              device="cpu", loaded=(target, tok))
+              device="cpu", self_chat=0, loaded=(target, tok))
     straight = distill("tiny", str(tmp_path / "b"), [prompt_file], [], **kw)
     real_batch, calls = d._batch, {"n": 0}
 

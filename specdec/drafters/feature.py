@@ -130,8 +130,10 @@ class FeatureDrafter:
             return Draft()  # the target has not scored this context yet (first cycle)
         keep = min(common_prefix_len(self.tokens, context), L - 1)
         self._truncate(keep)
-        prev = torch.cat([torch.zeros(1, self.feats.shape[1], dtype=self.feats.dtype), self.feats[: L - 1]])
-        feat = self._step(context[keep:L], prev[keep:L], keep)[-1]
+        prev = self.feats[max(0, keep - 1): L - 1]  # position j is fed the target's feature at j - 1
+        if keep == 0:
+            prev = torch.cat([prev.new_zeros(1, prev.shape[1]), prev])
+        feat = self._step(context[keep:L], prev, keep)[-1]
         self.tokens = list(context)
         drafted, qs = [], []
         for i in range(k):
