@@ -63,7 +63,8 @@ class SpecDecoder:
                  policy: str = "fixed"):
         draft = draft or default_draft(target)
         model, tok = models.load(target)
-        self._setup(model, tok, self._drafter(draft, target, model, tok), tau, draft, policy)
+        drafter = self._drafter(draft, target, model, tok)
+        self._setup(model, tok, drafter, tau, getattr(drafter, "name", draft), policy)
 
     @classmethod
     def from_models(cls, model, tokenizer, draft="ngram", tau: int = 4, draft_tokenizer=None,
@@ -89,7 +90,8 @@ class SpecDecoder:
             return ModelDrafter(model, model.config.vocab_size, name="target")
         path = models.resolve(draft)
         if is_feature_draft(path):
-            return FeatureDrafter.load(path, model, models.tokenizer_fingerprint(tok), name=str(draft))
+            name = f"shipped:{SHIPPED_DRAFT.name}" if Path(path) == SHIPPED_DRAFT else str(draft)
+            return FeatureDrafter.load(path, model, models.tokenizer_fingerprint(tok), name=name)
         draft_model, draft_tok = models.load(draft)
         models.check_compatible(tok, draft_tok, draft)
         return ModelDrafter(draft_model, model.config.vocab_size, name=str(draft))

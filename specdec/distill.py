@@ -104,7 +104,7 @@ def _greedy_batch(model, chunk: list[list[int]], max_new_tokens: int, pad: int, 
         cut = next((k + 1 for k, t in enumerate(row) if t in eos), len(row))
         seq = c + row[:cut]
         left = width - len(c)
-        result.append((seq, hidden[b, left:left + len(seq) - 1]))
+        result.append((seq, hidden[b, left:left + len(seq) - 1].clone()))  # compact: not a view of the batch
     return result
 
 

@@ -166,3 +166,22 @@ def test_incompatible_draft_model_refused(tok, target, draft_close):
     from specdec import IncompatibleDraft
     with pytest.raises(IncompatibleDraft, match="different tokenizer"):
         SpecDecoder.from_models(target, tok, draft=draft_close, draft_tokenizer=char_tokenizer(shift=7))
+
+
+def test_few_row_linears_same_math_on_this_model_only():
+    """The verify-pass linear layout gives the stock result for every row count and shape, and is installed on
+    the given model's layers only."""
+    from torch import nn
+    from torch.nn import functional as F
+    from specdec.kv import few_row_linears
+    torch.manual_seed(0)
+    mine, other = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8, bias=False)), nn.Linear(16, 32)
+    few_row_linears(mine)
+    for rows in (1, 2, 3, 5, 8, 9):
+        for shape in ((rows, 16), (1, rows, 16)):
+            x = torch.randn(*shape)
+            ref = F.linear(F.linear(x, mine[0].weight, mine[0].bias), mine[1].weight)
+            out = mine(x)
+            assert out.shape == ref.shape and torch.allclose(out, ref, atol=1e-5)
+    assert all(m._few_rows for m in mine) and not hasattr(other, "_few_rows")
+    assert other.forward.__func__ is nn.Linear.forward
