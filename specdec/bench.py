@@ -16,6 +16,7 @@ from .api import SpecDecoder
 from .drafters import ModelDrafter, NgramDrafter, NoDrafter
 from .drafters.feature import FeatureDrafter, is_feature_draft
 from .errors import InvalidRequest, SpecDecError
+from .kv import stock_linears
 from .policy import make_policy
 from .prompts import load_prompts
 
@@ -97,6 +98,10 @@ class Bench:
             s = out.stats
             return out.token_ids, s["wall_s"], s["proposed"], s["accepted"], s["cycles"]
         ids = self._decoders[self.configs[0].label].encode(prompt["prompt"], prompt["chat"])
+        with stock_linears(self.model):  # transformers as its users run it
+            return self._run_hf(c, ids, max_new_tokens)
+
+    def _run_hf(self, c: Config, ids: list[int], max_new_tokens: int):
         if c.draft in self.feature_drafts:
             drafter = self._decoders[self._twin(c)].engine.drafter
             t0 = perf_counter()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -73,6 +74,18 @@ def few_row_linears(model) -> None:
     for m in model.modules():
         if isinstance(m, nn.Linear) and not hasattr(m, "_hf_hook") and not getattr(m, "_few_rows", False):
             m.forward, m._few_rows = partial(_few_row_linear, m), True
+
+
+@contextmanager
+def stock_linears(model):
+    """Temporarily undo few_row_linears (to measure stock transformers on the same model object)."""
+    patched = [m for m in model.modules() if getattr(m, "_few_rows", False)]
+    for m in patched:
+        del m.forward, m._few_rows
+    try:
+        yield
+    finally:
+        few_row_linears(model)
 
 
 def _few_row_linear(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -173,7 +173,7 @@ def test_few_row_linears_same_math_on_this_model_only():
     the given model's layers only."""
     from torch import nn
     from torch.nn import functional as F
-    from specdec.kv import few_row_linears
+    from specdec.kv import few_row_linears, stock_linears
     torch.manual_seed(0)
     mine, other = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8, bias=False)), nn.Linear(16, 32)
     few_row_linears(mine)
@@ -185,3 +185,6 @@ def test_few_row_linears_same_math_on_this_model_only():
             assert out.shape == ref.shape and torch.allclose(out, ref, atol=1e-5)
     assert all(m._few_rows for m in mine) and not hasattr(other, "_few_rows")
     assert other.forward.__func__ is nn.Linear.forward
+    with stock_linears(mine):  # the bench's transformers rows run the stock layers
+        assert all(m.forward.__func__ is nn.Linear.forward for m in mine)
+    assert all(m._few_rows and "forward" in vars(m) for m in mine)
