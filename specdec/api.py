@@ -60,7 +60,7 @@ def _positive_int(name, value):
 
 class SpecDecoder:
     def __init__(self, target: str = models.DEFAULT_MODEL, draft: str | None = DEFAULT_DRAFT, tau: int = 4,
-                 policy: str = "fixed"):
+                 policy: str = "adaptive"):
         draft = draft or default_draft(target)
         model, tok = models.load(target)
         drafter = self._drafter(draft, target, model, tok)
