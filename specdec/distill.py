@@ -329,7 +329,7 @@ def report(target_model, tok, drafter, prompts: list[dict], max_new_tokens: int,
 
 # ---- the command -----------------------------------------------------------------------------------------------
 def distill(target: str, out: str, prompt_files: list[str], text_files: list[str], max_new_tokens: int = 128,
-            gen_batch: int = 64, reduced: int = 8192, epochs: int = 3, batch: int = 8, lr: float = 2e-3,
+            gen_batch: int = 64, reduced: int = 8192, epochs: int = 6, batch: int = 8, lr: float = 2e-3,
             seed: int = 0, limit: int = 0, eval_limit: int = 0, eval_tau: int = 4, device: str = "auto",
             self_chat: int = 1536, val_every: int = 50, loaded=None) -> dict:
     if max_new_tokens < 1 or gen_batch < 1 or epochs < 1 or batch < 1 or lr <= 0 or eval_tau < 1:
@@ -415,7 +415,7 @@ def register(sub, model_args, sampling_args):
     d.add_argument("--val-every", type=int, default=50,
                    help="hold every Nth sequence out of training to pick the best epoch (0 = no split)")
     d.add_argument("--reduced-vocab", type=int, default=8192, help="draft head size (most frequent target tokens)")
-    d.add_argument("--epochs", type=int, default=3)
+    d.add_argument("--epochs", type=int, default=6)
     d.add_argument("--batch", type=int, default=8)
     d.add_argument("--lr", type=float, default=2e-3)
     d.add_argument("--seed", type=int, default=0)
