@@ -250,6 +250,8 @@ def test_bad_input(tmp_path, prompt_file, tok, target, tiny_dirs, capsys):
         distill("tiny", str(tmp_path / "o"), [prompt_file], [], epochs=0, loaded=(target, tok))
     with pytest.raises(InvalidRequest, match="self-chat"):
         distill("tiny", str(tmp_path / "o"), [prompt_file], [], self_chat=-1, loaded=(target, tok))
+    with pytest.raises(InvalidRequest, match="val-every"):
+        distill("tiny", str(tmp_path / "o"), [prompt_file], [], val_every=-1, loaded=(target, tok))
     with pytest.raises(SpecDecError, match="cannot read text file"):
         distill("tiny", str(tmp_path / "o"), [prompt_file], [str(tmp_path / "nope.txt")], reduced=40,
                 loaded=(target, tok))
