@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..errors import IncompatibleDraft, ModelLoadError
-from ..kv import common_prefix_len
+from ..kv import common_prefix_len, few_row_linears, rows_linear
 from ..sampling import warp
 from .base import Draft
 
@@ -99,6 +99,7 @@ class FeatureDrafter:
         self.dtype = next(net.parameters()).dtype
         self.embed = embed.to(self.dtype)
         self.head = head[vocab_map].to(self.dtype).contiguous()  # the target's head rows for the reduced vocab
+        few_row_linears(self.net)  # drafting runs one row at a time
         self.reset()
 
     def reset(self) -> None:
@@ -121,7 +122,7 @@ class FeatureDrafter:
         return out[0]
 
     def _logits(self, feat: torch.Tensor) -> torch.Tensor:
-        return feat @ self.head.T
+        return rows_linear(feat, self.head)
 
     @torch.inference_mode()
     def propose(self, context, k, params, generator) -> Draft:
