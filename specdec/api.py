@@ -15,6 +15,7 @@ from time import perf_counter
 
 from . import models
 from .drafters import ModelDrafter, NgramDrafter, NoDrafter
+from .drafters.chain import ChainDrafter
 from .drafters.feature import FeatureDrafter, is_feature_draft
 from .engine import Engine
 from .policy import make_policy
@@ -52,6 +53,31 @@ class Chunk:
     result: GenerationResult | None = None
 
 
+def build_drafter(draft: str, model, tok, target_spec: str | None = None, draft_models: dict | None = None):
+    """A drafter from its name: 'ngram', 'none', 'target', 'shipped' (the distilled draft shipped for the default
+    target), a `specdec distill` directory, a draft model (dir/.gguf), or 'A+B' (A first, B when A proposes
+    nothing). `draft_models` caches loaded draft models by name."""
+    draft_models = {} if draft_models is None else draft_models
+    if "+" in draft and not Path(draft).exists():
+        return ChainDrafter([build_drafter(d, model, tok, target_spec, draft_models) for d in draft.split("+")])
+    if draft == "ngram":
+        return NgramDrafter()
+    if draft == "none":
+        return NoDrafter()
+    if draft == target_spec or draft == "target":
+        return ModelDrafter(model, model.config.vocab_size, name="target")
+    if draft in draft_models:
+        return ModelDrafter(draft_models[draft], model.config.vocab_size, name=str(draft))
+    path = SHIPPED_DRAFT if draft == "shipped" else models.resolve(draft)
+    if is_feature_draft(path):
+        name = f"shipped:{SHIPPED_DRAFT.name}" if Path(path) == SHIPPED_DRAFT else str(draft)
+        return FeatureDrafter.load(path, model, models.tokenizer_fingerprint(tok), name=name)
+    draft_model, draft_tok = models.load(draft)
+    models.check_compatible(tok, draft_tok, draft)
+    draft_models[draft] = draft_model
+    return ModelDrafter(draft_model, model.config.vocab_size, name=str(draft))
+
+
 def _positive_int(name, value):
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise InvalidRequest(f"{name} must be an integer >= 1, got {value!r}")
@@ -63,7 +89,7 @@ class SpecDecoder:
                  policy: str = "adaptive"):
         draft = draft or default_draft(target)
         model, tok = models.load(target)
-        drafter = self._drafter(draft, target, model, tok)
+        drafter = build_drafter(draft, model, tok, target)
         self._setup(model, tok, drafter, tau, getattr(drafter, "name", draft), policy)
 
     @classmethod
@@ -72,7 +98,7 @@ class SpecDecoder:
         """Wrap already-loaded models. `draft` is a drafter name, a drafter object or a draft causal LM."""
         self = cls.__new__(cls)
         if isinstance(draft, str):
-            drafter = self._drafter(draft, None, model, tokenizer)
+            drafter = build_drafter(draft, model, tokenizer)
         elif hasattr(draft, "propose"):
             drafter = draft
         else:
@@ -80,21 +106,6 @@ class SpecDecoder:
             drafter = ModelDrafter(draft, model.config.vocab_size)
         self._setup(model, tokenizer, drafter, tau, getattr(drafter, "name", str(draft)), policy)
         return self
-
-    def _drafter(self, draft, target_spec, model, tok):
-        if draft == "ngram":
-            return NgramDrafter()
-        if draft == "none":
-            return NoDrafter()
-        if draft == target_spec or draft == "target":
-            return ModelDrafter(model, model.config.vocab_size, name="target")
-        path = models.resolve(draft)
-        if is_feature_draft(path):
-            name = f"shipped:{SHIPPED_DRAFT.name}" if Path(path) == SHIPPED_DRAFT else str(draft)
-            return FeatureDrafter.load(path, model, models.tokenizer_fingerprint(tok), name=name)
-        draft_model, draft_tok = models.load(draft)
-        models.check_compatible(tok, draft_tok, draft)
-        return ModelDrafter(draft_model, model.config.vocab_size, name=str(draft))
 
     def _setup(self, model, tok, drafter, tau, draft_name, policy):
         self.model, self.tokenizer, self.draft_name = model, tok, draft_name

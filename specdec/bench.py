@@ -12,9 +12,8 @@ from rich.progress import Progress
 from rich.table import Table
 
 from . import hf_assist, models
-from .api import SpecDecoder
-from .drafters import ModelDrafter, NgramDrafter, NoDrafter
-from .drafters.feature import FeatureDrafter, is_feature_draft
+from .api import SpecDecoder, build_drafter
+from .drafters.feature import FeatureDrafter
 from .errors import InvalidRequest, SpecDecError
 from .kv import stock_linears
 from .policy import make_policy
@@ -55,41 +54,24 @@ class Bench:
         self.model, self.tok, self.draft_models = loaded if loaded else (*models.load(target), {})
         self.max_new_tokens = max_new_tokens
         self.feature_drafts = set()  # EAGLE-style drafts (specdec distill): they ride on the target's features
-        for d in drafts:
-            if d in ("ngram", "none", "target") or d in self.draft_models:
-                continue
-            if is_feature_draft(models.resolve(d)):
+        for d in drafts:  # load each once (fails early on a bad or incompatible draft)
+            if isinstance(build_drafter(d, self.model, self.tok, draft_models=self.draft_models), FeatureDrafter):
                 self.feature_drafts.add(d)
-                FeatureDrafter.load(d, self.model, models.tokenizer_fingerprint(self.tok))  # fail early if incompatible
-            else:
-                dm, dt = models.load(d)
-                models.check_compatible(self.tok, dt, d)
-                self.draft_models[d] = dm
         grid = configs or [(d, t, p) for d in drafts if d != "none" for t in taus for p in policies]
         self.configs = [Config("none", 1)] + [Config(*c) for c in grid]
-        if compare_hf:  # feature drafts run inside transformers' assisted loop through hf_assist
-            self.configs += [Config("none", 1, hf=True)] + [Config(d, t, hf=True) for d in drafts
-                                                             if d != "none" and (hf_assist.SUPPORTED or
-                                                                                 d not in self.feature_drafts)
-                                                             for t in taus]
+        if compare_hf:  # feature drafts run inside transformers' assisted loop through hf_assist; it has no chains
+            hf_drafts = [d for d in drafts if d != "none" and "+" not in d
+                         and (hf_assist.SUPPORTED or d not in self.feature_drafts)]
+            self.configs += [Config("none", 1, hf=True)] + [Config(d, t, hf=True) for d in hf_drafts for t in taus]
         self._decoders = {c.label: self.decoder_for(c.draft, c.tau, c.policy) for c in self.configs if not c.hf}
 
     def decoder_for(self, draft: str, tau: int, policy: str = "fixed") -> SpecDecoder:
-        drafter = {"ngram": NgramDrafter, "none": NoDrafter}.get(draft)
-        if drafter:
-            drafter = drafter()
-        elif draft in self.feature_drafts:
-            drafter = FeatureDrafter.load(draft, self.model, models.tokenizer_fingerprint(self.tok), name=draft)
-        else:
-            drafter = ModelDrafter(self._draft_model(draft), self.model.config.vocab_size, draft)
+        drafter = build_drafter(draft, self.model, self.tok, draft_models=self.draft_models)
         return SpecDecoder.from_models(self.model, self.tok, drafter, tau, policy=policy)
 
     def _twin(self, c: Config) -> str:
         """Our decoder for the same draft (its drafter instance is reused by the transformers row)."""
         return next(o.label for o in self.configs if not o.hf and o.draft == c.draft)
-
-    def _draft_model(self, name):
-        return self.model if name == "target" else self.draft_models[name]
 
     def _run_one(self, c: Config, prompt: dict, max_new_tokens: int):
         if not c.hf:
@@ -111,7 +93,7 @@ class Bench:
         if c.draft == "ngram":
             kw = dict(prompt_lookup_num_tokens=c.tau)
         elif c.draft != "none":
-            kw = dict(assistant_model=self._draft_model(c.draft), num_assistant_tokens=c.tau,
+            kw = dict(assistant_model=self.model if c.draft == "target" else self.draft_models[c.draft], num_assistant_tokens=c.tau,
                       num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0)
         x = torch.tensor([ids])
         t0 = perf_counter()
@@ -191,7 +173,8 @@ def register(sub, model_args, sampling_args):
     b = sub.add_parser("bench", help="compare target-only and speculative configurations side by side")
     b.add_argument("--prompts", default=None, help="JSONL of {prompt, mode}; default: the shipped prompt sets")
     b.add_argument("--target", default="default")
-    b.add_argument("--draft", action="append", help="repeatable: model path, ngram, target")
+    b.add_argument("--draft", action="append",
+                   help="repeatable: shipped, ngram, target, a draft dir/.gguf, or A+B (A, else B)")
     b.add_argument("--tau", action="append", type=int, help="repeatable (default 2 4 6)")
     b.add_argument("--policy", action="append", help="repeatable: fixed (default), heuristic, adaptive")
     b.add_argument("--max-new-tokens", type=int, default=64)

@@ -178,7 +178,7 @@ def cmd_tune(args) -> int:
 def register(sub, model_args, sampling_args):
     t = sub.add_parser("tune", help="measure drafts and tau, predict with the cost model, recommend one")
     t.add_argument("--target", default="default")
-    t.add_argument("--draft", action="append", help="candidate draft (repeatable): model path, ngram, target")
+    t.add_argument("--draft", action="append", help="candidate draft (repeatable): shipped, ngram, target, a draft dir/.gguf, or A+B")
     t.add_argument("--max-tau", type=int, default=6)
     t.add_argument("--prompts", default=None)
     t.add_argument("--limit", type=int, default=6, help="prompts used (0 = all)")

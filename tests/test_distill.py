@@ -279,3 +279,30 @@ def test_draft_for_another_target_refused(distilled, tiny_dirs):
     out, _ = distilled
     with pytest.raises(IncompatibleDraft):
         SpecDecoder(target=tiny_dirs["alien"], draft=str(out))
+
+
+def test_chain_drafter_copies_when_ngram_matches_else_runs_the_feature_draft(distilled, tok, target):
+    from specdec.drafters import NgramDrafter
+    out, _ = distilled
+    sd = SpecDecoder.from_models(target, tok, draft=f"ngram+{out}", tau=3)
+    assert sd.draft_name == f"ngram+{out}" and sd.engine.wants_hidden
+    ids = tok("The cat abc abc abc abc").input_ids
+    recs = list(sd.engine.run(ids, 40, SamplingParams(), 3))
+    assert [t for r in recs for t in r.emitted] == reference_greedy(target, ids, 40)
+    seq, sources = list(ids), []
+    for r in recs:
+        copied = NgramDrafter().propose(seq, 3, None, None).tokens[:3]
+        if copied:
+            assert r.proposed == copied
+        elif r.cycle > 0 and len(seq) - len(ids) < 39:  # (the last token has no room for a draft)
+            assert r.proposed  # no n-gram match: the feature draft proposes (it has target features by now)
+        sources.append("ngram" if copied else "feature")
+        seq += r.emitted
+    assert sources[0] == "ngram" and "feature" in sources  # cycle 0: the prompt repeats; later: no match
+
+
+def test_chain_with_a_missing_member_is_a_clear_error(tiny_dirs, capsys):
+    assert main(["generate", "Hello", "--target", tiny_dirs["target"], "--draft", "ngram+/no/such/draft",
+                 "--max-new-tokens", "4"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "/no/such/draft" in err and len(err.splitlines()) == 1

@@ -1,0 +1,32 @@
+"""`A+B`: ask drafter A first and fall back to B when A proposes nothing (e.g. `ngram+<feature draft>`: copy from
+the context when an n-gram matches — free to draft — else run the model draft). Target hidden states go to every
+member that wants them, each cycle, so a member that was skipped stays in sync."""
+from __future__ import annotations
+
+from .base import Draft
+
+
+class ChainDrafter:
+    def __init__(self, members: list):
+        self.members = members
+        self.name = "+".join(m.name for m in members)
+        self.wants_target_hidden = any(getattr(m, "wants_target_hidden", False) for m in members)
+        self.last_member: str | None = None  # which member the latest proposal came from
+
+    def propose(self, context, k, params, generator) -> Draft:
+        for m in self.members:
+            draft = m.propose(context, k, params, generator)
+            if draft.tokens:
+                self.last_member = m.name
+                return draft
+        self.last_member = None
+        return Draft()
+
+    def observe_target(self, start: int, hidden) -> None:
+        for m in self.members:
+            if getattr(m, "wants_target_hidden", False):
+                m.observe_target(start, hidden)
+
+    def reset(self) -> None:
+        for m in self.members:
+            m.reset()
