@@ -153,7 +153,8 @@ def plot(report: dict, path: str) -> None:
 def cmd_tune(args) -> int:
     from .api import default_draft
     prompts = load_prompts(args.prompts)[: args.limit or None]
-    drafts = args.draft or list(dict.fromkeys([default_draft(args.target), "ngram"]))
+    default = default_draft(args.target)
+    drafts = args.draft or list(dict.fromkeys([default, *default.split("+"), "ngram"]))
     report = tune(args.target, drafts, args.max_tau, prompts, args.max_new_tokens, args.confirm)
     try:
         if args.plot:
@@ -178,7 +179,8 @@ def cmd_tune(args) -> int:
 def register(sub, model_args, sampling_args):
     t = sub.add_parser("tune", help="measure drafts and tau, predict with the cost model, recommend one")
     t.add_argument("--target", default="default")
-    t.add_argument("--draft", action="append", help="candidate draft (repeatable): shipped, ngram, target, a draft dir/.gguf, or A+B")
+    t.add_argument("--draft", action="append",
+                   help="candidate draft (repeatable): shipped, ngram, target, a draft dir/.gguf, or A+B")
     t.add_argument("--max-tau", type=int, default=6)
     t.add_argument("--prompts", default=None)
     t.add_argument("--limit", type=int, default=6, help="prompts used (0 = all)")

@@ -1,5 +1,6 @@
 from .base import Draft, Drafter, NoDrafter
+from .chain import ChainDrafter
 from .model import ModelDrafter
 from .ngram import NgramDrafter
 
-__all__ = ["Draft", "Drafter", "NoDrafter", "ModelDrafter", "NgramDrafter"]
+__all__ = ["ChainDrafter", "Draft", "Drafter", "NoDrafter", "ModelDrafter", "NgramDrafter"]
