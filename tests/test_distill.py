@@ -306,3 +306,21 @@ def test_chain_with_a_missing_member_is_a_clear_error(tiny_dirs, capsys):
                  "--max-new-tokens", "4"]) != 0
     err = capsys.readouterr().err.strip()
     assert "/no/such/draft" in err and len(err.splitlines()) == 1
+
+
+def test_feature_draft_stops_a_block_when_its_own_confidence_drops(distilled, tok, target):
+    """Dynamic block length: the first token is always proposed; later ones only while the draft's probability
+    that the whole block is accepted stays above min_confidence. Lossless either way."""
+    out, _ = distilled
+    ids = tok("The cat").input_ids
+    ref = reference_greedy(target, ids, 30)
+    for threshold, expect in ((0.0, lambda k: k), (1.01, lambda k: min(k, 1))):
+        drafter = FeatureDrafter.load(out, target, tokenizer_fingerprint(tok))
+        drafter.min_confidence = threshold
+        recs = list(Engine(target, drafter, VOCAB, set(), 256).run(ids, 30, SamplingParams(), 4))
+        assert [t for r in recs for t in r.emitted] == ref
+        done = 0
+        for r in recs:
+            k = min(4, 30 - done - 1)  # the engine's block size: never more than can be emitted
+            assert r.cycle == 0 or len(r.proposed) == expect(k), (threshold, r)
+            done += len(r.emitted)

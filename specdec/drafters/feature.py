@@ -22,6 +22,10 @@ from ..sampling import warp
 from .base import Draft
 
 MARKER = "specdec_draft.json"
+# Stop a block once the draft's own probability that all of it is accepted falls below this. The shipped draft is
+# calibrated (bench prompts: draft confidence 0.2-0.4 -> 21% accepted, 0.8-0.9 -> 77%); at fixed tau=3 this
+# threshold took ngram+shipped from 1.06x to 1.18x and adaptive from 1.19x to 1.21x (one bench run).
+MIN_CONFIDENCE = 0.5
 
 
 class RMSNorm(nn.Module):
@@ -94,8 +98,9 @@ class FeatureDrafter:
     wants_target_hidden = True
 
     def __init__(self, net: FeatureDraftNet, embed: torch.Tensor, head: torch.Tensor, vocab_map: torch.Tensor,
-                 vocab_size: int, name: str = "feature"):
+                 vocab_size: int, name: str = "feature", min_confidence: float = MIN_CONFIDENCE):
         self.net, self.vocab_map, self.vocab_size, self.name = net.eval(), vocab_map, vocab_size, name
+        self.min_confidence = min_confidence
         self.dtype = next(net.parameters()).dtype
         self.embed = embed.to(self.dtype)
         self.head = head[vocab_map].to(self.dtype).contiguous()  # the target's head rows for the reduced vocab
@@ -136,18 +141,23 @@ class FeatureDrafter:
             prev = torch.cat([prev.new_zeros(1, prev.shape[1]), prev])
         feat = self._step(context[keep:L], prev, keep)[-1]
         self.tokens = list(context)
-        drafted, qs = [], []
+        drafted, qs, reach = [], [], 1.0
         for i in range(k):
             logits = self._logits(feat)
             if params.greedy:
-                token = int(self.vocab_map[int(logits.argmax())])
+                best = int(logits.argmax())
+                token, p = int(self.vocab_map[best]), float(logits.softmax(-1)[best])
             else:
                 full = logits.new_full((self.vocab_size,), float("-inf"))
                 full[self.vocab_map] = logits
                 q = warp(full, params)
                 token = int(torch.multinomial(q, 1, generator=generator))
                 qs.append(q)
+                p = float(q[token])
             drafted.append(token)
+            reach *= p  # the draft's own estimate that the whole block so far is accepted
+            if reach < self.min_confidence:
+                break  # dynamic block length (EAGLE-2): the rest would rarely be accepted
             if i + 1 < k:
                 feat = self._step([token], feat[None], L + i)[-1]
         self._truncate(L)  # drop positions drafted from predicted features
