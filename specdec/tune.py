@@ -27,24 +27,23 @@ from .trace import acceptance_by_position
 
 
 @torch.inference_mode()
-def measure_verify_curve(model, vocab: int, prompt_ids: list[int], max_n: int, reps: int = 5) -> dict[int, float]:
+def measure_verify_curve(model, vocab: int, prompt_ids: list[int], max_n: int, reps: int = 9) -> dict[int, float]:
     """Median ms of one target pass over n new tokens after a cached prompt, n = 1..max_n."""
     lm = CachedModel(model, vocab)
     lm.forward(prompt_ids)
     g = torch.Generator().manual_seed(0)
-    curve = {}
-    for _ in range(2):  # warm-up
-        lm.forward(prompt_ids + [1] * max_n, max_n)
+    for n in (1, max_n):  # warm-up
+        lm.forward(prompt_ids + [1] * n, n)
         lm.rollback(len(prompt_ids))
-    for n in range(1, max_n + 1):
-        times = []
-        for _ in range(reps):
+    times = {n: [] for n in range(1, max_n + 1)}
+    for _ in range(reps):  # sizes interleaved, so drift in machine load hits every size alike
+        for n in times:
             extra = torch.randint(0, vocab, (n,), generator=g).tolist()
             t0 = perf_counter()
             lm.forward(prompt_ids + extra, n)
-            times.append((perf_counter() - t0) * 1e3)
+            times[n].append((perf_counter() - t0) * 1e3)
             lm.rollback(len(prompt_ids))
-        curve[n] = median(times)
+    curve = {n: median(t) for n, t in times.items()}
     return curve
 
 
@@ -68,23 +67,19 @@ def profile_draft(decoder: SpecDecoder, prompts: list[dict], tau: int, max_new_t
     }
 
 
-def reason(best: dict, drafts: dict, t_target: float) -> str:
+def reason(best: dict, drafts: dict, t_target: float, confirmed: list[dict]) -> str:
+    """Plain facts behind the pick: what it measured, why (acceptance, draft cost, how often it drafts), and the
+    runner-up it beat."""
     d = drafts[best["draft"]]
-    alphas = d["alphas"]
-    survives = max([k + 1 for k, a in enumerate(alphas) if a >= 0.5], default=0)
-    cost = d["draft_ms_per_token"] / t_target
     text = (f"draft {best['draft']} at tau={best['tau']}: measured {best['measured_speedup']:.2f}x over target-only "
-            f"(predicted {best['predicted_speedup']:.2f}x); its acceptance stays >= 0.5 up to position {survives} "
-            f"and one draft token costs {cost:.3f} of a target step")
-    others = [(n, o) for n, o in drafts.items() if n != best["draft"]]
-    for name, o in others:
-        ratio = d["draft_ms_per_token"] / max(o["draft_ms_per_token"], 1e-6)
-        if ratio > 1.2:
-            text += (f"; it costs {ratio:.1f}x more per token than {name}, which its higher acceptance "
-                     f"({d['acceptance_rate']:.2f} vs {o['acceptance_rate']:.2f}) outweighs")
-        elif ratio < 1 / 1.2:
-            text += (f"; it is {1 / ratio:.1f}x cheaper per token than {name}, which outweighs "
-                     f"{name}'s acceptance ({o['acceptance_rate']:.2f} vs {d['acceptance_rate']:.2f})")
+            f"(predicted {best['predicted_speedup']:.2f}x); its first draft token is accepted "
+            f"{d['alphas'][0]:.0%} of the time (acceptance rate {d['acceptance_rate']:.2f}), one draft token costs "
+            f"{d['draft_ms_per_token'] / t_target:.3f} of a target step, and it drafts in {d['match_rate']:.0%} of "
+            f"cycles")
+    others = [p for p in confirmed if p is not best]
+    if others:
+        nxt = max(others, key=lambda p: p["measured_speedup"])
+        text += f"; runner-up {nxt['draft']} tau={nxt['tau']} measured {nxt['measured_speedup']:.2f}x"
     return text
 
 
@@ -121,7 +116,7 @@ def tune(target: str, drafts: list[str], max_tau: int, prompts: list[dict], max_
             f"no configuration beat target-only decoding (best: {best['draft']} tau={best['tau']} at "
             f"{best['measured_speedup']:.2f}x): do not speculate with these drafts on this machine")}
     else:
-        recommendation = {"draft": best["draft"], "tau": best["tau"], "reason": reason(best, profiles, t_target)}
+        recommendation = {"draft": best["draft"], "tau": best["tau"], "reason": reason(best, profiles, t_target, top)}
     return {"verify_ms_by_tokens": {str(k): round(v, 3) for k, v in curve.items()}, "target_step_ms": t_target,
             "drafts": profiles, "predictions": predictions, "confirmed": top, "recommendation": recommendation}
 
