@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,10 +16,11 @@ from time import perf_counter
 
 from . import models
 from .drafters import ChainDrafter, ModelDrafter, NgramDrafter, NoDrafter
-from .drafters.feature import FeatureDrafter, is_feature_draft
+from .drafters.datastore import DatastoreDrafter
+from .drafters.feature import MARKER, FeatureDrafter, is_feature_draft
 from .engine import Engine
 from .policy import make_policy
-from .errors import InvalidRequest, PromptTooLong
+from .errors import IncompatibleDraft, InvalidRequest, PromptTooLong
 from .sampling import SamplingParams
 from .trace import CycleRecord, summarize
 
@@ -62,6 +64,8 @@ def build_drafter(draft: str, model, tok, target_spec: str | None = None, draft_
         return ChainDrafter([build_drafter(d, model, tok, target_spec, draft_models) for d in draft.split("+")])
     if draft == "ngram":
         return NgramDrafter()
+    if draft == "datastore" or draft.startswith("datastore:"):
+        return _datastore(draft, model, tok)
     if draft == "none":
         return NoDrafter()
     if draft == target_spec or draft == "target":
@@ -76,6 +80,17 @@ def build_drafter(draft: str, model, tok, target_spec: str | None = None, draft_
     models.check_compatible(tok, draft_tok, draft)
     draft_models[draft] = draft_model
     return ModelDrafter(draft_model, model.config.vocab_size, name=str(draft))
+
+
+def _datastore(draft: str, model, tok) -> DatastoreDrafter:
+    """'datastore' = the shipped draft's; 'datastore:DIR' = a `specdec distill` directory's (or a .safetensors)."""
+    src = SHIPPED_DRAFT if draft == "datastore" else Path(models.resolve(draft.split(":", 1)[1]))
+    if is_feature_draft(src):
+        meta = json.loads((src / MARKER).read_text())
+        if meta.get("target_fingerprint") != models.tokenizer_fingerprint(tok):
+            raise IncompatibleDraft(f"datastore {src} was built for another target/tokenizer "
+                                    f"({meta.get('target_name', '?')})")
+    return DatastoreDrafter.load(src, model.config.vocab_size, name=draft)
 
 
 def _positive_int(name, value):

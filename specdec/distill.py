@@ -25,6 +25,7 @@ from rich.progress import Progress
 from torch.nn import functional as F
 
 from . import models
+from .drafters.datastore import DatastoreDrafter
 from .drafters.feature import FeatureDrafter, net_for_target, save_draft
 from .errors import InvalidRequest, SpecDecError
 from .prompts import HERE as PROMPT_DIR
@@ -381,6 +382,7 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
             "sequences": len(data), "tokens": int(sum(len(d["ids"]) for d in data)),
             "train_history": hist["epochs"], "best_epoch": hist["best_epoch"]}
     save_draft(net, vocab_map, out_dir, fp, target_name=str(target), extra=meta)
+    DatastoreDrafter.save([d["ids"].tolist() for d in data], out_dir)  # for `--draft datastore:DIR` (retrieval)
     drafter = FeatureDrafter.load(out_dir, model, fp)
     held_out = load_prompts()[: eval_limit or None]
     rep = {**meta, "seconds": {"data": round(t_data, 1), "labels": round(t1 - t0 - t_data, 1),

@@ -279,6 +279,8 @@ def test_draft_for_another_target_refused(distilled, tiny_dirs):
     out, _ = distilled
     with pytest.raises(IncompatibleDraft):
         SpecDecoder(target=tiny_dirs["alien"], draft=str(out))
+    with pytest.raises(IncompatibleDraft):
+        SpecDecoder(target=tiny_dirs["alien"], draft=f"datastore:{out}")
 
 
 def test_chain_drafter_copies_when_ngram_matches_else_runs_the_feature_draft(distilled, tok, target):
@@ -324,3 +326,38 @@ def test_feature_draft_stops_a_block_when_its_own_confidence_drops(distilled, to
             k = min(4, 30 - done - 1)  # the engine's block size: never more than can be emitted
             assert r.cycle == 0 or len(r.proposed) == expect(k), (threshold, r)
             done += len(r.emitted)
+
+
+def test_datastore_proposes_the_majority_continuation_of_the_longest_matching_context(tmp_path):
+    from specdec.drafters.datastore import DatastoreDrafter
+    from specdec.errors import ModelLoadError
+    seqs = [[8, 1, 2, 3, 9], [8, 1, 2, 3, 9], [1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [7, 1, 2, 3, 4, 5]]
+    DatastoreDrafter.save(seqs, tmp_path)
+    ds = DatastoreDrafter.load(tmp_path, 10)
+    prop = lambda ctx, k=4: ds.propose(ctx, k, None, None).tokens  # noqa: E731
+    assert prop([8, 1, 2, 3]) == [9]  # 4-gram (8 1 2 3) seen twice: it wins over the 3-gram's majority
+    assert prop([0, 1, 2, 3]) == [4, 5]  # 3-gram: 9 9 4 4 4 -> 4; then 5 6 5 -> 5; then sequence ends
+    assert prop([0, 1, 2, 3], k=1) == [4]
+    ds.min_share = 0.65
+    assert prop([0, 1, 2, 3]) == []  # only 3 of the 5 matches agree on 4: below the required share
+    ds.min_share, ds.min_count = 0.5, 3
+    assert prop([0, 1, 2, 3]) == [4]  # 4 has 3 supporters; 5 then only 2
+    assert prop([5, 5, 5]) == [] and prop([3]) == []  # no match, too short a context
+    with pytest.raises(ModelLoadError):
+        DatastoreDrafter.load(tmp_path, 9)  # token 9 does not fit a 9-token vocabulary
+    with pytest.raises(ModelLoadError):
+        DatastoreDrafter.load(tmp_path / "missing", 10)
+
+
+def test_distill_writes_a_datastore_of_its_data_and_the_chain_stays_lossless(distilled, tok, target):
+    from safetensors.torch import load_file
+    out, rep = distilled
+    tokens = load_file(out / "datastore.safetensors")["tokens"]
+    assert int((tokens == -1).sum()) == rep["sequences"] and len(tokens) == rep["tokens"] + rep["sequences"]
+    sd = SpecDecoder.from_models(target, tok, draft=f"ngram+datastore:{out}+{out}", tau=3)
+    assert [type(m).__name__ for m in sd.engine.drafter.members] == ["NgramDrafter", "DatastoreDrafter",
+                                                                      "FeatureDrafter"]
+    for prompt in ["Hello", "The cat", "x = 1"]:
+        ids = tok(prompt).input_ids
+        recs = list(sd.engine.run(ids, 30, SamplingParams(), 3))
+        assert [t for r in recs for t in r.emitted] == reference_greedy(target, ids, 30)
