@@ -29,10 +29,11 @@ DEFAULT_DRAFT = None  # resolved per target by default_draft()
 
 
 def default_draft(target: str) -> str:
-    """For the default target: copy from the context when an n-gram matches, else the shipped distilled draft
-    (the fastest measured setup, README "Measured"); for any other target the n-gram drafter."""
+    """For the default target: the shipped datastore's continuation when it has a confident one, else a copy from
+    the context when an n-gram matches, else the shipped distilled draft (the fastest measured setup, README
+    "Measured"); for any other target the n-gram drafter."""
     if target == models.DEFAULT_MODEL and is_feature_draft(SHIPPED_DRAFT):
-        return "ngram+shipped"
+        return "datastore+ngram+shipped"
     return "ngram"
 
 

@@ -5,7 +5,9 @@ import torch
 
 from specdec import SpecDecoder
 from specdec.drafters import ModelDrafter, NgramDrafter
+from specdec.api import SHIPPED_DRAFT
 from specdec.drafters.chain import ChainDrafter
+from specdec.drafters.datastore import DatastoreDrafter
 from specdec.drafters.feature import FeatureDrafter
 from specdec.models import tokenizer_fingerprint
 
@@ -31,16 +33,17 @@ def hf_greedy(sd, ids, n):
 @pytest.fixture(scope="module")
 def shipped(sd):
     """The distilled draft committed in the package is the default draft of the default target."""
-    from specdec.api import SHIPPED_DRAFT, default_draft
-    assert default_draft("default") == "ngram+shipped"
+    from specdec.api import default_draft
+    assert default_draft("default") == "datastore+ngram+shipped"
     assert default_draft("some/other/model") == "ngram"
     return FeatureDrafter.load(SHIPPED_DRAFT, sd.model, tokenizer_fingerprint(sd.tokenizer))
 
 
-@pytest.mark.parametrize("draft", ["shipped", "ngram+shipped", "ngram", "target", "none"])
+@pytest.mark.parametrize("draft", ["shipped", "datastore+ngram+shipped", "ngram", "target", "none"])
 def test_default_model_greedy_equals_transformers_generate(sd, shipped, draft):
     drafter = {"ngram": sd.engine.drafter, "none": None, "target": ModelDrafter(sd.model, sd.model.config.vocab_size),
-               "shipped": shipped, "ngram+shipped": ChainDrafter([NgramDrafter(), shipped])}
+               "shipped": shipped, "datastore+ngram+shipped": ChainDrafter([
+                   DatastoreDrafter.load(SHIPPED_DRAFT, sd.model.config.vocab_size), NgramDrafter(), shipped])}
     spec = SpecDecoder.from_models(sd.model, sd.tokenizer, draft=drafter[draft] or "none", tau=4)
     for prompt, chat in PROMPTS:
         ids = spec.encode(prompt, chat)
@@ -53,10 +56,10 @@ def test_default_model_greedy_equals_transformers_generate(sd, shipped, draft):
 
 
 def test_shipped_draft_is_the_default_and_small(shipped):
-    from specdec.api import SHIPPED_DRAFT
     sd = SpecDecoder(target="default")
-    assert isinstance(sd.engine.drafter, ChainDrafter) and sd.draft_name == "ngram+shipped:smollm2-135m-instruct"
-    assert [type(m) for m in sd.engine.drafter.members] == [NgramDrafter, FeatureDrafter]
+    assert isinstance(sd.engine.drafter, ChainDrafter)
+    assert sd.draft_name == "datastore+ngram+shipped:smollm2-135m-instruct"
+    assert [type(m) for m in sd.engine.drafter.members] == [DatastoreDrafter, NgramDrafter, FeatureDrafter]
     size = sum(f.stat().st_size for f in SHIPPED_DRAFT.iterdir())
     assert size <= 40 * 2 ** 20
 
