@@ -59,9 +59,9 @@ class Bench:
                 self.feature_drafts.add(d)
         grid = configs or [(d, t, p) for d in drafts if d != "none" for t in taus for p in policies]
         self.configs = [Config("none", 1)] + [Config(*c) for c in grid]
-        if compare_hf:  # feature drafts run inside transformers' assisted loop through hf_assist; it has no chains
-            hf_drafts = [d for d in drafts if d != "none" and "+" not in d
-                         and (hf_assist.SUPPORTED or d not in self.feature_drafts)]
+        if compare_hf:  # transformers has prompt lookup, assistant models and (via hf_assist) our feature drafts
+            hf_drafts = [d for d in drafts if d in ("ngram", "target") or d in self.draft_models
+                         or (d in self.feature_drafts and hf_assist.SUPPORTED)]
             self.configs += [Config("none", 1, hf=True)] + [Config(d, t, hf=True) for d in hf_drafts for t in taus]
         self._decoders = {c.label: self.decoder_for(c.draft, c.tau, c.policy) for c in self.configs if not c.hf}
 

@@ -156,9 +156,11 @@ def test_draft_loads_through_cli_and_api(distilled, tiny_dirs, capsys):
     plain = SpecDecoder(target=tiny_dirs["target"], draft="none").generate("Hello", max_new_tokens=12, chat=False)
     assert got["token_ids"] == plain.token_ids
     from specdec.bench import Bench
-    bench = Bench(tiny_dirs["target"], [str(out)], [3], 10, compare_hf=True)
+    bench = Bench(tiny_dirs["target"], [str(out), f"datastore:{out}", f"ngram+{out}"], [3], 10, compare_hf=True)
     rows = {r["config"]: r for r in bench.run([{"prompt": "Hello", "chat": False}, {"prompt": "abc", "chat": True}])}
-    assert set(rows) == {"specdec:none", f"specdec:{out} tau=3", "hf:none", f"hf:{out} tau=3"}
+    # transformers has no retrieval or chain drafting: those get specdec rows only
+    assert set(rows) == {"specdec:none", f"specdec:{out} tau=3", f"specdec:datastore:{out} tau=3",
+                         f"specdec:ngram+{out} tau=3", "hf:none", f"hf:{out} tau=3"}
     assert all(r["identical_to_baseline"] for r in rows.values())
     assert rows[f"specdec:{out} tau=3"]["acceptance_rate"] is not None
 
