@@ -17,10 +17,10 @@ from time import perf_counter
 from . import models
 from .drafters import ChainDrafter, ModelDrafter, NgramDrafter, NoDrafter
 from .drafters.datastore import DatastoreDrafter
-from .drafters.feature import MARKER, FeatureDrafter, is_feature_draft
+from .drafters.feature import MARKER, FeatureDrafter, check_target, is_feature_draft
 from .engine import Engine
 from .policy import make_policy
-from .errors import IncompatibleDraft, InvalidRequest, PromptTooLong
+from .errors import InvalidRequest, PromptTooLong
 from .sampling import SamplingParams
 from .trace import CycleRecord, summarize
 
@@ -58,8 +58,8 @@ class Chunk:
 
 def build_drafter(draft: str, model, tok, target_spec: str | None = None, draft_models: dict | None = None):
     """A drafter from its name: 'ngram', 'none', 'target', 'shipped' (the distilled draft shipped for the default
-    target), a `specdec distill` directory, a draft model (dir/.gguf), or 'A+B' (A first, B when A proposes
-    nothing). `draft_models` caches loaded draft models by name."""
+    target), 'datastore' / 'datastore:DIR' (retrieval), a `specdec distill` directory, a draft model (dir/.gguf),
+    or 'A+B' (A first, B when A proposes nothing). `draft_models` caches loaded draft models by name."""
     draft_models = {} if draft_models is None else draft_models
     if "+" in draft and not Path(draft).exists():
         return ChainDrafter([build_drafter(d, model, tok, target_spec, draft_models) for d in draft.split("+")])
@@ -87,10 +87,7 @@ def _datastore(draft: str, model, tok) -> DatastoreDrafter:
     """'datastore' = the shipped draft's; 'datastore:DIR' = a `specdec distill` directory's (or a .safetensors)."""
     src = SHIPPED_DRAFT if draft == "datastore" else Path(models.resolve(draft.split(":", 1)[1]))
     if is_feature_draft(src):
-        meta = json.loads((src / MARKER).read_text())
-        if meta.get("target_fingerprint") != models.tokenizer_fingerprint(tok):
-            raise IncompatibleDraft(f"datastore {src} was built for another target/tokenizer "
-                                    f"({meta.get('target_name', '?')})")
+        check_target(json.loads((src / MARKER).read_text()), src, models.tokenizer_fingerprint(tok), "datastore")
     return DatastoreDrafter.load(src, model.config.vocab_size, name=draft)
 
 

@@ -67,9 +67,10 @@ def few_row_linears(model) -> None:
     """Make the model's linear layers fast for the 1-8 rows of decode and verify passes on CPU.
 
     y = x·Wᵀ with a few rows takes MKL's GEMV/small-GEMM paths, which on this project's 2-core CPU stream W far
-    below memory bandwidth (SmolLM2-135M, fp32, target pass over 1/2/3/4/5 tokens: 57/103/121/89/85 ms). The same
+    below memory bandwidth (SmolLM2-135M, fp32, target pass over 1/2/3/4/5 tokens: 57/96/119/84/89 ms). The same
     products as W·xᵀ, with x made row-major and one row duplicated into two (the GEMM kernel, not GEMV), cost
-    33/36/45/44/52 ms: decoding itself gets ~1.7x faster and verifying 2-5 tokens costs 1.1-1.6 decode steps.
+    31/34/46/44/54 ms (same process, interleaved): decoding gets 1.8x faster; verifying 1-4 drafts costs 1.1-1.7
+    decode steps.
     Same fp32 math (1-3 rows give bitwise the same values per row; 4+ rows a different blocking, ~1e-6). Long
     prompts keep the stock path. Installed per instance: other models in the process are untouched."""
     for m in model.modules():

@@ -305,9 +305,9 @@ def test_chain_drafter_copies_when_ngram_matches_else_runs_the_feature_draft(dis
     assert sources[0] == "ngram" and "feature" in sources  # cycle 0: the prompt repeats; later: no match
 
 
-def test_chain_with_a_missing_member_is_a_clear_error(tiny_dirs, capsys):
-    assert main(["generate", "Hello", "--target", tiny_dirs["target"], "--draft", "ngram+/no/such/draft",
-                 "--max-new-tokens", "4"]) != 0
+@pytest.mark.parametrize("draft", ["ngram+/no/such/draft", "datastore:/no/such/draft"])
+def test_missing_chain_member_or_datastore_is_a_clear_error(tiny_dirs, capsys, draft):
+    assert main(["generate", "Hello", "--target", tiny_dirs["target"], "--draft", draft, "--max-new-tokens", "4"]) != 0
     err = capsys.readouterr().err.strip()
     assert "/no/such/draft" in err and len(err.splitlines()) == 1
 

@@ -176,9 +176,7 @@ class FeatureDrafter:
             weights = load_file(path / "model.safetensors")
         except (OSError, ValueError, KeyError) as e:
             raise ModelLoadError(f"cannot load draft {path}: {e}")
-        if meta.get("target_fingerprint") != target_fingerprint:
-            raise IncompatibleDraft(f"draft {path} was trained for another target/tokenizer "
-                                    f"({meta.get('target_name', '?')})")
+        check_target(meta, path, target_fingerprint)
         net = FeatureDraftNet(**meta["net"])
         vocab_map = weights.pop("vocab_map").long()
         net.load_state_dict({k: v.float() for k, v in weights.items()})
@@ -198,6 +196,13 @@ def save_draft(net: FeatureDraftNet, vocab_map: torch.Tensor, out: Path, target_
     meta = {"type": "feature", "net": net.cfg, "reduced_vocab": len(vocab_map),
             "target_fingerprint": target_fingerprint, "target_name": target_name, **(extra or {})}
     (out / MARKER).write_text(json.dumps(meta, indent=2))
+
+
+def check_target(meta: dict, path, target_fingerprint: str, what: str = "draft") -> None:
+    """A distill directory serves only the target (tokenizer) it was made from."""
+    if meta.get("target_fingerprint") != target_fingerprint:
+        raise IncompatibleDraft(f"{what} {path} was trained for another target/tokenizer "
+                                f"({meta.get('target_name', '?')})")
 
 
 def is_feature_draft(path) -> bool:
