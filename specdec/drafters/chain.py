@@ -11,15 +11,12 @@ class ChainDrafter:
         self.members = members
         self.name = "+".join(m.name for m in members)
         self.wants_target_hidden = any(getattr(m, "wants_target_hidden", False) for m in members)
-        self.last_member: str | None = None  # which member the latest proposal came from
 
     def propose(self, context, k, params, generator) -> Draft:
         for m in self.members:
             draft = m.propose(context, k, params, generator)
             if draft.tokens:
-                self.last_member = m.name
                 return draft
-        self.last_member = None
         return Draft()
 
     def observe_target(self, start: int, hidden) -> None:
