@@ -85,7 +85,7 @@ def build_drafter(draft: str, model, tok, target_spec: str | None = None, draft_
 
 def _datastore(draft: str, model, tok) -> DatastoreDrafter:
     """'datastore' = the shipped draft's; 'datastore:DIR' = a `specdec distill` directory's (or a .safetensors)."""
-    src = SHIPPED_DRAFT if draft == "datastore" else Path(models.resolve(draft.split(":", 1)[1]))
+    src = SHIPPED_DRAFT if draft == "datastore" else models.resolve(draft.split(":", 1)[1])
     if is_feature_draft(src):
         check_target(json.loads((src / MARKER).read_text()), src, models.tokenizer_fingerprint(tok), "datastore")
     return DatastoreDrafter.load(src, model.config.vocab_size, name=draft)
