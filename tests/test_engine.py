@@ -169,21 +169,31 @@ def test_incompatible_draft_model_refused(tok, target, draft_close):
 
 
 def test_few_row_linears_same_math_on_this_model_only():
-    """The verify-pass linear layout gives the stock result for every row count and shape, and is installed on
-    the given model's layers only."""
+    """The decode/verify linear layouts (MKL GEMM for 1-2 rows, oneDNN for more) give the stock result for every
+    row count and shape, follow weight updates, keep autograd working, and are installed on the given model only."""
     from torch import nn
     from torch.nn import functional as F
     from specdec.kv import few_row_linears, stock_linears
     torch.manual_seed(0)
     mine, other = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8, bias=False)), nn.Linear(16, 32)
     few_row_linears(mine)
-    for rows in (1, 2, 3, 5, 8, 9):
-        for shape in ((rows, 16), (1, rows, 16)):
+    for rows in (1, 2, 3, 5, 8, 9, 64):
+        for shape in ((rows, 16), (1, rows, 16), (2, rows, 16)):
             x = torch.randn(*shape)
             ref = F.linear(F.linear(x, mine[0].weight, mine[0].bias), mine[1].weight)
-            out = mine(x)
+            with torch.inference_mode():  # as in decoding: 3+ rows take oneDNN
+                out = mine(x)
             assert out.shape == ref.shape and torch.allclose(out, ref, atol=1e-5)
     assert all(m._few_rows for m in mine) and not hasattr(other, "_few_rows")
+    from specdec.kv import _ONEDNN
+    assert hasattr(mine[0], "_packed") == _ONEDNN
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        mine[0].weight.mul_(2)  # the oneDNN copy of the weight is redone when the weight changes
+        assert torch.allclose(mine[0](x), F.linear(x, mine[0].weight, mine[0].bias), atol=1e-5)
+    y = mine(x.requires_grad_())  # training: the autograd path, gradients flow
+    y.sum().backward()
+    assert x.grad is not None and mine[0].weight.grad is not None
     assert other.forward.__func__ is nn.Linear.forward
     with stock_linears(mine):  # the bench's transformers rows run the stock layers
         assert all(m.forward.__func__ is nn.Linear.forward for m in mine)
