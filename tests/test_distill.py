@@ -89,6 +89,10 @@ def test_generation_records_the_hidden_states_teacher_forcing_would_compute(tmp_
         assert torch.equal(f["argmax"], c["argmax"]) and torch.equal(f["ids"], c["ids"])
         n = len(spec.encode(p["prompt"], p["chat"]))  # greedy: each response token is the argmax before it
         assert c["argmax"][n - 1:-1].tolist() == c["ids"][n:].tolist() and len(c["ids"]) > n
+    more = items + [{"ids": [5, 6, 7, 8], "h": None}]  # a resumed run with more data relabels, not reuses
+    relabelled = teacher_labels(target, more, tmp_path / "c.pt", "cpu")
+    assert len(relabelled) == len(more) and relabelled[-1]["ids"].tolist() == [5, 6, 7, 8]
+    assert teacher_labels(target, more, tmp_path / "c.pt", "cpu")[-1]["ids"].tolist() == [5, 6, 7, 8]
     reloaded = generate_responses(target, tok, prompts, tmp_path / "s.jsonl", 12, 3, "cpu")  # nothing left to do
     assert [d["ids"] for d in reloaded] == [d["ids"] for d in items]
     assert all(torch.equal(a["h"], b["h"]) for a, b in zip(reloaded, items))
