@@ -343,7 +343,7 @@ def report(target_model, tok, drafter, prompts: list[dict], max_new_tokens: int,
 def distill(target: str, out: str, prompt_files: list[str], text_files: list[str], max_new_tokens: int = 128,
             gen_batch: int = 64, reduced: int = 8192, epochs: int = 6, batch: int = 8, lr: float = 2e-3,
             seed: int = 0, limit: int = 0, eval_limit: int = 0, eval_tau: int = 4, device: str = "auto",
-            self_chat: int = 1536, val_every: int = 50, loaded=None) -> dict:
+            self_chat: int = 2560, val_every: int = 50, loaded=None) -> dict:
     if max_new_tokens < 1 or gen_batch < 1 or epochs < 1 or batch < 1 or lr <= 0 or eval_tau < 1:
         raise InvalidRequest("--max-new-tokens, --gen-batch, --epochs, --batch and --eval-tau must be >= 1, "
                              "--lr > 0")
@@ -423,7 +423,7 @@ def register(sub, model_args, sampling_args):
     d.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
     d.add_argument("--max-new-tokens", type=int, default=128, help="length of the target's responses")
     d.add_argument("--gen-batch", type=int, default=64, help="sequences generated together")
-    d.add_argument("--self-chat", type=int, default=1536,
+    d.add_argument("--self-chat", type=int, default=2560,
                    help="extra synthetic conversations: the target writes a query, then answers it")
     d.add_argument("--val-every", type=int, default=50,
                    help="hold every Nth sequence out of training to pick the best epoch (0 = no split)")
