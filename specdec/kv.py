@@ -69,9 +69,9 @@ def few_row_linears(model) -> None:
     y = x·Wᵀ through MKL streams W far below memory bandwidth on this project's 2-core CPU (AMD Zen 4; MKL takes
     its GEMV path for one row and re-packs W on every call for a few rows): a SmolLM2-135M target pass over
     1/2/3/4/5/8 tokens costs 57/96/119/84/89/96 ms stock. Here:
-    - 1-2 rows: (W·xᵀ)ᵀ with x row-major, one row duplicated into two: MKL's GEMM kernel (31/34 ms);
+    - 1-2 rows: (W·xᵀ)ᵀ with x row-major, one row duplicated into two: MKL's GEMM kernel (30/32 ms);
     - 3+ rows: oneDNN's inner product on a weight packed once into its blocked layout (3/4/5/8 tokens
-      40/39/39/44 ms, prompts and batched generation ~15% more FLOP/s than MKL).
+      42/41/40/46 ms, prompts and batched generation ~15% more FLOP/s than MKL).
     Same fp32 math (no reduced-precision modes; values agree to ~1e-6 relative). The packed copy is made on first
     use and redone if the weight changes; it costs one more copy of the weights in memory. Installed per instance:
     other models in the process are untouched."""
