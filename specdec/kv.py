@@ -10,6 +10,8 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import DynamicCache
 
+from . import kernels
+
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
@@ -69,9 +71,12 @@ def few_row_linears(model) -> None:
     y = x·Wᵀ through MKL streams W far below memory bandwidth on this project's 2-core CPU (AMD Zen 4; MKL takes
     its GEMV path for one row and re-packs W on every call for a few rows): a SmolLM2-135M target pass over
     1/2/3/4/5/8 tokens costs 57/96/119/84/89/96 ms stock. Here:
-    - 1-2 rows: (W·xᵀ)ᵀ with x row-major, one row duplicated into two: MKL's GEMM kernel (30/32 ms);
-    - 3+ rows: oneDNN's inner product on a weight packed once into its blocked layout (3/4/5/8 tokens
-      42/41/40/46 ms, prompts and batched generation ~15% more FLOP/s than MKL).
+    - 1-6 rows: specdec's kernel (kernels/few_rows.cpp) reads each weight row once for all rows, at memory
+      bandwidth: the linears of one pass take 20-24 ms for 1-6 rows (MKL/oneDNN below: 26-38 ms);
+    - without the kernel (no AVX-512 or no compiler), 1-2 rows: (W·xᵀ)ᵀ with x row-major, one row duplicated into
+      two: MKL's GEMM kernel;
+    - 7+ rows (and 3+ without the kernel): oneDNN's inner product on a weight packed once into its blocked layout
+      (prompts and batched generation ~15% more FLOP/s than MKL).
     Same fp32 math (no reduced-precision modes; values agree to ~1e-6 relative). The packed copy is made on first
     use and redone if the weight changes; it costs one more copy of the weights in memory. Installed per instance:
     other models in the process are untouched."""
@@ -94,11 +99,15 @@ def stock_linears(model):
 
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 packed: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias): as (W·xᵀ)ᵀ for 1-2 rows on CPU, through oneDNN for more rows when `packed`
-    (weight in oneDNN's layout, see packed_weight) is given, else 3-8 rows as (W·xᵀ)ᵀ too."""
+    """F.linear(x, weight, bias) by the fastest path for its row count (see few_row_linears); `packed` is the
+    weight in oneDNN's layout (packed_weight), used for 3+ rows the kernel does not take."""
     rows = x.numel() // x.shape[-1]
     if not x.is_cpu or rows == 0:
         return F.linear(x, weight, bias)
+    if rows <= KERNEL_ROWS and not _needs_grad(x, weight, bias):
+        y = kernels.few_rows_linear(x, weight, bias)
+        if y is not None:
+            return y
     if packed is not None and rows >= 3:
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, -1), packed, bias, "none", [], "")
         return y.reshape(*x.shape[:-1], weight.shape[0])
@@ -110,6 +119,15 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return y if bias is None else y + bias
 
 
+# Up to 6 rows the kernel wins; at 7-8 rows of a 1536-wide input x no longer fits in L1 and oneDNN is faster
+# (linears of one SmolLM2-135M pass: 35 vs 31 ms at 8 rows).
+KERNEL_ROWS = 6
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
@@ -117,8 +135,7 @@ def packed_weight(m: nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
     """m.weight in oneDNN's blocked layout (cached on the module, redone when the weight changes), or None where
     oneDNN cannot serve this call: no oneDNN, not fp32 on CPU, or autograd needs the graph."""
     w = m.weight
-    if not (_ONEDNN and x.is_cpu and w.is_cpu and x.dtype == w.dtype == torch.float32) or (
-            torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+    if not (_ONEDNN and x.is_cpu and w.is_cpu and x.dtype == w.dtype == torch.float32) or _needs_grad(x, w):
         return None
     key = (w.data_ptr(), w._version, tuple(w.shape))
     cached = getattr(m, "_packed", None)
@@ -130,7 +147,8 @@ def packed_weight(m: nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
 
 def _few_row_linear(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
-    return rows_linear(x, m.weight, m.bias, packed_weight(m, x) if rows >= 3 else None)
+    served_by_kernel = rows <= KERNEL_ROWS and kernels.available()
+    return rows_linear(x, m.weight, m.bias, packed_weight(m, x) if rows >= 3 and not served_by_kernel else None)
 
 
 def _cache_arg_name() -> str:

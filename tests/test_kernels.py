@@ -1,0 +1,58 @@
+"""specdec's CPU kernel for few-row linears: same result as F.linear, refuses what it cannot do, can be turned off."""
+import pytest
+import torch
+from torch.nn import functional as F
+
+from specdec import kernels
+from specdec.kv import KERNEL_ROWS, rows_linear
+
+needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no AVX-512 CPU or no C++ compiler")
+
+
+@needs_kernel
+@pytest.mark.parametrize("k", [16, 37, 576])  # 37: a tail of K % 16 columns
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_equals_linear_for_every_row_count(k, bias):
+    torch.manual_seed(k)
+    w, b = torch.randn(67, k), (torch.randn(67) if bias else None)
+    for rows in range(1, kernels.MAX_ROWS + 1):
+        for shape in ((rows, k), (1, rows, k)):
+            x = torch.randn(*shape)
+            y = kernels.few_rows_linear(x, w, b)
+            assert y.shape == (*shape[:-1], 67)
+            assert torch.allclose(y, F.linear(x, w, b), rtol=1e-5, atol=1e-6 * k)  # fp32 sums of k terms
+
+
+@needs_kernel
+def test_kernel_row_results_do_not_depend_on_the_rows_around_them():
+    """A verify pass over n tokens computes each token's row exactly as a one-token decode step would."""
+    torch.manual_seed(0)
+    w, x = torch.randn(96, 576), torch.randn(8, 576)
+    alone = torch.cat([kernels.few_rows_linear(x[i:i + 1], w) for i in range(8)])
+    for rows in range(2, 9):
+        assert torch.equal(kernels.few_rows_linear(x[:rows], w), alone[:rows])
+
+
+@needs_kernel
+def test_kernel_declines_what_it_cannot_do_and_rows_linear_falls_back():
+    w = torch.randn(8, 32)
+    assert kernels.few_rows_linear(torch.randn(kernels.MAX_ROWS + 1, 32), w) is None  # too many rows
+    assert kernels.few_rows_linear(torch.randn(2, 32, dtype=torch.float64), w.double()) is None
+    assert kernels.few_rows_linear(torch.randn(2, 31), w) is None  # shape mismatch: never reads out of bounds
+    assert kernels.few_rows_linear(torch.randn(2, 32), w.t().contiguous().t()) is None  # non-contiguous weight
+    with pytest.raises(RuntimeError):
+        rows_linear(torch.randn(2, 31), w)  # the mismatch gets torch's own error
+    x = torch.randn(KERNEL_ROWS, 32, requires_grad=True)
+    rows_linear(x, w).sum().backward()  # autograd takes torch's differentiable path
+    assert torch.allclose(x.grad, w.sum(0).expand(KERNEL_ROWS, 32))
+
+
+def test_kernel_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("SPECDEC_CPU_KERNEL", "0")
+    kernels._kernel.cache_clear()
+    try:
+        assert not kernels.available() and kernels.few_rows_linear(torch.randn(1, 16), torch.randn(4, 16)) is None
+        x, w = torch.randn(3, 16), torch.randn(4, 16)
+        assert torch.allclose(rows_linear(x, w), F.linear(x, w), atol=1e-6)  # torch's paths serve instead
+    finally:
+        kernels._kernel.cache_clear()
