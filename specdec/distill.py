@@ -1,12 +1,14 @@
 """`specdec distill`: train a feature-conditioned draft (drafters/feature.py) for a target.
 
-1. data     — the target's own greedy responses to a shipped prompt set (+ user prompts), generated in batches,
-              plus optional plain-text files;
+1. data     — the target's own greedy responses to the shipped prompt sets (templated, and cut from Python's
+              standard library: prompts/stdlib.py) or user prompts, plus self-chat (the target writes the query
+              too) and optional plain-text files; generated in batches;
 2. labels   — one teacher-forcing pass of the target per sequence: its final hidden state and argmax at every
               position;
 3. train    — the draft layer learns to predict the next hidden state (smooth L1) and the target's argmax through
-              the target's head over a reduced vocabulary (cross-entropy), on target features and, in a second
-              unrolled pass, on its own predicted features (what it sees from draft position 2 on);
+              the target's head over a reduced vocabulary (cross-entropy, at response positions by default: the
+              prompt is context), on target features and, in a second unrolled pass, on its own predicted
+              features (what it sees from draft position 2 on);
 4. save     — a model directory (safetensors + specdec_draft.json) that `--draft DIR` loads;
 5. report   — on held-out prompts (the bench sets, never used for training): acceptance by position, mean
               accepted length, draft cost per token vs one target pass, predicted and measured speedup.
@@ -32,6 +34,9 @@ from .prompts import HERE as PROMPT_DIR
 from .prompts import load_prompts
 
 console = Console(stderr=True)
+
+
+DEFAULT_PROMPTS = [PROMPT_DIR / "distill.jsonl", PROMPT_DIR / "distill_stdlib.jsonl"]  # templated + stdlib-cut
 
 
 def _progress():
@@ -117,6 +122,25 @@ def pre_query(tok) -> list[int]:
         text = tok.apply_chat_template([{"role": "user", "content": mark}], tokenize=False)
         return tok(text[: text.index(mark)], add_special_tokens=False).input_ids
     return [tok.bos_token_id if tok.bos_token_id is not None else 0]
+
+
+def assistant_header(tok) -> list[int]:
+    """The tokens the chat template puts between a user message and the response (e.g. `<|im_start|>assistant\n`);
+    empty without a chat template."""
+    if not tok.chat_template:
+        return []
+    msgs = [{"role": "user", "content": "\x00QUERY\x00"}]
+    full = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    bare = tok.apply_chat_template(msgs, tokenize=False)
+    return tok(full[len(bare):], add_special_tokens=False).input_ids if full.startswith(bare) else []
+
+
+def after_last(ids: list[int], header: list[int]) -> int:
+    """Index just past the last occurrence of `header` in `ids` (0 if absent or empty)."""
+    for j in range(len(ids) - len(header), -1, -1) if header else ():
+        if ids[j:j + len(header)] == header:
+            return j + len(header)
+    return 0
 
 
 @torch.inference_mode()
@@ -208,6 +232,7 @@ def _batch(items, embed, to_reduced, device):
         feat_in[b, 1:n] = h[:-1]
         target_h[b, :n] = h
         labels[b, :n] = to_reduced[d["argmax"]]
+        labels[b, :max(0, d.get("start", 0) - 1)] = -100  # position j predicts token j + 1
     return [t.to(device) for t in (emb, feat_in, target_h, labels)]
 
 
@@ -343,7 +368,7 @@ def report(target_model, tok, drafter, prompts: list[dict], max_new_tokens: int,
 def distill(target: str, out: str, prompt_files: list[str], text_files: list[str], max_new_tokens: int = 128,
             gen_batch: int = 64, reduced: int = 8192, epochs: int = 6, batch: int = 8, lr: float = 2e-3,
             seed: int = 0, limit: int = 0, eval_limit: int = 0, eval_tau: int = 4, device: str = "auto",
-            self_chat: int = 2560, val_every: int = 50, loaded=None) -> dict:
+            self_chat: int = 1536, val_every: int = 50, loss_on: str = "response", loaded=None) -> dict:
     if max_new_tokens < 1 or gen_batch < 1 or epochs < 1 or batch < 1 or lr <= 0 or eval_tau < 1:
         raise InvalidRequest("--max-new-tokens, --gen-batch, --epochs, --batch and --eval-tau must be >= 1, "
                              "--lr > 0")
@@ -351,13 +376,15 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
         raise InvalidRequest("--self-chat and --val-every must be >= 0")
     if reduced < 2:
         raise InvalidRequest("--reduced-vocab must be >= 2")
+    if loss_on not in ("response", "all"):
+        raise InvalidRequest(f"--loss-on must be 'response' or 'all', got {loss_on!r}")
     out_dir, work = Path(out), Path(out) / "work"
     try:
         work.mkdir(parents=True, exist_ok=True)
         (work / ".write-test").write_text("ok")
     except OSError as e:
         raise SpecDecError(f"cannot write to {out}: {e.strerror}")
-    prompts = [p for f in (prompt_files or [PROMPT_DIR / "distill.jsonl"]) for p in load_prompts(f)]
+    prompts = [p for f in (prompt_files or DEFAULT_PROMPTS) for p in load_prompts(f)]
     if limit:
         prompts = prompts[:limit]
     model, tok = loaded or models.load(target)
@@ -368,10 +395,18 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
     model.to(device)
     t0 = perf_counter()
     seqs = generate_responses(model, tok, prompts, work / "sequences.jsonl", max_new_tokens, gen_batch, device)
-    seqs += self_chat_data(model, tok, self_chat, work / "self_chat.jsonl", max_new_tokens, gen_batch, seed, device)
-    seqs += texts
+    chats = self_chat_data(model, tok, self_chat, work / "self_chat.jsonl", max_new_tokens, gen_batch, seed, device)
     t_data = perf_counter() - t0
+    # where each response starts: drafts are only ever asked to continue responses (as EAGLE's loss mask)
+    from .api import SpecDecoder
+    encode = SpecDecoder.from_models(model, tok, "none").encode
+    starts = [len(encode(p["prompt"], p["chat"])) for p in prompts]
+    header = assistant_header(tok)
+    starts += [after_last(it["ids"], header) for it in chats] + [0] * len(texts)
+    seqs += chats + texts
     data = teacher_labels(model, seqs, work / "labels.pt", device)
+    for d, start in zip(data, starts):
+        d["start"] = start if loss_on == "response" else 0
     vocab_map = reduced_vocab(data, reduced, models.eos_ids(model, tok), model.config.vocab_size)
     embed = model.get_input_embeddings().weight.detach().cpu()
     head = model.get_output_embeddings().weight.detach().cpu()
@@ -388,8 +423,8 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
     model.cpu()
     fp = models.tokenizer_fingerprint(tok)
     meta = {"recipe": {"prompts": len(prompts), "self_chat": self_chat, "text_files": text_files or [],
-                       "max_new_tokens": max_new_tokens, "reduced_vocab": reduced, "epochs": epochs, "batch": batch,
-                       "lr": lr, "seed": seed},
+                       "max_new_tokens": max_new_tokens, "reduced_vocab": reduced, "loss_on": loss_on,
+                       "epochs": epochs, "batch": batch, "lr": lr, "seed": seed},
             "sequences": len(data), "tokens": int(sum(len(d["ids"]) for d in data)),
             "train_history": hist["epochs"], "best_epoch": hist["best_epoch"]}
     save_draft(net, vocab_map, out_dir, fp, target_name=str(target), extra=meta)
@@ -406,7 +441,7 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
 def cmd_distill(args) -> int:
     rep = distill(args.target, args.out, args.prompts or [], args.text or [], args.max_new_tokens, args.gen_batch,
                   args.reduced_vocab, args.epochs, args.batch, args.lr, args.seed, args.limit, args.eval_limit,
-                  args.eval_tau, args.device, args.self_chat, args.val_every)
+                  args.eval_tau, args.device, args.self_chat, args.val_every, args.loss_on)
     h = rep["held_out"]
     print(json.dumps(h, indent=2))
     print(f"draft saved to {args.out}: acceptance {h['acceptance_rate']}, draft/target cost "
@@ -423,10 +458,13 @@ def register(sub, model_args, sampling_args):
     d.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
     d.add_argument("--max-new-tokens", type=int, default=128, help="length of the target's responses")
     d.add_argument("--gen-batch", type=int, default=64, help="sequences generated together")
-    d.add_argument("--self-chat", type=int, default=2560,
+    d.add_argument("--self-chat", type=int, default=1536,
                    help="extra synthetic conversations: the target writes a query, then answers it")
     d.add_argument("--val-every", type=int, default=50,
                    help="hold every Nth sequence out of training to pick the best epoch (0 = no split)")
+    d.add_argument("--loss-on", choices=("response", "all"), default="response",
+                   help="positions whose next token the draft is trained to predict: responses only (default; "
+                        "prompts are context) or every position")
     d.add_argument("--reduced-vocab", type=int, default=8192, help="draft head size (most frequent target tokens)")
     d.add_argument("--epochs", type=int, default=6)
     d.add_argument("--batch", type=int, default=8)

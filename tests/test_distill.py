@@ -367,3 +367,44 @@ def test_distill_writes_a_datastore_of_its_data_and_the_chain_stays_lossless(dis
         ids = tok(prompt).input_ids
         recs = list(sd.engine.run(ids, 30, SamplingParams(), 3))
         assert [t for r in recs for t in r.emitted] == reference_greedy(target, ids, 30)
+
+
+def test_the_draft_learns_response_positions_only(tok, target):
+    """The chat template's assistant header marks where a response starts; training labels before it are
+    ignored (position j predicts token j + 1), so the draft's capacity goes to what it will be asked to draft."""
+    from specdec.distill import _batch, after_last, assistant_header
+    header = assistant_header(tok)
+    assert tok.decode(header) == "<assistant>"
+    ids = SpecDecoder.from_models(target, tok, "none").encode("hi <assistant> there")
+    start = after_last(ids + [5, 6, 7], header)
+    assert start == len(ids) and after_last([5, 6], header) == 0 and after_last([5, 6], []) == 0
+    n = start + 3
+    item = {"ids": torch.arange(n), "h": torch.randn(n, 4), "argmax": torch.arange(n), "start": start}
+    _, _, _, labels = _batch([item, {**item, "start": 0}], torch.randn(n, 4), torch.arange(n), "cpu")
+    assert (labels[0, :start - 1] == -100).all() and (labels[0, start - 1:] == torch.arange(start - 1, n)).all()
+    assert (labels[1] == torch.arange(n)).all()
+    with pytest.raises(InvalidRequest, match="loss-on"):
+        distill("tiny", "/tmp/unused", [], [], loss_on="prompts", loaded=(None, tok))
+
+
+def test_stdlib_prompts_are_cut_from_code_and_prose_and_never_a_bench_prompt(tmp_path):
+    from specdec.prompts import load_prompts
+    from specdec.prompts.stdlib import build
+    bench = load_prompts()[0]["prompt"]
+    prose = ("The widget module manages widgets. It keeps them in a registry and hands them out on request. "
+             "Widgets are created lazily, so importing the module is cheap. Each widget has a name and a size. "
+             "Sizes are whole numbers. Widgets that are no longer needed go back to the registry for reuse.")
+    (tmp_path / "widget.py").write_text(f'"""{prose}\n\n{prose}"""\n\n\n'
+                                        'def make(name, size=1):\n    """Make a widget called name."""\n'
+                                        '    return {"name": name, "size": size}\n\n\n'
+                                        'def _private(x):\n    """Hidden."""\n    return x\n')
+    (tmp_path / "test").mkdir()
+    (tmp_path / "test" / "skipped.py").write_text('def f():\n    """Doc."""\n    return 1\n')
+    out = build(root=tmp_path, reference_topics=False)
+    assert out == build(root=tmp_path, reference_topics=False)  # seeded: the same set every time
+    assert {"prompt": 'def make(name, size=1):\n    """Make a widget called name."""\n', "mode": "completion"} in out
+    summaries = [p for p in out if p["prompt"].endswith("\n\n" + prose)]
+    assert len(summaries) == 1 and summaries[0]["mode"] == "chat"
+    assert any("`widget.make`" in p["prompt"] for p in out) and any("`widget`" in p["prompt"] for p in out)
+    assert not any("_private" in p["prompt"] or "skipped" in p["prompt"] for p in out) and len(out) == 4
+    assert bench not in {p["prompt"] for p in out}
