@@ -56,3 +56,23 @@ def test_kernel_can_be_turned_off(monkeypatch):
         assert torch.allclose(rows_linear(x, w), F.linear(x, w), atol=1e-6)  # torch's paths serve instead
     finally:
         kernels._kernel.cache_clear()
+
+
+def test_a_failed_build_falls_back_with_one_line(monkeypatch, tmp_path, capsys):
+    """A compiler that fails (or a cache that cannot be written) costs one stderr line, not a crash."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("the build is only attempted on AVX-512 CPUs")
+    broken = tmp_path / "broken-cxx"
+    broken.write_text("#!/bin/sh\necho 'error: this compiler is broken' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv("CXX", str(broken))
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    kernels._kernel.cache_clear()
+    try:
+        assert not kernels.available()
+        x, w = torch.randn(3, 16), torch.randn(4, 16)
+        assert torch.allclose(rows_linear(x, w), F.linear(x, w), atol=1e-6)
+        err = capsys.readouterr().err.strip()
+        assert "CPU kernel unavailable" in err and "this compiler is broken" in err and "\n" not in err
+    finally:
+        kernels._kernel.cache_clear()

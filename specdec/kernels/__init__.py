@@ -53,9 +53,8 @@ def _kernel():
     try:
         fn = ctypes.CDLL(str(_build(compiler))).few_rows_linear
     except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", b"") or b""
-        print(f"specdec: CPU kernel unavailable, using torch's linear layers ({e}) {detail.decode()[:200]}",
-              file=sys.stderr)
+        detail = " ".join((getattr(e, "stderr", b"") or b"").decode(errors="replace").split())[:200]
+        print(f"specdec: CPU kernel unavailable, using torch's linear layers ({e}) {detail}", file=sys.stderr)
         return None
     p, i = ctypes.c_void_p, ctypes.c_int
     fn.argtypes, fn.restype = [p, i, i, p, i, p, p, i], i
