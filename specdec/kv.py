@@ -147,6 +147,10 @@ def packed_weight(m: nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
 
 def _few_row_linear(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
+    if rows <= KERNEL_ROWS and not _needs_grad(x, m.weight, m.bias):  # the hot path: decode and verify passes
+        y = kernels.few_rows_linear(x, m.weight, m.bias)
+        if y is not None:
+            return y
     served_by_kernel = rows <= KERNEL_ROWS and kernels.available()
     return rows_linear(x, m.weight, m.bias, packed_weight(m, x) if rows >= 3 and not served_by_kernel else None)
 

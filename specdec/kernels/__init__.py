@@ -67,16 +67,26 @@ def available() -> bool:
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """F.linear(x, weight, bias) for 1..MAX_ROWS rows of fp32 CPU tensors through the kernel; None where it cannot
-    serve this call (the caller then uses another path). Not differentiable: call it without autograd."""
+    serve this call (the caller then uses another path). Not differentiable: call it without autograd.
+    Called ~200 times per target pass, so the checks are kept few (a call costs ~3 µs more than the kernel)."""
     fn = _kernel()
-    rows = x.numel() // x.shape[-1] if x.dim() else 0
-    if (fn is None or not 1 <= rows <= MAX_ROWS or weight.dim() != 2 or x.shape[-1] != weight.shape[1]
-            or (bias is not None and bias.shape != weight.shape[:1]) or not (x.is_cpu and weight.is_cpu and (bias is None or bias.is_cpu))
-            or x.dtype != torch.float32 or weight.dtype != torch.float32 or not weight.is_contiguous()
-            or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))):
+    k = x.shape[-1] if x.dim() else 0
+    rows = x.numel() // k if k else 0
+    if fn is None or not 1 <= rows <= MAX_ROWS or not _servable(x, weight, bias, k):
         return None
-    x2 = x.reshape(rows, -1).contiguous()
-    y = torch.empty(rows, weight.shape[0])
-    fn(x2.data_ptr(), rows, x2.shape[1], weight.data_ptr(), weight.shape[0], y.data_ptr(),
+    if not x.is_contiguous():
+        x = x.contiguous()
+    y = x.new_empty((*x.shape[:-1], weight.shape[0]))
+    fn(x.data_ptr(), rows, k, weight.data_ptr(), weight.shape[0], y.data_ptr(),
        None if bias is None else bias.data_ptr(), torch.get_num_threads())
-    return y.reshape(*x.shape[:-1], weight.shape[0])
+    return y
+
+
+def _servable(x, weight, bias, k) -> bool:
+    """fp32 CPU tensors whose shapes fit (the kernel must never read out of bounds), weight and bias contiguous."""
+    f32 = torch.float32
+    if x.dtype != f32 or weight.dtype != f32 or not x.is_cpu or not weight.is_cpu or weight.dim() != 2 \
+            or weight.shape[1] != k or not weight.is_contiguous():
+        return False
+    return bias is None or (bias.dtype == f32 and bias.is_cpu and bias.shape == weight.shape[:1]
+                            and bias.is_contiguous())
