@@ -98,9 +98,10 @@ def stock_linears(model):
 
 
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                packed: torch.Tensor | None = None) -> torch.Tensor:
+                packed=None) -> torch.Tensor:
     """F.linear(x, weight, bias) by the fastest path for its row count (see few_row_linears); `packed` is the
-    weight in oneDNN's layout (packed_weight), used for 3+ rows the kernel does not take."""
+    weight in oneDNN's layout (packed_weight) or a function that makes it, asked only for 3+ rows the kernel does
+    not take."""
     rows = x.numel() // x.shape[-1]
     if not x.is_cpu or rows == 0:
         return F.linear(x, weight, bias)
@@ -108,6 +109,8 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         y = kernels.few_rows_linear(x, weight, bias)
         if y is not None:
             return y
+    if callable(packed):
+        packed = packed() if rows >= 3 else None
     if packed is not None and rows >= 3:
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, -1), packed, bias, "none", [], "")
         return y.reshape(*x.shape[:-1], weight.shape[0])
@@ -146,13 +149,7 @@ def packed_weight(m: nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
 
 
 def _few_row_linear(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    rows = x.numel() // x.shape[-1]
-    if rows <= KERNEL_ROWS and not _needs_grad(x, m.weight, m.bias):  # the hot path: decode and verify passes
-        y = kernels.few_rows_linear(x, m.weight, m.bias)
-        if y is not None:
-            return y
-    served_by_kernel = rows <= KERNEL_ROWS and kernels.available()
-    return rows_linear(x, m.weight, m.bias, packed_weight(m, x) if rows >= 3 and not served_by_kernel else None)
+    return rows_linear(x, m.weight, m.bias, partial(packed_weight, m, x))
 
 
 def _cache_arg_name() -> str:
