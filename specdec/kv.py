@@ -72,7 +72,7 @@ def few_row_linears(model) -> None:
     its GEMV path for one row and re-packs W on every call for a few rows): a SmolLM2-135M target pass over
     1/2/3/4/5/8 tokens costs 57/96/119/84/89/96 ms stock. Here:
     - 1-6 rows: specdec's kernel (kernels/few_rows.cpp) reads each weight row once for all rows, at memory
-      bandwidth: the linears of one pass take 20-24 ms for 1-6 rows (MKL/oneDNN below: 26-38 ms);
+      bandwidth: the linears of one pass take 18-23 ms for 1-6 rows (MKL/oneDNN below: 26-38 ms);
     - without the kernel (no AVX-512 or no compiler), 1-2 rows: (W·xᵀ)ᵀ with x row-major, one row duplicated into
       two: MKL's GEMM kernel;
     - 7+ rows (and 3+ without the kernel): oneDNN's inner product on a weight packed once into its blocked layout
