@@ -11,16 +11,7 @@ from torch.nn import functional as F
 from transformers import DynamicCache
 
 from . import kernels
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    i = 0
-    while a[i] == b[i]:
-        i += 1
-    return i
+from .runtime.model import common_prefix_len, fit_vocab
 
 
 class CachedModel:
@@ -58,11 +49,11 @@ class CachedModel:
         self.tokens.extend(new)
         if not hidden:
             out = self.model(input_ids=ids, use_cache=True, logits_to_keep=n_logits, **cache_kw)
-            return _fit_vocab(out.logits[0, -n_logits:], self.vocab_size)
+            return fit_vocab(out.logits[0, -n_logits:], self.vocab_size)
         # the same computation as the causal LM's forward, split so the final hidden states are kept
         h = self.model.get_decoder()(input_ids=ids, use_cache=True, **cache_kw).last_hidden_state[0]
         logits = self.model.get_output_embeddings()(h[-n_logits:])
-        return _fit_vocab(logits, self.vocab_size), h
+        return fit_vocab(logits, self.vocab_size), h
 
 
 def few_row_linears(model) -> None:
@@ -159,13 +150,3 @@ def _cache_arg_name() -> str:
 
 
 _CACHE_ARG = _cache_arg_name()
-
-
-def _fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Models may pad their output head; align every model to the target's vocabulary size."""
-    if logits.shape[-1] > vocab:
-        return logits[..., :vocab]
-    if logits.shape[-1] < vocab:
-        pad = logits.new_full((*logits.shape[:-1], vocab - logits.shape[-1]), float("-inf"))
-        return torch.cat([logits, pad], -1)
-    return logits

@@ -1,8 +1,10 @@
-"""specdec's own CPU kernel for the linear layers of decode and verify passes (few_rows.cpp).
+"""specdec's own CPU kernels (rows.cpp): linears on GGUF blocks and float weights, and a whole Llama decoder layer,
+each output row computed independently of the rows beside it.
 
-Built on first use with the system's C++ compiler (about a second) into $SPECDEC_CACHE/kernels and loaded with
-ctypes; no build step at install time. Where it cannot serve — no AVX-512, no compiler, the build fails, or
-SPECDEC_CPU_KERNEL=0 — `few_rows_linear` returns None and callers keep torch's own paths.
+Built on first use with the system's C++ compiler (a few seconds) into $SPECDEC_CACHE/kernels and loaded with
+ctypes; no build step at install time. Two builds of the same source: AVX-512 and AVX2 (they give the same bits).
+SPECDEC_CPU_KERNEL=0 turns the kernels off, =avx2 forces the AVX2 build. Where no build can serve (no AVX2, no
+compiler, a failed build) `library()` is None and callers use torch on the same dequantized values.
 """
 from __future__ import annotations
 
@@ -18,67 +20,115 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("few_rows.cpp")
-FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp", "-shared", "-fPIC"]
-MAX_ROWS = 8  # the kernel's limit; kv.rows_linear decides which row counts it serves
+SOURCE = Path(__file__).with_name("rows.cpp")
+COMMON = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]  # no fused multiply-add unless written
+ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mfma", "-mf16c"], "avx2": ["-mavx2", "-mfma", "-mf16c"]}
+MAX_ROWS = 8  # few_rows_linear serves up to this many rows (kv.rows_linear decides which row counts it asks for)
+
+# ggml's type ids, as the kernels take them
+F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
+FORMATS = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", BF16: "BF16"}
+TORCH_FORMAT = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}
 
 
 def _cache_dir() -> Path:
     return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec")) / "kernels"
 
 
-def _build(compiler: str) -> Path:
-    """Compile the kernel once per source/flags/compiler; a finished build is renamed into place atomically."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
-    lib = _cache_dir() / f"few_rows-{key}.so"
+def _build(compiler: str, isa: str) -> Path:
+    """Compile once per source/flags/compiler; a finished build is renamed into place atomically."""
+    flags = [*COMMON, *ISA_FLAGS[isa]]
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    lib = _cache_dir() / f"rows-{isa}-{key}.so"
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
         os.close(fd)
         try:
-            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True, timeout=120)
+            subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp], check=True, capture_output=True, timeout=300)
             os.replace(tmp, lib)
         finally:
             Path(tmp).unlink(missing_ok=True)
     return lib
 
 
-@cache
-def _kernel():
-    if os.environ.get("SPECDEC_CPU_KERNEL", "1") == "0" or torch.backends.cpu.get_cpu_capability() != "AVX512":
+def best_isa() -> str | None:
+    """The instruction set this machine's kernels use: avx512, avx2, or None (torch's paths)."""
+    choice = os.environ.get("SPECDEC_CPU_KERNEL", "1").lower()
+    if choice == "0":
         return None
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap in ("AVX512", "AVX512_BF16", "AMX") and choice != "avx2":
+        return "avx512"
+    return "avx2" if cap.startswith(("AVX2", "AVX512", "AMX")) else None
+
+
+class Library:
+    """The compiled kernels of one instruction set, with their ctypes signatures."""
+
+    def __init__(self, path: Path, isa: str):
+        lib, p, i, f, lng = ctypes.CDLL(str(path)), ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
+        self.isa = isa
+        self.rows_linear = lib.rows_linear
+        self.rows_linear.argtypes, self.rows_linear.restype = [i, p, i, i, p, i, p, p, i], i
+        self.row_bytes = lib.row_bytes
+        self.row_bytes.argtypes, self.row_bytes.restype = [i, i], lng
+        self.rows_rmsnorm = lib.rows_rmsnorm
+        self.rows_rmsnorm.argtypes, self.rows_rmsnorm.restype = [p, i, i, p, f, p, i], None
+        self.decoder_layer = lib.decoder_layer
+        self.decoder_layer.argtypes, self.decoder_layer.restype = [p, p, i, p, i, p, p, i], i
+
+
+@cache
+def library(isa: str | None = None) -> Library | None:
+    """The kernels for `isa` (default: best_isa()), built on first use; None where they cannot serve."""
+    isa = isa or best_isa()
     compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
-    if compiler is None:
+    if isa is None or compiler is None:
         return None
     try:
-        fn = ctypes.CDLL(str(_build(compiler))).few_rows_linear
+        return Library(_build(compiler, isa), isa)
     except (OSError, subprocess.SubprocessError) as e:
         detail = " ".join((getattr(e, "stderr", b"") or b"").decode(errors="replace").split())[:200]
-        print(f"specdec: CPU kernel unavailable, using torch's linear layers ({e}) {detail}", file=sys.stderr)
+        print(f"specdec: CPU kernel unavailable, using torch's paths ({e}) {detail}", file=sys.stderr)
         return None
-    p, i = ctypes.c_void_p, ctypes.c_int
-    fn.argtypes, fn.restype = [p, i, i, p, i, p, p, i], i
-    return fn
 
 
 def available() -> bool:
-    return _kernel() is not None
+    return library() is not None
+
+
+def linear(fmt: int, x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+           lib: Library | None = None) -> torch.Tensor:
+    """y = x·Wᵀ (+ b) for W given as `n` rows in format `fmt` (a uint8 block tensor, or a float tensor) and x
+    [..., K] fp32 CPU, any number of rows. The caller guarantees the shapes (see QuantLinear in runtime/weights)."""
+    lib = lib or library()
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    y = x.new_empty((*x.shape[:-1], n))
+    rc = lib.rows_linear(fmt, x2.data_ptr(), x2.shape[0], k, weight.data_ptr(), n, y.data_ptr(),
+                         None if bias is None else bias.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise ValueError(f"kernel cannot serve format {FORMATS.get(fmt, fmt)} with {k} columns")
+    return y
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """F.linear(x, weight, bias) for 1..MAX_ROWS rows of fp32 CPU tensors through the kernel; None where it cannot
-    serve this call (the caller then uses another path). Not differentiable: call it without autograd.
-    Called ~200 times per target pass, so the checks are kept few (a call costs ~3 µs more than the kernel)."""
-    fn = _kernel()
+    """F.linear(x, weight, bias) for 1..MAX_ROWS rows of fp32 CPU tensors (the transformers backend's decode and
+    verify linears); None where the kernel cannot serve this call (the caller then uses another path). Not
+    differentiable: call it without autograd. Called ~200 times per target pass, so the checks are kept few."""
+    lib = library()
     k = x.shape[-1] if x.dim() else 0
     rows = x.numel() // k if k else 0
-    if fn is None or not 1 <= rows <= MAX_ROWS or not _servable(x, weight, bias, k):
+    if lib is None or not 1 <= rows <= MAX_ROWS or not _servable(x, weight, bias, k):
         return None
     if not x.is_contiguous():
         x = x.contiguous()
     y = x.new_empty((*x.shape[:-1], weight.shape[0]))
-    fn(x.data_ptr(), rows, k, weight.data_ptr(), weight.shape[0], y.data_ptr(),
-       None if bias is None else bias.data_ptr(), torch.get_num_threads())
+    lib.rows_linear(F32, x.data_ptr(), rows, k, weight.data_ptr(), weight.shape[0], y.data_ptr(),
+                    None if bias is None else bias.data_ptr(), torch.get_num_threads())
     return y
 
 

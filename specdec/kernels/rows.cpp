@@ -1,0 +1,411 @@
+// specdec's CPU kernels for decode and verify passes: linears on GGUF blocks (Q4_0, Q4_1, Q8_0) and float weights
+// (F32, F16, BF16), RMSNorm, rotary embedding, attention over KV slots, SwiGLU, and a whole Llama decoder layer.
+//
+// Row-invariance: every output row is computed by the same instructions in the same order whatever the number of
+// rows in the call, so a verify pass gives each token bitwise what a one-token pass gives it.
+// Exactness: quantized weights are dequantized in registers exactly as gguf's reference does (w = d*q + m for Q4_1,
+// d*(q-8) for Q4_0, d*q for Q8_0; d, m fp16 widened to fp32; a multiply then an add, never fused: built with
+// -ffp-contract=off), then accumulated like the fp32 weights: 16 lanes, one FMA per 16 columns in column order, the
+// lanes summed in one fixed tree. So a quantized linear equals the F32 linear on the dequantized weights, bitwise.
+// Built twice from this source: AVX-512 (one __m512 per 16 lanes) and AVX2 (two __m256); both give the same bits.
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <vector>
+
+// ---- 16 fp32 lanes ---------------------------------------------------------------------------------------------
+#if defined(__AVX512F__)
+struct V16 { __m512 v; };
+static inline V16 vzero() { return {_mm512_setzero_ps()}; }
+static inline V16 vset1(float f) { return {_mm512_set1_ps(f)}; }
+static inline V16 vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+static inline void vstore(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }
+static inline V16 vfma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+static inline V16 vmul(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+static inline V16 vadd(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+static inline __m256 vlo(V16 a) { return _mm512_castps512_ps256(a.v); }
+static inline __m256 vhi(V16 a) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a.v), 1)); }
+static inline V16 vfrom_i32(__m512i i) { return {_mm512_cvtepi32_ps(i)}; }
+static inline V16 u8_to_f(const uint8_t* p) { return vfrom_i32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+static inline V16 i8_to_f(const int8_t* p) { return vfrom_i32(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+static inline V16 f16_to_f(const uint16_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p))}; }
+static inline V16 bf16_to_f(const uint16_t* p) {
+    __m512i i = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(i, 16))};
+}
+// Q4_1 / Q4_0: the 16 weights a nibble can name, looked up by the packed bytes (vpermps reads the low 4 bits)
+static inline void q4_pair(const uint8_t* qs, V16 table, V16* lo, V16* hi) {
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)qs));
+    lo->v = _mm512_permutexvar_ps(b, table.v);
+    hi->v = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table.v);
+}
+#else
+struct V16 { __m256 lo, hi; };
+static inline V16 vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline V16 vset1(float f) { return {_mm256_set1_ps(f), _mm256_set1_ps(f)}; }
+static inline V16 vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline void vstore(float* p, V16 a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
+static inline V16 vfma(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+static inline V16 vmul(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+static inline V16 vadd(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+static inline __m256 vlo(V16 a) { return a.lo; }
+static inline __m256 vhi(V16 a) { return a.hi; }
+static inline V16 u8_to_f(const uint8_t* p) {
+    return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p))),
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))))};
+}
+static inline V16 i8_to_f(const int8_t* p) {
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))),
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))))};
+}
+static inline V16 f16_to_f(const uint16_t* p) {
+    return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 8)))};
+}
+static inline V16 bf16_to_f(const uint16_t* p) {
+    __m256i a = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+    __m256i b = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p + 8)));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(b, 16))};
+}
+// the same values as the AVX-512 table lookup: each weight is fl(fl(d*q) + m) either way
+static inline void q4_nibbles(const uint8_t* qs, V16* lo, V16* hi) {
+    __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)qs));
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(qs + 8)));
+    const __m256i f = _mm256_set1_epi32(15);
+    *lo = {_mm256_cvtepi32_ps(_mm256_and_si256(a, f)), _mm256_cvtepi32_ps(_mm256_and_si256(b, f))};
+    *hi = {_mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4))};
+}
+#endif
+
+// The lanes summed in one fixed tree (the same on both instruction sets): 8+8, 4+4, 2+2, 1+1.
+static inline float vsum(V16 a) {
+    __m256 s8 = _mm256_add_ps(vhi(a), vlo(a));
+    __m128 s4 = _mm_add_ps(_mm256_extractf128_ps(s8, 1), _mm256_castps256_ps128(s8));
+    __m128 s2 = _mm_add_ps(s4, _mm_shuffle_ps(s4, s4, _MM_SHUFFLE(1, 0, 3, 2)));
+    __m128 s1 = _mm_add_ps(s2, _mm_shuffle_ps(s2, s2, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtss_f32(s1);
+}
+
+static inline float half_to_float(const uint8_t* p) { uint16_t h; memcpy(&h, p, 2); return _cvtsh_ss(h); }
+
+// ---- weight formats: each yields its weights 16 columns at a time, in column order ------------------------------
+// ggml type ids (ggml.h): F32 0, F16 1, Q4_0 2, Q4_1 3, Q8_0 8, BF16 30.
+enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, BF16 = 30 };
+
+struct FmtF32 {  // K may have a tail (K % 16): the last chunk is zero-padded, as masked lanes would be
+    static const int CH = 1;
+    static inline void chunk(const uint8_t* row, int c, int K, V16* w) {
+        const float* r = (const float*)row + 16 * c;
+        if (16 * c + 16 <= K) { *w = vload(r); return; }
+        float t[16] = {0}; memcpy(t, r, 4 * (K - 16 * c)); *w = vload(t);
+    }
+};
+struct FmtF16 {
+    static const int CH = 1;
+    static inline void chunk(const uint8_t* row, int c, int K, V16* w) {
+        const uint16_t* r = (const uint16_t*)row + 16 * c;
+        if (16 * c + 16 <= K) { *w = f16_to_f(r); return; }
+        uint16_t t[16] = {0}; memcpy(t, r, 2 * (K - 16 * c)); *w = f16_to_f(t);
+    }
+};
+struct FmtBF16 {
+    static const int CH = 1;
+    static inline void chunk(const uint8_t* row, int c, int K, V16* w) {
+        const uint16_t* r = (const uint16_t*)row + 16 * c;
+        if (16 * c + 16 <= K) { *w = bf16_to_f(r); return; }
+        uint16_t t[16] = {0}; memcpy(t, r, 2 * (K - 16 * c)); *w = bf16_to_f(t);
+    }
+};
+struct FmtQ8_0 {  // block: d (fp16), 32 x int8
+    static const int CH = 2;
+    static inline void chunk(const uint8_t* row, int c, int, V16* w) {
+        const uint8_t* b = row + 34 * (c / 2);
+        const V16 d = vset1(half_to_float(b));
+        w[0] = vmul(i8_to_f((const int8_t*)b + 2), d);
+        w[1] = vmul(i8_to_f((const int8_t*)b + 18), d);
+    }
+};
+#if defined(__AVX512F__)
+static const float IOTA[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+static const float IOTA_8[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
+struct FmtQ4_1 {  // block: d, m (fp16), 16 bytes: weight j < 16 is the low nibble of byte j, j >= 16 the high one
+    static const int CH = 2;
+    static inline void chunk(const uint8_t* row, int c, int, V16* w) {
+        const uint8_t* b = row + 20 * (c / 2);
+        V16 table = vadd(vmul(vset1(half_to_float(b)), vload(IOTA)), vset1(half_to_float(b + 2)));
+        q4_pair(b + 4, table, &w[0], &w[1]);
+    }
+};
+struct FmtQ4_0 {  // block: d (fp16), 16 bytes; w = d * (q - 8)
+    static const int CH = 2;
+    static inline void chunk(const uint8_t* row, int c, int, V16* w) {
+        const uint8_t* b = row + 18 * (c / 2);
+        q4_pair(b + 2, vmul(vset1(half_to_float(b)), vload(IOTA_8)), &w[0], &w[1]);
+    }
+};
+#else
+struct FmtQ4_1 {
+    static const int CH = 2;
+    static inline void chunk(const uint8_t* row, int c, int, V16* w) {
+        const uint8_t* b = row + 20 * (c / 2);
+        const V16 d = vset1(half_to_float(b)), m = vset1(half_to_float(b + 2));
+        q4_nibbles(b + 4, &w[0], &w[1]);
+        w[0] = vadd(vmul(d, w[0]), m);
+        w[1] = vadd(vmul(d, w[1]), m);
+    }
+};
+struct FmtQ4_0 {
+    static const int CH = 2;
+    static inline void chunk(const uint8_t* row, int c, int, V16* w) {
+        const uint8_t* b = row + 18 * (c / 2);
+        const V16 d = vset1(half_to_float(b)), minus8 = vset1(-8.f);
+        q4_nibbles(b + 2, &w[0], &w[1]);
+        w[0] = vmul(d, vadd(w[0], minus8));  // q - 8 is exact in fp32
+        w[1] = vmul(d, vadd(w[1], minus8));
+    }
+};
+#endif
+
+// ---- linear: y[m, n] (+)= x[m, :] . W[n, :] (+ b[n]) -------------------------------------------------------------
+// NR weight rows at a time (independent FMA chains), each dequantized once for up to 8 rows of x; more rows of x are
+// taken 8 at a time. A (row m, weight row n) result depends on neither NR nor how the rows of x are grouped.
+template <class F, int M, int NR>
+static inline void tile(const float* x, long ldx, int K, const uint8_t* W, long rb, int n0, float* y, long ldy,
+                        const float* b, bool acc_out) {
+    V16 acc[NR][M];
+    for (int r = 0; r < NR; r++)
+        for (int m = 0; m < M; m++) acc[r][m] = vzero();
+    const int chunks = (K + 15) / 16;
+    for (int c = 0; c < chunks; c += F::CH) {
+        V16 w[NR][F::CH];
+        for (int r = 0; r < NR; r++) F::chunk(W + (n0 + r) * rb, c, K, w[r]);
+        for (int h = 0; h < F::CH; h++) {
+            const int col = 16 * (c + h);
+            if (col + 16 <= K) {
+                for (int m = 0; m < M; m++) {
+                    const V16 xv = vload(x + m * ldx + col);
+                    for (int r = 0; r < NR; r++) acc[r][m] = vfma(xv, w[r][h], acc[r][m]);
+                }
+            } else {  // the zero-padded last chunk of a float row
+                for (int m = 0; m < M; m++) {
+                    float t[16] = {0};
+                    memcpy(t, x + m * ldx + col, 4 * (K - col));
+                    const V16 xv = vload(t);
+                    for (int r = 0; r < NR; r++) acc[r][m] = vfma(xv, w[r][h], acc[r][m]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int m = 0; m < M; m++) {
+            float s = vsum(acc[r][m]);
+            if (b) s = s + b[n0 + r];
+            float* out = y + m * ldy + n0 + r;
+            *out = acc_out ? *out + s : s;
+        }
+}
+
+template <class F, int NR>
+static inline void weight_rows(const float* x, long ldx, int R, int K, const uint8_t* W, long rb, int n0, float* y,
+                               long ldy, const float* b, bool acc_out) {
+    constexpr int NH = NR > 1 ? NR / 2 : 1;  // 5+ rows of x: half as many weight rows at a time (registers)
+    for (int m0 = 0; m0 < R; m0 += 8) {
+        const float* xm = x + m0 * ldx;
+        float* ym = y + m0 * ldy;
+        switch (R - m0 < 8 ? R - m0 : 8) {
+            case 1: tile<F, 1, NR>(xm, ldx, K, W, rb, n0, ym, ldy, b, acc_out); break;
+            case 2: tile<F, 2, NR>(xm, ldx, K, W, rb, n0, ym, ldy, b, acc_out); break;
+            case 3: tile<F, 3, NR>(xm, ldx, K, W, rb, n0, ym, ldy, b, acc_out); break;
+            case 4: tile<F, 4, NR>(xm, ldx, K, W, rb, n0, ym, ldy, b, acc_out); break;
+            default:
+                for (int n = n0; n < n0 + NR; n += NH) switch (R - m0 < 8 ? R - m0 : 8) {
+                    case 5: tile<F, 5, NH>(xm, ldx, K, W, rb, n, ym, ldy, b, acc_out); break;
+                    case 6: tile<F, 6, NH>(xm, ldx, K, W, rb, n, ym, ldy, b, acc_out); break;
+                    case 7: tile<F, 7, NH>(xm, ldx, K, W, rb, n, ym, ldy, b, acc_out); break;
+                    default: tile<F, 8, NH>(xm, ldx, K, W, rb, n, ym, ldy, b, acc_out); break;
+                }
+        }
+    }
+}
+
+// Bytes of one weight row of K columns, or -1 for an unsupported format/shape.
+extern "C" long row_bytes(int fmt, int K) {
+    switch (fmt) {
+        case F32: return 4L * K;
+        case F16: case BF16: return 2L * K;
+        case Q4_0: return K % 32 ? -1 : 18L * (K / 32);
+        case Q4_1: return K % 32 ? -1 : 20L * (K / 32);
+        case Q8_0: return K % 32 ? -1 : 34L * (K / 32);
+        default: return -1;
+    }
+}
+
+// A linear whose output columns come from up to 3 weight matrices (fused q/k/v, gate/up), each in its own format.
+struct Seg { const uint8_t* w; const float* bias; int fmt, n; };
+struct Lin { Seg seg[3]; int count; };
+
+template <int NR>
+static inline void rows_of(const Seg& s, const float* x, int R, int K, int n0, float* y, long ldy, bool acc_out) {
+    const long rb = row_bytes(s.fmt, K);
+    switch (s.fmt) {
+        case F32: weight_rows<FmtF32, NR>(x, K, R, K, s.w, rb, n0, y, ldy, s.bias, acc_out); break;
+        case F16: weight_rows<FmtF16, NR>(x, K, R, K, s.w, rb, n0, y, ldy, s.bias, acc_out); break;
+        case BF16: weight_rows<FmtBF16, NR>(x, K, R, K, s.w, rb, n0, y, ldy, s.bias, acc_out); break;
+        case Q4_0: weight_rows<FmtQ4_0, NR>(x, K, R, K, s.w, rb, n0, y, ldy, s.bias, acc_out); break;
+        case Q4_1: weight_rows<FmtQ4_1, NR>(x, K, R, K, s.w, rb, n0, y, ldy, s.bias, acc_out); break;
+        default: weight_rows<FmtQ8_0, NR>(x, K, R, K, s.w, rb, n0, y, ldy, s.bias, acc_out); break;
+    }
+}
+
+// y[R, Σn] (+)= x[R, K]·[W_0; W_1; ...]ᵀ (+ biases), one parallel region. Returns -1 if a format/K is unsupported.
+static int linear(const Lin* L, const float* x, int R, int K, float* y, bool acc_out, int threads) {
+    const int NR = 4;
+    int groups = 0, ldy = 0, starts[4] = {0}, cols[4] = {0};
+    for (int i = 0; i < L->count; i++) {
+        if (row_bytes(L->seg[i].fmt, K) < 0) return -1;
+        cols[i] = ldy;
+        ldy += L->seg[i].n;
+        starts[i + 1] = groups += (L->seg[i].n + NR - 1) / NR;
+    }
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int g = 0; g < groups; g++) {
+        int i = 0;
+        while (g >= starts[i + 1]) i++;
+        const Seg& s = L->seg[i];
+        const int n0 = (g - starts[i]) * NR;
+        float* ys = y + cols[i];  // weight row n of this segment is output column cols[i] + n
+        if (n0 + NR <= s.n) rows_of<NR>(s, x, R, K, n0, ys, ldy, acc_out);
+        else for (int n = n0; n < s.n; n++) rows_of<1>(s, x, R, K, n, ys, ldy, acc_out);
+    }
+    return 0;
+}
+
+// x: [R, K] row-major fp32; W: N rows of `fmt`; y: [R, N]; b: [N] or null. Returns 0, or -1 if fmt/K unsupported.
+extern "C" int rows_linear(int fmt, const float* x, int R, int K, const uint8_t* W, int N, float* y, const float* b,
+                           int threads) {
+    Lin L = {{{W, b, fmt, N}}, 1};
+    return linear(&L, x, R, K, y, false, threads);
+}
+
+// ---- the non-linear work, each row on its own ---------------------------------------------------------------------
+static void rmsnorm_row(const float* x, int D, const float* w, float eps, float* out) {
+    V16 acc = vzero();
+    int k = 0;
+    for (; k + 16 <= D; k += 16) { V16 v = vload(x + k); acc = vfma(v, v, acc); }
+    float ss = vsum(acc);
+    for (; k < D; k++) ss += x[k] * x[k];
+    const float r = 1.0f / sqrtf(ss / (float)D + eps);
+    for (int i = 0; i < D; i++) out[i] = w[i] * (x[i] * r);
+}
+
+extern "C" void rows_rmsnorm(const float* x, int R, int D, const float* w, float eps, float* out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int r = 0; r < R; r++) rmsnorm_row(x + (long)r * D, D, w, eps, out + (long)r * D);
+}
+
+// Rotate-half rotary embedding (as Llama in transformers) of `heads` heads of size hd at x (one row).
+static void rope_row(float* x, int heads, int hd, const float* cs, const float* sn) {
+    const int h2 = hd / 2;
+    for (int h = 0; h < heads; h++) {
+        float* v = x + h * hd;
+        for (int i = 0; i < h2; i++) {
+            const float a = v[i], b = v[i + h2];
+            v[i] = a * cs[i] - b * sn[i];
+            v[i + h2] = b * cs[i + h2] + a * sn[i + h2];
+        }
+    }
+}
+
+static inline float silu(float g) { return g / (1.0f + expf(-g)); }
+
+struct Dims {
+    int hidden, heads, kv_heads, head_dim, inter, layers, max_len;
+    float eps;
+    const float* cos;  // [max_len, head_dim]
+    const float* sin;
+    float* const* kslot;  // per KV slot: [layers, kv_heads, max_len, head_dim]
+    float* const* vslot;
+};
+
+struct Layer {
+    const float* attn_norm;
+    Lin qkv, o;
+    const float* ffn_norm;
+    Lin gate_up, down;
+};
+
+static inline float* cache_at(const Dims* d, float* const* slots, int slot, int layer, int g, int pos) {
+    return slots[slot] + (((long)layer * d->kv_heads + g) * d->max_len + pos) * d->head_dim;
+}
+
+// One query head of one row over keys 0..pos of its slot: softmax(q.k / sqrt(hd)) . v, keys in order.
+static void attend(const Dims* d, int layer, int slot, int pos, int g, const float* q, float* out, float* p) {
+    const int hd = d->head_dim, L = pos + 1;
+    const float scale = 1.0f / sqrtf((float)hd);
+    const float* K = cache_at(d, d->kslot, slot, layer, g, 0);
+    const float* Vc = cache_at(d, d->vslot, slot, layer, g, 0);
+    float mx = -INFINITY;
+    for (int j = 0; j < L; j++) {
+        V16 acc = vzero();
+        for (int c = 0; c < hd; c += 16) acc = vfma(vload(q + c), vload(K + (long)j * hd + c), acc);
+        p[j] = vsum(acc) * scale;
+        mx = p[j] > mx ? p[j] : mx;
+    }
+    float sum = 0.f;
+    for (int j = 0; j < L; j++) { p[j] = expf(p[j] - mx); sum += p[j]; }
+    V16 o[16];  // head_dim <= 256
+    for (int c = 0; c < hd / 16; c++) o[c] = vzero();
+    for (int j = 0; j < L; j++) {
+        const V16 pj = vset1(p[j]);
+        for (int c = 0; c < hd / 16; c++) o[c] = vfma(pj, vload(Vc + (long)j * hd + 16 * c), o[c]);
+    }
+    const V16 inv = vset1(1.0f / sum);
+    for (int c = 0; c < hd / 16; c++) vstore(out + 16 * c, vmul(o[c], inv));
+}
+
+// One decoder layer over R rows, in place on the residual stream x [R, hidden]. Row r is at position pos[r] of KV
+// slot slot[r]; its keys and values are written there first, so a row sees the earlier rows of its own slot in this
+// pass (causal) and nothing of other slots.
+extern "C" int decoder_layer(const Dims* d, const Layer* L, int layer, float* x, int R, const int* slot,
+                             const int* pos, int threads) {
+    const int D = d->hidden, hd = d->head_dim, H = d->heads, G = d->kv_heads, I = d->inter;
+    const int nq = H * hd, nkv = G * hd, nqkv = nq + 2 * nkv;
+    if (hd % 16 || hd > 256 || H % G) return -1;
+    std::vector<float> h((size_t)R * D), qkv((size_t)R * nqkv), att((size_t)R * nq), gu((size_t)R * 2 * I),
+        act((size_t)R * I);
+    rows_rmsnorm(x, R, D, L->attn_norm, d->eps, h.data(), threads);
+    if (linear(&L->qkv, h.data(), R, D, qkv.data(), false, threads)) return -1;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int r = 0; r < R; r++) {
+        float* row = qkv.data() + (long)r * nqkv;
+        const float* cs = d->cos + (long)pos[r] * hd;
+        const float* sn = d->sin + (long)pos[r] * hd;
+        rope_row(row, H, hd, cs, sn);
+        rope_row(row + nq, G, hd, cs, sn);
+        for (int g = 0; g < G; g++) {
+            memcpy(cache_at(d, d->kslot, slot[r], layer, g, pos[r]), row + nq + g * hd, 4L * hd);
+            memcpy(cache_at(d, d->vslot, slot[r], layer, g, pos[r]), row + nq + nkv + g * hd, 4L * hd);
+        }
+    }
+    int maxpos = 0;
+    for (int r = 0; r < R; r++) maxpos = pos[r] > maxpos ? pos[r] : maxpos;
+#pragma omp parallel num_threads(threads)
+    {
+        std::vector<float> p(maxpos + 1);
+#pragma omp for schedule(static)
+        for (int rh = 0; rh < R * H; rh++) {
+            const int r = rh / H, hh = rh % H;
+            attend(d, layer, slot[r], pos[r], hh / (H / G), qkv.data() + (long)r * nqkv + hh * hd,
+                   att.data() + (long)r * nq + hh * hd, p.data());
+        }
+    }
+    if (linear(&L->o, att.data(), R, nq, x, true, threads)) return -1;  // x += o(att)
+    rows_rmsnorm(x, R, D, L->ffn_norm, d->eps, h.data(), threads);
+    if (linear(&L->gate_up, h.data(), R, D, gu.data(), false, threads)) return -1;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < I; i++)
+            act[(long)r * I + i] = silu(gu[(long)r * 2 * I + i]) * gu[(long)r * 2 * I + I + i];
+    return linear(&L->down, act.data(), R, I, x, true, threads);  // x += down(act)
+}

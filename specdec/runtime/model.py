@@ -1,0 +1,252 @@
+"""A compact Llama-family decoder (SmolLM, Llama, Mistral, Qwen2): RMSNorm, rotary embedding (default, linear,
+llama3 and yarn scaling), grouped-query attention, SwiGLU, tied or untied head, optional q/k/v bias.
+
+Weights stay in their file's form (weights.QTensor) and run on specdec's kernels: one C++ call per decoder layer
+(kernels/rows.cpp, `decoder_layer`), which computes every row on its own, so a row of a verify pass gets bitwise the
+logits a one-token pass gives it. Without the kernels the same layer runs in torch below (`_layer_torch`), on the
+same dequantized values.
+
+KV slots: each sequence owns a slot, a preallocated [layers, kv_heads, max_len, head_dim] pair of tensors (pages
+are touched only as positions fill). A pass takes rows from any slots, each at its own position: the row's key and
+value are written at (slot, position), then it attends to positions 0..position of its slot. Rolling back is
+forgetting positions (SlotCache.rollback sets a length); no tensor is copied.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+from .. import kernels
+from .weights import QTensor, qlinear
+
+_p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
+class _Seg(ctypes.Structure):
+    _fields_ = [("w", _p), ("bias", _p), ("fmt", _i), ("n", _i)]
+
+
+class _Lin(ctypes.Structure):
+    _fields_ = [("seg", _Seg * 3), ("count", _i)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("attn_norm", _p), ("qkv", _Lin), ("o", _Lin), ("ffn_norm", _p), ("gate_up", _Lin), ("down", _Lin)]
+
+
+class _Dims(ctypes.Structure):
+    _fields_ = [("hidden", _i), ("heads", _i), ("kv_heads", _i), ("head_dim", _i), ("inter", _i), ("layers", _i),
+                ("max_len", _i), ("eps", _f), ("cos", _p), ("sin", _p), ("kslot", _p), ("vslot", _p)]
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor
+    q: QTensor
+    k: QTensor
+    v: QTensor
+    o: QTensor
+    ffn_norm: torch.Tensor
+    gate: QTensor
+    up: QTensor
+    down: QTensor
+    q_bias: torch.Tensor | None = None
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
+
+
+def _lin(parts) -> _Lin:
+    lin = _Lin()
+    for j, (w, b) in enumerate(parts):
+        lin.seg[j] = _Seg(w.data.data_ptr(), None if b is None else b.data_ptr(), w.fmt, w.n)
+    lin.count = len(parts)
+    return lin
+
+
+def rope_tables(config, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_len, head_dim] as transformers' Llama computes them (fp32 inv_freq x position, scaled)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    kind = params.get("rope_type", "default")
+    hd = config.head_dim
+    if kind == "default":
+        inv = 1.0 / (params["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
+        scale = 1.0
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        inv, scale = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
+    ang = torch.arange(max_len).float()[:, None] * inv.float()[None]
+    emb = torch.cat([ang, ang], -1)
+    return (emb.cos() * scale).contiguous(), (emb.sin() * scale).contiguous()
+
+
+class Llama:
+    """The decoder. `forward(tokens, slots, positions)` runs one pass over rows from any KV slots."""
+
+    backend = "runtime"
+
+    def __init__(self, config, embed: QTensor, layers: list[LayerWeights], norm: torch.Tensor, head: QTensor,
+                 generation_config=None, max_len: int | None = None, source: str = ""):
+        self.config, self.generation_config, self.source = config, generation_config, source
+        self.embed, self.layers, self.norm, self.head = embed, layers, norm, head
+        self.hd, self.heads, self.kv_heads = config.head_dim, config.num_attention_heads, config.num_key_value_heads
+        self.eps = float(config.rms_norm_eps)
+        self.max_len = int(max_len or config.max_position_embeddings)
+        self.cos, self.sin = rope_tables(config, self.max_len)
+        self._slots: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._free: list[int] = []
+        self._lib = kernels.library()
+        if self._lib is not None:
+            self._structs = [self._layer_struct(w) for w in layers]
+            self._kptr, self._vptr = (ctypes.c_void_p * 0)(), (ctypes.c_void_p * 0)()
+            self._dims = self._make_dims()
+
+    # ---- KV slots -------------------------------------------------------------------------------------------
+    def acquire_slot(self) -> int:
+        if self._free:
+            return self._free.pop()
+        shape = (self.config.num_hidden_layers, self.kv_heads, self.max_len, self.hd)
+        self._slots.append((torch.empty(shape), torch.empty(shape)))  # untouched pages cost no memory
+        if self._lib is not None:
+            n = len(self._slots)
+            self._kptr = (ctypes.c_void_p * n)(*[k.data_ptr() for k, _ in self._slots])
+            self._vptr = (ctypes.c_void_p * n)(*[v.data_ptr() for _, v in self._slots])
+            self._dims = self._make_dims()
+        return len(self._slots) - 1
+
+    def release_slot(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def new_cache(self, vocab_size: int | None = None) -> SlotCache:
+        return SlotCache(self, vocab_size or self.config.vocab_size)
+
+    # ---- the pass ---------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, tokens: list[int], slots: list[int], positions: list[int], logit_rows=None,
+                hidden: bool = False):
+        """Rows `tokens` at `positions` of `slots` -> logits [len(logit_rows), V] for the rows asked (default: all),
+        and with hidden=True also the final (normed) hidden states of all rows [R, hidden]."""
+        R = len(tokens)
+        if not (len(slots) == len(positions) == R) or R == 0:
+            raise ValueError("tokens, slots and positions must have the same non-zero length")
+        if max(positions) >= self.max_len or min(positions) < 0:
+            raise ValueError(f"position outside the KV slots' {self.max_len} positions")
+        x = self.embed.rows(tokens).contiguous()
+        if self._lib is not None:
+            s, p = (ctypes.c_int * R)(*slots), (ctypes.c_int * R)(*positions)
+            threads = torch.get_num_threads()
+            for i, layer in enumerate(self._structs):
+                if self._lib.decoder_layer(ctypes.byref(self._dims), ctypes.byref(layer), i, x.data_ptr(), R, s, p,
+                                           threads):
+                    raise RuntimeError("decoder_layer refused its shapes")
+            h = torch.empty_like(x)
+            self._lib.rows_rmsnorm(x.data_ptr(), R, x.shape[1], self.norm.data_ptr(), self.eps, h.data_ptr(), threads)
+        else:
+            for i, w in enumerate(self.layers):
+                x = self._layer_torch(i, w, x, slots, positions)
+            h = _rmsnorm(x, self.norm, self.eps)
+        rows = h if logit_rows is None else h[list(logit_rows)]
+        logits = qlinear(rows.contiguous(), self.head)
+        return (logits, h) if hidden else logits
+
+    # ---- the same layer in torch (no kernels on this machine) --------------------------------------------------
+    def _layer_torch(self, i, w: LayerWeights, x, slots, positions):
+        R, hd = x.shape[0], self.hd
+        h = _rmsnorm(x, w.attn_norm, self.eps)
+        q = F.linear(h, w.q.dequantize(), w.q_bias).view(R, self.heads, hd)
+        k = F.linear(h, w.k.dequantize(), w.k_bias).view(R, self.kv_heads, hd)
+        v = F.linear(h, w.v.dequantize(), w.v_bias).view(R, self.kv_heads, hd)
+        pos = torch.tensor(positions)
+        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        att = torch.empty(R, self.heads * hd)
+        for r in range(R):  # write every row's key and value first: rows of one slot see each other causally
+            kc, vc = self._slots[slots[r]]
+            kc[i, :, positions[r]], vc[i, :, positions[r]] = k[r], v[r]
+        rep = self.heads // self.kv_heads
+        for r in range(R):
+            kc, vc = self._slots[slots[r]]
+            keys = kc[i, :, : positions[r] + 1].repeat_interleave(rep, 0)  # [heads, L, hd]
+            vals = vc[i, :, : positions[r] + 1].repeat_interleave(rep, 0)
+            p = torch.softmax((keys @ q[r][:, :, None])[..., 0] / hd ** 0.5, -1)
+            att[r] = (p[:, None] @ vals)[:, 0].reshape(-1)
+        x = x + F.linear(att, w.o.dequantize())
+        h = _rmsnorm(x, w.ffn_norm, self.eps)
+        return x + F.linear(F.silu(F.linear(h, w.gate.dequantize())) * F.linear(h, w.up.dequantize()),
+                            w.down.dequantize())
+
+    # ---- ctypes descriptions -----------------------------------------------------------------------------------
+    def _layer_struct(self, w: LayerWeights) -> _Layer:
+        return _Layer(w.attn_norm.data_ptr(), _lin([(w.q, w.q_bias), (w.k, w.k_bias), (w.v, w.v_bias)]),
+                      _lin([(w.o, None)]), w.ffn_norm.data_ptr(), _lin([(w.gate, None), (w.up, None)]),
+                      _lin([(w.down, None)]))
+
+    def _make_dims(self) -> _Dims:
+        c = self.config
+        return _Dims(c.hidden_size, self.heads, self.kv_heads, self.hd, c.intermediate_size, c.num_hidden_layers,
+                     self.max_len, self.eps, self.cos.data_ptr(), self.sin.data_ptr(),
+                     ctypes.cast(self._kptr, ctypes.c_void_p), ctypes.cast(self._vptr, ctypes.c_void_p))
+
+
+def _rmsnorm(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat([-x[..., h:], x[..., :h]], -1)
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    return next(i for i in range(n) if a[i] != b[i])
+
+
+class SlotCache:
+    """One sequence in one KV slot, with kv.CachedModel's interface (what the engine and drafters use):
+    `forward(tokens, n_logits)` runs only the tokens the slot lacks, rolling back past any divergence first."""
+
+    def __init__(self, model: Llama, vocab_size: int):
+        self.model, self.vocab_size = model, vocab_size
+        self.slot = model.acquire_slot()
+        self.tokens: list[int] = []
+        self.last_start = 0
+
+    def reset(self) -> None:
+        self.tokens = []
+
+    def rollback(self, length: int) -> None:
+        del self.tokens[length:]  # the slot's length; the positions beyond are overwritten by the next pass
+
+    def forward(self, tokens: list[int], n_logits: int = 1, hidden: bool = False):
+        self.rollback(min(common_prefix_len(self.tokens, tokens), len(tokens) - n_logits))
+        start = self.last_start = len(self.tokens)
+        new = tokens[start:]
+        out = self.model.forward(new, [self.slot] * len(new), list(range(start, len(tokens))),
+                                 range(len(new) - n_logits, len(new)), hidden)
+        self.tokens.extend(new)
+        logits = out[0] if hidden else out
+        logits = fit_vocab(logits, self.vocab_size)
+        return (logits, out[1]) if hidden else logits
+
+    def close(self) -> None:
+        if self.slot is not None:
+            self.model.release_slot(self.slot)
+            self.slot = None
+
+    def __del__(self):
+        self.close()
+
+
+def fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Models may pad their output head; align every model to the target's vocabulary size."""
+    if logits.shape[-1] > vocab:
+        return logits[..., :vocab]
+    if logits.shape[-1] < vocab:
+        pad = logits.new_full((*logits.shape[:-1], vocab - logits.shape[-1]), float("-inf"))
+        return torch.cat([logits, pad], -1)
+    return logits
