@@ -13,6 +13,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <omp.h>
+
 #include <vector>
 
 // ---- 16 fp32 lanes ---------------------------------------------------------------------------------------------
@@ -87,7 +89,6 @@ static inline float vsum(V16 a) {
     return _mm_cvtss_f32(s1);
 }
 
-static inline float half_to_float(const uint8_t* p) { uint16_t h; memcpy(&h, p, 2); return _cvtsh_ss(h); }
 
 // ---- weight formats: each yields its weights 16 columns at a time, in column order ------------------------------
 // ggml type ids (ggml.h): F32 0, F16 1, Q4_0 2, Q4_1 3, Q8_0 8, BF16 30.
@@ -95,7 +96,9 @@ enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, BF16 = 30 };
 
 struct FmtF32 {  // K may have a tail (K % 16): the last chunk is zero-padded, as masked lanes would be
     static const int CH = 1;
-    static inline void chunk(const uint8_t* row, int c, int K, V16* w) {
+    static const bool TAIL = true;
+    static const int SPR = 0;
+    static inline void chunk(const uint8_t* row, const float*, int c, int K, V16* w) {
         const float* r = (const float*)row + 16 * c;
         if (16 * c + 16 <= K) { *w = vload(r); return; }
         float t[16] = {0}; memcpy(t, r, 4 * (K - 16 * c)); *w = vload(t);
@@ -103,7 +106,9 @@ struct FmtF32 {  // K may have a tail (K % 16): the last chunk is zero-padded, a
 };
 struct FmtF16 {
     static const int CH = 1;
-    static inline void chunk(const uint8_t* row, int c, int K, V16* w) {
+    static const bool TAIL = true;
+    static const int SPR = 0;
+    static inline void chunk(const uint8_t* row, const float*, int c, int K, V16* w) {
         const uint16_t* r = (const uint16_t*)row + 16 * c;
         if (16 * c + 16 <= K) { *w = f16_to_f(r); return; }
         uint16_t t[16] = {0}; memcpy(t, r, 2 * (K - 16 * c)); *w = f16_to_f(t);
@@ -111,7 +116,9 @@ struct FmtF16 {
 };
 struct FmtBF16 {
     static const int CH = 1;
-    static inline void chunk(const uint8_t* row, int c, int K, V16* w) {
+    static const bool TAIL = true;
+    static const int SPR = 0;
+    static inline void chunk(const uint8_t* row, const float*, int c, int K, V16* w) {
         const uint16_t* r = (const uint16_t*)row + 16 * c;
         if (16 * c + 16 <= K) { *w = bf16_to_f(r); return; }
         uint16_t t[16] = {0}; memcpy(t, r, 2 * (K - 16 * c)); *w = bf16_to_f(t);
@@ -119,9 +126,11 @@ struct FmtBF16 {
 };
 struct FmtQ8_0 {  // block: d (fp16), 32 x int8
     static const int CH = 2;
-    static inline void chunk(const uint8_t* row, int c, int, V16* w) {
+    static const bool TAIL = false;
+    static const int SPR = 1;
+    static inline void chunk(const uint8_t* row, const float* sc, int c, int, V16* w) {
         const uint8_t* b = row + 34 * (c / 2);
-        const V16 d = vset1(half_to_float(b));
+        const V16 d = vset1(sc[c / 2]);
         w[0] = vmul(i8_to_f((const int8_t*)b + 2), d);
         w[1] = vmul(i8_to_f((const int8_t*)b + 18), d);
     }
@@ -131,25 +140,31 @@ static const float IOTA[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,
 static const float IOTA_8[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
 struct FmtQ4_1 {  // block: d, m (fp16), 16 bytes: weight j < 16 is the low nibble of byte j, j >= 16 the high one
     static const int CH = 2;
-    static inline void chunk(const uint8_t* row, int c, int, V16* w) {
+    static const bool TAIL = false;
+    static const int SPR = 2;
+    static inline void chunk(const uint8_t* row, const float* sc, int c, int, V16* w) {
         const uint8_t* b = row + 20 * (c / 2);
-        V16 table = vadd(vmul(vset1(half_to_float(b)), vload(IOTA)), vset1(half_to_float(b + 2)));
+        V16 table = vadd(vmul(vset1(sc[c]), vload(IOTA)), vset1(sc[c + 1]));  // d, m of block c/2
         q4_pair(b + 4, table, &w[0], &w[1]);
     }
 };
 struct FmtQ4_0 {  // block: d (fp16), 16 bytes; w = d * (q - 8)
     static const int CH = 2;
-    static inline void chunk(const uint8_t* row, int c, int, V16* w) {
+    static const bool TAIL = false;
+    static const int SPR = 1;
+    static inline void chunk(const uint8_t* row, const float* sc, int c, int, V16* w) {
         const uint8_t* b = row + 18 * (c / 2);
-        q4_pair(b + 2, vmul(vset1(half_to_float(b)), vload(IOTA_8)), &w[0], &w[1]);
+        q4_pair(b + 2, vmul(vset1(sc[c / 2]), vload(IOTA_8)), &w[0], &w[1]);
     }
 };
 #else
 struct FmtQ4_1 {
     static const int CH = 2;
-    static inline void chunk(const uint8_t* row, int c, int, V16* w) {
+    static const bool TAIL = false;
+    static const int SPR = 2;
+    static inline void chunk(const uint8_t* row, const float* sc, int c, int, V16* w) {
         const uint8_t* b = row + 20 * (c / 2);
-        const V16 d = vset1(half_to_float(b)), m = vset1(half_to_float(b + 2));
+        const V16 d = vset1(sc[c]), m = vset1(sc[c + 1]);
         q4_nibbles(b + 4, &w[0], &w[1]);
         w[0] = vadd(vmul(d, w[0]), m);
         w[1] = vadd(vmul(d, w[1]), m);
@@ -157,9 +172,11 @@ struct FmtQ4_1 {
 };
 struct FmtQ4_0 {
     static const int CH = 2;
-    static inline void chunk(const uint8_t* row, int c, int, V16* w) {
+    static const bool TAIL = false;
+    static const int SPR = 1;
+    static inline void chunk(const uint8_t* row, const float* sc, int c, int, V16* w) {
         const uint8_t* b = row + 18 * (c / 2);
-        const V16 d = vset1(half_to_float(b)), minus8 = vset1(-8.f);
+        const V16 d = vset1(sc[c / 2]), minus8 = vset1(-8.f);
         q4_nibbles(b + 2, &w[0], &w[1]);
         w[0] = vmul(d, vadd(w[0], minus8));  // q - 8 is exact in fp32
         w[1] = vmul(d, vadd(w[1], minus8));
@@ -167,37 +184,56 @@ struct FmtQ4_0 {
 };
 #endif
 
+// Weight rows are prefetched this many rows ahead: the hardware prefetcher alone left the small matrices of a pass
+// at half the bandwidth of one big one.
+#ifndef PREFETCH
+#define PREFETCH 8
+#endif
 // ---- linear: y[m, n] (+)= x[m, :] . W[n, :] (+ b[n]) -------------------------------------------------------------
 // NR weight rows at a time (independent FMA chains), each dequantized once for up to 8 rows of x; more rows of x are
 // taken 8 at a time. A (row m, weight row n) result depends on neither NR nor how the rows of x are grouped.
 template <class F, int M, int NR>
-static inline void tile(const float* x, long ldx, int K, const uint8_t* W, long rb, int n0, float* y, long ldy,
+static inline void tile(const float* x, long ldx, int K, const uint8_t* W, long rb, const float* S, int n0, float* y, long ldy,
                         const float* b, bool acc_out) {
     V16 acc[NR][M];
+#pragma GCC unroll 8
     for (int r = 0; r < NR; r++)
+#pragma GCC unroll 8
         for (int m = 0; m < M; m++) acc[r][m] = vzero();
-    const int chunks = (K + 15) / 16;
-    for (int c = 0; c < chunks; c += F::CH) {
+    const int full = K / 16;  // whole chunks of 16 columns
+    for (int c = 0; c + F::CH <= full; c += F::CH) {
         V16 w[NR][F::CH];
-        for (int r = 0; r < NR; r++) F::chunk(W + (n0 + r) * rb, c, K, w[r]);
+#pragma GCC unroll 8
+        for (int r = 0; r < NR; r++) {
+            const uint8_t* row = W + (n0 + r) * rb;
+            if (PREFETCH) _mm_prefetch((const char*)row + PREFETCH * rb + c * (rb / ((K + 15) / 16)), _MM_HINT_T0);
+            F::chunk(row, S + (long)(n0 + r) * F::SPR * (K / 32), c, K, w[r]);
+        }
+#pragma GCC unroll 2
         for (int h = 0; h < F::CH; h++) {
-            const int col = 16 * (c + h);
-            if (col + 16 <= K) {
-                for (int m = 0; m < M; m++) {
-                    const V16 xv = vload(x + m * ldx + col);
-                    for (int r = 0; r < NR; r++) acc[r][m] = vfma(xv, w[r][h], acc[r][m]);
-                }
-            } else {  // the zero-padded last chunk of a float row
-                for (int m = 0; m < M; m++) {
-                    float t[16] = {0};
-                    memcpy(t, x + m * ldx + col, 4 * (K - col));
-                    const V16 xv = vload(t);
-                    for (int r = 0; r < NR; r++) acc[r][m] = vfma(xv, w[r][h], acc[r][m]);
-                }
+#pragma GCC unroll 8
+            for (int m = 0; m < M; m++) {
+                const V16 xv = vload(x + m * ldx + 16 * (c + h));
+#pragma GCC unroll 8
+                for (int r = 0; r < NR; r++) acc[r][m] = vfma(xv, w[r][h], acc[r][m]);
             }
         }
     }
+    if (F::TAIL && K % 16) {  // float rows only: the zero-padded last chunk, as masked lanes would be
+        const int col = K / 16 * 16;
+        for (int r = 0; r < NR; r++) {
+            V16 w;
+            F::chunk(W + (n0 + r) * rb, nullptr, K / 16, K, &w);
+            for (int m = 0; m < M; m++) {
+                float t[16] = {0};
+                memcpy(t, x + m * ldx + col, 4 * (K - col));
+                acc[r][m] = vfma(vload(t), w, acc[r][m]);
+            }
+        }
+    }
+#pragma GCC unroll 8
     for (int r = 0; r < NR; r++)
+#pragma GCC unroll 8
         for (int m = 0; m < M; m++) {
             float s = vsum(acc[r][m]);
             if (b) s = s + b[n0 + r];
@@ -207,23 +243,23 @@ static inline void tile(const float* x, long ldx, int K, const uint8_t* W, long 
 }
 
 template <class F, int NR>
-static inline void weight_rows(const float* x, long ldx, int R, int K, const uint8_t* W, long rb, int n0, float* y,
+static inline void weight_rows(const float* x, long ldx, int R, int K, const uint8_t* W, long rb, const float* S, int n0, float* y,
                                long ldy, const float* b, bool acc_out) {
     constexpr int NH = NR > 1 ? NR / 2 : 1;  // 5+ rows of x: half as many weight rows at a time (registers)
     for (int m0 = 0; m0 < R; m0 += 8) {
         const float* xm = x + m0 * ldx;
         float* ym = y + m0 * ldy;
         switch (R - m0 < 8 ? R - m0 : 8) {
-            case 1: tile<F, 1, NR>(xm, ldx, K, W, rb, n0, ym, ldy, b, acc_out); break;
-            case 2: tile<F, 2, NR>(xm, ldx, K, W, rb, n0, ym, ldy, b, acc_out); break;
-            case 3: tile<F, 3, NR>(xm, ldx, K, W, rb, n0, ym, ldy, b, acc_out); break;
-            case 4: tile<F, 4, NR>(xm, ldx, K, W, rb, n0, ym, ldy, b, acc_out); break;
+            case 1: tile<F, 1, NR>(xm, ldx, K, W, rb, S, n0, ym, ldy, b, acc_out); break;
+            case 2: tile<F, 2, NR>(xm, ldx, K, W, rb, S, n0, ym, ldy, b, acc_out); break;
+            case 3: tile<F, 3, NR>(xm, ldx, K, W, rb, S, n0, ym, ldy, b, acc_out); break;
+            case 4: tile<F, 4, NR>(xm, ldx, K, W, rb, S, n0, ym, ldy, b, acc_out); break;
             default:
                 for (int n = n0; n < n0 + NR; n += NH) switch (R - m0 < 8 ? R - m0 : 8) {
-                    case 5: tile<F, 5, NH>(xm, ldx, K, W, rb, n, ym, ldy, b, acc_out); break;
-                    case 6: tile<F, 6, NH>(xm, ldx, K, W, rb, n, ym, ldy, b, acc_out); break;
-                    case 7: tile<F, 7, NH>(xm, ldx, K, W, rb, n, ym, ldy, b, acc_out); break;
-                    default: tile<F, 8, NH>(xm, ldx, K, W, rb, n, ym, ldy, b, acc_out); break;
+                    case 5: tile<F, 5, NH>(xm, ldx, K, W, rb, S, n, ym, ldy, b, acc_out); break;
+                    case 6: tile<F, 6, NH>(xm, ldx, K, W, rb, S, n, ym, ldy, b, acc_out); break;
+                    case 7: tile<F, 7, NH>(xm, ldx, K, W, rb, S, n, ym, ldy, b, acc_out); break;
+                    default: tile<F, 8, NH>(xm, ldx, K, W, rb, S, n, ym, ldy, b, acc_out); break;
                 }
         }
     }
@@ -242,33 +278,43 @@ extern "C" long row_bytes(int fmt, int K) {
 }
 
 // A linear whose output columns come from up to 3 weight matrices (fused q/k/v, gate/up), each in its own format.
-struct Seg { const uint8_t* w; const float* bias; int fmt, n; };
+// scales: the blocks' fp16 scales widened to fp32 once at load ([n, blocks] d, or [n, blocks, 2] d and m for Q4_1),
+// so the inner loop broadcasts them from memory instead of converting each (same values, bit for bit)
+struct Seg { const uint8_t* w; const float* scales; const float* bias; int fmt, n; };
 struct Lin { Seg seg[3]; int count; };
 
 template <int NR>
 static inline void rows_of(const Seg& s, const float* x, int R, int K, int n0, float* y, long ldy, bool acc_out) {
     const long rb = row_bytes(s.fmt, K);
     switch (s.fmt) {
-        case F32: weight_rows<FmtF32, NR>(x, K, R, K, s.w, rb, n0, y, ldy, s.bias, acc_out); break;
-        case F16: weight_rows<FmtF16, NR>(x, K, R, K, s.w, rb, n0, y, ldy, s.bias, acc_out); break;
-        case BF16: weight_rows<FmtBF16, NR>(x, K, R, K, s.w, rb, n0, y, ldy, s.bias, acc_out); break;
-        case Q4_0: weight_rows<FmtQ4_0, NR>(x, K, R, K, s.w, rb, n0, y, ldy, s.bias, acc_out); break;
-        case Q4_1: weight_rows<FmtQ4_1, NR>(x, K, R, K, s.w, rb, n0, y, ldy, s.bias, acc_out); break;
-        default: weight_rows<FmtQ8_0, NR>(x, K, R, K, s.w, rb, n0, y, ldy, s.bias, acc_out); break;
+        case F32: weight_rows<FmtF32, NR>(x, K, R, K, s.w, rb, s.scales, n0, y, ldy, s.bias, acc_out); break;
+        case F16: weight_rows<FmtF16, NR>(x, K, R, K, s.w, rb, s.scales, n0, y, ldy, s.bias, acc_out); break;
+        case BF16: weight_rows<FmtBF16, NR>(x, K, R, K, s.w, rb, s.scales, n0, y, ldy, s.bias, acc_out); break;
+        case Q4_0: weight_rows<FmtQ4_0, NR>(x, K, R, K, s.w, rb, s.scales, n0, y, ldy, s.bias, acc_out); break;
+        case Q4_1: weight_rows<FmtQ4_1, NR>(x, K, R, K, s.w, rb, s.scales, n0, y, ldy, s.bias, acc_out); break;
+        default: weight_rows<FmtQ8_0, NR>(x, K, R, K, s.w, rb, s.scales, n0, y, ldy, s.bias, acc_out); break;
     }
 }
 
-// y[R, Σn] (+)= x[R, K]·[W_0; W_1; ...]ᵀ (+ biases), one parallel region. Returns -1 if a format/K is unsupported.
-static int linear(const Lin* L, const float* x, int R, int K, float* y, bool acc_out, int threads) {
+static bool servable(const Lin* L, int K) {
+    for (int i = 0; i < L->count; i++) {
+        const int fmt = L->seg[i].fmt;
+        if (row_bytes(fmt, K) < 0 || (fmt != F32 && fmt != F16 && fmt != BF16 && !L->seg[i].scales)) return false;
+    }
+    return true;
+}
+
+// y[R, Σn] (+)= x[R, K]·[W_0; W_1; ...]ᵀ (+ biases). Work-shares over the calling parallel region (an orphaned
+// `omp for`: called outside one, the calling thread does it all); ends with the for's barrier.
+static void linear(const Lin* L, const float* x, int R, int K, float* y, bool acc_out) {
     const int NR = 4;
     int groups = 0, ldy = 0, starts[4] = {0}, cols[4] = {0};
     for (int i = 0; i < L->count; i++) {
-        if (row_bytes(L->seg[i].fmt, K) < 0) return -1;
         cols[i] = ldy;
         ldy += L->seg[i].n;
         starts[i + 1] = groups += (L->seg[i].n + NR - 1) / NR;
     }
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp for schedule(static)
     for (int g = 0; g < groups; g++) {
         int i = 0;
         while (g >= starts[i + 1]) i++;
@@ -278,14 +324,17 @@ static int linear(const Lin* L, const float* x, int R, int K, float* y, bool acc
         if (n0 + NR <= s.n) rows_of<NR>(s, x, R, K, n0, ys, ldy, acc_out);
         else for (int n = n0; n < s.n; n++) rows_of<1>(s, x, R, K, n, ys, ldy, acc_out);
     }
-    return 0;
 }
 
-// x: [R, K] row-major fp32; W: N rows of `fmt`; y: [R, N]; b: [N] or null. Returns 0, or -1 if fmt/K unsupported.
-extern "C" int rows_linear(int fmt, const float* x, int R, int K, const uint8_t* W, int N, float* y, const float* b,
-                           int threads) {
-    Lin L = {{{W, b, fmt, N}}, 1};
-    return linear(&L, x, R, K, y, false, threads);
+// x: [R, K] row-major fp32; W: N rows of `fmt` (with their scales for block formats); y: [R, N]; b: [N] or null.
+// Returns 0, or -1 if fmt/K unsupported.
+extern "C" int rows_linear(int fmt, const float* x, int R, int K, const uint8_t* W, const float* scales, int N,
+                           float* y, const float* b, int threads) {
+    Lin L = {{{W, scales, b, fmt, N}}, 1};
+    if (!servable(&L, K) || R < 0) return -1;
+#pragma omp parallel num_threads(threads)
+    linear(&L, x, R, K, y, false);
+    return 0;
 }
 
 // ---- the non-linear work, each row on its own ---------------------------------------------------------------------
@@ -299,9 +348,14 @@ static void rmsnorm_row(const float* x, int D, const float* w, float eps, float*
     for (int i = 0; i < D; i++) out[i] = w[i] * (x[i] * r);
 }
 
-extern "C" void rows_rmsnorm(const float* x, int R, int D, const float* w, float eps, float* out, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
+static void rmsnorm(const float* x, int R, int D, const float* w, float eps, float* out) {
+#pragma omp for schedule(static)
     for (int r = 0; r < R; r++) rmsnorm_row(x + (long)r * D, D, w, eps, out + (long)r * D);
+}
+
+extern "C" void rows_rmsnorm(const float* x, int R, int D, const float* w, float eps, float* out, int threads) {
+#pragma omp parallel num_threads(threads)
+    rmsnorm(x, R, D, w, eps, out);
 }
 
 // Rotate-half rotary embedding (as Llama in transformers) of `heads` heads of size hd at x (one row).
@@ -364,21 +418,20 @@ static void attend(const Dims* d, int layer, int slot, int pos, int g, const flo
     for (int c = 0; c < hd / 16; c++) vstore(out + 16 * c, vmul(o[c], inv));
 }
 
-// One decoder layer over R rows, in place on the residual stream x [R, hidden]. Row r is at position pos[r] of KV
-// slot slot[r]; its keys and values are written there first, so a row sees the earlier rows of its own slot in this
-// pass (causal) and nothing of other slots.
-extern "C" int decoder_layer(const Dims* d, const Layer* L, int layer, float* x, int R, const int* slot,
-                             const int* pos, int threads) {
+struct Scratch { float *h, *qkv, *att, *gu, *act, *p; int plen; };
+
+// One decoder layer over R rows, in place on the residual stream x [R, hidden], inside the pass's parallel region.
+// Row r is at position pos[r] of KV slot slot[r]; its key and value are written there first, so a row sees the
+// earlier rows of its own slot in this pass (causal) and nothing of other slots.
+static void layer_body(const Dims* d, const Layer* L, int layer, float* x, int R, const int* slot, const int* pos,
+                       const Scratch& s) {
     const int D = d->hidden, hd = d->head_dim, H = d->heads, G = d->kv_heads, I = d->inter;
     const int nq = H * hd, nkv = G * hd, nqkv = nq + 2 * nkv;
-    if (hd % 16 || hd > 256 || H % G) return -1;
-    std::vector<float> h((size_t)R * D), qkv((size_t)R * nqkv), att((size_t)R * nq), gu((size_t)R * 2 * I),
-        act((size_t)R * I);
-    rows_rmsnorm(x, R, D, L->attn_norm, d->eps, h.data(), threads);
-    if (linear(&L->qkv, h.data(), R, D, qkv.data(), false, threads)) return -1;
-#pragma omp parallel for schedule(static) num_threads(threads)
+    rmsnorm(x, R, D, L->attn_norm, d->eps, s.h);
+    linear(&L->qkv, s.h, R, D, s.qkv, false);
+#pragma omp for schedule(static)
     for (int r = 0; r < R; r++) {
-        float* row = qkv.data() + (long)r * nqkv;
+        float* row = s.qkv + (long)r * nqkv;
         const float* cs = d->cos + (long)pos[r] * hd;
         const float* sn = d->sin + (long)pos[r] * hd;
         rope_row(row, H, hd, cs, sn);
@@ -388,24 +441,43 @@ extern "C" int decoder_layer(const Dims* d, const Layer* L, int layer, float* x,
             memcpy(cache_at(d, d->vslot, slot[r], layer, g, pos[r]), row + nq + nkv + g * hd, 4L * hd);
         }
     }
-    int maxpos = 0;
-    for (int r = 0; r < R; r++) maxpos = pos[r] > maxpos ? pos[r] : maxpos;
-#pragma omp parallel num_threads(threads)
-    {
-        std::vector<float> p(maxpos + 1);
+    float* p = s.p + (long)omp_get_thread_num() * s.plen;
 #pragma omp for schedule(static)
-        for (int rh = 0; rh < R * H; rh++) {
-            const int r = rh / H, hh = rh % H;
-            attend(d, layer, slot[r], pos[r], hh / (H / G), qkv.data() + (long)r * nqkv + hh * hd,
-                   att.data() + (long)r * nq + hh * hd, p.data());
-        }
+    for (int rh = 0; rh < R * H; rh++) {
+        const int r = rh / H, hh = rh % H;
+        attend(d, layer, slot[r], pos[r], hh / (H / G), s.qkv + (long)r * nqkv + hh * hd, s.att + (long)r * nq + hh * hd,
+               p);
     }
-    if (linear(&L->o, att.data(), R, nq, x, true, threads)) return -1;  // x += o(att)
-    rows_rmsnorm(x, R, D, L->ffn_norm, d->eps, h.data(), threads);
-    if (linear(&L->gate_up, h.data(), R, D, gu.data(), false, threads)) return -1;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int r = 0; r < R; r++)
-        for (int i = 0; i < I; i++)
-            act[(long)r * I + i] = silu(gu[(long)r * 2 * I + i]) * gu[(long)r * 2 * I + I + i];
-    return linear(&L->down, act.data(), R, I, x, true, threads);  // x += down(act)
+    linear(&L->o, s.att, R, nq, x, true);  // x += o(att)
+    rmsnorm(x, R, D, L->ffn_norm, d->eps, s.h);
+    linear(&L->gate_up, s.h, R, D, s.gu, false);
+#pragma omp for schedule(static)
+    for (int ri = 0; ri < R * I; ri++) {
+        const int r = ri / I, i = ri % I;
+        s.act[ri] = silu(s.gu[(long)r * 2 * I + i]) * s.gu[(long)r * 2 * I + I + i];
+    }
+    linear(&L->down, s.act, R, I, x, true);  // x += down(act)
+}
+
+// All decoder layers of one pass in one parallel region (thread start-up costs more than a whole small linear).
+extern "C" int decoder_layers(const Dims* d, const Layer* layers, int n_layers, float* x, int R, const int* slot,
+                              const int* pos, int threads) {
+    const int D = d->hidden, hd = d->head_dim, H = d->heads, G = d->kv_heads, I = d->inter;
+    if (hd % 16 || hd > 256 || H % G || R < 1) return -1;
+    int maxpos = 0;
+    for (int r = 0; r < R; r++) {
+        if (pos[r] < 0 || pos[r] >= d->max_len) return -1;
+        maxpos = pos[r] > maxpos ? pos[r] : maxpos;
+    }
+    for (int l = 0; l < n_layers; l++) {
+        const Layer* L = layers + l;
+        if (!servable(&L->qkv, D) || !servable(&L->o, H * hd) || !servable(&L->gate_up, D) || !servable(&L->down, I))
+            return -1;
+    }
+    std::vector<float> h((size_t)R * D), qkv((size_t)R * (H + 2 * G) * hd), att((size_t)R * H * hd),
+        gu((size_t)R * 2 * I), act((size_t)R * I), p((size_t)threads * (maxpos + 1));
+    const Scratch s = {h.data(), qkv.data(), att.data(), gu.data(), act.data(), p.data(), maxpos + 1};
+#pragma omp parallel num_threads(threads)
+    for (int l = 0; l < n_layers; l++) layer_body(d, layers + l, l, x, R, slot, pos, s);
+    return 0;
 }

@@ -1,8 +1,8 @@
 """A compact Llama-family decoder (SmolLM, Llama, Mistral, Qwen2): RMSNorm, rotary embedding (default, linear,
 llama3 and yarn scaling), grouped-query attention, SwiGLU, tied or untied head, optional q/k/v bias.
 
-Weights stay in their file's form (weights.QTensor) and run on specdec's kernels: one C++ call per decoder layer
-(kernels/rows.cpp, `decoder_layer`), which computes every row on its own, so a row of a verify pass gets bitwise the
+Weights stay in their file's form (weights.QTensor) and run on specdec's kernels: one C++ call per pass
+(kernels/rows.cpp, `decoder_layers`), which computes every row on its own, so a row of a verify pass gets bitwise the
 logits a one-token pass gives it. Without the kernels the same layer runs in torch below (`_layer_torch`), on the
 same dequantized values.
 
@@ -26,7 +26,7 @@ _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
 class _Seg(ctypes.Structure):
-    _fields_ = [("w", _p), ("bias", _p), ("fmt", _i), ("n", _i)]
+    _fields_ = [("w", _p), ("scales", _p), ("bias", _p), ("fmt", _i), ("n", _i)]
 
 
 class _Lin(ctypes.Structure):
@@ -61,7 +61,8 @@ class LayerWeights:
 def _lin(parts) -> _Lin:
     lin = _Lin()
     for j, (w, b) in enumerate(parts):
-        lin.seg[j] = _Seg(w.data.data_ptr(), None if b is None else b.data_ptr(), w.fmt, w.n)
+        lin.seg[j] = _Seg(w.data.data_ptr(), None if w.scales is None else w.scales.data_ptr(),
+                          None if b is None else b.data_ptr(), w.fmt, w.n)
     lin.count = len(parts)
     return lin
 
@@ -99,7 +100,7 @@ class Llama:
         self._free: list[int] = []
         self._lib = kernels.library()
         if self._lib is not None:
-            self._structs = [self._layer_struct(w) for w in layers]
+            self._structs = (_Layer * len(layers))(*[self._layer_struct(w) for w in layers])
             self._kptr, self._vptr = (ctypes.c_void_p * 0)(), (ctypes.c_void_p * 0)()
             self._dims = self._make_dims()
 
@@ -137,10 +138,9 @@ class Llama:
         if self._lib is not None:
             s, p = (ctypes.c_int * R)(*slots), (ctypes.c_int * R)(*positions)
             threads = torch.get_num_threads()
-            for i, layer in enumerate(self._structs):
-                if self._lib.decoder_layer(ctypes.byref(self._dims), ctypes.byref(layer), i, x.data_ptr(), R, s, p,
-                                           threads):
-                    raise RuntimeError("decoder_layer refused its shapes")
+            if self._lib.decoder_layers(ctypes.byref(self._dims), self._structs, len(self.layers), x.data_ptr(), R, s,
+                                        p, threads):
+                raise RuntimeError("the decoder kernel refused its shapes")
             h = torch.empty_like(x)
             self._lib.rows_rmsnorm(x.data_ptr(), R, x.shape[1], self.norm.data_ptr(), self.eps, h.data_ptr(), threads)
         else:

@@ -28,7 +28,12 @@ class QTensor:
     data: torch.Tensor
     n: int
     k: int
+    scales: torch.Tensor | None = field(default=None, repr=False)  # block formats: fp32 d (and m), see scales_of
     _dense: torch.Tensor | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.fmt in GGML_BLOCK and self.scales is None:
+            self.scales = scales_of(self.fmt, self.data)
 
     @classmethod
     def from_float(cls, w: torch.Tensor) -> QTensor:
@@ -58,6 +63,15 @@ class QTensor:
         return self._dense
 
 
+def scales_of(fmt: int, data: torch.Tensor) -> torch.Tensor:
+    """The blocks' fp16 scales widened to fp32 (exact), [n, blocks] d or [n, blocks, 2] d and m (Q4_1): the kernels
+    broadcast them from memory instead of converting one per block. 4-8 bytes per 32 weights; the blocks stay."""
+    cols, nbytes = GGML_BLOCK[fmt]
+    blocks = data.view(data.shape[0], -1, nbytes)
+    halves = blocks[..., : 4 if fmt == kernels.Q4_1 else 2].contiguous().view(torch.float16)
+    return halves.float().contiguous()
+
+
 def _dequantize(fmt: int, data: torch.Tensor, k: int) -> torch.Tensor:
     if fmt in FLOAT_DTYPE:
         return data.contiguous().view(FLOAT_DTYPE[fmt]).reshape(-1, k).float()
@@ -69,7 +83,7 @@ def _dequantize(fmt: int, data: torch.Tensor, k: int) -> torch.Tensor:
 def qlinear(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x·Wᵀ (+ b): the kernel on W's own blocks where it runs, else torch on the same dequantized values."""
     if kernels.library() is not None:
-        return kernels.linear(w.fmt, x, w.data, w.n, bias)
+        return kernels.linear(w.fmt, x, w.data, w.n, bias, w.scales)
     return F.linear(x, w.dequantize(), bias)
 
 
