@@ -56,13 +56,15 @@ class Chunk:
     result: GenerationResult | None = None
 
 
-def build_drafter(draft: str, model, tok, target_spec: str | None = None, draft_models: dict | None = None):
+def build_drafter(draft: str, model, tok, target_spec: str | None = None, draft_models: dict | None = None,
+                  backend: str = "auto"):
     """A drafter from its name: 'ngram', 'none', 'target', 'shipped' (the distilled draft shipped for the default
     target), 'datastore' / 'datastore:DIR' (retrieval), a `specdec distill` directory, a draft model (dir/.gguf),
     or 'A+B' (A first, B when A proposes nothing). `draft_models` caches loaded draft models by name."""
     draft_models = {} if draft_models is None else draft_models
     if "+" in draft and not Path(draft).exists():
-        return ChainDrafter([build_drafter(d, model, tok, target_spec, draft_models) for d in draft.split("+")])
+        return ChainDrafter([build_drafter(d, model, tok, target_spec, draft_models, backend)
+                             for d in draft.split("+")])
     if draft == "ngram":
         return NgramDrafter()
     if draft == "datastore" or draft.startswith("datastore:"):
@@ -77,7 +79,7 @@ def build_drafter(draft: str, model, tok, target_spec: str | None = None, draft_
     if is_feature_draft(path):
         name = f"shipped:{SHIPPED_DRAFT.name}" if Path(path) == SHIPPED_DRAFT else str(draft)
         return FeatureDrafter.load(path, model, models.tokenizer_fingerprint(tok), name=name)
-    draft_model, draft_tok = models.load(draft)
+    draft_model, draft_tok = models.load(draft, backend=backend)
     models.check_compatible(tok, draft_tok, draft)
     draft_models[draft] = draft_model
     return ModelDrafter(draft_model, model.config.vocab_size, name=str(draft))
@@ -99,10 +101,11 @@ def _positive_int(name, value):
 
 class SpecDecoder:
     def __init__(self, target: str = models.DEFAULT_MODEL, draft: str | None = DEFAULT_DRAFT, tau: int = 4,
-                 policy: str = "adaptive"):
+                 policy: str = "adaptive", backend: str = "auto"):
+        """`backend`: auto (specdec's runtime where it runs the model, else transformers), runtime, transformers."""
         draft = draft or default_draft(target)
-        model, tok = models.load(target)
-        drafter = build_drafter(draft, model, tok, target)
+        model, tok = models.load(target, backend=backend)
+        drafter = build_drafter(draft, model, tok, target, backend=backend)
         self._setup(model, tok, drafter, tau, getattr(drafter, "name", draft), policy)
 
     @classmethod

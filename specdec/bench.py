@@ -11,10 +11,11 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from . import hf_assist, models
+from . import check, hf_assist, llamacpp, models
 from .api import SpecDecoder, build_drafter
 from .drafters.feature import FeatureDrafter
 from .errors import InvalidRequest, SpecDecError
+from .cli import backend_arg
 from .kv import stock_linears
 from .policy import make_policy
 from .prompts import load_prompts
@@ -26,6 +27,7 @@ class Config:
     tau: int
     policy: str = "fixed"
     hf: bool = False  # transformers' generate / assisted generation, the peer reference
+    llamacpp: bool = False  # llama.cpp's autoregressive decoding of the same GGUF (llama-cpp-python)
     tokens: int = 0
     seconds: float = 0.0
     proposed: int = 0
@@ -35,6 +37,8 @@ class Config:
 
     @property
     def label(self) -> str:
+        if self.llamacpp:
+            return "llama.cpp"
         who = "hf" if self.hf else "specdec"
         pol = "" if self.hf or self.policy == "fixed" else f" {self.policy}"
         return f"{who}:{self.draft}" + ("" if self.draft == "none" else f" tau={self.tau}{pol}")
@@ -45,17 +49,22 @@ class Bench:
     [(draft, tau, policy)] replaces the drafts x taus x policies grid."""
 
     def __init__(self, target: str, drafts: list[str], taus: list[int], max_new_tokens: int, compare_hf: bool,
-                 policies: list[str] | None = None, loaded=None, configs=None):
+                 policies: list[str] | None = None, loaded=None, configs=None, backend: str = "auto",
+                 compare_llamacpp: bool = False):
         policies = policies or ["fixed"]
         if max_new_tokens < 1 or any(t < 1 for t in taus):
             raise InvalidRequest("max-new-tokens and tau must be >= 1")
         for p in policies:
             make_policy(p, 1)
-        self.model, self.tok, self.draft_models = loaded if loaded else (*models.load(target), {})
+        self.model, self.tok, self.draft_models = loaded if loaded else (*models.load(target, backend=backend), {})
+        self.backend = backend
+        self._llama = llamacpp.load(models.resolve(target)) if compare_llamacpp else None
+        self._hf_models = {}  # transformers' models of the same weights, for the transformers rows
         self.max_new_tokens = max_new_tokens
         self.feature_drafts = set()  # EAGLE-style drafts (specdec distill): they ride on the target's features
         for d in drafts:  # load each once (fails early on a bad or incompatible draft)
-            if isinstance(build_drafter(d, self.model, self.tok, draft_models=self.draft_models), FeatureDrafter):
+            if isinstance(build_drafter(d, self.model, self.tok, draft_models=self.draft_models, backend=backend),
+                          FeatureDrafter):
                 self.feature_drafts.add(d)
         grid = configs or [(d, t, p) for d in drafts if d != "none" for t in taus for p in policies]
         self.configs = [Config("none", 1)] + [Config(*c) for c in grid]
@@ -63,42 +72,57 @@ class Bench:
             hf_drafts = [d for d in drafts if d in ("ngram", "target") or d in self.draft_models
                          or (d in self.feature_drafts and hf_assist.SUPPORTED)]
             self.configs += [Config("none", 1, hf=True)] + [Config(d, t, hf=True) for d in hf_drafts for t in taus]
-        self._decoders = {c.label: self.decoder_for(c.draft, c.tau, c.policy) for c in self.configs if not c.hf}
+        if compare_llamacpp:
+            self.configs.append(Config("none", 1, llamacpp=True))
+        self._decoders = {c.label: self.decoder_for(c.draft, c.tau, c.policy) for c in self.configs
+                          if not (c.hf or c.llamacpp)}
 
     def decoder_for(self, draft: str, tau: int, policy: str = "fixed") -> SpecDecoder:
-        drafter = build_drafter(draft, self.model, self.tok, draft_models=self.draft_models)
+        drafter = build_drafter(draft, self.model, self.tok, draft_models=self.draft_models, backend=self.backend)
         return SpecDecoder.from_models(self.model, self.tok, drafter, tau, policy=policy)
 
     def _twin(self, c: Config) -> str:
         """Our decoder for the same draft (its drafter instance is reused by the transformers row)."""
-        return next(o.label for o in self.configs if not o.hf and o.draft == c.draft)
+        return next(o.label for o in self.configs if not (o.hf or o.llamacpp) and o.draft == c.draft)
+
+    def _hf(self, model):
+        """transformers' model of these weights (specdec's runtime: the fp32-dequantized model), loaded once."""
+        if id(model) not in self._hf_models:
+            self._hf_models[id(model)] = check.reference_model(model)
+        return self._hf_models[id(model)]
 
     def _run_one(self, c: Config, prompt: dict, max_new_tokens: int):
+        if c.llamacpp:
+            ids = self._decoders[self.configs[0].label].encode(prompt["prompt"], prompt["chat"])
+            t0 = perf_counter()
+            out = llamacpp.greedy(self._llama, ids, max_new_tokens, self._decoders[self.configs[0].label].engine.eos_ids)
+            return out, perf_counter() - t0, 0, 0, 0
         if not c.hf:
             out = self._decoders[c.label].generate(prompt["prompt"], max_new_tokens=max_new_tokens,
                                                    chat=prompt["chat"])
             s = out.stats
             return out.token_ids, s["wall_s"], s["proposed"], s["accepted"], s["cycles"]
         ids = self._decoders[self.configs[0].label].encode(prompt["prompt"], prompt["chat"])
-        with stock_linears(self.model):  # transformers as its users run it
+        with stock_linears(self._hf(self.model)):  # transformers as its users run it
             return self._run_hf(c, ids, max_new_tokens)
 
     def _run_hf(self, c: Config, ids: list[int], max_new_tokens: int):
         if c.draft in self.feature_drafts:
             drafter = self._decoders[self._twin(c)].engine.drafter
             t0 = perf_counter()
-            out = hf_assist.generate(self.model, ids, drafter, c.tau, max_new_tokens, self.tok.eos_token_id)
+            out = hf_assist.generate(self._hf(self.model), ids, drafter, c.tau, max_new_tokens, self.tok.eos_token_id)
             return out, perf_counter() - t0, 0, 0, 0
         kw = {}
         if c.draft == "ngram":
             kw = dict(prompt_lookup_num_tokens=c.tau)
         elif c.draft != "none":
-            kw = dict(assistant_model=self.model if c.draft == "target" else self.draft_models[c.draft], num_assistant_tokens=c.tau,
+            kw = dict(assistant_model=self._hf(self.model if c.draft == "target" else self.draft_models[c.draft]),
+                      num_assistant_tokens=c.tau,
                       num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0)
         x = torch.tensor([ids])
         t0 = perf_counter()
         with torch.inference_mode():
-            out = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+            out = self._hf(self.model).generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
                                       do_sample=False, pad_token_id=self.tok.eos_token_id, **kw)
         return out[0, len(ids):].tolist(), perf_counter() - t0, 0, 0, 0
 
@@ -125,8 +149,9 @@ class Bench:
         for c in self.configs:
             tps = c.tokens / c.seconds
             rows.append({
-                "config": c.label, "engine": "transformers" if c.hf else "specdec", "draft": c.draft,
-                "tau": None if c.draft == "none" else c.tau, "policy": None if c.hf else c.policy,
+                "config": c.label, "engine": "llama.cpp" if c.llamacpp else "transformers" if c.hf else "specdec",
+                "draft": c.draft,
+                "tau": None if c.draft == "none" else c.tau, "policy": None if c.hf or c.llamacpp else c.policy,
                 "tokens": c.tokens, "seconds": round(c.seconds, 3), "tokens_per_s": round(tps, 3),
                 "speedup": round(tps / base_tps, 3),
                 "acceptance_rate": round(c.accepted / c.proposed, 4) if c.proposed else None,
@@ -155,7 +180,7 @@ def cmd_bench(args) -> int:
     if args.limit:
         prompts = prompts[: args.limit]
     bench = Bench(args.target, args.draft or [default_draft(args.target)], args.tau or [2, 4, 6], args.max_new_tokens,
-                  args.compare_hf, policies=args.policy)
+                  args.compare_hf, policies=args.policy, backend=args.backend, compare_llamacpp=args.compare_llamacpp)
     console = Console(stderr=True)
     rows = bench.run(prompts, console)
     print_table(rows, Console(width=max(120, Console().width)))
@@ -180,5 +205,8 @@ def register(sub, model_args, sampling_args):
     b.add_argument("--max-new-tokens", type=int, default=64)
     b.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
     b.add_argument("--compare-hf", action="store_true", help="add transformers' (assisted) generate as reference")
+    b.add_argument("--compare-llamacpp", action="store_true",
+                   help="add llama.cpp's decoding of the same GGUF (needs llama-cpp-python)")
+    backend_arg(b)
     b.add_argument("--json", default=None, help="write per-configuration results here")
     b.set_defaults(func=cmd_bench)

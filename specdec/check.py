@@ -1,7 +1,8 @@
 """`specdec check`: the "fast but wrong" guard.
 
-greedy   — speculative output vs the target alone (transformers' own generate, an independent reference), token by
-           token; every differing prompt is reported with the first divergent position and both continuations.
+greedy   — speculative output vs the target alone (transformers' own generate with its stock layers on the same
+           weights — for specdec's runtime, the fp32-dequantized model — an independent reference), token by token;
+           every differing prompt is reported with the first divergent position and both continuations.
 sampling — the joint distribution of the first two generated tokens under speculation vs the target's exact
            distribution at the same prefix (computed by direct forward passes), chi-square test with a p-value.
 """
@@ -12,7 +13,9 @@ import sys
 
 import torch
 
+from . import models
 from .errors import InvalidRequest
+from .kv import stock_linears
 from .sampling import SamplingParams, warp
 
 
@@ -49,13 +52,23 @@ def reference_greedy(model, ids: list[int], n: int, eos: set[int]) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
+def reference_model(model):
+    """transformers' model of the same weights: the model itself, or for specdec's runtime the fp32-dequantized
+    model transformers makes of its file."""
+    if not models.is_runtime(model):
+        return model
+    return models.load(model.source, backend="transformers")[0]
+
+
 def check_greedy(decoder, prompts: list[dict], max_new_tokens: int) -> list[dict]:
     """-> one entry per prompt: ok, and for mismatches the first divergent position and both continuations."""
     tok, eos = decoder.tokenizer, decoder.engine.eos_ids
+    ref = reference_model(decoder.model)
     results = []
     for p in prompts:
         ids = decoder.encode(p["prompt"], p["chat"])
-        want = reference_greedy(decoder.model, ids, max_new_tokens, eos)
+        with stock_linears(ref):  # transformers as its users run it: specdec's kernels must not be the reference
+            want = reference_greedy(ref, ids, max_new_tokens, eos)
         got = decoder.generate(p["prompt"], max_new_tokens=max_new_tokens, chat=p["chat"]).token_ids
         entry = {"prompt": p["prompt"][:60], "ok": got == want}
         if got != want:
@@ -67,9 +80,20 @@ def check_greedy(decoder, prompts: list[dict], max_new_tokens: int) -> list[dict
 
 
 @torch.inference_mode()
+def next_token_logits(model, seq: list[int]) -> torch.Tensor:
+    if models.is_runtime(model):
+        cache = model.new_cache()
+        try:
+            return cache.forward(seq)[-1]
+        finally:
+            cache.close()
+    return model(torch.tensor([seq])).logits[0, -1]
+
+
+@torch.inference_mode()
 def exact_two_token_joint(model, vocab: int, ids: list[int], params: SamplingParams) -> dict[tuple, float]:
     def dist(seq):
-        return warp(model(torch.tensor([seq])).logits[0, -1, :vocab], params)
+        return warp(next_token_logits(model, seq)[:vocab], params)
     p1 = dist(ids)
     joint = {}
     for a in p1.nonzero().flatten().tolist():
@@ -108,7 +132,8 @@ def cmd_check(args) -> int:
     if params.greedy:
         raise InvalidRequest("the sampling check needs --temperature > 0")
     prompts = load_prompts(args.prompts)[: args.limit or None]
-    decoder = SpecDecoder(target=args.target, draft=args.draft, tau=args.tau)
+    decoder = SpecDecoder(target=args.target, draft=args.draft, tau=args.tau, policy=args.policy,
+                          backend=args.backend)
     report = {"greedy": check_greedy(decoder, prompts, args.max_new_tokens)}
     if args.sampling_prompts:
         report["sampling"] = [check_sampling(decoder, p, args.samples, params)

@@ -20,6 +20,12 @@ def _model_args(p):
                         "a draft dir/.gguf, or A+B (A first, B when A proposes nothing)")
     p.add_argument("--tau", type=int, default=4, help="draft block size (tokens proposed per cycle)")
     p.add_argument("--policy", default="adaptive", help="how tau is chosen each cycle: adaptive (default), fixed, heuristic")
+    backend_arg(p)
+
+
+def backend_arg(p):
+    p.add_argument("--backend", default="auto", choices=["auto", "runtime", "transformers"],
+                   help="what runs the models: specdec's runtime (auto: where it supports the model) or transformers")
 
 
 def _sampling_args(p):
@@ -38,7 +44,7 @@ def cmd_generate(args) -> int:
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     make_policy(args.policy, 1)  # validate before loading models
-    sd = SpecDecoder(target=args.target, draft=args.draft, tau=args.tau, policy=args.policy)
+    sd = SpecDecoder(target=args.target, draft=args.draft, tau=args.tau, policy=args.policy, backend=args.backend)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, seed=args.seed, chat=not args.no_chat, stop=args.stop)
     for chunk in sd.stream_chunks(prompt, **kwargs):

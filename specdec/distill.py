@@ -387,7 +387,7 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
     prompts = [p for f in (prompt_files or DEFAULT_PROMPTS) for p in load_prompts(f)]
     if limit:
         prompts = prompts[:limit]
-    model, tok = loaded or models.load(target)
+    model, tok = loaded or models.load(target, backend="transformers")  # training needs autograd: transformers
     if reduced > model.config.vocab_size:
         raise InvalidRequest(f"--reduced-vocab {reduced} exceeds the target's vocabulary ({model.config.vocab_size})")
     texts = text_sequences(tok, text_files or [])  # read before hours of generation, so a bad path fails fast

@@ -7,7 +7,7 @@ from time import perf_counter
 import torch
 
 from .drafters.base import Drafter
-from .kv import CachedModel
+from .kv import cached_model
 from .policy import FixedPolicy
 from .sampling import SamplingParams, warp
 from .trace import CycleRecord
@@ -18,7 +18,7 @@ StopCheck = Callable[[list[int]], "int | None"]  # generated ids -> how many to 
 
 class Engine:
     def __init__(self, target_model, drafter: Drafter, vocab_size: int, eos_ids: set[int], context_window: int):
-        self.target = CachedModel(target_model, vocab_size)
+        self.target = cached_model(target_model, vocab_size)
         self.drafter, self.eos_ids, self.context_window = drafter, set(eos_ids), context_window
         self.wants_hidden = getattr(drafter, "wants_target_hidden", False)
 

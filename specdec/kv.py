@@ -14,6 +14,14 @@ from . import kernels
 from .runtime.model import common_prefix_len, fit_vocab
 
 
+def cached_model(model, vocab_size: int):
+    """A KV-cached view of `model` with the interface below: a slot of the runtime's KV cache, or a transformers
+    DynamicCache."""
+    if hasattr(model, "new_cache"):
+        return model.new_cache(vocab_size)
+    return CachedModel(model, vocab_size)
+
+
 class CachedModel:
     """A causal LM plus a KV cache that tracks which tokens it holds.
 

@@ -1,7 +1,12 @@
 """Loading target and draft models offline: a Hugging Face directory, a GGUF file, or `default`.
 
-GGUF files are dequantised by transformers on first use (~20 s for the default model) and the result is cached as
-a normal model directory under $SPECDEC_CACHE (default ~/.cache/specdec), so later loads take well under a second.
+Two backends:
+- `runtime` (the default where it applies): specdec's own Llama-family decoder (runtime/), GGUF blocks and
+  safetensors kept in their file's form. A file it cannot run gets one stderr line and the transformers backend.
+- `transformers`: GGUF files are dequantised by transformers on first use (~20 s for the default model) and cached
+  as a plain model directory under $SPECDEC_CACHE (default ~/.cache/specdec); the fp32-dequantized model is the
+  reference `specdec check` compares the runtime with.
+The tokenizer of a GGUF file is extracted once and cached the same way.
 """
 from __future__ import annotations
 
@@ -60,9 +65,7 @@ def _gguf_to_dir(path: Path) -> Path:
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise ModelLoadError(f"cannot load model {path}: not a GGUF file (bad magic bytes)")
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    out = _cache_root() / "gguf" / f"{path.stem}-{key}"
+    out = _cache_root() / "gguf" / f"{path.stem}-{_gguf_key(path)}"
     if (out / "config.json").is_file():
         return out
     print(f"specdec: converting {path.name} (first use; cached in {out})", file=sys.stderr)
@@ -72,22 +75,86 @@ def _gguf_to_dir(path: Path) -> Path:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config  # weights are plain float now
     model.hf_quantizer = None
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent))
-    try:
+
+    def save(tmp):
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        os.replace(tmp, out)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (out / "config.json").is_file():  # another process may have won the race
-            raise
+    _save_atomically(out, save)
     return out
 
 
-def load(spec: str, dtype: torch.dtype = torch.float32):
-    """-> (model, tokenizer). `spec` is `default`, a .gguf file, or a Hugging Face model directory."""
+BACKENDS = ("auto", "runtime", "transformers")
+
+
+def load(spec: str, dtype: torch.dtype = torch.float32, backend: str = "auto"):
+    """-> (model, tokenizer). `spec` is `default`, a .gguf file, or a Hugging Face model directory. `backend`:
+    auto (the runtime where it runs the file, else transformers with one stderr line), runtime (an error where it
+    cannot) or transformers."""
+    if backend not in BACKENDS:
+        raise ModelLoadError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
     path = resolve(spec)
+    if path.is_file() and path.suffix == ".gguf":
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise ModelLoadError(f"cannot load model {spec}: not a GGUF file (bad magic bytes)")
+    if backend != "transformers" and dtype == torch.float32:
+        from .runtime.load import load_gguf, load_hf_dir
+        from .runtime.weights import Unsupported
+        try:
+            if path.is_file() and path.suffix == ".gguf":
+                return load_gguf(path), _gguf_tokenizer(path)
+            if path.is_dir() and (path / "config.json").is_file():
+                return load_hf_dir(path), _tokenizer(path)
+            raise Unsupported(f"not a model directory or .gguf file: {spec}")
+        except KeyError as e:  # a tensor the architecture needs is missing
+            if backend == "runtime":
+                raise ModelLoadError(f"the runtime cannot run {spec}: tensor {e} is missing")
+            print(f"specdec: tensor {e} is missing for the runtime; using the transformers backend", file=sys.stderr)
+        except Unsupported as e:
+            if backend == "runtime":
+                raise ModelLoadError(f"the runtime cannot run {spec}: {e}")
+            print(f"specdec: {e}; using the transformers backend", file=sys.stderr)
+    return _load_transformers(spec, path, dtype)
+
+
+def _tokenizer(path: Path):
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"cannot load the tokenizer of {path}: {str(e).splitlines()[0] if str(e) else e}")
+
+
+def _gguf_key(path: Path) -> str:
+    st = path.stat()
+    return hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
+def _gguf_tokenizer(path: Path):
+    """The tokenizer stored in a GGUF file, extracted by transformers once and cached as tokenizer files."""
+    out = _cache_root() / "tokenizers" / f"{path.stem}-{_gguf_key(path)}"
+    if not (out / "tokenizer_config.json").is_file():
+        os.environ["TQDM_DISABLE"] = "1"
+        try:
+            tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        except (OSError, ValueError, KeyError, RuntimeError) as e:
+            raise ModelLoadError(f"cannot read the tokenizer of {path}: {str(e).splitlines()[0] if str(e) else e}")
+        _save_atomically(out, tok.save_pretrained)
+    return _tokenizer(out)
+
+
+def _save_atomically(out: Path, save) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent))
+    try:
+        save(tmp)
+        os.replace(tmp, out)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not out.is_dir():  # another process may have won the race
+            raise
+
+
+def _load_transformers(spec: str, path: Path, dtype: torch.dtype):
     try:
         if path.is_file() and path.suffix == ".gguf":
             path = _gguf_to_dir(path)
@@ -116,6 +183,10 @@ def tokenizer_fingerprint(tok) -> str:
     """Identifies a vocabulary: a feature draft records its target's and is refused by any other."""
     items = sorted(tok.get_vocab().items())
     return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
+
+
+def is_runtime(model) -> bool:
+    return getattr(model, "backend", None) == "runtime"
 
 
 def eos_ids(model, tok) -> set[int]:

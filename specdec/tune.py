@@ -18,10 +18,11 @@ import torch
 
 from . import models
 from .analyze import cost_model
+from .cli import backend_arg
 from .api import SpecDecoder
 from .bench import Bench
 from .errors import InvalidRequest, SpecDecError
-from .kv import CachedModel
+from .kv import cached_model
 from .prompts import load_prompts
 from .trace import acceptance_by_position
 
@@ -29,7 +30,7 @@ from .trace import acceptance_by_position
 @torch.inference_mode()
 def measure_verify_curve(model, vocab: int, prompt_ids: list[int], max_n: int, reps: int = 9) -> dict[int, float]:
     """Median ms of one target pass over n new tokens after a cached prompt, n = 1..max_n."""
-    lm = CachedModel(model, vocab)
+    lm = cached_model(model, vocab)
     lm.forward(prompt_ids)
     g = torch.Generator().manual_seed(0)
     for n in (1, max_n):  # warm-up
@@ -84,10 +85,10 @@ def reason(best: dict, drafts: dict, t_target: float, confirmed: list[dict]) -> 
 
 
 def tune(target: str, drafts: list[str], max_tau: int, prompts: list[dict], max_new_tokens: int, confirm: int,
-         loaded=None) -> dict:
+         loaded=None, backend: str = "auto") -> dict:
     if max_tau < 1 or confirm < 1 or max_new_tokens < 2:
         raise InvalidRequest("--max-tau and --confirm must be >= 1, --max-new-tokens >= 2")
-    bench = Bench(target, drafts, [max_tau], max_new_tokens, compare_hf=False, loaded=loaded)
+    bench = Bench(target, drafts, [max_tau], max_new_tokens, compare_hf=False, loaded=loaded, backend=backend)
     vocab = bench.model.config.vocab_size
     probe_ids = SpecDecoder.from_models(bench.model, bench.tok, "none").encode(prompts[0]["prompt"],
                                                                              prompts[0]["chat"])
@@ -103,7 +104,7 @@ def tune(target: str, drafts: list[str], max_tau: int, prompts: list[dict], max_
                 prof["match_rate"]), 4)})
     top = sorted(predictions, key=lambda p: -p["predicted_speedup"])[:confirm]
     confirm_bench = Bench(target, sorted({p["draft"] for p in top}), [], max_new_tokens, compare_hf=False,
-                          loaded=(bench.model, bench.tok, bench.draft_models),
+                          loaded=(bench.model, bench.tok, bench.draft_models), backend=backend,
                           configs=[(p["draft"], p["tau"]) for p in top])
     measured = {(r["draft"], r["tau"]): r for r in confirm_bench.run(prompts)}
     for p in top:
@@ -150,7 +151,8 @@ def cmd_tune(args) -> int:
     prompts = load_prompts(args.prompts)[: args.limit or None]
     default = default_draft(args.target)
     drafts = args.draft or list(dict.fromkeys([default, *default.split("+"), "ngram"]))
-    report = tune(args.target, drafts, args.max_tau, prompts, args.max_new_tokens, args.confirm)
+    report = tune(args.target, drafts, args.max_tau, prompts, args.max_new_tokens, args.confirm,
+                  backend=args.backend)
     try:
         if args.plot:
             plot(report, args.plot)
@@ -177,6 +179,7 @@ def register(sub, model_args, sampling_args):
     t.add_argument("--draft", action="append",
                    help="candidate draft (repeatable): shipped, ngram, target, a draft dir/.gguf, or A+B")
     t.add_argument("--max-tau", type=int, default=6)
+    backend_arg(t)
     t.add_argument("--prompts", default=None)
     t.add_argument("--limit", type=int, default=6, help="prompts used (0 = all)")
     t.add_argument("--max-new-tokens", type=int, default=48)

@@ -18,6 +18,8 @@ from torch.nn import functional as F
 
 from ..errors import IncompatibleDraft, ModelLoadError
 from ..kv import common_prefix_len, few_row_linears, rows_linear
+from ..models import is_runtime
+from ..runtime.weights import QTensor, qlinear
 from ..sampling import warp
 from .base import Draft
 
@@ -97,19 +99,30 @@ class FeatureDrafter:
     """Drafter protocol + `observe_target(start, hidden)`: the engine hands it the target's final hidden states."""
     wants_target_hidden = True
 
-    def __init__(self, net: FeatureDraftNet, embed: torch.Tensor, head: torch.Tensor, vocab_map: torch.Tensor,
-                 vocab_size: int, name: str = "feature", min_confidence: float = MIN_CONFIDENCE):
+    def __init__(self, net: FeatureDraftNet, embed, head, vocab_map: torch.Tensor, vocab_size: int,
+                 name: str = "feature", min_confidence: float = MIN_CONFIDENCE):
+        """`embed` and `head` are the target's: tensors (transformers backend, tests) or the runtime's QTensors
+        (GGUF blocks: embedding rows dequantized on lookup, the head's reduced-vocabulary rows kept quantized)."""
         self.net, self.vocab_map, self.vocab_size, self.name = net.eval(), vocab_map, vocab_size, name
         self.min_confidence = min_confidence
         self.dtype = next(net.parameters()).dtype
-        self.embed = embed.to(self.dtype)
-        self.head = head[vocab_map].to(self.dtype).contiguous()  # the target's head rows for the reduced vocab
+        if isinstance(embed, QTensor):
+            self._embed = embed.rows
+        else:
+            table = embed.to(self.dtype)
+            self._embed = lambda ids: F.embedding(torch.tensor(ids), table)
+        if isinstance(head, QTensor):
+            reduced = head.take(vocab_map)
+            self._logits = lambda feat: qlinear(feat.contiguous(), reduced)
+        else:
+            self.head = head[vocab_map].to(self.dtype).contiguous()  # the target's head rows for the reduced vocab
+            self._logits = lambda feat: rows_linear(feat, self.head)
         few_row_linears(self.net)  # drafting runs one row at a time
         self.reset()
 
     def reset(self) -> None:
         d = self.net.cfg["hidden"]
-        self.feats = torch.zeros(0, d, dtype=self.embed.dtype)  # target features of committed positions
+        self.feats = torch.zeros(0, d, dtype=self.dtype)  # target features of committed positions
         self.tokens: list[int] = []  # positions in the cache, all computed from target features
         self.cache = None
 
@@ -122,12 +135,9 @@ class FeatureDrafter:
         del self.tokens[n:]
 
     def _step(self, tokens: list[int], feats: torch.Tensor, start: int) -> torch.Tensor:
-        emb = F.embedding(torch.tensor(tokens), self.embed)[None]
+        emb = self._embed(tokens).to(self.dtype)[None]
         out, self.cache = self.net(emb, feats[None], start, self.cache)
         return out[0]
-
-    def _logits(self, feat: torch.Tensor) -> torch.Tensor:
-        return rows_linear(feat, self.head)
 
     @torch.inference_mode()
     def propose(self, context, k, params, generator) -> Draft:
@@ -180,8 +190,11 @@ class FeatureDrafter:
         net = FeatureDraftNet(**meta["net"])
         vocab_map = weights.pop("vocab_map").long()
         net.load_state_dict({k: v.float() for k, v in weights.items()})
-        embed = target_model.get_input_embeddings().weight.detach()
-        head = target_model.get_output_embeddings().weight.detach()
+        if is_runtime(target_model):
+            embed, head = target_model.embed, target_model.head
+        else:
+            embed = target_model.get_input_embeddings().weight.detach()
+            head = target_model.get_output_embeddings().weight.detach()
         return cls(net.float(), embed, head, vocab_map, target_model.config.vocab_size, name or str(path))
 
 

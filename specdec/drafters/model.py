@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from ..kv import CachedModel
+from ..kv import cached_model
 from ..sampling import warp
 from .base import Draft
 
 
 class ModelDrafter:
     def __init__(self, model, vocab_size: int, name: str = "model"):
-        self.lm = CachedModel(model, vocab_size)
+        self.lm = cached_model(model, vocab_size)
         self.name = name
 
     def propose(self, context, k, params, generator) -> Draft:

@@ -12,7 +12,8 @@ def cmd_serve(args) -> int:
 
     if not 0 < args.port < 65536 or args.max_queue < 1 or args.timeout <= 0:
         raise InvalidRequest("--port must be 1-65535, --max-queue >= 1 and --timeout > 0")
-    decoder = SpecDecoder(target=args.target, draft=args.draft, tau=args.tau, policy=args.policy)
+    decoder = SpecDecoder(target=args.target, draft=args.draft, tau=args.tau, policy=args.policy,
+                          backend=args.backend)
     app = create_app(decoder, model_name=args.model_name, api_key=args.api_key, max_queue=args.max_queue,
                      timeout_s=args.timeout, trace_dir=args.trace_dir)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

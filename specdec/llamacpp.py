@@ -1,0 +1,34 @@
+"""llama.cpp (through llama-cpp-python, optional) as a peer in `specdec bench --compare-llamacpp`: autoregressive
+greedy decoding of the same GGUF file, on the same prompt token ids."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from .errors import InvalidRequest
+
+INSTALL = ('pip install llama-cpp-python  (on CPUs where its native build crashes: CMAKE_ARGS="-DGGML_NATIVE=OFF '
+           '-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" pip install llama-cpp-python)')
+
+
+def load(path: Path, n_ctx: int = 4096):
+    if Path(path).suffix != ".gguf":
+        raise InvalidRequest("--compare-llamacpp needs a .gguf target")
+    try:
+        import llama_cpp
+    except ImportError:
+        raise InvalidRequest(f"--compare-llamacpp needs llama-cpp-python: {INSTALL}")
+    os.environ.setdefault("LLAMA_LOG_LEVEL", "error")
+    return llama_cpp.Llama(str(path), n_ctx=n_ctx, n_threads=torch.get_num_threads(), verbose=False)
+
+
+def greedy(llm, ids: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
+    """Up to max_new_tokens greedy tokens after `ids` (llama.cpp evaluates the prompt, then one token per step)."""
+    out = []
+    for token in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        out.append(int(token))
+        if token in eos or len(out) >= max_new_tokens:
+            break
+    return out
