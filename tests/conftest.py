@@ -30,14 +30,16 @@ def draft_close(target):
 
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory, target, draft_close, draft_random):
-    """Target and draft saved as HF model directories, plus a draft with a different tokenizer."""
+    """Target and draft saved as HF model directories (fp32, so the CLI runs them on specdec's runtime, the production
+    path), plus a draft with a different tokenizer."""
     root = tmp_path_factory.mktemp("models")
     paths = {}
     for name, model, tk in [("target", target, char_tokenizer(chat=True)),
                             ("draft", draft_close, char_tokenizer(chat=True)),
                             ("random", draft_random, char_tokenizer(chat=True)),
                             ("alien", draft_close, char_tokenizer(chat=True, shift=7))]:
-        model.save_pretrained(root / name)
+        model.float().save_pretrained(root / name)
+        model.double()
         tk.save_pretrained(root / name)
         paths[name] = str(root / name)
     return paths

@@ -1,4 +1,5 @@
-"""specdec's CPU kernel for few-row linears: same result as F.linear, refuses what it cannot do, can be turned off."""
+"""specdec's CPU kernel on fp32 weights (the transformers backend's linears): same result as F.linear, refuses what it
+cannot do, can be turned off. Quantized formats and the runtime: test_runtime.py."""
 import pytest
 import torch
 from torch.nn import functional as F
@@ -6,7 +7,7 @@ from torch.nn import functional as F
 from specdec import kernels
 from specdec.kv import KERNEL_ROWS, rows_linear
 
-needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no AVX-512 CPU or no C++ compiler")
+needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no AVX2/AVX-512 CPU or no C++ compiler")
 
 
 @needs_kernel
@@ -49,25 +50,25 @@ def test_kernel_declines_what_it_cannot_do_and_rows_linear_falls_back():
 
 def test_kernel_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("SPECDEC_CPU_KERNEL", "0")
-    kernels._kernel.cache_clear()
+    kernels.library.cache_clear()
     try:
         assert not kernels.available() and kernels.few_rows_linear(torch.randn(1, 16), torch.randn(4, 16)) is None
         x, w = torch.randn(3, 16), torch.randn(4, 16)
         assert torch.allclose(rows_linear(x, w), F.linear(x, w), atol=1e-6)  # torch's paths serve instead
     finally:
-        kernels._kernel.cache_clear()
+        kernels.library.cache_clear()
 
 
 def test_a_failed_build_falls_back_with_one_line(monkeypatch, tmp_path, capsys):
     """A compiler that fails (or a cache that cannot be written) costs one stderr line, not a crash."""
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        pytest.skip("the build is only attempted on AVX-512 CPUs")
+    if kernels.best_isa() is None:
+        pytest.skip("the build is only attempted on AVX2/AVX-512 CPUs")
     broken = tmp_path / "broken-cxx"
     broken.write_text("#!/bin/sh\necho 'error: this compiler is broken' >&2\nexit 1\n")
     broken.chmod(0o755)
     monkeypatch.setenv("CXX", str(broken))
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
-    kernels._kernel.cache_clear()
+    kernels.library.cache_clear()
     try:
         assert not kernels.available()
         x, w = torch.randn(3, 16), torch.randn(4, 16)
@@ -75,4 +76,4 @@ def test_a_failed_build_falls_back_with_one_line(monkeypatch, tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert "CPU kernel unavailable" in err and "this compiler is broken" in err and "\n" not in err
     finally:
-        kernels._kernel.cache_clear()
+        kernels.library.cache_clear()

@@ -1,0 +1,285 @@
+"""specdec's runtime: quantized kernels against gguf's reference, whole-pass row-invariance, logits against
+transformers (a tiny random Llama written as a GGUF with quantized tensors and as safetensors), KV slots, the
+AVX2 build, the torch fallback, greedy speculation on the runtime, and what it refuses."""
+import gguf
+import numpy as np
+import pytest
+import torch
+from torch.nn import functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specdec import kernels, models
+from specdec.api import SpecDecoder
+from specdec.runtime.load import load_gguf, load_hf_dir
+from specdec.runtime.weights import QTensor, Unsupported, qlinear, scales_of
+
+T = gguf.GGMLQuantizationType
+FORMATS = [(T.Q4_0, kernels.Q4_0), (T.Q4_1, kernels.Q4_1), (T.Q8_0, kernels.Q8_0), (T.F16, kernels.F16),
+           (T.BF16, kernels.BF16), (T.F32, kernels.F32)]
+needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no AVX2/AVX-512 CPU or no C++ compiler")
+needs_avx512 = pytest.mark.skipif(kernels.best_isa() != "avx512", reason="needs an AVX-512 CPU")
+
+
+def quantized(w: np.ndarray, qtype) -> tuple[QTensor, torch.Tensor]:
+    """w [n, k] in gguf format `qtype` -> (QTensor, gguf's reference dequantization in fp32)."""
+    blocks = np.ascontiguousarray(gguf.quants.quantize(w, qtype))
+    ref = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32)).reshape(w.shape)
+    return QTensor(int(qtype), torch.from_numpy(blocks).view(torch.uint8).reshape(w.shape[0], -1), *w.shape), ref
+
+
+# ---- kernels ---------------------------------------------------------------------------------------------------
+@needs_kernel
+@pytest.mark.parametrize("qtype,fmt", FORMATS, ids=[f[0].name for f in FORMATS])
+def test_quantized_linear_equals_gguf_dequantization_then_linear(qtype, fmt):
+    """Every format, rows 1..8 and beyond (tiles of 8), K with tails for float formats, a bias: (1) bitwise the
+    F32 kernel on gguf's dequantized weights, (2) F.linear within fp32 rounding, (3) each row as if alone."""
+    rng = np.random.default_rng(int(qtype))
+    for k in ((64, 576) if fmt in (kernels.Q4_0, kernels.Q4_1, kernels.Q8_0) else (37, 576)):
+        w = rng.standard_normal((67, k)).astype(np.float32)
+        qt, ref = quantized(w, qtype)
+        dense = QTensor.from_float(ref)
+        b = torch.randn(67)
+        for rows in [*range(1, 9), 11]:
+            x = torch.randn(rows, k)
+            y = qlinear(x, qt, b)
+            assert torch.equal(y, qlinear(x, dense, b)), (rows, k)
+            assert torch.allclose(y, F.linear(x, ref, b), rtol=1e-5, atol=1e-5 * k ** 0.5 * 4), (rows, k)
+            alone = torch.cat([qlinear(x[i:i + 1], qt, b) for i in range(rows)])
+            assert torch.equal(alone, y)
+
+
+@needs_avx512
+@pytest.mark.parametrize("qtype,fmt", FORMATS, ids=[f[0].name for f in FORMATS])
+def test_avx2_build_gives_the_avx512_bits(qtype, fmt):
+    """The AVX2 build (forced on this machine) computes the same 16-lane sums in the same order."""
+    w = np.random.default_rng(0).standard_normal((45, 576)).astype(np.float32)
+    qt, _ = quantized(w, qtype)
+    for rows in (1, 3, 8, 9):
+        x = torch.randn(rows, 576)
+        a = kernels.linear(qt.fmt, x, qt.data, qt.n, None, qt.scales, kernels.library("avx512"))
+        b = kernels.linear(qt.fmt, x, qt.data, qt.n, None, qt.scales, kernels.library("avx2"))
+        assert torch.equal(a, b)
+
+
+def test_scales_are_the_blocks_fp16_values():
+    w = np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32)
+    blocks = gguf.quants.quantize(w, T.Q4_1)
+    sc = scales_of(kernels.Q4_1, torch.from_numpy(blocks))
+    assert sc.shape == (3, 2, 2)
+    assert torch.equal(sc[0, 1], torch.from_numpy(blocks[0, 20:24].copy().view(np.float16).astype(np.float32)))
+
+
+# ---- a tiny random Llama as GGUF and as safetensors -------------------------------------------------------------
+CFG = dict(vocab_size=99, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+           tie_word_embeddings=False, rope_theta=10000.0)
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter order of Q/K rows (the runtime undoes it when it loads)."""
+    n = w.shape[0]
+    return w.reshape(heads, 2, n // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@pytest.fixture(scope="module")
+def gguf_pair(tmp_path_factory):
+    """(GGUF path, transformers fp32 model holding exactly the GGUF's dequantized weights)."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**CFG, initializer_range=0.3)).float().eval()
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    wr = gguf.GGUFWriter(str(path), "llama")
+    wr.add_block_count(2), wr.add_context_length(128), wr.add_embedding_length(64), wr.add_feed_forward_length(128)
+    wr.add_head_count(4), wr.add_head_count_kv(2), wr.add_layer_norm_rms_eps(1e-5), wr.add_rope_freq_base(10000.0)
+    wr.add_bos_token_id(1), wr.add_eos_token_id(2)
+    sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    names = {"self_attn.q_proj": ("attn_q", T.Q4_1), "self_attn.k_proj": ("attn_k", T.Q4_0),
+             "self_attn.v_proj": ("attn_v", T.Q8_0), "self_attn.o_proj": ("attn_output", T.F16),
+             "mlp.gate_proj": ("ffn_gate", T.Q4_1), "mlp.up_proj": ("ffn_up", T.BF16), "mlp.down_proj": ("ffn_down", T.Q4_1)}
+    state = {}
+
+    def put(gname, hfname, w, qtype, permute_heads=0):
+        stored = _permute(w, permute_heads) if permute_heads else w
+        data = gguf.quants.quantize(stored, qtype) if qtype != T.F32 else stored
+        wr.add_tensor(gname, data, raw_dtype=qtype)
+        back = gguf.quants.dequantize(data, qtype).astype(np.float32).reshape(w.shape) if qtype != T.F32 else w
+        if permute_heads:  # the runtime (like transformers' GGUF loader) undoes the permutation
+            n = w.shape[0]
+            back = back.reshape(permute_heads, n // permute_heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
+        state[hfname] = torch.from_numpy(np.ascontiguousarray(back))
+
+    put("token_embd.weight", "model.embed_tokens.weight", sd["model.embed_tokens.weight"], T.Q8_0)
+    put("output.weight", "lm_head.weight", sd["lm_head.weight"], T.Q8_0)
+    put("output_norm.weight", "model.norm.weight", sd["model.norm.weight"], T.F32)
+    for i in range(2):
+        pre = f"model.layers.{i}."
+        put(f"blk.{i}.attn_norm.weight", pre + "input_layernorm.weight", sd[pre + "input_layernorm.weight"], T.F32)
+        put(f"blk.{i}.ffn_norm.weight", pre + "post_attention_layernorm.weight",
+            sd[pre + "post_attention_layernorm.weight"], T.F32)
+        for hf, (g, qtype) in names.items():
+            heads = {"self_attn.q_proj": 4, "self_attn.k_proj": 2}.get(hf, 0)
+            put(f"blk.{i}.{g}.weight", f"{pre}{hf}.weight", sd[f"{pre}{hf}.weight"], qtype, heads)
+    wr.write_header_to_file(), wr.write_kv_data_to_file(), wr.write_tensors_to_file(), wr.close()
+    model.load_state_dict(state)
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def runtime_model(gguf_pair):
+    return load_gguf(gguf_pair[0])
+
+
+PROMPT = [5, 17, 33, 8, 61, 2, 40, 12, 90, 3, 77]
+
+
+@torch.inference_mode()
+def _hf_greedy(model, ids, n):
+    seq = list(ids)
+    for _ in range(n):
+        seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(ids):]
+
+
+def _greedy(rt, ids, n):
+    cache, seq = rt.new_cache(), list(ids)
+    for _ in range(n):
+        seq.append(int(cache.forward(seq)[-1].argmax()))
+    cache.close()
+    return seq[len(ids):]
+
+
+def test_gguf_logits_match_transformers_on_the_dequantized_model(gguf_pair, runtime_model):
+    path, hf = gguf_pair
+    with torch.inference_mode():
+        ref = hf(torch.tensor([PROMPT])).logits[0]
+    s = runtime_model.acquire_slot()
+    got = runtime_model.forward(PROMPT, [s] * len(PROMPT), list(range(len(PROMPT))))
+    runtime_model.release_slot(s)
+    assert (got - ref).abs().max() < 1e-4  # fp32 rounding of a different summation order, nothing more
+    assert _greedy(runtime_model, PROMPT, 20) == _hf_greedy(hf, PROMPT, 20)
+    assert runtime_model.layers[0].q.format_name == "Q4_1" and runtime_model.layers[0].up.format_name == "BF16"
+
+
+def test_safetensors_logits_match_transformers(tmp_path):
+    torch.manual_seed(3)
+    hf = LlamaForCausalLM(LlamaConfig(**{**CFG, "attention_bias": False}, initializer_range=0.3)).eval()
+    hf.to(torch.bfloat16).save_pretrained(tmp_path)  # kept in its own dtype by the runtime
+    rt = load_hf_dir(tmp_path)
+    assert rt.layers[0].q.format_name == "BF16"
+    hf = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()  # the bf16 values, widened
+    with torch.inference_mode():
+        ref = hf(torch.tensor([PROMPT])).logits[0]
+    s = rt.acquire_slot()
+    got = rt.forward(PROMPT, [s] * len(PROMPT), list(range(len(PROMPT))))
+    assert (got - ref).abs().max() < 1e-4
+    assert _greedy(rt, PROMPT, 16) == _hf_greedy(hf, PROMPT, 16)
+
+
+# ---- row-invariance and KV slots ---------------------------------------------------------------------------------
+def test_whole_pass_is_row_invariant(runtime_model):
+    """A pass over n rows gives each row bitwise the logits of a one-row pass (attention, norms, rotary, linears);
+    rows of two slots in one pass equal each slot's rows alone."""
+    rt = runtime_model
+    seq = PROMPT + [9, 14, 21, 50, 66, 70, 80, 97]
+    a, b = rt.acquire_slot(), rt.acquire_slot()
+    full = rt.forward(seq, [a] * len(seq), list(range(len(seq))))
+    one = torch.cat([rt.forward([t], [b], [i]) for i, t in enumerate(seq)])
+    assert torch.equal(full, one)
+    # 8 rows of slot a verified after a prefix, interleaved with 3 rows of slot b in the same pass
+    rt.forward(seq[:10], [a] * 10, list(range(10)))
+    rt.forward(seq[:4], [b] * 4, list(range(4)))
+    mixed = rt.forward(seq[10:18] + seq[4:7], [a] * 8 + [b] * 3, list(range(10, 18)) + [4, 5, 6])
+    assert torch.equal(mixed[:8], full[10:18]) and torch.equal(mixed[8:], full[4:7])
+    rt.release_slot(a), rt.release_slot(b)
+
+
+def test_kv_slot_rollback_and_independence(runtime_model):
+    c1, c2 = runtime_model.new_cache(), runtime_model.new_cache()
+    assert c1.slot != c2.slot
+    base = c1.forward(PROMPT + [4, 4, 4], 3)
+    c2.forward([7, 7, 7, 7, 7])  # another sequence in another slot
+    c1.rollback(len(PROMPT))  # rollback = a length; the three positions are simply overwritten next
+    assert len(c1.tokens) == len(PROMPT)
+    again = c1.forward(PROMPT + [4, 4, 4], 3)
+    assert torch.equal(again, base)
+    other = c1.forward(PROMPT + [5, 6], 2)  # diverges after the prompt: rolls back by itself
+    fresh = runtime_model.new_cache()
+    assert torch.equal(other, fresh.forward(PROMPT + [5, 6], 2))
+    for c in (c1, c2, fresh):
+        c.close()
+
+
+def test_torch_fallback_and_avx2_build(gguf_pair, monkeypatch):
+    """Without kernels the torch layer serves the same model (fp32 rounding apart); the AVX2 build (forced here)
+    gives the AVX-512 build's logits bit for bit."""
+    path, _ = gguf_pair
+    ref_rt = load_gguf(path)
+    ref = _logits(ref_rt)
+    monkeypatch.setenv("SPECDEC_CPU_KERNEL", "0")
+    kernels.library.cache_clear()
+    try:
+        slow = load_gguf(path)
+        assert slow._lib is None
+        assert (_logits(slow) - ref).abs().max() < 1e-4
+        if ref_rt._lib is not None and ref_rt._lib.isa == "avx512":
+            monkeypatch.setenv("SPECDEC_CPU_KERNEL", "avx2")
+            kernels.library.cache_clear()
+            avx2 = load_gguf(path)
+            assert avx2._lib.isa == "avx2" and torch.equal(_logits(avx2), ref)
+    finally:
+        monkeypatch.delenv("SPECDEC_CPU_KERNEL")
+        kernels.library.cache_clear()
+
+
+def _logits(rt):
+    s = rt.acquire_slot()
+    out = rt.forward(PROMPT, [s] * len(PROMPT), list(range(len(PROMPT))))
+    rt.release_slot(s)
+    return out
+
+
+# ---- speculation on the runtime (production dtype and kernels) ------------------------------------------------------
+def test_greedy_speculation_on_the_runtime_is_token_identical(runtime_model, tok):
+    """Every drafter x tau 1..8 on the runtime equals the runtime's target-only output, token by token (rows 2-9
+    per verify pass: the kernel's 8-row tiles and the row-count switch are crossed)."""
+    prompt = "Hello there, general"
+    base = SpecDecoder.from_models(runtime_model, tok, "none").generate(prompt, max_new_tokens=40, chat=False)
+    for draft in ["ngram", "target"]:
+        for tau in range(1, 9):
+            out = SpecDecoder.from_models(runtime_model, tok, draft, tau=tau).generate(prompt, max_new_tokens=40,
+                                                                                      chat=False)
+            assert out.token_ids == base.token_ids, (draft, tau)
+    assert out.stats["accepted"] > 0  # the target drafting for itself is always right
+
+
+# ---- what the runtime refuses ----------------------------------------------------------------------------------------
+def test_unsupported_quant_type_is_one_clear_line(tmp_path):
+    path = tmp_path / "q5.gguf"
+    wr = gguf.GGUFWriter(str(path), "llama")
+    wr.add_block_count(1), wr.add_embedding_length(64), wr.add_head_count(4), wr.add_feed_forward_length(128)
+    w = np.random.default_rng(0).standard_normal((99, 64)).astype(np.float32)
+    wr.add_tensor("token_embd.weight", gguf.quants.quantize(w, T.Q5_0), raw_dtype=T.Q5_0)
+    wr.write_header_to_file(), wr.write_kv_data_to_file(), wr.write_tensors_to_file(), wr.close()
+    with pytest.raises(Unsupported, match="token_embd.weight is Q5_0; the runtime runs"):
+        load_gguf(path)
+    with pytest.raises(models.ModelLoadError, match="the runtime cannot run"):
+        models.load(str(path), backend="runtime")
+
+
+def test_unsupported_architecture_falls_back_to_transformers(tmp_path, tok, capsys):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    GPT2LMHeadModel(GPT2Config(vocab_size=99, n_embd=32, n_layer=1, n_head=2, n_positions=64)).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    model, _ = models.load(str(tmp_path))
+    assert not models.is_runtime(model)
+    err = capsys.readouterr().err.strip()
+    assert "'gpt2' is not Llama-family" in err and "transformers backend" in err and "\n" not in err
+    with pytest.raises(models.ModelLoadError, match="the runtime cannot run"):
+        models.load(str(tmp_path), backend="runtime")
+
+
+def test_positions_beyond_the_slots_are_refused(runtime_model):
+    s = runtime_model.acquire_slot()
+    with pytest.raises(ValueError, match="position outside"):
+        runtime_model.forward([1], [s], [runtime_model.max_len])
+    runtime_model.release_slot(s)
+
