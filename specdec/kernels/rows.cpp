@@ -27,6 +27,15 @@ static inline void vstore(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }
 static inline V16 vfma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 static inline V16 vmul(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
 static inline V16 vadd(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+static inline V16 vsub(V16 a, V16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
+static inline V16 vdiv(V16 a, V16 b) { return {_mm512_div_ps(a.v, b.v)}; }
+static inline V16 vmax(V16 a, V16 b) { return {_mm512_max_ps(a.v, b.v)}; }
+static inline V16 vmin(V16 a, V16 b) { return {_mm512_min_ps(a.v, b.v)}; }
+static inline V16 vfloor(V16 a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)}; }
+static inline V16 vpow2i(V16 n) {  // 2^n for integral n in [-126, 127]
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n.v), _mm512_set1_epi32(127)), 23);
+    return {_mm512_castsi512_ps(e)};
+}
 static inline __m256 vlo(V16 a) { return _mm512_castps512_ps256(a.v); }
 static inline __m256 vhi(V16 a) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a.v), 1)); }
 static inline V16 vfrom_i32(__m512i i) { return {_mm512_cvtepi32_ps(i)}; }
@@ -52,6 +61,16 @@ static inline void vstore(float* p, V16 a) { _mm256_storeu_ps(p, a.lo); _mm256_s
 static inline V16 vfma(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
 static inline V16 vmul(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
 static inline V16 vadd(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+static inline V16 vsub(V16 a, V16 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+static inline V16 vdiv(V16 a, V16 b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+static inline V16 vmax(V16 a, V16 b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+static inline V16 vmin(V16 a, V16 b) { return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
+static inline V16 vfloor(V16 a) { return {_mm256_floor_ps(a.lo), _mm256_floor_ps(a.hi)}; }
+static inline __m256 pow2i8(__m256 n) {
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_castsi256_ps(e);
+}
+static inline V16 vpow2i(V16 n) { return {pow2i8(n.lo), pow2i8(n.hi)}; }
 static inline __m256 vlo(V16 a) { return a.lo; }
 static inline __m256 vhi(V16 a) { return a.hi; }
 static inline V16 u8_to_f(const uint8_t* p) {
@@ -89,6 +108,22 @@ static inline float vsum(V16 a) {
     return _mm_cvtss_f32(s1);
 }
 
+
+// exp on 16 lanes (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, times 2^n; ~1 ulp), the same
+// operations lane by lane on both instruction sets. exp(x) for x < -87.3 flushes to ~0.
+static inline V16 vexp(V16 x) {
+    x = vmax(vmin(x, vset1(88.3762626647949f)), vset1(-87.3365447504f));
+    V16 n = vfloor(vfma(x, vset1(1.44269504088896341f), vset1(0.5f)));
+    V16 r = vsub(vsub(x, vmul(n, vset1(0.693359375f))), vmul(n, vset1(-2.12194440e-4f)));
+    V16 y = vset1(1.9875691500e-4f);
+    y = vfma(y, r, vset1(1.3981999507e-3f));
+    y = vfma(y, r, vset1(8.3334519073e-3f));
+    y = vfma(y, r, vset1(4.1665795894e-2f));
+    y = vfma(y, r, vset1(1.6666665459e-1f));
+    y = vfma(y, r, vset1(5.0000001201e-1f));
+    y = vadd(vfma(y, vmul(r, r), r), vset1(1.0f));
+    return vmul(y, vpow2i(n));
+}
 
 // ---- weight formats: each yields its weights 16 columns at a time, in column order ------------------------------
 // ggml type ids (ggml.h): F32 0, F16 1, Q4_0 2, Q4_1 3, Q8_0 8, BF16 30.
@@ -371,7 +406,11 @@ static void rope_row(float* x, int heads, int hd, const float* cs, const float* 
     }
 }
 
-static inline float silu(float g) { return g / (1.0f + expf(-g)); }
+static inline float silu(float g) {  // the tail of a row whose width is not a multiple of 16, as vexp computes it
+    float t[16] = {-g}, e[16];
+    vstore(e, vexp(vload(t)));
+    return g / (1.0f + e[0]);
+}
 
 struct Dims {
     int hidden, heads, kv_heads, head_dim, inter, layers, max_len;
@@ -395,7 +434,7 @@ static inline float* cache_at(const Dims* d, float* const* slots, int slot, int 
 
 // One query head of one row over keys 0..pos of its slot: softmax(q.k / sqrt(hd)) . v, keys in order.
 static void attend(const Dims* d, int layer, int slot, int pos, int g, const float* q, float* out, float* p) {
-    const int hd = d->head_dim, L = pos + 1;
+    const int hd = d->head_dim, L = pos + 1, L16 = (L + 15) / 16 * 16;
     const float scale = 1.0f / sqrtf((float)hd);
     const float* K = cache_at(d, d->kslot, slot, layer, g, 0);
     const float* Vc = cache_at(d, d->vslot, slot, layer, g, 0);
@@ -406,8 +445,15 @@ static void attend(const Dims* d, int layer, int slot, int pos, int g, const flo
         p[j] = vsum(acc) * scale;
         mx = p[j] > mx ? p[j] : mx;
     }
-    float sum = 0.f;
-    for (int j = 0; j < L; j++) { p[j] = expf(p[j] - mx); sum += p[j]; }
+    for (int j = L; j < L16; j++) p[j] = -INFINITY;  // padding lanes: exp gives ~0 and they are not summed
+    V16 sums = vzero();
+    for (int j = 0; j < L16; j += 16) {
+        V16 e = vexp(vsub(vload(p + j), vset1(mx)));
+        vstore(p + j, e);
+        if (j + 16 <= L) sums = vadd(sums, e);
+    }
+    float sum = vsum(sums);
+    for (int j = L / 16 * 16; j < L; j++) sum += p[j];
     V16 o[16];  // head_dim <= 256
     for (int c = 0; c < hd / 16; c++) o[c] = vzero();
     for (int j = 0; j < L; j++) {
@@ -452,9 +498,15 @@ static void layer_body(const Dims* d, const Layer* L, int layer, float* x, int R
     rmsnorm(x, R, D, L->ffn_norm, d->eps, s.h);
     linear(&L->gate_up, s.h, R, D, s.gu, false);
 #pragma omp for schedule(static)
-    for (int ri = 0; ri < R * I; ri++) {
-        const int r = ri / I, i = ri % I;
-        s.act[ri] = silu(s.gu[(long)r * 2 * I + i]) * s.gu[(long)r * 2 * I + I + i];
+    for (int r = 0; r < R; r++) {  // act = silu(gate) * up = gate / (1 + exp(-gate)) * up, 16 lanes at a time
+        const float* gate = s.gu + (long)r * 2 * I;
+        float* a = s.act + (long)r * I;
+        int i = 0;
+        for (; i + 16 <= I; i += 16) {
+            const V16 gv = vload(gate + i);
+            vstore(a + i, vmul(vdiv(gv, vadd(vset1(1.0f), vexp(vsub(vzero(), gv)))), vload(gate + I + i)));
+        }
+        for (; i < I; i++) a[i] = silu(gate[i]) * gate[I + i];
     }
     linear(&L->down, s.act, R, I, x, true);  // x += down(act)
 }
@@ -475,8 +527,8 @@ extern "C" int decoder_layers(const Dims* d, const Layer* layers, int n_layers, 
             return -1;
     }
     std::vector<float> h((size_t)R * D), qkv((size_t)R * (H + 2 * G) * hd), att((size_t)R * H * hd),
-        gu((size_t)R * 2 * I), act((size_t)R * I), p((size_t)threads * (maxpos + 1));
-    const Scratch s = {h.data(), qkv.data(), att.data(), gu.data(), act.data(), p.data(), maxpos + 1};
+        gu((size_t)R * 2 * I), act((size_t)R * I), p((size_t)threads * (maxpos + 16));
+    const Scratch s = {h.data(), qkv.data(), att.data(), gu.data(), act.data(), p.data(), maxpos + 16};
 #pragma omp parallel num_threads(threads)
     for (int l = 0; l < n_layers; l++) layer_body(d, layers + l, l, x, R, slot, pos, s);
     return 0;
