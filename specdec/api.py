@@ -106,6 +106,7 @@ class SpecDecoder:
         draft = draft or default_draft(target)
         model, tok = models.load(target, backend=backend)
         drafter = build_drafter(draft, model, tok, target, backend=backend)
+        models.release_free_memory()  # loading's temporaries, before the first pass touches the weights
         self._setup(model, tok, drafter, tau, getattr(drafter, "name", draft), policy)
 
     @classmethod

@@ -69,7 +69,7 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv=None) -> argparse.ArgumentParser:
     parser = _Parser(prog="specdec", description="Lossless speculative decoding for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     g = sub.add_parser("generate", help="generate text for one prompt, streaming it to stdout")
@@ -80,25 +80,37 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--trace", default=None, help="write one JSON record per cycle to this JSONL file")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats)")
     g.set_defaults(func=cmd_generate)
-    for register in _extra_commands():
+    for register in _extra_commands(argv):
         register(sub, _model_args, _sampling_args)
     return parser
 
 
-def _extra_commands():
-    from . import analyze, bench, check, distill, tune
-    out = [bench.register, tune.register, analyze.register, check.register, distill.register]
-    try:
-        from . import server
-        out.append(server.register)
-    except ImportError:  # the server extra is not installed
-        pass
+# subcommand -> the module that registers it; only the one asked for is imported (a cold `specdec generate` does
+# not pay for transformers' generation utilities or the server's web stack)
+COMMANDS = {"bench": "bench", "tune": "tune", "analyze": "analyze", "check": "check", "distill": "distill",
+            "serve": "server"}
+
+
+def _extra_commands(argv=None):
+    import importlib
+    args = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in args if not a.startswith("-")), None)
+    if command == "generate":
+        return []
+    names = [COMMANDS[command]] if command in COMMANDS else list(COMMANDS.values())
+    out = []
+    for name in names:
+        try:
+            out.append(importlib.import_module(f".{name}", __package__).register)
+        except ImportError:  # the server extra is not installed
+            if name != "server":
+                raise
     return out
 
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     try:
         return args.func(args)
     except SpecDecError as e:

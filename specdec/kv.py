@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import inspect
 from contextlib import contextmanager
-from functools import partial
+from functools import cache, partial
 
 import torch
 from torch import nn
 from torch.nn import functional as F
-from transformers import DynamicCache
 
 from . import kernels
 from .runtime.model import common_prefix_len, fit_vocab
@@ -35,6 +34,7 @@ class CachedModel:
         self.reset()
 
     def reset(self) -> None:
+        from transformers import DynamicCache  # imported here: the runtime path never needs transformers' models
         self.cache = DynamicCache()
         self.tokens: list[int] = []
 
@@ -52,7 +52,7 @@ class CachedModel:
         self.rollback(min(common_prefix_len(self.tokens, tokens), len(tokens) - n_logits))
         self.last_start = len(self.tokens)
         new = tokens[len(self.tokens):]
-        cache_kw = {_CACHE_ARG: self.cache}  # the cache is updated in place
+        cache_kw = {_cache_arg_name(): self.cache}  # the cache is updated in place
         ids = torch.tensor([new])
         self.tokens.extend(new)
         if not hidden:
@@ -151,10 +151,9 @@ def _few_row_linear(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return rows_linear(x, m.weight, m.bias, partial(packed_weight, m, x))
 
 
+@cache
 def _cache_arg_name() -> str:
     """transformers 5.x renamed forward(past_key_values=) to forward(cache=)."""
     from transformers.models.llama.modeling_llama import LlamaForCausalLM
     return "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
 
-
-_CACHE_ARG = _cache_arg_name()

@@ -23,13 +23,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a hub at run time
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 import torch  # noqa: E402
-import transformers  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from .errors import IncompatibleDraft, ModelLoadError  # noqa: E402
 
-transformers.utils.logging.set_verbosity_error()
-transformers.utils.logging.disable_progress_bar()
+
+def _transformers():
+    """transformers, imported on first need (a cold start on the runtime imports only its tokenizer part)."""
+    import transformers
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    return transformers
 
 DEFAULT_MODEL = "default"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -70,8 +73,9 @@ def _gguf_to_dir(path: Path) -> Path:
         return out
     print(f"specdec: converting {path.name} (first use; cached in {out})", file=sys.stderr)
     os.environ["TQDM_DISABLE"] = "1"  # the GGUF dequantiser's own progress bar
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    tf = _transformers()
+    tok = tf.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = tf.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config  # weights are plain float now
     model.hf_quantizer = None
@@ -104,7 +108,7 @@ def load(spec: str, dtype: torch.dtype = torch.float32, backend: str = "auto"):
             if path.is_file() and path.suffix == ".gguf":
                 return load_gguf(path), _gguf_tokenizer(path)
             if path.is_dir() and (path / "config.json").is_file():
-                return load_hf_dir(path), _tokenizer(path)
+                return load_hf_dir(path), _tokenizer(path, light=True)
             raise Unsupported(f"not a model directory or .gguf file: {spec}")
         except KeyError as e:  # a tensor the architecture needs is missing
             if backend == "runtime":
@@ -117,9 +121,14 @@ def load(spec: str, dtype: torch.dtype = torch.float32, backend: str = "auto"):
     return _load_transformers(spec, path, dtype)
 
 
-def _tokenizer(path: Path):
+def _tokenizer(path: Path, light: bool = False):
+    """transformers' tokenizer, or with light=True (the runtime backend) specdec's own wrapper of the same
+    tokenizer.json where the directory has one (no transformers import: a faster, smaller start)."""
+    from .runtime.tokenizer import Tokenizer, has_files
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        if light and has_files(path):
+            return Tokenizer(path)
+        return _transformers().AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(f"cannot load the tokenizer of {path}: {str(e).splitlines()[0] if str(e) else e}")
 
@@ -135,11 +144,11 @@ def _gguf_tokenizer(path: Path):
     if not (out / "tokenizer_config.json").is_file():
         os.environ["TQDM_DISABLE"] = "1"
         try:
-            tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            tok = _transformers().AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         except (OSError, ValueError, KeyError, RuntimeError) as e:
             raise ModelLoadError(f"cannot read the tokenizer of {path}: {str(e).splitlines()[0] if str(e) else e}")
         _save_atomically(out, tok.save_pretrained)
-    return _tokenizer(out)
+    return _tokenizer(out, light=True)
 
 
 def _save_atomically(out: Path, save) -> None:
@@ -160,8 +169,9 @@ def _load_transformers(spec: str, path: Path, dtype: torch.dtype):
             path = _gguf_to_dir(path)
         elif path.is_file():
             raise ModelLoadError(f"not a model directory or .gguf file: {spec}")
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+        tf = _transformers()
+        tok = tf.AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = tf.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
     except ModelLoadError:
         raise
     except (OSError, ValueError, KeyError, RuntimeError) as e:
@@ -183,6 +193,15 @@ def tokenizer_fingerprint(tok) -> str:
     """Identifies a vocabulary: a feature draft records its target's and is refused by any other."""
     items = sorted(tok.get_vocab().items())
     return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
+
+
+def release_free_memory() -> None:
+    """Hand memory freed while loading back to the OS (glibc keeps freed heap pages otherwise)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def is_runtime(model) -> bool:

@@ -269,6 +269,7 @@ def test_unsupported_architecture_falls_back_to_transformers(tmp_path, tok, caps
     from transformers import GPT2Config, GPT2LMHeadModel
     GPT2LMHeadModel(GPT2Config(vocab_size=99, n_embd=32, n_layer=1, n_head=2, n_positions=64)).save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
+    capsys.readouterr()  # saving's progress bar
     model, _ = models.load(str(tmp_path))
     assert not models.is_runtime(model)
     err = capsys.readouterr().err.strip()

@@ -24,7 +24,7 @@ class DatastoreDrafter:
     def __init__(self, tokens: torch.Tensor, vocab_size: int, name: str = "datastore", min_count: int = 2,
                  min_share: float = 0.5):
         """tokens: 1-D int tensor of sequences separated by -1."""
-        self.tokens, self.vocab, self.name = tokens.long(), vocab_size, name
+        self.tokens, self.vocab, self.name = tokens.int(), vocab_size, name
         self.min_count, self.min_share = min_count, min_share
         self.tables = {n: self._table(n) for n in ORDERS}
 
@@ -35,13 +35,19 @@ class DatastoreDrafter:
         return h
 
     def _table(self, n: int):
-        """Sorted hashes of every n-gram that lies inside one sequence and has a follower, with its end offset."""
-        if len(self.tokens) <= n:
+        """Sorted hashes of every n-gram that lies inside one sequence and has a follower, with its end offset.
+        Built from shifted views (no [N, n] window copy): loading stays within a few MB of temporaries."""
+        L = len(self.tokens) - n  # n-grams tokens[i:i+n] with a follower tokens[i+n], i < L
+        if L <= 0:
             return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
-        windows = self.tokens[:-1].unfold(0, n, 1)  # windows[i] = tokens[i:i+n]; its follower is tokens[i+n]
-        ok = (windows >= 0).all(-1) & (self.tokens[n:] >= 0)
-        ends = torch.arange(len(windows))[ok] + n
-        hashes = self._hash(windows[ok])
+        ok = self.tokens[n:] >= 0
+        hashes = torch.zeros(L, dtype=torch.long)
+        for j in range(n):
+            column = self.tokens[j: j + L]
+            ok &= column >= 0
+            hashes.mul_(self.vocab).add_(column.long())
+        ends = torch.nonzero(ok).squeeze(1).add_(n).int()
+        hashes = hashes[ok]
         order = torch.argsort(hashes, stable=True)  # stable: equal keys stay in datastore order (recent last)
         return hashes[order], ends[order]
 

@@ -100,8 +100,9 @@ def load_hf_dir(path: Path, max_len: int | None = None) -> Llama:
 
 
 def _config(model_type: str, **kw):
-    from transformers import AutoConfig
-    return AutoConfig.for_model(model_type, **kw)
+    """The fields the runtime and the rest of specdec read (a transformers config is built only for rotary
+    scaling variants, whose tables transformers computes)."""
+    return SimpleNamespace(model_type=model_type, **kw)
 
 
 def _build(config, embed, layers, norm, head, gen, max_len, source) -> Llama:

@@ -76,7 +76,11 @@ def rope_tables(config, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         inv = 1.0 / (params["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
         scale = 1.0
     else:
+        from transformers import AutoConfig
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        if not hasattr(config, "to_dict"):  # the GGUF loader's plain namespace
+            config = AutoConfig.for_model(config.model_type, **{k: v for k, v in vars(config).items()
+                                                                if k != "model_type"})
         inv, scale = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
     ang = torch.arange(max_len).float()[:, None] * inv.float()[None]
     emb = torch.cat([ang, ang], -1)
@@ -99,8 +103,8 @@ class Llama:
         self._slots: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._free: list[int] = []
         self._lib = kernels.library()
+        self._structs = None  # the kernels' description of the layers, made at the first pass
         if self._lib is not None:
-            self._structs = (_Layer * len(layers))(*[self._layer_struct(w) for w in layers])
             self._kptr, self._vptr = (ctypes.c_void_p * 0)(), (ctypes.c_void_p * 0)()
             self._dims = self._make_dims()
 
@@ -136,6 +140,8 @@ class Llama:
             raise ValueError(f"position outside the KV slots' {self.max_len} positions")
         x = self.embed.rows(tokens).contiguous()
         if self._lib is not None:
+            if self._structs is None:
+                self._structs = (_Layer * len(self.layers))(*[self._layer_struct(w) for w in self.layers])
             s, p = (ctypes.c_int * R)(*slots), (ctypes.c_int * R)(*positions)
             threads = torch.get_num_threads()
             if self._lib.decoder_layers(ctypes.byref(self._dims), self._structs, len(self.layers), x.data_ptr(), R, s,

@@ -1,0 +1,76 @@
+"""The tokenizer of a saved model directory without importing transformers: Hugging Face `tokenizers` for the
+vocabulary, jinja2 for the chat template (rendered as transformers renders it: a sandbox, trim_blocks,
+lstrip_blocks, loop controls, `raise_exception`). It offers the part of transformers' tokenizer API specdec's
+generation path uses; a cold `specdec generate` saves about a second and 60 MB with it."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Encoding:
+    input_ids: list[int]
+
+
+class Tokenizer:
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer as Backend
+        path = Path(path)
+        self._tok = Backend.from_file(str(path / "tokenizer.json"))
+        cfg = json.loads((path / "tokenizer_config.json").read_text())
+        template = path / "chat_template.jinja"
+        self.chat_template = template.read_text() if template.is_file() else cfg.get("chat_template")
+        self.special = {k: _content(cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        for k, v in self.special.items():
+            setattr(self, k, v)
+            setattr(self, f"{k}_id", None if v is None else self._tok.token_to_id(v))
+        self._template = None
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> Encoding:
+        return Encoding(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self(text, add_special_tokens).input_ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self._tok.get_vocab(with_added_tokens=True)
+
+    def __len__(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def apply_chat_template(self, messages, tokenize: bool = True, add_generation_prompt: bool = False, **kw):
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template")
+        if self._template is None:
+            self._template = _environment().from_string(self.chat_template)
+        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     **{k: v for k, v in self.special.items() if v is not None}, **kw)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _content(token):
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _environment():
+    from jinja2.exceptions import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent,
+                                                                                  ensure_ascii=ensure_ascii)
+    env.globals["raise_exception"] = raise_exception
+    return env
+
+
+def has_files(path: Path) -> bool:
+    return (Path(path) / "tokenizer.json").is_file() and (Path(path) / "tokenizer_config.json").is_file()
