@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -19,6 +20,8 @@ from torch.nn import functional as F
 from ..errors import IncompatibleDraft, ModelLoadError
 from ..kv import common_prefix_len, few_row_linears, rows_linear
 from ..models import is_runtime
+from .. import kernels
+from ..runtime.model import LayerWeights, Llama
 from ..runtime.weights import QTensor, qlinear
 from ..sampling import warp
 from .base import Draft
@@ -100,9 +103,11 @@ class FeatureDrafter:
     wants_target_hidden = True
 
     def __init__(self, net: FeatureDraftNet, embed, head, vocab_map: torch.Tensor, vocab_size: int,
-                 name: str = "feature", min_confidence: float = MIN_CONFIDENCE):
+                 name: str = "feature", min_confidence: float = MIN_CONFIDENCE, max_len: int = 8192):
         """`embed` and `head` are the target's: tensors (transformers backend, tests) or the runtime's QTensors
-        (GGUF blocks: embedding rows dequantized on lookup, the head's reduced-vocabulary rows kept quantized)."""
+        (GGUF blocks: embedding rows dequantized on lookup, the head's reduced-vocabulary rows kept quantized).
+        With QTensors and specdec's kernels the draft layer itself runs on the runtime too (one C++ call per step,
+        its own KV slot of `max_len` positions) instead of ~20 torch operations."""
         self.net, self.vocab_map, self.vocab_size, self.name = net.eval(), vocab_map, vocab_size, name
         self.min_confidence = min_confidence
         self.dtype = next(net.parameters()).dtype
@@ -111,9 +116,13 @@ class FeatureDrafter:
         else:
             table = embed.to(self.dtype)
             self._embed = lambda ids: F.embedding(torch.tensor(ids), table)
+        self._rt = None
         if isinstance(head, QTensor):
             reduced = head.take(vocab_map)
             self._logits = lambda feat: qlinear(feat.contiguous(), reduced)
+            if kernels.available() and self.dtype == torch.float32:
+                self._rt, self._fc = runtime_layer(net, max_len), QTensor.from_float(_compact(net.fc.weight))
+                self._slot = self._rt.acquire_slot()
         else:
             self.head = head[vocab_map].to(self.dtype).contiguous()  # the target's head rows for the reduced vocab
             self._logits = lambda feat: rows_linear(feat, self.head)
@@ -135,6 +144,10 @@ class FeatureDrafter:
         del self.tokens[n:]
 
     def _step(self, tokens: list[int], feats: torch.Tensor, start: int) -> torch.Tensor:
+        if self._rt is not None:  # positions past `start` in the slot are simply overwritten
+            x = qlinear(torch.cat([self._embed(tokens), feats], -1).contiguous(), self._fc)
+            return self._rt.forward_rows(x, [self._slot] * len(tokens), list(range(start, start + len(tokens))),
+                                         logit_rows=[], hidden=True)[1]
         emb = self._embed(tokens).to(self.dtype)[None]
         out, self.cache = self.net(emb, feats[None], start, self.cache)
         return out[0]
@@ -195,7 +208,30 @@ class FeatureDrafter:
         else:
             embed = target_model.get_input_embeddings().weight.detach()
             head = target_model.get_output_embeddings().weight.detach()
-        return cls(net.float(), embed, head, vocab_map, target_model.config.vocab_size, name or str(path))
+        return cls(net.float(), embed, head, vocab_map, target_model.config.vocab_size, name or str(path),
+                   max_len=getattr(target_model, "max_len", 8192))
+
+
+def _compact(w: torch.Tensor) -> torch.Tensor:
+    """bf16 where that keeps every value (the shipped draft is stored in bf16): half the bytes per draft step."""
+    w = w.detach().float()
+    b = w.bfloat16()
+    return b if torch.equal(b.float(), w) else w
+
+
+def runtime_layer(net: FeatureDraftNet, max_len: int) -> Llama:
+    """The draft layer as a one-layer runtime model: no norm before attention (EAGLE), out_norm as the final
+    norm; the caller applies fc before and the reduced head after."""
+    c = net.cfg
+    config = SimpleNamespace(model_type="llama", hidden_size=c["hidden"], intermediate_size=c["intermediate"],
+                             num_hidden_layers=1, num_attention_heads=c["heads"], num_key_value_heads=c["kv_heads"],
+                             head_dim=c["hidden"] // c["heads"], rms_norm_eps=c["eps"], max_position_embeddings=max_len,
+                             vocab_size=0, rope_parameters={"rope_type": "default", "rope_theta": c["rope_theta"]})
+    w = {name: QTensor.from_float(_compact(getattr(net, name).weight)) for name in
+         ("q", "k", "v", "o", "gate", "up", "down")}
+    vec = lambda t: t.detach().float().contiguous()  # noqa: E731
+    layer = LayerWeights(None, w["q"], w["k"], w["v"], w["o"], vec(net.mlp_norm.weight), w["gate"], w["up"], w["down"])
+    return Llama(config, None, [layer], vec(net.out_norm.weight), None, max_len=max_len)
 
 
 def save_draft(net: FeatureDraftNet, vocab_map: torch.Tensor, out: Path, target_fingerprint: str,

@@ -383,9 +383,13 @@ static void rmsnorm_row(const float* x, int D, const float* w, float eps, float*
     for (int i = 0; i < D; i++) out[i] = w[i] * (x[i] * r);
 }
 
+// w == null: no norm (a draft layer whose input is already scaled, as EAGLE's first layer), the rows are copied
 static void rmsnorm(const float* x, int R, int D, const float* w, float eps, float* out) {
 #pragma omp for schedule(static)
-    for (int r = 0; r < R; r++) rmsnorm_row(x + (long)r * D, D, w, eps, out + (long)r * D);
+    for (int r = 0; r < R; r++) {
+        if (w) rmsnorm_row(x + (long)r * D, D, w, eps, out + (long)r * D);
+        else memcpy(out + (long)r * D, x + (long)r * D, 4L * D);
+    }
 }
 
 extern "C" void rows_rmsnorm(const float* x, int R, int D, const float* w, float eps, float* out, int threads) {

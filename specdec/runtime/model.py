@@ -44,7 +44,7 @@ class _Dims(ctypes.Structure):
 
 @dataclass
 class LayerWeights:
-    attn_norm: torch.Tensor
+    attn_norm: torch.Tensor | None  # None: no norm before attention (a feature draft's layer)
     q: QTensor
     k: QTensor
     v: QTensor
@@ -128,17 +128,24 @@ class Llama:
         return SlotCache(self, vocab_size or self.config.vocab_size)
 
     # ---- the pass ---------------------------------------------------------------------------------------------
-    @torch.inference_mode()
     def forward(self, tokens: list[int], slots: list[int], positions: list[int], logit_rows=None,
                 hidden: bool = False):
         """Rows `tokens` at `positions` of `slots` -> logits [len(logit_rows), V] for the rows asked (default: all),
         and with hidden=True also the final (normed) hidden states of all rows [R, hidden]."""
-        R = len(tokens)
+        if len(tokens) == 0:
+            raise ValueError("a pass needs at least one row")
+        return self.forward_rows(self.embed.rows(tokens), slots, positions, logit_rows, hidden)
+
+    @torch.inference_mode()
+    def forward_rows(self, x: torch.Tensor, slots: list[int], positions: list[int], logit_rows=None,
+                     hidden: bool = False):
+        """forward() from input rows x [R, hidden] instead of token ids (logit_rows=[] skips the head)."""
+        R = len(x)
         if not (len(slots) == len(positions) == R) or R == 0:
-            raise ValueError("tokens, slots and positions must have the same non-zero length")
+            raise ValueError("rows, slots and positions must have the same non-zero length")
         if max(positions) >= self.max_len or min(positions) < 0:
             raise ValueError(f"position outside the KV slots' {self.max_len} positions")
-        x = self.embed.rows(tokens).contiguous()
+        x = x.float().contiguous().clone()  # the residual stream, updated in place
         if self._lib is not None:
             if self._structs is None:
                 self._structs = (_Layer * len(self.layers))(*[self._layer_struct(w) for w in self.layers])
@@ -154,13 +161,13 @@ class Llama:
                 x = self._layer_torch(i, w, x, slots, positions)
             h = _rmsnorm(x, self.norm, self.eps)
         rows = h if logit_rows is None else h[list(logit_rows)]
-        logits = qlinear(rows.contiguous(), self.head)
+        logits = qlinear(rows.contiguous(), self.head) if len(rows) else None
         return (logits, h) if hidden else logits
 
     # ---- the same layer in torch (no kernels on this machine) --------------------------------------------------
     def _layer_torch(self, i, w: LayerWeights, x, slots, positions):
         R, hd = x.shape[0], self.hd
-        h = _rmsnorm(x, w.attn_norm, self.eps)
+        h = x if w.attn_norm is None else _rmsnorm(x, w.attn_norm, self.eps)
         q = F.linear(h, w.q.dequantize(), w.q_bias).view(R, self.heads, hd)
         k = F.linear(h, w.k.dequantize(), w.k_bias).view(R, self.kv_heads, hd)
         v = F.linear(h, w.v.dequantize(), w.v_bias).view(R, self.kv_heads, hd)
@@ -185,7 +192,7 @@ class Llama:
 
     # ---- ctypes descriptions -----------------------------------------------------------------------------------
     def _layer_struct(self, w: LayerWeights) -> _Layer:
-        return _Layer(w.attn_norm.data_ptr(), _lin([(w.q, w.q_bias), (w.k, w.k_bias), (w.v, w.v_bias)]),
+        return _Layer(None if w.attn_norm is None else w.attn_norm.data_ptr(), _lin([(w.q, w.q_bias), (w.k, w.k_bias), (w.v, w.v_bias)]),
                       _lin([(w.o, None)]), w.ffn_norm.data_ptr(), _lin([(w.gate, None), (w.up, None)]),
                       _lin([(w.down, None)]))
 
