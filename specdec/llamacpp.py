@@ -13,7 +13,7 @@ INSTALL = ('pip install llama-cpp-python  (on CPUs where its native build crashe
            '-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" pip install llama-cpp-python)')
 
 
-def load(path: Path, n_ctx: int = 4096):
+def load(path: Path, n_ctx: int = 4096, logits_all: bool = False):
     if Path(path).suffix != ".gguf":
         raise InvalidRequest("--compare-llamacpp needs a .gguf target")
     try:
@@ -21,7 +21,8 @@ def load(path: Path, n_ctx: int = 4096):
     except ImportError:
         raise InvalidRequest(f"--compare-llamacpp needs llama-cpp-python: {INSTALL}")
     os.environ.setdefault("LLAMA_LOG_LEVEL", "error")
-    return llama_cpp.Llama(str(path), n_ctx=n_ctx, n_threads=torch.get_num_threads(), verbose=False)
+    return llama_cpp.Llama(str(path), n_ctx=n_ctx, n_threads=torch.get_num_threads(), verbose=False,
+                           logits_all=logits_all)
 
 
 def greedy(llm, ids: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
