@@ -61,6 +61,14 @@ def test_avx2_build_gives_the_avx512_bits(qtype, fmt):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
+def test_torch_dequantization_is_gguf_reference_bitwise(qtype):
+    """Embedding lookups and the torch fallback dequantize in torch: the same fp32 values as gguf's numpy reference."""
+    w = (np.random.default_rng(int(qtype)).standard_normal((33, 96)) * 3).astype(np.float32)
+    qt, ref = quantized(w, qtype)
+    assert torch.equal(qt.dequantize(), ref) and torch.equal(qt.rows([3, 7, 7, 0]), ref[[3, 7, 7, 0]])
+
+
 def test_scales_are_the_blocks_fp16_values():
     w = np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32)
     blocks = gguf.quants.quantize(w, T.Q4_1)

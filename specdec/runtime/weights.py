@@ -59,7 +59,9 @@ class QTensor:
 
     def rows(self, idx) -> torch.Tensor:
         """Rows `idx` dequantized to fp32 [len(idx), k] (embedding lookups)."""
-        return _dequantize(self.fmt, self.data[torch.as_tensor(idx, dtype=torch.long)], self.k)
+        idx = torch.as_tensor(idx, dtype=torch.long)
+        sc = None if self.fmt in FLOAT_DTYPE else self.scales[idx]
+        return _dequantize(self.fmt, self.data[idx], self.k, sc)
 
     def dequantize(self) -> torch.Tensor:
         """All rows in fp32, exactly as gguf's reference dequantizes them (cached: torch fallback and tests)."""
@@ -77,12 +79,24 @@ def scales_of(fmt: int, data: torch.Tensor) -> torch.Tensor:
     return halves.float().contiguous()
 
 
-def _dequantize(fmt: int, data: torch.Tensor, k: int) -> torch.Tensor:
+def _dequantize(fmt: int, data: torch.Tensor, k: int, scales: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 rows exactly as gguf's reference computes them (d*q for Q8_0, d*(q-8) for Q4_0, d*q + m for Q4_1, in
+    fp32, a multiply then an add), in torch: an embedding lookup costs tens of microseconds, not a numpy pass."""
     if fmt in FLOAT_DTYPE:
         return data.contiguous().view(FLOAT_DTYPE[fmt]).reshape(-1, k).float()
-    import gguf
-    out = gguf.quants.dequantize(data.numpy(), gguf.GGMLQuantizationType(fmt))
-    return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).reshape(-1, k)
+    cols, nbytes = GGML_BLOCK[fmt]
+    n = data.shape[0]
+    blocks = data.reshape(n, -1, nbytes)
+    sc = scales_of(fmt, data) if scales is None else scales.reshape(n, blocks.shape[1], -1)
+    sc = sc.reshape(n, blocks.shape[1], -1)
+    if fmt == kernels.Q8_0:
+        q = blocks[..., 2:].contiguous().view(torch.int8).float()
+        return (q * sc[..., :1]).reshape(n, k)
+    packed = blocks[..., 4 if fmt == kernels.Q4_1 else 2:].long()
+    q = torch.cat([packed & 15, packed >> 4], -1).float()  # weight j < 16: low nibble of byte j; j >= 16: high
+    if fmt == kernels.Q4_0:
+        return (sc[..., :1] * (q - 8)).reshape(n, k)
+    return (sc[..., :1] * q + sc[..., 1:2]).reshape(n, k)
 
 
 def qlinear(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
