@@ -28,12 +28,16 @@ SHIPPED_DRAFT = Path(__file__).parent / "drafts" / "smollm2-135m-instruct"  # tr
 DEFAULT_DRAFT = None  # resolved per target by default_draft()
 
 
+DEFAULT_TAU, DEFAULT_POLICY = 3, "fixed"  # the fastest measured setup on the runtime (docs/benchmarks.md)
+
+
 def default_draft(target: str) -> str:
     """For the default target: the shipped datastore's continuation when it has a confident one, else a copy from
-    the context when an n-gram matches, else the shipped distilled draft (the fastest measured setup, README
-    "Measured"); for any other target the n-gram drafter."""
+    the context when an n-gram matches (the fastest measured setup on the runtime, docs/benchmarks.md: the shipped
+    distilled draft, `datastore+ngram+shipped`, costs more per step than its extra accepted tokens save there); for
+    any other target the n-gram drafter."""
     if target == models.DEFAULT_MODEL and is_feature_draft(SHIPPED_DRAFT):
-        return "datastore+ngram+shipped"
+        return "datastore+ngram"
     return "ngram"
 
 
@@ -100,8 +104,8 @@ def _positive_int(name, value):
 
 
 class SpecDecoder:
-    def __init__(self, target: str = models.DEFAULT_MODEL, draft: str | None = DEFAULT_DRAFT, tau: int = 4,
-                 policy: str = "adaptive", backend: str = "auto"):
+    def __init__(self, target: str = models.DEFAULT_MODEL, draft: str | None = DEFAULT_DRAFT, tau: int = DEFAULT_TAU,
+                 policy: str = DEFAULT_POLICY, backend: str = "auto"):
         """`backend`: auto (specdec's runtime where it runs the model, else transformers), runtime, transformers."""
         draft = draft or default_draft(target)
         model, tok = models.load(target, backend=backend)

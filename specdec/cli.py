@@ -16,10 +16,10 @@ class _Parser(argparse.ArgumentParser):
 def _model_args(p):
     p.add_argument("--target", default="default", help="HF model dir, .gguf file, or 'default' (SmolLM2-135M)")
     p.add_argument("--draft", default=None,
-                   help="'shipped' (the default target's default), 'ngram', 'none' (target only), 'target', "
-                        "a draft dir/.gguf, or A+B (A first, B when A proposes nothing)")
-    p.add_argument("--tau", type=int, default=4, help="draft block size (tokens proposed per cycle)")
-    p.add_argument("--policy", default="adaptive", help="how tau is chosen each cycle: adaptive (default), fixed, heuristic")
+                   help="'datastore+ngram' (the default target's default), 'shipped', 'ngram', 'none' (target only), "
+                        "'target', a draft dir/.gguf, or A+B (A first, B when A proposes nothing)")
+    p.add_argument("--tau", type=int, default=3, help="draft block size (tokens proposed per cycle; default 3)")
+    p.add_argument("--policy", default="fixed", help="how tau is chosen each cycle: fixed (default), adaptive, heuristic")
     backend_arg(p)
 
 

@@ -44,7 +44,7 @@ def hf_greedy(model, sd, ids, n):
 def shipped(sd):
     """The distilled draft committed in the package is the default draft of the default target."""
     from specdec.api import default_draft
-    assert default_draft("default") == "datastore+ngram+shipped"
+    assert default_draft("default") == "datastore+ngram"
     assert default_draft("some/other/model") == "ngram"
     return FeatureDrafter.load(SHIPPED_DRAFT, sd.model, tokenizer_fingerprint(sd.tokenizer))
 
@@ -65,11 +65,11 @@ def test_default_model_greedy_equals_transformers_generate(sd, shipped, referenc
             assert out.stats["accepted"] > 0
 
 
-def test_shipped_draft_is_the_default_and_small(shipped):
+def test_default_draft_and_the_shipped_draft_is_small(shipped):
     sd = SpecDecoder(target="default")
-    assert isinstance(sd.engine.drafter, ChainDrafter)
-    assert sd.draft_name == "datastore+ngram+shipped:smollm2-135m-instruct"
-    assert [type(m) for m in sd.engine.drafter.members] == [DatastoreDrafter, NgramDrafter, FeatureDrafter]
+    assert isinstance(sd.engine.drafter, ChainDrafter) and sd.draft_name == "datastore+ngram"
+    assert [type(m) for m in sd.engine.drafter.members] == [DatastoreDrafter, NgramDrafter]
+    assert (sd.tau, sd.policy) == (3, "fixed")
     size = sum(f.stat().st_size for f in SHIPPED_DRAFT.iterdir())
     assert size <= 40 * 2 ** 20
 
