@@ -56,8 +56,8 @@ def test_avx2_build_gives_the_avx512_bits(qtype, fmt):
     qt, _ = quantized(w, qtype)
     for rows in (1, 3, 8, 9):
         x = torch.randn(rows, 576)
-        a = kernels.linear(qt.fmt, x, qt.data, qt.n, None, qt.scales, kernels.library("avx512"))
-        b = kernels.linear(qt.fmt, x, qt.data, qt.n, None, qt.scales, kernels.library("avx2"))
+        a = kernels.linear(qt.fmt, x, qt.data, qt.n, None, kernels.library("avx512"))
+        b = kernels.linear(qt.fmt, x, qt.data, qt.n, None, kernels.library("avx2"))
         assert torch.equal(a, b)
 
 

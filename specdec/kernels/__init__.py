@@ -70,7 +70,7 @@ class Library:
         lib, p, i, f, lng = ctypes.CDLL(str(path)), ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
         self.isa = isa
         self.rows_linear = lib.rows_linear
-        self.rows_linear.argtypes, self.rows_linear.restype = [i, p, i, i, p, p, i, p, p, i], i
+        self.rows_linear.argtypes, self.rows_linear.restype = [i, p, i, i, p, i, p, p, i], i
         self.row_bytes = lib.row_bytes
         self.row_bytes.argtypes, self.row_bytes.restype = [i, i], lng
         self.rows_rmsnorm = lib.rows_rmsnorm
@@ -99,17 +99,16 @@ def available() -> bool:
 
 
 def linear(fmt: int, x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | None = None,
-           scales: torch.Tensor | None = None, lib: Library | None = None) -> torch.Tensor:
-    """y = x·Wᵀ (+ b) for W given as `n` rows in format `fmt` (a uint8 block tensor with its fp32 `scales`, or a
-    float tensor) and x [..., K] fp32 CPU, any number of rows. The caller guarantees the shapes (runtime.QTensor)."""
+           lib: Library | None = None) -> torch.Tensor:
+    """y = x·Wᵀ (+ b) for W given as `n` rows in format `fmt` (a uint8 block tensor, or a float tensor) and x
+    [..., K] fp32 CPU, any number of rows. The caller guarantees the shapes (runtime.QTensor)."""
     lib = lib or library()
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     y = x.new_empty((*x.shape[:-1], n))
-    rc = lib.rows_linear(fmt, x2.data_ptr(), x2.shape[0], k, weight.data_ptr(),
-                         None if scales is None else scales.data_ptr(), n, y.data_ptr(),
+    rc = lib.rows_linear(fmt, x2.data_ptr(), x2.shape[0], k, weight.data_ptr(), n, y.data_ptr(),
                          None if bias is None else bias.data_ptr(), torch.get_num_threads())
     if rc:
         raise ValueError(f"kernel cannot serve format {FORMATS.get(fmt, fmt)} with {k} columns")
@@ -128,7 +127,7 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if not x.is_contiguous():
         x = x.contiguous()
     y = x.new_empty((*x.shape[:-1], weight.shape[0]))
-    lib.rows_linear(F32, x.data_ptr(), rows, k, weight.data_ptr(), None, weight.shape[0], y.data_ptr(),
+    lib.rows_linear(F32, x.data_ptr(), rows, k, weight.data_ptr(), weight.shape[0], y.data_ptr(),
                     None if bias is None else bias.data_ptr(), torch.get_num_threads())
     return y
 

@@ -132,7 +132,7 @@ enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, BF16 = 30 };
 // Float rows may have a tail (K % 16): `chunk` is only asked for whole chunks, `tail` zero-pads the last one as
 // masked lanes would.
 struct FmtF32 {
-    static const int CH = 1;
+    static const int CH = 1, BLOCK = 0;
     static const bool TAIL = true;
     static const int SPR = 0;
     static inline void chunk(const uint8_t* row, const float*, int c, int, V16* w) { *w = vload((const float*)row + 16 * c); }
@@ -141,7 +141,7 @@ struct FmtF32 {
     }
 };
 struct FmtF16 {
-    static const int CH = 1;
+    static const int CH = 1, BLOCK = 0;
     static const bool TAIL = true;
     static const int SPR = 0;
     static inline void chunk(const uint8_t* row, const float*, int c, int, V16* w) { *w = f16_to_f((const uint16_t*)row + 16 * c); }
@@ -150,7 +150,7 @@ struct FmtF16 {
     }
 };
 struct FmtBF16 {
-    static const int CH = 1;
+    static const int CH = 1, BLOCK = 0;
     static const bool TAIL = true;
     static const int SPR = 0;
     static inline void chunk(const uint8_t* row, const float*, int c, int, V16* w) { *w = bf16_to_f((const uint16_t*)row + 16 * c); }
@@ -159,7 +159,7 @@ struct FmtBF16 {
     }
 };
 struct FmtQ8_0 {  // block: d (fp16), 32 x int8
-    static const int CH = 2;
+    static const int CH = 2, BLOCK = 34;
     static const bool TAIL = false;
     static inline void tail(const uint8_t*, int, V16*) {}
     static const int SPR = 1;
@@ -174,7 +174,7 @@ struct FmtQ8_0 {  // block: d (fp16), 32 x int8
 static const float IOTA[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 static const float IOTA_8[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
 struct FmtQ4_1 {  // block: d, m (fp16), 16 bytes: weight j < 16 is the low nibble of byte j, j >= 16 the high one
-    static const int CH = 2;
+    static const int CH = 2, BLOCK = 20;
     static const bool TAIL = false;
     static inline void tail(const uint8_t*, int, V16*) {}
     static const int SPR = 2;
@@ -185,7 +185,7 @@ struct FmtQ4_1 {  // block: d, m (fp16), 16 bytes: weight j < 16 is the low nibb
     }
 };
 struct FmtQ4_0 {  // block: d (fp16), 16 bytes; w = d * (q - 8)
-    static const int CH = 2;
+    static const int CH = 2, BLOCK = 18;
     static const bool TAIL = false;
     static inline void tail(const uint8_t*, int, V16*) {}
     static const int SPR = 1;
@@ -196,7 +196,7 @@ struct FmtQ4_0 {  // block: d (fp16), 16 bytes; w = d * (q - 8)
 };
 #else
 struct FmtQ4_1 {
-    static const int CH = 2;
+    static const int CH = 2, BLOCK = 20;
     static const bool TAIL = false;
     static inline void tail(const uint8_t*, int, V16*) {}
     static const int SPR = 2;
@@ -209,7 +209,7 @@ struct FmtQ4_1 {
     }
 };
 struct FmtQ4_0 {
-    static const int CH = 2;
+    static const int CH = 2, BLOCK = 18;
     static const bool TAIL = false;
     static inline void tail(const uint8_t*, int, V16*) {}
     static const int SPR = 1;
@@ -225,16 +225,54 @@ struct FmtQ4_0 {
 
 // Weight rows are prefetched this many rows ahead: the hardware prefetcher alone left the small matrices of a pass
 // at half the bandwidth of one big one.
+// The fp16 scales of one weight row's blocks (d, or d and m for Q4_1) widened to fp32 into `out` (d_b, m_b at
+// out[SPR*b], out[SPR*b + 1]) once per tile, so the inner loop broadcasts them from L1 instead of converting one per
+// block per chunk. `stride`: bytes per block; the scales are the block's first 2 (or 4) bytes.
+template <int SPR>
+static inline void block_scales(const uint8_t* row, int nb, int stride, float* out) {
+#if defined(__AVX512F__)
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int b0 = 0; b0 < nb; b0 += 16) {
+        const __mmask16 mask = nb - b0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nb - b0)) - 1);
+        const __m512i offs = _mm512_mullo_epi32(_mm512_add_epi32(lanes, _mm512_set1_epi32(b0)), _mm512_set1_epi32(stride));
+        const __m512i v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, offs, row, 1);  // d | m << 16
+        const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v));
+        if (SPR == 1) {
+            _mm512_mask_storeu_ps(out + b0, mask, d);
+        } else {
+            const __m512 m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16)));
+            const __m512 lo = _mm512_permutex2var_ps(d, _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23), m);
+            const __m512 hi = _mm512_permutex2var_ps(d, _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31), m);
+            const int n = nb - b0 >= 16 ? 16 : nb - b0;  // blocks in this step: 2n floats out
+            _mm512_mask_storeu_ps(out + 2 * b0, n >= 8 ? (__mmask16)0xFFFF : (__mmask16)((1u << (2 * n)) - 1), lo);
+            if (n > 8)
+                _mm512_mask_storeu_ps(out + 2 * b0 + 16,
+                                      n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (2 * (n - 8))) - 1), hi);
+        }
+    }
+#else
+    for (int b = 0; b < nb; b++) {
+        uint16_t h[2];
+        memcpy(h, row + (long)b * stride, 2 * SPR);
+        for (int j = 0; j < SPR; j++) out[SPR * b + j] = _cvtsh_ss(h[j]);
+    }
+#endif
+}
+
 #ifndef PREFETCH
 #define PREFETCH 8
 #endif
 // ---- linear: y[m, n] (+)= x[m, :] . W[n, :] (+ b[n]) -------------------------------------------------------------
 // NR weight rows at a time (independent FMA chains), each dequantized once for up to 8 rows of x; more rows of x are
 // taken 8 at a time. A (row m, weight row n) result depends on neither NR nor how the rows of x are grouped.
-// W, S, y and b point at weight row n0 (its scales, its output column, its bias).
+// W, y and b point at weight row n0 (its output column, its bias).
 template <class F, int M, int NR>
-static inline void tile(const float* x, long ldx, int K, const uint8_t* W, long rb, const float* S, float* y, long ldy,
+static inline void tile(const float* x, long ldx, int K, const uint8_t* W, long rb, float* y, long ldy,
                         const float* b, bool acc_out) {
+    const int ns = F::SPR * (K / 32);  // scales per weight row
+    alignas(64) float S[NR * ns + 16];
+    if (F::SPR)
+        for (int r = 0; r < NR; r++) block_scales<F::SPR>(W + r * rb, K / 32, F::BLOCK, S + r * ns);
     V16 acc[NR][M];
 #pragma GCC unroll 8
     for (int r = 0; r < NR; r++)
@@ -247,7 +285,7 @@ static inline void tile(const float* x, long ldx, int K, const uint8_t* W, long 
         for (int r = 0; r < NR; r++) {
             const uint8_t* row = W + r * rb;
             if (PREFETCH) _mm_prefetch((const char*)row + PREFETCH * rb + c * (rb / ((K + 15) / 16)), _MM_HINT_T0);
-            F::chunk(row, S + (long)r * F::SPR * (K / 32), c, K, w[r]);
+            F::chunk(row, S + r * ns, c, K, w[r]);
         }
 #pragma GCC unroll 2
         for (int h = 0; h < F::CH; h++) {
@@ -284,16 +322,16 @@ static inline void tile(const float* x, long ldx, int K, const uint8_t* W, long 
 
 // Rows of x 4 at a time against NR weight rows (more accumulators no longer fit in registers beside them).
 template <class F, int NR>
-static inline void row_tiles(const float* x, long ldx, int R, int K, const uint8_t* W, long rb, const float* S,
-                             float* y, long ldy, const float* b, bool acc_out) {
+static inline void row_tiles(const float* x, long ldx, int R, int K, const uint8_t* W, long rb, float* y, long ldy,
+                             const float* b, bool acc_out) {
     for (int m0 = 0; m0 < R; m0 += 4) {
         const float* xm = x + m0 * ldx;
         float* ym = y + m0 * ldy;
         switch (R - m0 < 4 ? R - m0 : 4) {
-            case 1: tile<F, 1, NR>(xm, ldx, K, W, rb, S, ym, ldy, b, acc_out); break;
-            case 2: tile<F, 2, NR>(xm, ldx, K, W, rb, S, ym, ldy, b, acc_out); break;
-            case 3: tile<F, 3, NR>(xm, ldx, K, W, rb, S, ym, ldy, b, acc_out); break;
-            default: tile<F, 4, NR>(xm, ldx, K, W, rb, S, ym, ldy, b, acc_out); break;
+            case 1: tile<F, 1, NR>(xm, ldx, K, W, rb, ym, ldy, b, acc_out); break;
+            case 2: tile<F, 2, NR>(xm, ldx, K, W, rb, ym, ldy, b, acc_out); break;
+            case 3: tile<F, 3, NR>(xm, ldx, K, W, rb, ym, ldy, b, acc_out); break;
+            default: tile<F, 4, NR>(xm, ldx, K, W, rb, ym, ldy, b, acc_out); break;
         }
     }
 }
@@ -302,10 +340,9 @@ static inline void row_tiles(const float* x, long ldx, int R, int K, const uint8
 // of 5-8 rows with 2 weight rows at a time, or 5+ rows on weights dequantized once into a buffer, measured slower:
 // a 5-token pass of SmolLM2-135M took 14.4 and 17.2 ms against 13.9 ms.)
 template <class F, int NR>
-static inline void weight_rows(const float* x, long ldx, int R, int K, const uint8_t* W, long rb, const float* S,
-                               int n0, float* y, long ldy, const float* b, bool acc_out) {
-    row_tiles<F, NR>(x, ldx, R, K, W + (long)n0 * rb, rb, S + (long)n0 * F::SPR * (K / 32), y + n0, ldy,
-                     b ? b + n0 : nullptr, acc_out);
+static inline void weight_rows(const float* x, long ldx, int R, int K, const uint8_t* W, long rb, int n0, float* y,
+                               long ldy, const float* b, bool acc_out) {
+    row_tiles<F, NR>(x, ldx, R, K, W + (long)n0 * rb, rb, y + n0, ldy, b ? b + n0 : nullptr, acc_out);
 }
 
 // Bytes of one weight row of K columns, or -1 for an unsupported format/shape.
@@ -321,28 +358,26 @@ extern "C" long row_bytes(int fmt, int K) {
 }
 
 // A linear whose output columns come from up to 3 weight matrices (fused q/k/v, gate/up), each in its own format.
-// scales: the blocks' fp16 scales widened to fp32 once at load ([n, blocks] d, or [n, blocks, 2] d and m for Q4_1),
-// so the inner loop broadcasts them from memory instead of converting each (same values, bit for bit)
-struct Seg { const uint8_t* w; const float* scales; const float* bias; int fmt, n; };
+struct Seg { const uint8_t* w; const float* bias; int fmt, n; };
 struct Lin { Seg seg[3]; int count; };
 
 template <int NR>
 static inline void rows_of(const Seg& s, const float* x, int R, int K, int n0, float* y, long ldy, bool acc_out) {
     const long rb = row_bytes(s.fmt, K);
     switch (s.fmt) {
-        case F32: weight_rows<FmtF32, NR>(x, K, R, K, s.w, rb, s.scales, n0, y, ldy, s.bias, acc_out); break;
-        case F16: weight_rows<FmtF16, NR>(x, K, R, K, s.w, rb, s.scales, n0, y, ldy, s.bias, acc_out); break;
-        case BF16: weight_rows<FmtBF16, NR>(x, K, R, K, s.w, rb, s.scales, n0, y, ldy, s.bias, acc_out); break;
-        case Q4_0: weight_rows<FmtQ4_0, NR>(x, K, R, K, s.w, rb, s.scales, n0, y, ldy, s.bias, acc_out); break;
-        case Q4_1: weight_rows<FmtQ4_1, NR>(x, K, R, K, s.w, rb, s.scales, n0, y, ldy, s.bias, acc_out); break;
-        default: weight_rows<FmtQ8_0, NR>(x, K, R, K, s.w, rb, s.scales, n0, y, ldy, s.bias, acc_out); break;
+        case F32: weight_rows<FmtF32, NR>(x, K, R, K, s.w, rb, n0, y, ldy, s.bias, acc_out); break;
+        case F16: weight_rows<FmtF16, NR>(x, K, R, K, s.w, rb, n0, y, ldy, s.bias, acc_out); break;
+        case BF16: weight_rows<FmtBF16, NR>(x, K, R, K, s.w, rb, n0, y, ldy, s.bias, acc_out); break;
+        case Q4_0: weight_rows<FmtQ4_0, NR>(x, K, R, K, s.w, rb, n0, y, ldy, s.bias, acc_out); break;
+        case Q4_1: weight_rows<FmtQ4_1, NR>(x, K, R, K, s.w, rb, n0, y, ldy, s.bias, acc_out); break;
+        default: weight_rows<FmtQ8_0, NR>(x, K, R, K, s.w, rb, n0, y, ldy, s.bias, acc_out); break;
     }
 }
 
 static bool servable(const Lin* L, int K) {
     for (int i = 0; i < L->count; i++) {
         const int fmt = L->seg[i].fmt;
-        if (row_bytes(fmt, K) < 0 || (fmt != F32 && fmt != F16 && fmt != BF16 && !L->seg[i].scales)) return false;
+        if (row_bytes(fmt, K) < 0) return false;
     }
     return true;
 }
@@ -369,11 +404,11 @@ static void linear(const Lin* L, const float* x, int R, int K, float* y, bool ac
     }
 }
 
-// x: [R, K] row-major fp32; W: N rows of `fmt` (with their scales for block formats); y: [R, N]; b: [N] or null.
+// x: [R, K] row-major fp32; W: N rows of `fmt`; y: [R, N]; b: [N] or null.
 // Returns 0, or -1 if fmt/K unsupported.
-extern "C" int rows_linear(int fmt, const float* x, int R, int K, const uint8_t* W, const float* scales, int N,
-                           float* y, const float* b, int threads) {
-    Lin L = {{{W, scales, b, fmt, N}}, 1};
+extern "C" int rows_linear(int fmt, const float* x, int R, int K, const uint8_t* W, int N, float* y, const float* b,
+                           int threads) {
+    Lin L = {{{W, b, fmt, N}}, 1};
     if (!servable(&L, K) || R < 0) return -1;
 #pragma omp parallel num_threads(threads)
     linear(&L, x, R, K, y, false);

@@ -26,7 +26,7 @@ _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
 class _Seg(ctypes.Structure):
-    _fields_ = [("w", _p), ("scales", _p), ("bias", _p), ("fmt", _i), ("n", _i)]
+    _fields_ = [("w", _p), ("bias", _p), ("fmt", _i), ("n", _i)]
 
 
 class _Lin(ctypes.Structure):
@@ -61,8 +61,7 @@ class LayerWeights:
 def _lin(parts) -> _Lin:
     lin = _Lin()
     for j, (w, b) in enumerate(parts):
-        lin.seg[j] = _Seg(w.data.data_ptr(), None if w.scales is None else w.scales.data_ptr(),
-                          None if b is None else b.data_ptr(), w.fmt, w.n)
+        lin.seg[j] = _Seg(w.data.data_ptr(), None if b is None else b.data_ptr(), w.fmt, w.n)
     lin.count = len(parts)
     return lin
 

@@ -29,16 +29,7 @@ class QTensor:
     data: torch.Tensor
     n: int
     k: int
-    _scales: torch.Tensor | None = field(default=None, repr=False)
     _dense: torch.Tensor | None = field(default=None, repr=False)
-
-    @property
-    def scales(self) -> torch.Tensor | None:
-        """Block formats: fp32 d (and m) per block (scales_of), made on first use: reading them touches every page
-        of the tensor, which a cold start defers until the first pass."""
-        if self.fmt in GGML_BLOCK and self._scales is None:
-            self._scales = scales_of(self.fmt, self.data)
-        return self._scales
 
     @classmethod
     def from_float(cls, w: torch.Tensor) -> QTensor:
@@ -59,9 +50,7 @@ class QTensor:
 
     def rows(self, idx) -> torch.Tensor:
         """Rows `idx` dequantized to fp32 [len(idx), k] (embedding lookups)."""
-        idx = torch.as_tensor(idx, dtype=torch.long)
-        sc = None if self.fmt in FLOAT_DTYPE else self.scales[idx]
-        return _dequantize(self.fmt, self.data[idx], self.k, sc)
+        return _dequantize(self.fmt, self.data[torch.as_tensor(idx, dtype=torch.long)], self.k)
 
     def dequantize(self) -> torch.Tensor:
         """All rows in fp32, exactly as gguf's reference dequantizes them (cached: torch fallback and tests)."""
@@ -71,15 +60,14 @@ class QTensor:
 
 
 def scales_of(fmt: int, data: torch.Tensor) -> torch.Tensor:
-    """The blocks' fp16 scales widened to fp32 (exact), [n, blocks] d or [n, blocks, 2] d and m (Q4_1): the kernels
-    broadcast them from memory instead of converting one per block. 4-8 bytes per 32 weights; the blocks stay."""
+    """The blocks' fp16 scales widened to fp32 (exact): [n, blocks, 1] d, or [n, blocks, 2] d and m (Q4_1)."""
     cols, nbytes = GGML_BLOCK[fmt]
     blocks = data.view(data.shape[0], -1, nbytes)
     halves = blocks[..., : 4 if fmt == kernels.Q4_1 else 2].contiguous().view(torch.float16)
     return halves.float().contiguous()
 
 
-def _dequantize(fmt: int, data: torch.Tensor, k: int, scales: torch.Tensor | None = None) -> torch.Tensor:
+def _dequantize(fmt: int, data: torch.Tensor, k: int) -> torch.Tensor:
     """fp32 rows exactly as gguf's reference computes them (d*q for Q8_0, d*(q-8) for Q4_0, d*q + m for Q4_1, in
     fp32, a multiply then an add), in torch: an embedding lookup costs tens of microseconds, not a numpy pass."""
     if fmt in FLOAT_DTYPE:
@@ -87,8 +75,7 @@ def _dequantize(fmt: int, data: torch.Tensor, k: int, scales: torch.Tensor | Non
     cols, nbytes = GGML_BLOCK[fmt]
     n = data.shape[0]
     blocks = data.reshape(n, -1, nbytes)
-    sc = scales_of(fmt, data) if scales is None else scales.reshape(n, blocks.shape[1], -1)
-    sc = sc.reshape(n, blocks.shape[1], -1)
+    sc = scales_of(fmt, data)
     if fmt == kernels.Q8_0:
         q = blocks[..., 2:].contiguous().view(torch.int8).float()
         return (q * sc[..., :1]).reshape(n, k)
@@ -102,7 +89,7 @@ def _dequantize(fmt: int, data: torch.Tensor, k: int, scales: torch.Tensor | Non
 def qlinear(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x·Wᵀ (+ b): the kernel on W's own blocks where it runs, else torch on the same dequantized values."""
     if kernels.library() is not None:
-        return kernels.linear(w.fmt, x, w.data, w.n, bias, w.scales)
+        return kernels.linear(w.fmt, x, w.data, w.n, bias)
     return F.linear(x, w.dequantize(), bias)
 
 
