@@ -440,15 +440,19 @@ extern "C" void rows_rmsnorm(const float* x, int R, int D, const float* w, float
     rmsnorm(x, R, D, w, eps, out);
 }
 
-// Rotate-half rotary embedding (as Llama in transformers) of `heads` heads of size hd at x (one row).
-static void rope_row(float* x, int heads, int hd, const float* cs, const float* sn) {
+// Rotary embedding of `heads` heads of size hd at x (one row): pair i is (v[i], v[i + hd/2]) as transformers' Llama
+// rotates halves, or (v[2i], v[2i+1]) in llama.cpp's row order. Either way each pair gets the same two products and
+// one add/sub, so the rotated values are the same numbers, stored in another order.
+static void rope_row(float* x, int heads, int hd, const float* cs, const float* sn, bool interleaved) {
     const int h2 = hd / 2;
     for (int h = 0; h < heads; h++) {
         float* v = x + h * hd;
         for (int i = 0; i < h2; i++) {
-            const float a = v[i], b = v[i + h2];
-            v[i] = a * cs[i] - b * sn[i];
-            v[i + h2] = b * cs[i + h2] + a * sn[i + h2];
+            float* pa = interleaved ? v + 2 * i : v + i;
+            float* pb = interleaved ? v + 2 * i + 1 : v + i + h2;
+            const float a = *pa, b = *pb;
+            *pa = a * cs[i] - b * sn[i];
+            *pb = b * cs[i + h2] + a * sn[i + h2];
         }
     }
 }
@@ -461,6 +465,7 @@ static inline float silu(float g) {  // the tail of a row whose width is not a m
 
 struct Dims {
     int hidden, heads, kv_heads, head_dim, inter, layers, max_len;
+    int interleaved;  // rotary pairs (2i, 2i+1) as llama.cpp stores Q/K rows, else (i, i + head_dim/2)
     float eps;
     const float* cos;  // [max_len, head_dim]
     const float* sin;
@@ -527,8 +532,8 @@ static void layer_body(const Dims* d, const Layer* L, int layer, float* x, int R
         float* row = s.qkv + (long)r * nqkv;
         const float* cs = d->cos + (long)pos[r] * hd;
         const float* sn = d->sin + (long)pos[r] * hd;
-        rope_row(row, H, hd, cs, sn);
-        rope_row(row + nq, G, hd, cs, sn);
+        rope_row(row, H, hd, cs, sn, d->interleaved);
+        rope_row(row + nq, G, hd, cs, sn, d->interleaved);
         for (int g = 0; g < G; g++) {
             memcpy(cache_at(d, d->kslot, slot[r], layer, g, pos[r]), row + nq + g * hd, 4L * hd);
             memcpy(cache_at(d, d->vslot, slot[r], layer, g, pos[r]), row + nq + nkv + g * hd, 4L * hd);

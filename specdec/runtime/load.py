@@ -5,7 +5,6 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
-import torch
 
 from .model import LayerWeights, Llama
 from .weights import GGUFFile, SafetensorsDir, Unsupported
@@ -43,15 +42,13 @@ def load_gguf(path: Path, max_len: int | None = None) -> Llama:
                      max_position_embeddings=int(m("context_length", 2048)), vocab_size=embed.n,
                      rope_parameters=rope, tie_word_embeddings=tied,
                      bos_token_id=f.meta("tokenizer.ggml.bos_token_id"), eos_token_id=f.meta("tokenizer.ggml.eos_token_id"))
-    # llama.cpp's converter interleaves the rotary halves of Q and K rows for the llama architecture; put them back
-    # in transformers' order (a row permutation: each row keeps its own blocks) so rotate-half applies
-    unpermute = arch == "llama"
+    # llama.cpp's converter interleaves the rotary halves of Q and K rows for the llama architecture: rotate pairs
+    # (2i, 2i+1) there (the same rotated values as transformers' halves, in llama.cpp's order; no copy of Q and K)
+    config.rope_interleaved = arch == "llama"
     layers = []
     for i in range(config.num_hidden_layers):
         b = f"blk.{i}."
         q, k = f.qtensor(b + "attn_q.weight"), f.qtensor(b + "attn_k.weight")
-        if unpermute:
-            q, k = q.take(_unpermute_rows(q.n, heads)), k.take(_unpermute_rows(k.n, kv_heads))
         layers.append(LayerWeights(
             f.vector(b + "attn_norm.weight"), q, k, f.qtensor(b + "attn_v.weight"), f.qtensor(b + "attn_output.weight"),
             f.vector(b + "ffn_norm.weight"), f.qtensor(b + "ffn_gate.weight"), f.qtensor(b + "ffn_up.weight"),
@@ -60,11 +57,6 @@ def load_gguf(path: Path, max_len: int | None = None) -> Llama:
     head = embed if tied else f.qtensor("output.weight")
     gen = SimpleNamespace(eos_token_id=config.eos_token_id)
     return _build(config, embed, layers, f.vector("output_norm.weight"), head, gen, max_len, str(path))
-
-
-def _unpermute_rows(n: int, heads: int) -> torch.Tensor:
-    """Row order that undoes llama.cpp's Q/K permutation (as transformers' GGUF loader does)."""
-    return torch.arange(n).reshape(heads, n // heads // 2, 2).transpose(1, 2).reshape(n)
 
 
 def load_hf_dir(path: Path, max_len: int | None = None) -> Llama:

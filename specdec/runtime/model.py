@@ -39,7 +39,8 @@ class _Layer(ctypes.Structure):
 
 class _Dims(ctypes.Structure):
     _fields_ = [("hidden", _i), ("heads", _i), ("kv_heads", _i), ("head_dim", _i), ("inter", _i), ("layers", _i),
-                ("max_len", _i), ("eps", _f), ("cos", _p), ("sin", _p), ("kslot", _p), ("vslot", _p)]
+                ("max_len", _i), ("interleaved", _i), ("eps", _f), ("cos", _p), ("sin", _p), ("kslot", _p),
+                ("vslot", _p)]
 
 
 @dataclass
@@ -97,6 +98,7 @@ class Llama:
         self.embed, self.layers, self.norm, self.head = embed, layers, norm, head
         self.hd, self.heads, self.kv_heads = config.head_dim, config.num_attention_heads, config.num_key_value_heads
         self.eps = float(config.rms_norm_eps)
+        self.interleaved = bool(getattr(config, "rope_interleaved", False))  # llama.cpp's Q/K row order
         self.max_len = int(max_len or config.max_position_embeddings)
         self.cos, self.sin = rope_tables(config, self.max_len)
         self._slots: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -172,7 +174,9 @@ class Llama:
         v = F.linear(h, w.v.dequantize(), w.v_bias).view(R, self.kv_heads, hd)
         pos = torch.tensor(positions)
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]
-        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        rot = _rotate_pairs if self.interleaved else _rotate_half
+        q, k = q * _pairs(cos, self.interleaved) + rot(q) * _pairs(sin, self.interleaved), \
+            k * _pairs(cos, self.interleaved) + rot(k) * _pairs(sin, self.interleaved)
         att = torch.empty(R, self.heads * hd)
         for r in range(R):  # write every row's key and value first: rows of one slot see each other causally
             kc, vc = self._slots[slots[r]]
@@ -198,7 +202,7 @@ class Llama:
     def _make_dims(self) -> _Dims:
         c = self.config
         return _Dims(c.hidden_size, self.heads, self.kv_heads, self.hd, c.intermediate_size, c.num_hidden_layers,
-                     self.max_len, self.eps, self.cos.data_ptr(), self.sin.data_ptr(),
+                     self.max_len, int(self.interleaved), self.eps, self.cos.data_ptr(), self.sin.data_ptr(),
                      ctypes.cast(self._kptr, ctypes.c_void_p), ctypes.cast(self._vptr, ctypes.c_void_p))
 
 
@@ -209,6 +213,17 @@ def _rmsnorm(x, w, eps):
 def _rotate_half(x):
     h = x.shape[-1] // 2
     return torch.cat([-x[..., h:], x[..., :h]], -1)
+
+
+def _rotate_pairs(x):
+    """(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...): rotate-half for llama.cpp's interleaved row order."""
+    pairs = x.unflatten(-1, (-1, 2))
+    return torch.stack([-pairs[..., 1], pairs[..., 0]], -1).flatten(-2)
+
+
+def _pairs(table, interleaved):
+    """cos/sin laid out for the row order: (c0..c_{h-1}, c0..c_{h-1}) or (c0, c0, c1, c1, ...)."""
+    return table[..., : table.shape[-1] // 2].repeat_interleave(2, -1) if interleaved else table
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
