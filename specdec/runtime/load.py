@@ -5,7 +5,6 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
-
 from .model import LayerWeights, Llama
 from .weights import GGUFFile, SafetensorsDir, Unsupported
 
