@@ -32,6 +32,9 @@ from .drafters.feature import FeatureDrafter, net_for_target, save_draft
 from .errors import InvalidRequest, SpecDecError
 from .prompts import HERE as PROMPT_DIR
 from .prompts import load_prompts
+from .runtime.generate import generate_batch
+from .runtime.weights import qlinear
+from .sampling import SamplingParams
 
 console = Console(stderr=True)
 
@@ -92,8 +95,13 @@ def generate_responses(model, tok, prompts: list[dict], path: Path, max_new_toke
 
 def _greedy_batch(model, chunk: list[list[int]], max_new_tokens: int, pad: int, eos: list[int],
                   device: str) -> list[tuple[list[int], torch.Tensor]]:
-    """Greedy continuations of a batch of prompts (left-padded), each cut after its first EOS, with the target's
-    final hidden states at every position but the last (its token was never fed back)."""
+    """Greedy continuations of a batch of prompts, each cut after its first EOS, with the target's final hidden
+    states at every position but the last (its token was never fed back): on specdec's runtime (every sequence in
+    its own KV slot, no padding) or transformers' generate (left padding)."""
+    if models.is_runtime(model):
+        return generate_batch(model, chunk, max_new_tokens, set(eos))
+    return _greedy_batch_transformers(model, chunk, max_new_tokens, pad, eos, device)
+def _greedy_batch_transformers(model, chunk, max_new_tokens, pad, eos, device):
     width = max(map(len, chunk))
     ids = torch.tensor([[pad] * (width - len(c)) + c for c in chunk], device=device)
     mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in chunk], device=device)
@@ -161,10 +169,15 @@ def self_chat_data(model, tok, n: int, path: Path, max_new_tokens: int, batch: i
         while len(store.items) < n:
             torch.manual_seed(seed * 1_000_003 + len(store.items) // batch)
             b = min(batch, n - len(store.items))
-            q = model.generate(torch.tensor([start] * b, device=device), max_new_tokens=64, do_sample=True,
-                               temperature=1.0, top_p=0.95, top_k=0, pad_token_id=pad, eos_token_id=eos)
+            if models.is_runtime(model):
+                rows = [s[len(start):] for s, _ in generate_batch(
+                    model, [start] * b, 64, set(eos), SamplingParams(1.0, 0.95), torch.default_generator)]
+            else:
+                q = model.generate(torch.tensor([start] * b, device=device), max_new_tokens=64, do_sample=True,
+                                   temperature=1.0, top_p=0.95, top_k=0, pad_token_id=pad, eos_token_id=eos)
+                rows = q[:, len(start):].tolist()
             queries = [tok.decode([t for t in row if t not in eos and t != pad], skip_special_tokens=True).strip()
-                       for row in q[:, len(start):].tolist()]
+                       for row in rows]
             chunk = [enc.encode(x, chat=True) if x else start for x in queries]
             store.add(_greedy_batch(model, chunk, max_new_tokens, pad, eos, device))
             bar.advance(task, b)
@@ -191,15 +204,32 @@ def teacher_labels(model, items: list[dict], path: Path, device: str) -> list[di
         out = torch.load(path)
         if [d["ids"].tolist() for d in out] == [list(it["ids"]) for it in items]:
             return out  # labels of exactly this data (an interrupted run); more or other data is relabelled
-    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    if models.is_runtime(model):
+        def features(ids):
+            cache = model.new_cache()
+            try:
+                return cache.forward(ids, 1, hidden=True)[1].half()
+            finally:
+                cache.close()
+
+        def argmax_of(h):
+            return qlinear(h.float().contiguous(), model.head).argmax(-1)
+    else:
+        decoder, head = model.get_decoder(), model.get_output_embeddings()
+
+        def features(ids):
+            return decoder(input_ids=torch.tensor([ids], device=device)).last_hidden_state[0].half()
+
+        def argmax_of(h):
+            return head(h.to(device, head.weight.dtype)).argmax(-1)
     out = []
     with _progress() as bar:
         task = bar.add_task("teacher labels", total=len(items))
         for it in items:
             h = it["h"]
             if h is None:
-                h = decoder(input_ids=torch.tensor([it["ids"]], device=device)).last_hidden_state[0].half()
-            argmax = head(h.to(device, head.weight.dtype)).argmax(-1)
+                h = features(list(it["ids"]))
+            argmax = argmax_of(h)
             out.append({"ids": torch.tensor(it["ids"]), "h": h.cpu(), "argmax": argmax.cpu()})
             bar.advance(task)
     torch.save(out, path)
@@ -365,6 +395,15 @@ def report(target_model, tok, drafter, prompts: list[dict], max_new_tokens: int,
 
 
 # ---- the command -----------------------------------------------------------------------------------------------
+def _runtime_twin(target: str, device: str):
+    """The target on specdec's runtime for data generation on CPU, or None to use the transformers model."""
+    if device != "cpu":
+        return None
+    try:
+        model = models.load(target, backend="runtime")[0]
+    except SpecDecError:
+        return None
+    return model
 def distill(target: str, out: str, prompt_files: list[str], text_files: list[str], max_new_tokens: int = 128,
             gen_batch: int = 64, reduced: int = 8192, epochs: int = 6, batch: int = 8, lr: float = 2e-3,
             seed: int = 0, limit: int = 0, eval_limit: int = 0, eval_tau: int = 4, device: str = "auto",
@@ -387,15 +426,18 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
     prompts = [p for f in (prompt_files or DEFAULT_PROMPTS) for p in load_prompts(f)]
     if limit:
         prompts = prompts[:limit]
-    model, tok = loaded or models.load(target, backend="transformers")  # training needs autograd: transformers
+    model, tok = loaded[:2] if loaded else models.load(target, backend="transformers")  # training: transformers
     if reduced > model.config.vocab_size:
         raise InvalidRequest(f"--reduced-vocab {reduced} exceeds the target's vocabulary ({model.config.vocab_size})")
     texts = text_sequences(tok, text_files or [])  # read before hours of generation, so a bad path fails fast
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     model.to(device)
+    # the data (generation with hidden states, labels) on specdec's runtime where it runs the target on this CPU
+    gen = loaded[2] if loaded and len(loaded) > 2 else None if loaded else _runtime_twin(target, device)
+    gen = gen or model
     t0 = perf_counter()
-    seqs = generate_responses(model, tok, prompts, work / "sequences.jsonl", max_new_tokens, gen_batch, device)
-    chats = self_chat_data(model, tok, self_chat, work / "self_chat.jsonl", max_new_tokens, gen_batch, seed, device)
+    seqs = generate_responses(gen, tok, prompts, work / "sequences.jsonl", max_new_tokens, gen_batch, device)
+    chats = self_chat_data(gen, tok, self_chat, work / "self_chat.jsonl", max_new_tokens, gen_batch, seed, device)
     t_data = perf_counter() - t0
     # where each response starts: drafts are only ever asked to continue responses (as EAGLE's loss mask)
     from .api import SpecDecoder
@@ -404,7 +446,7 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
     header = assistant_header(tok)
     starts += [after_last(it["ids"], header) for it in chats] + [0] * len(texts)
     seqs += chats + texts
-    data = teacher_labels(model, seqs, work / "labels.pt", device)
+    data = teacher_labels(gen, seqs, work / "labels.pt", device)
     for d, start in zip(data, starts):
         d["start"] = start if loss_on == "response" else 0
     vocab_map = reduced_vocab(data, reduced, models.eos_ids(model, tok), model.config.vocab_size)
@@ -429,11 +471,11 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
             "train_history": hist["epochs"], "best_epoch": hist["best_epoch"]}
     save_draft(net, vocab_map, out_dir, fp, target_name=str(target), extra=meta)
     DatastoreDrafter.save([d["ids"].tolist() for d in data], out_dir)  # for `--draft datastore:DIR` (retrieval)
-    drafter = FeatureDrafter.load(out_dir, model, fp)
+    drafter = FeatureDrafter.load(out_dir, gen, fp)  # measured as it will run: on the runtime where it can
     held_out = load_prompts()[: eval_limit or None]
     rep = {**meta, "seconds": {"data": round(t_data, 1), "labels": round(t1 - t0 - t_data, 1),
                                "train": round(t_train, 1)},
-           "held_out": report(model, tok, drafter, held_out, 64, eval_tau)}
+           "held_out": report(gen, tok, drafter, held_out, 64, eval_tau)}
     (out_dir / "distill_report.json").write_text(json.dumps(rep, indent=2))
     return rep
 

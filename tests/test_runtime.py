@@ -292,3 +292,38 @@ def test_positions_beyond_the_slots_are_refused(runtime_model):
         runtime_model.forward([1], [s], [runtime_model.max_len])
     runtime_model.release_slot(s)
 
+
+
+# ---- batched generation (distill's data) ------------------------------------------------------------------------------
+def test_batched_generation_equals_each_sequence_alone(runtime_model):
+    """All prompts prefilled in one pass, then one row per unfinished sequence per step: every sequence gets bitwise
+    the tokens and hidden states it gets alone, and stops at its own EOS."""
+    from specdec.runtime.generate import generate_batch
+    prompts = [PROMPT, [3, 4, 5], PROMPT[:7] + [88], [42] * 9]
+    batch = generate_batch(runtime_model, prompts, 12, eos={2, 17})
+    for p, (seq, h) in zip(prompts, batch):
+        alone_seq, alone_h = generate_batch(runtime_model, [p], 12, eos={2, 17})[0]
+        assert seq == alone_seq and torch.equal(h, alone_h)
+        assert len(h) == len(seq) - 1 and seq[:len(p)] == p
+        gen = seq[len(p):]
+        assert len(gen) == 12 or gen[-1] in {2, 17}
+        assert _greedy(runtime_model, p, len(gen))[:len(gen)] == gen or gen[-1] in {2, 17}
+    assert runtime_model._free  # the slots went back
+
+
+def test_distill_generates_its_data_on_the_runtime(tmp_path, gguf_pair, runtime_model, tok):
+    """`specdec distill` on CPU takes its data (greedy responses, self-chat, labels) from the runtime twin."""
+    from specdec.distill import distill
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join('{"prompt": "%s", "mode": "completion"}' % p for p in ["ab", "Hello", "xyz q"]))
+    _, hf = gguf_pair
+    calls = []
+    original = runtime_model.forward
+    runtime_model.forward = lambda *a, **kw: calls.append(len(a[0])) or original(*a, **kw)
+    try:
+        rep = distill("tiny", str(tmp_path / "d"), [str(prompts)], [], max_new_tokens=6, gen_batch=3, reduced=20,
+                      epochs=1, batch=2, device="cpu", self_chat=3, val_every=0, eval_limit=1,
+                      loaded=(hf, tok, runtime_model))
+    finally:
+        del runtime_model.forward
+    assert rep["sequences"] == 6 and max(calls) >= 3  # batched passes: several rows per pass
