@@ -31,7 +31,8 @@ def quantized(w: np.ndarray, qtype) -> tuple[QTensor, torch.Tensor]:
 @needs_kernel
 @pytest.mark.parametrize("qtype,fmt", FORMATS, ids=[f[0].name for f in FORMATS])
 def test_quantized_linear_equals_gguf_dequantization_then_linear(qtype, fmt):
-    """Every format, rows 1..8 and beyond (tiles of 8), K with tails for float formats, a bias: (1) bitwise the
+    """Every format, rows 1..8 and beyond (4-row tiles; 12+ rows on a dequantized buffer), K with tails for float
+    formats, a bias: (1) bitwise the
     F32 kernel on gguf's dequantized weights, (2) F.linear within fp32 rounding, (3) each row as if alone."""
     rng = np.random.default_rng(int(qtype))
     for k in ((64, 576) if fmt in (kernels.Q4_0, kernels.Q4_1, kernels.Q8_0) else (37, 576)):
@@ -39,7 +40,7 @@ def test_quantized_linear_equals_gguf_dequantization_then_linear(qtype, fmt):
         qt, ref = quantized(w, qtype)
         dense = QTensor.from_float(ref)
         b = torch.randn(67)
-        for rows in [*range(1, 9), 11]:
+        for rows in [*range(1, 9), 11, 12, 29]:  # 12+: weights dequantized once into a buffer
             x = torch.randn(rows, k)
             y = qlinear(x, qt, b)
             assert torch.equal(y, qlinear(x, dense, b)), (rows, k)

@@ -336,13 +336,35 @@ static inline void row_tiles(const float* x, long ldx, int R, int K, const uint8
     }
 }
 
-// Weight rows n0..n0+NR-1 against all R rows of x, each weight dequantized in registers once per 4-row tile. (Tiles
-// of 5-8 rows with 2 weight rows at a time, or 5+ rows on weights dequantized once into a buffer, measured slower:
-// a 5-token pass of SmolLM2-135M took 14.4 and 17.2 ms against 13.9 ms.)
+// Weight rows n0..n0+NR-1 against all R rows of x. Up to BUFFER_ROWS - 1 rows, each weight is dequantized in
+// registers once per 4-row tile. From BUFFER_ROWS rows (prompts, batched generation) the NR weight rows are
+// dequantized once into an L1 buffer (exactly the values the registers would hold) and every 4-row tile runs on them
+// as fp32 weights: the same products in the same order, so the same bits. (For verify passes of 5-8 rows that
+// measured slower: a 5-token pass of SmolLM2-135M took 17.2 ms against 13.9 ms.)
+#ifndef BUFFER_ROWS
+#define BUFFER_ROWS 12
+#endif
 template <class F, int NR>
 static inline void weight_rows(const float* x, long ldx, int R, int K, const uint8_t* W, long rb, int n0, float* y,
                                long ldy, const float* b, bool acc_out) {
-    row_tiles<F, NR>(x, ldx, R, K, W + (long)n0 * rb, rb, y + n0, ldy, b ? b + n0 : nullptr, acc_out);
+    const uint8_t* Wn = W + (long)n0 * rb;
+    const float* bn = b ? b + n0 : nullptr;
+    if (F::TAIL || R < BUFFER_ROWS) {
+        row_tiles<F, NR>(x, ldx, R, K, Wn, rb, y + n0, ldy, bn, acc_out);
+        return;
+    }
+    std::vector<float> buf((size_t)NR * K);
+    const int ns = F::SPR * (K / 32);
+    std::vector<float> S((size_t)ns + 16);
+    for (int r = 0; r < NR; r++) {
+        block_scales<F::SPR>(Wn + r * rb, K / 32, F::BLOCK, S.data());
+        for (int c = 0; c + F::CH <= K / 16; c += F::CH) {
+            V16 w[F::CH];
+            F::chunk(Wn + r * rb, S.data(), c, K, w);
+            for (int h = 0; h < F::CH; h++) vstore(buf.data() + (long)r * K + 16 * (c + h), w[h]);
+        }
+    }
+    row_tiles<FmtF32, NR>(x, ldx, R, K, (const uint8_t*)buf.data(), 4L * K, y + n0, ldy, bn, acc_out);
 }
 
 // Bytes of one weight row of K columns, or -1 for an unsupported format/shape.
