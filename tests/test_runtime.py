@@ -32,8 +32,8 @@ def quantized(w: np.ndarray, qtype) -> tuple[QTensor, torch.Tensor]:
 @pytest.mark.parametrize("qtype,fmt", FORMATS, ids=[f[0].name for f in FORMATS])
 def test_quantized_linear_equals_gguf_dequantization_then_linear(qtype, fmt):
     """Every format, rows 1..8 and beyond (4-row tiles; 12+ rows on a dequantized buffer), K with tails for float
-    formats, a bias: (1) bitwise the
-    F32 kernel on gguf's dequantized weights, (2) F.linear within fp32 rounding, (3) each row as if alone."""
+    formats, a bias: (1) bitwise the F32 kernel on gguf's dequantized weights, (2) F.linear within fp32 rounding,
+    (3) each row as if alone."""
     rng = np.random.default_rng(int(qtype))
     for k in ((64, 576) if fmt in (kernels.Q4_0, kernels.Q4_1, kernels.Q8_0) else (37, 576)):
         w = rng.standard_normal((67, k)).astype(np.float32)
