@@ -328,3 +328,43 @@ def test_distill_generates_its_data_on_the_runtime(tmp_path, gguf_pair, runtime_
     finally:
         del runtime_model.forward
     assert rep["sequences"] == 6 and max(calls) >= 3  # batched passes: several rows per pass
+
+
+@pytest.mark.parametrize("kind", ["qwen2-bias", "llama3-rope", "mistral", "yarn-rope"])
+def test_llama_family_variants_match_transformers(tmp_path, kind):
+    """Qwen2 (q/k/v bias), Llama 3 rotary scaling, Mistral (sliding-window config), yarn scaling: the runtime's
+    logits match transformers' on the same fp32 safetensors, and greedy tokens agree."""
+    from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
+    torch.manual_seed(5)
+    base = {k: v for k, v in CFG.items() if k != "rope_theta"}
+    if kind == "qwen2-bias":
+        cfg = Qwen2Config(**base, rope_theta=10000.0)
+    elif kind == "mistral":
+        cfg = MistralConfig(**base, rope_theta=10000.0, sliding_window=64)
+    elif kind == "llama3-rope":
+        cfg = LlamaConfig(**base, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                               "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+                          rope_theta=10000.0)
+    else:
+        cfg = LlamaConfig(**base, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                               "original_max_position_embeddings": 32}, rope_theta=10000.0)
+    cfg.initializer_range = 0.3
+    hf = AutoModelForCausalLM.from_config(cfg).float().eval()
+    if kind == "qwen2-bias":
+        with torch.no_grad():
+            for layer in hf.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    hf.save_pretrained(tmp_path)
+    rt = load_hf_dir(tmp_path)
+    if kind == "qwen2-bias":
+        assert rt.layers[0].q_bias is not None
+    if kind == "mistral":
+        assert rt.max_len == 64  # attention over the window equals full attention while sequences fit in it
+    prompt = PROMPT * 3  # past the llama3/yarn original context of 32 positions
+    with torch.inference_mode():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    s = rt.acquire_slot()
+    got = rt.forward(prompt, [s] * len(prompt), list(range(len(prompt))))
+    assert (got - ref).abs().max() < 2e-4
+    assert _greedy(rt, PROMPT, 12) == _hf_greedy(hf, PROMPT, 12)
