@@ -368,3 +368,23 @@ def test_llama_family_variants_match_transformers(tmp_path, kind):
     got = rt.forward(prompt, [s] * len(prompt), list(range(len(prompt))))
     assert (got - ref).abs().max() < 2e-4
     assert _greedy(rt, PROMPT, 12) == _hf_greedy(hf, PROMPT, 12)
+
+
+def test_compare_llamacpp_says_how_to_install_it(monkeypatch, gguf_pair, tiny_dirs, capsys):
+    import builtins
+
+    from specdec import llamacpp
+    from specdec.cli import main
+    from specdec.errors import InvalidRequest
+    real_import = builtins.__import__
+
+    def no_llama_cpp(name, *args, **kw):
+        if name == "llama_cpp":
+            raise ImportError("No module named 'llama_cpp'")
+        return real_import(name, *args, **kw)
+    monkeypatch.setattr(builtins, "__import__", no_llama_cpp)
+    with pytest.raises(InvalidRequest, match="needs llama-cpp-python: pip install llama-cpp-python"):
+        llamacpp.load(gguf_pair[0])
+    assert main(["bench", "--target", tiny_dirs["target"], "--compare-llamacpp", "--limit", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "needs a .gguf target" in err and "\n" not in err
