@@ -140,24 +140,18 @@ struct FmtF32 {
         float t[16] = {0}; memcpy(t, (const float*)row + K / 16 * 16, 4 * (K % 16)); *w = vload(t);
     }
 };
-struct FmtF16 {
+template <V16 (*WIDEN)(const uint16_t*)>  // fp16 or bf16 rows, widened exactly
+struct FmtHalf {
     static const int CH = 1, BLOCK = 0;
     static const bool TAIL = true;
     static const int SPR = 0;
-    static inline void chunk(const uint8_t* row, const float*, int c, int, V16* w) { *w = f16_to_f((const uint16_t*)row + 16 * c); }
+    static inline void chunk(const uint8_t* row, const float*, int c, int, V16* w) { *w = WIDEN((const uint16_t*)row + 16 * c); }
     static inline void tail(const uint8_t* row, int K, V16* w) {
-        uint16_t t[16] = {0}; memcpy(t, (const uint16_t*)row + K / 16 * 16, 2 * (K % 16)); *w = f16_to_f(t);
+        uint16_t t[16] = {0}; memcpy(t, (const uint16_t*)row + K / 16 * 16, 2 * (K % 16)); *w = WIDEN(t);
     }
 };
-struct FmtBF16 {
-    static const int CH = 1, BLOCK = 0;
-    static const bool TAIL = true;
-    static const int SPR = 0;
-    static inline void chunk(const uint8_t* row, const float*, int c, int, V16* w) { *w = bf16_to_f((const uint16_t*)row + 16 * c); }
-    static inline void tail(const uint8_t* row, int K, V16* w) {
-        uint16_t t[16] = {0}; memcpy(t, (const uint16_t*)row + K / 16 * 16, 2 * (K % 16)); *w = bf16_to_f(t);
-    }
-};
+using FmtF16 = FmtHalf<f16_to_f>;
+using FmtBF16 = FmtHalf<bf16_to_f>;
 struct FmtQ8_0 {  // block: d (fp16), 32 x int8
     static const int CH = 2, BLOCK = 34;
     static const bool TAIL = false;
