@@ -146,6 +146,8 @@ class Llama:
             raise ValueError("rows, slots and positions must have the same non-zero length")
         if max(positions) >= self.max_len or min(positions) < 0:
             raise ValueError(f"position outside the KV slots' {self.max_len} positions")
+        if max(slots) >= len(self._slots) or min(slots) < 0:
+            raise ValueError("a row names a KV slot that was never acquired")
         x = x.float().contiguous().clone()  # the residual stream, updated in place
         if self._lib is not None:
             if self._structs is None:
