@@ -28,6 +28,9 @@ SHIPPED_DRAFT = Path(__file__).parent / "drafts" / "smollm2-135m-instruct"  # tr
 DEFAULT_DRAFT = None  # resolved per target by default_draft()
 
 
+# stop strings: at most 4, as OpenAI allows, of bounded length (a 100,000-character stop held the model worker
+# for the whole request timeout)
+MAX_STOPS, MAX_STOP_CHARS = 4, 256
 DEFAULT_TAU, DEFAULT_POLICY = 3, "fixed"  # the fastest measured setup on the runtime (docs/benchmarks.md)
 
 
@@ -166,8 +169,9 @@ class SpecDecoder:
             self._policies[key] = make_policy(key[0], tau)
         params = SamplingParams(temperature, top_p, top_k, seed)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if not all(isinstance(s, str) and s for s in stops):
-            raise InvalidRequest("stop strings must be non-empty strings")
+        if len(stops) > MAX_STOPS or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+            raise InvalidRequest(f"stop must be up to {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} "
+                                 "characters")
         prompt_ids = self.encode(prompt, chat)
         text = _StopText(self.tokenizer, stops)
         records, generated, sent = [], [], ""

@@ -53,10 +53,10 @@ class Engine:
                 n, token = sample_verify(torch.tensor(proposed, dtype=torch.long), q, warp(logits, params), gen)
             if self.wants_hidden:  # target features of the committed positions (all but the newest token)
                 self.drafter.observe_target(start, hidden[: len(seq) + n - start])
+            t2 = perf_counter()  # stop strings and detokenizing are not the target's cost (the policy reads verify_ms)
             emitted, finish = self._cut(proposed[:n] + [token], seq, n_prompt, stop, max_new_tokens)
             seq.extend(emitted)
             self.target.rollback(len(seq) - 1)  # keep the committed prefix; the newest token is fed next cycle
-            t2 = perf_counter()
 
             record = CycleRecord(cycle, tau, proposed, n, emitted, draft_ms=round((t1 - t0) * 1e3, 3),
                                  verify_ms=round((t2 - t1) * 1e3, 3), cycle_ms=round((perf_counter() - t0) * 1e3, 3),
@@ -67,14 +67,16 @@ class Engine:
                 return
 
     def _cut(self, emitted, seq, n_prompt, stop, max_new_tokens):
-        """Truncate this cycle's tokens at EOS, a stop string, the token budget or the context window."""
-        for i, t in enumerate(emitted):
-            if t in self.eos_ids:
-                return emitted[: i + 1], "stop"
+        """Truncate this cycle's tokens at a stop string, EOS, the token budget or the context window. A stop string
+        completed before an EOS in the same cycle wins, so token_ids and usage end where the text does."""
+        eos_at = next((i for i, t in enumerate(emitted) if t in self.eos_ids), None)
+        body = emitted if eos_at is None else emitted[:eos_at]  # an EOS adds no text
         if stop is not None:
-            keep = stop(seq[n_prompt:] + emitted)
+            keep = stop(seq[n_prompt:] + body)
             if keep is not None:
-                return emitted[: max(0, keep - (len(seq) - n_prompt))], "stop"
+                return body[: max(0, keep - (len(seq) - n_prompt))], "stop"
+        if eos_at is not None:
+            return emitted[: eos_at + 1], "stop"
         room = min(max_new_tokens - (len(seq) - n_prompt), self.context_window - len(seq))
         if len(emitted) >= room:
             return emitted[:room], "length"

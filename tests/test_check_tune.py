@@ -93,9 +93,10 @@ def test_tune_predictions_match_measured_runs(tok, target, draft_close, tmp_path
     # relations that hold at any machine speed (a timed band failed on shared CI machines): the close draft wins
     # over the never-right n-gram, every confirmed run speeds up, and the prediction is the right size
     assert rep["drafts"]["close"]["alphas"][0] > 0.3 and rep["drafts"]["ngram"]["acceptance_rate"] < 0.1
-    for p in rep["confirmed"]:
-        assert p["identical_to_baseline"] and p["draft"] == "close"
-        assert p["measured_speedup"] > 1 and p["predicted_speedup"] > 1, p
+    closes = [p for p in rep["confirmed"] if p["draft"] == "close"]
+    assert closes and all(p["measured_speedup"] > 1 and p["predicted_speedup"] > 1 for p in closes), closes
+    for p in rep["confirmed"]:  # (the n-gram at tau=1, predicted ~1.0x, can be among the best three)
+        assert p["identical_to_baseline"]
         assert 0.5 < p["predicted_speedup"] / p["measured_speedup"] < 2, p
     rec = rep["recommendation"]
     assert rec["draft"] == "close" and f"tau={rec['tau']}" in rec["reason"]

@@ -3,7 +3,7 @@ import pytest
 import torch
 from tiny import VOCAB, char_tokenizer, reference_greedy, tiny_llama
 
-from specdec import SpecDecoder
+from specdec import InvalidRequest, SpecDecoder
 from specdec.drafters import ModelDrafter, NgramDrafter, NoDrafter
 from specdec.engine import Engine
 from specdec.sampling import SamplingParams
@@ -198,3 +198,19 @@ def test_few_row_linears_same_math_on_this_model_only():
     with stock_linears(mine):  # the bench's transformers rows run the stock layers
         assert all(m.forward.__func__ is nn.Linear.forward for m in mine)
     assert all(m._few_rows and "forward" in vars(m) for m in mine)
+
+
+def test_stop_strings_are_bounded(tok, target):
+    sd = SpecDecoder.from_models(target, tok, "ngram")
+    for stop in (["a"] * 5, ["y" * 257]):
+        with pytest.raises(InvalidRequest, match="up to 4 non-empty strings of at most 256"):
+            sd.generate("abc", max_new_tokens=4, chat=False, stop=stop)
+
+
+def test_a_stop_string_before_eos_in_the_same_cycle_cuts_the_tokens_there(tok, target):
+    """token_ids (and usage) end where the text ends: the stop string, not the EOS drafted after it."""
+    engine = Engine(target, NoDrafter(), VOCAB, {2}, 256)
+    stop = lambda ids: 1 if ids[:1] == [5] else None  # noqa: E731  the first generated token completes a stop
+    assert engine._cut([5, 6, 2], [1], 1, stop, 10) == ([5], "stop")
+    assert engine._cut([7, 6, 2], [1], 1, stop, 10) == ([7, 6, 2], "stop")  # no stop: the EOS ends it
+    assert engine._cut([7, 6], [1], 1, stop, 2) == ([7, 6], "length")

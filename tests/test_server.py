@@ -148,6 +148,8 @@ BAD = [
     ("/v1/completions", {"prompt": "x" * 400}, 400),
     ("/v1/completions", {"prompt": ["a", "b"]}, 400),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400),
+    ("/v1/completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400),  # OpenAI allows 4
+    ("/v1/completions", {"prompt": "hi", "stop": ["x" * 100_000]}, 400),  # held the worker for the whole timeout
     ("/v1/completions", b"x" * (2 << 20), 413),
     ("/v1/nothing", {}, 404),
 ]

@@ -2,6 +2,8 @@
 /metrics. Every error is a 4xx (or 429/504) with an OpenAI-style error object."""
 from __future__ import annotations
 
+import hmac
+
 import asyncio
 import json
 import time
@@ -199,8 +201,8 @@ class Guard:
             return message
 
         try:
-            if self.api_key and path != "/health" and \
-                    headers.get(b"authorization", b"") != f"Bearer {self.api_key}".encode():
+            if self.api_key and path != "/health" and not hmac.compare_digest(  # constant time: no timing oracle
+                    headers.get(b"authorization", b""), f"Bearer {self.api_key}".encode()):
                 await JSONResponse(error_body("missing or invalid API key", "authentication_error",
                                               "invalid_api_key"), 401)(scope, receive, send_counted)
             elif int(headers.get(b"content-length", b"0") or 0) > self.max_body:

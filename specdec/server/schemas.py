@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ..api import MAX_STOP_CHARS, MAX_STOPS
+
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -30,8 +32,9 @@ class _Request(BaseModel):
     @classmethod
     def _stops(cls, v):
         stops = [v] if isinstance(v, str) else v or []
-        if len(stops) > 4 or not all(stops):
-            raise ValueError("stop must be up to 4 non-empty strings")
+        if len(stops) > MAX_STOPS or not all(stops) or any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop must be up to {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} "
+                             "characters")
         return stops
 
     @property

@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import queue
+import sys
 import threading
+import traceback
 import time
 from pathlib import Path
 
@@ -94,7 +96,8 @@ class Worker:
                     return
         except SpecDecError as e:
             job.put("error", e)
-        except Exception as e:  # never leave a client waiting on a dead job
+        except Exception as e:  # never leave a client waiting on a dead job; the operator gets the traceback
+            traceback.print_exc(file=sys.stderr)
             job.put("error", e)
         finally:
             chunks.close()
