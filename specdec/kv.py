@@ -65,14 +65,15 @@ class CachedModel:
 
 
 def few_row_linears(model) -> None:
-    """Make the model's linear layers fast for decode and verify passes on CPU.
+    """Make a transformers model's linear layers fast for decode and verify passes on CPU (the transformers
+    backend; specdec's runtime has its own decoder).
 
-    y = x·Wᵀ through MKL streams W far below memory bandwidth on this project's 2-core CPU (AMD Zen 4; MKL takes
-    its GEMV path for one row and re-packs W on every call for a few rows): a SmolLM2-135M target pass over
-    1/2/3/4/5/8 tokens costs 57/96/119/84/89/96 ms stock. Here:
-    - 1-6 rows: specdec's kernel (kernels/few_rows.cpp) reads each weight row once for all rows, at memory
-      bandwidth: the linears of one pass take 18-23 ms for 1-6 rows (MKL/oneDNN below: 26-38 ms);
-    - without the kernel (no AVX-512 or no compiler), 1-2 rows: (W·xᵀ)ᵀ with x row-major, one row duplicated into
+    y = x·Wᵀ through MKL streams W far below memory bandwidth on a 2-core CPU (MKL takes its GEMV path for one row
+    and re-packs W on every call for a few rows): a SmolLM2-135M fp32 target pass over 1/2/3/4/5/8 tokens cost
+    57/96/119/84/89/96 ms stock (docs/benchmarks.md, earlier releases). Here:
+    - 1-6 rows: specdec's kernel (kernels/rows.cpp, fp32 weights) reads each weight row once for all rows: the
+      linears of one pass took 18-23 ms for 1-6 rows (MKL/oneDNN below: 26-38 ms);
+    - without the kernel (no AVX2/AVX-512 or no compiler), 1-2 rows: (W·xᵀ)ᵀ with x row-major, one row duplicated into
       two: MKL's GEMM kernel;
     - 7+ rows (and 3+ without the kernel): oneDNN's inner product on a weight packed once into its blocked layout
       (prompts and batched generation ~15% more FLOP/s than MKL).
