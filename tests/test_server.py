@@ -260,3 +260,12 @@ def test_trace_dir_per_request(live):
     assert len(new) == 1
     records = read_jsonl(new.pop())
     assert sum(len(x.emitted) for x in records) == r.usage.completion_tokens
+
+
+def test_oversized_chunked_body_gets_413(live):
+    """No Content-Length (chunked transfer): the size is still checked before the body is parsed."""
+    def chunks():
+        for _ in range(40):
+            yield b"x" * 65536
+    r = httpx.post(live.url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "error" in r.json()

@@ -190,15 +190,20 @@ class Guard:
                 status["code"] = message["status"]
             await send(message)
 
-        received = 0
-
-        async def receive_limited():
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > self.max_body:
-                raise _BodyTooLarge
-            return message
+        async def read_body() -> bytes:
+            """The whole body, refused past max_body however it is sent (Content-Length or chunked): the size is
+            checked here, before the app parses anything."""
+            parts, size, more = [], 0, True
+            while more:
+                message = await receive()
+                if message["type"] != "http.request":
+                    break
+                parts.append(message.get("body", b""))
+                size += len(parts[-1])
+                if size > self.max_body:
+                    raise _BodyTooLarge
+                more = message.get("more_body", False)
+            return b"".join(parts)
 
         try:
             if self.api_key and path != "/health" and not hmac.compare_digest(  # constant time: no timing oracle
@@ -208,7 +213,15 @@ class Guard:
             elif int(headers.get(b"content-length", b"0") or 0) > self.max_body:
                 raise _BodyTooLarge
             else:
-                await self.app(scope, receive_limited, send_counted)
+                body, replayed = await read_body(), False
+
+                async def replay():  # the body once, then the real channel (disconnect detection)
+                    nonlocal replayed
+                    if replayed:
+                        return await receive()
+                    replayed = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                await self.app(scope, replay, send_counted)
         except _BodyTooLarge:
             await JSONResponse(error_body(f"request body larger than {self.max_body} bytes"), 413)(
                 scope, receive, send_counted)
