@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,6 +134,8 @@ class SpecDecoder:
 
     def _setup(self, model, tok, drafter, tau, draft_name, policy):
         self.model, self.tokenizer, self.draft_name = model, tok, draft_name
+        # the server encodes in its request handlers while the model worker decodes: one tokenizer call at a time
+        self.tokenizer_lock = threading.Lock()
         self.tau = _positive_int("tau", tau)
         self.policy = make_policy(policy, self.tau).name
         self._policies = {}  # (name, tau) -> policy; adaptive estimates persist across requests
@@ -149,11 +152,12 @@ class SpecDecoder:
             raise InvalidRequest("prompt must be a non-empty string or a list of {role, content} messages")
         if not any(m["content"].strip() for m in messages):
             raise InvalidRequest("prompt is empty")
-        if chat and self.tokenizer.chat_template:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            ids = self.tokenizer(text, add_special_tokens=False).input_ids
-        else:
-            ids = self.tokenizer("\n".join(m["content"] for m in messages)).input_ids
+        with self.tokenizer_lock:
+            if chat and self.tokenizer.chat_template:
+                text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                ids = self.tokenizer(text, add_special_tokens=False).input_ids
+            else:
+                ids = self.tokenizer("\n".join(m["content"] for m in messages)).input_ids
         if len(ids) >= self.context_window:
             raise PromptTooLong(f"prompt is {len(ids)} tokens; the target's context window is {self.context_window}")
         return ids
@@ -173,7 +177,7 @@ class SpecDecoder:
             raise InvalidRequest(f"stop must be up to {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} "
                                  "characters")
         prompt_ids = self.encode(prompt, chat)
-        text = _StopText(self.tokenizer, stops)
+        text = _StopText(self.tokenizer, stops, self.tokenizer_lock)
         records, generated, sent = [], [], ""
         start = perf_counter()
         for rec in self.engine.run(prompt_ids, max_new_tokens, params, self._policies[key],
@@ -203,11 +207,12 @@ class _StopText:
     """Decodes generated ids and applies stop strings: the text never shows a stop string or anything after it,
     and while generating, text that could be the start of a stop string is held back."""
 
-    def __init__(self, tokenizer, stops: list[str]):
-        self.tok, self.stops = tokenizer, stops
+    def __init__(self, tokenizer, stops: list[str], lock):
+        self.tok, self.stops, self.lock = tokenizer, stops, lock
 
     def decode(self, ids) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
+        with self.lock:
+            return self.tok.decode(ids, skip_special_tokens=True)
 
     def _first_stop(self, text: str) -> int | None:
         hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]

@@ -214,3 +214,15 @@ def test_a_stop_string_before_eos_in_the_same_cycle_cuts_the_tokens_there(tok, t
     assert engine._cut([5, 6, 2], [1], 1, stop, 10) == ([5], "stop")
     assert engine._cut([7, 6, 2], [1], 1, stop, 10) == ([7, 6, 2], "stop")  # no stop: the EOS ends it
     assert engine._cut([7, 6], [1], 1, stop, 2) == ([7, 6], "length")
+
+
+def test_tokenizer_calls_hold_the_decoders_lock(tok, target, monkeypatch):
+    """The server encodes in request handlers while the worker decodes: every tokenizer call holds one lock."""
+    sd = SpecDecoder.from_models(target, tok, "ngram")
+    seen = []
+    for name in ("decode", "apply_chat_template", "__call__"):
+        original = getattr(type(tok), name)
+        monkeypatch.setattr(type(tok), name, lambda self, *a, _o=original, **kw: seen.append(
+            sd.tokenizer_lock.locked()) or _o(self, *a, **kw))
+    sd.generate("Hello", max_new_tokens=6, stop=["zz"])
+    assert seen and all(seen)
