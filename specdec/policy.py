@@ -6,7 +6,7 @@
   accepted), draft cost per token, the target's verify cost as a function of tokens verified, and per-cycle
   overhead; each cycle picks the τ in [0, max_tau] (0 = no speculation) maximising
       E[tokens](τ) / time(τ),  E[tokens](τ) = 1 + Σ_{k≤τ} Π_{j≤k} α_j,
-      time(τ) = τ·c_draft + T_verify(τ+1) + overhead            (shared/DESIGN.md, cost model)
+      time(τ) = τ·c_draft + T_verify(τ+1) + overhead            (analyze.cost_model)
   A τ of 0 is re-probed with τ=1 every `probe_every` cycles so a draft that recovers is noticed.
 """
 from __future__ import annotations

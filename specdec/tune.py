@@ -4,7 +4,7 @@
    once the target is compute bound);
 2. for each candidate draft, run it at τmax on sample prompts and measure acceptance by position α_k, draft time
    per token and per-cycle overhead;
-3. predict the speedup of every (draft, τ) with the cost model (shared/DESIGN.md), confirm the best few by real
+3. predict the speedup of every (draft, τ) with the cost model (analyze.cost_model), confirm the best few by real
    runs side by side with target-only, and recommend one with a plain-language reason — or recommend not
    speculating when nothing beats target-only.
 """

@@ -1,11 +1,10 @@
-"""Retrieval drafting (REST, He et al. 2024): look the context's last n tokens (n = 4, 3, 2) up in a datastore of
+"""Retrieval drafting (REST, He et al. 2024): look the context's last n tokens (n = 4, then 3) up in a datastore of
 the target's own earlier outputs and propose the continuation most of the matches share. Model-free (q is one-hot),
 so a cycle costs only the lookup.
 
-The walk stops at the first token that fewer than `min_count` matches, or less than `min_share` of the matches still
-agreeing, support — the datastore's own confidence. On the shipped draft's data (377k tokens of SmolLM2 responses)
-and the 14 bench prompts, defaults (3, 0.5) fire at 22% of response positions with a first token that is right 59% of
-the time (the distilled draft: 35%) and 1.1 accepted tokens per proposal."""
+The walk stops at the first token that fewer than `min_count` matches (default 2), or less than `min_share` (default
+0.5) of the matches still agreeing, support — the datastore's own confidence. Measured with the shipped draft's
+datastore (the 561k tokens it was trained on): docs/benchmarks.md, docs/draft.md."""
 from __future__ import annotations
 
 from pathlib import Path
