@@ -226,3 +226,18 @@ def test_tokenizer_calls_hold_the_decoders_lock(tok, target, monkeypatch):
             sd.tokenizer_lock.locked()) or _o(self, *a, **kw))
     sd.generate("Hello", max_new_tokens=6, stop=["zz"])
     assert seen and all(seen)
+
+
+@pytest.mark.parametrize("tau", [5, 6, 7, 8])
+def test_greedy_identity_in_fp32_on_the_transformers_backend(tok, tau):
+    """fp32 (the production dtype) where verify passes of 6-9 rows cross the transformers backend's linear-layer
+    paths: still token-identical to the target alone through the same engine."""
+    target32 = tiny_llama(seed=0, dtype=torch.float32)
+    base = SpecDecoder.from_models(target32, tok, "none")
+    for draft in ("target", NgramDrafter()):
+        spec = SpecDecoder.from_models(target32, tok, draft, tau=tau)
+        for prompt in ("Hello there", "abcabcabc"):
+            want = base.generate(prompt, max_new_tokens=30, chat=False).token_ids
+            got = spec.generate(prompt, max_new_tokens=30, chat=False)
+            assert got.token_ids == want, (tau, draft, prompt)
+    assert got.stats["proposed"] > 0
