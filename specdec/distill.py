@@ -16,8 +16,10 @@ Every phase resumes from what an interrupted run left in OUT/work.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import random
+import shutil
 from pathlib import Path
 from time import perf_counter
 
@@ -50,6 +52,19 @@ def _progress():
 # A data item is {"ids": [...], "h": final hidden states [len(ids), d] or None}. Generation records the target's
 # hidden states as it goes (the same computation teacher forcing would repeat), so generated data needs no
 # separate labelling pass; plain text gets one in phase 2.
+def _keyed(path: Path, inputs: dict) -> None:
+    """Keep a stored data file (and its hidden-state shards) only if it was made from these inputs: a resumed run
+    with another --limit, prompt set or length would otherwise pair old items with new prompts. The self-chat data
+    may grow or shrink with --self-chat (it is seeded per batch), so that count is not part of its key."""
+    key = hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    stamp = path.with_suffix(".key")
+    if path.exists() and (not stamp.exists() or stamp.read_text() != key):
+        console.print(f"{path.name} was made from other inputs: generating it again")
+        path.unlink()
+        shutil.rmtree(path.parent / f"{path.stem}_hidden", ignore_errors=True)
+    stamp.write_text(key)
+
+
 class _Store:
     """Generated sequences, appended batch by batch (resumable): ids in a JSONL file, hidden states in one
     fp16 shard per batch next to it (written first, so a line never lacks its shard)."""
@@ -436,6 +451,9 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
     gen = loaded[2] if loaded and len(loaded) > 2 else None if loaded else _runtime_twin(target, device)
     gen = gen or model
     t0 = perf_counter()
+    # resumable data is keyed on what made it: other prompts, limits or lengths start that file again
+    _keyed(work / "sequences.jsonl", {"prompts": prompts, "max_new_tokens": max_new_tokens})
+    _keyed(work / "self_chat.jsonl", {"max_new_tokens": max_new_tokens, "gen_batch": gen_batch, "seed": seed})
     seqs = generate_responses(gen, tok, prompts, work / "sequences.jsonl", max_new_tokens, gen_batch, device)
     chats = self_chat_data(gen, tok, self_chat, work / "self_chat.jsonl", max_new_tokens, gen_batch, seed, device)
     t_data = perf_counter() - t0

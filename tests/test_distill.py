@@ -408,3 +408,22 @@ def test_stdlib_prompts_are_cut_from_code_and_prose_and_never_a_bench_prompt(tmp
     assert any("`widget.make`" in p["prompt"] for p in out) and any("`widget`" in p["prompt"] for p in out)
     assert not any("_private" in p["prompt"] or "skipped" in p["prompt"] for p in out) and len(out) == 4
     assert bench not in {p["prompt"] for p in out}
+
+
+def test_resumed_data_is_keyed_on_its_inputs(tmp_path, prompt_file, tok, target, capsys):
+    """A resumed run with another --limit or length regenerates the data instead of pairing old items with new
+    prompts; the same inputs reuse it."""
+    kw = dict(gen_batch=5, reduced=30, epochs=1, batch=5, seed=1, eval_limit=1, device="cpu", self_chat=0,
+              val_every=0, loaded=(target, tok))
+    out = str(tmp_path / "o")
+    seqs = tmp_path / "o" / "work" / "sequences.jsonl"
+    distill("tiny", out, [prompt_file], [], max_new_tokens=8, limit=3, **kw)
+    first = seqs.read_text()
+    assert len(first.splitlines()) == 3
+    distill("tiny", out, [prompt_file], [], max_new_tokens=8, limit=3, **kw)
+    assert seqs.read_text() == first and "other inputs" not in capsys.readouterr().err  # reused
+    distill("tiny", out, [prompt_file], [], max_new_tokens=8, limit=2, **kw)
+    assert len(seqs.read_text().splitlines()) == 2 and "made from other inputs" in capsys.readouterr().err
+    distill("tiny", out, [prompt_file], [], max_new_tokens=5, limit=2, **kw)
+    lines = seqs.read_text().splitlines()
+    assert len(lines) == 2 and lines != first.splitlines()[:2]  # shorter responses: generated again
