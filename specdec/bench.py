@@ -18,6 +18,7 @@ from .errors import InvalidRequest, SpecDecError
 from .cli import backend_arg
 from .kv import stock_linears
 from .policy import make_policy
+from .sampling import SamplingParams
 from .prompts import load_prompts
 
 
@@ -50,7 +51,10 @@ class Bench:
 
     def __init__(self, target: str, drafts: list[str], taus: list[int], max_new_tokens: int, compare_hf: bool,
                  policies: list[str] | None = None, loaded=None, configs=None, backend: str = "auto",
-                 compare_llamacpp: bool = False):
+                 compare_llamacpp: bool = False, sampling: SamplingParams | None = None):
+        """`sampling`: sampled decoding for every row (None: greedy); the output is then not compared token by
+        token (a speculative run draws its randomness differently from target-only, the same distribution)."""
+        self.sampling = sampling if sampling is not None and not sampling.greedy else None
         policies = policies or ["fixed"]
         if max_new_tokens < 1 or any(t < 1 for t in taus):
             raise InvalidRequest("max-new-tokens and tau must be >= 1")
@@ -70,7 +74,7 @@ class Bench:
         self.configs = [Config("none", 1)] + [Config(*c) for c in grid]
         if compare_hf:  # transformers has prompt lookup, assistant models and (via hf_assist) our feature drafts
             hf_drafts = [d for d in drafts if d in ("ngram", "target") or d in self.draft_models
-                         or (d in self.feature_drafts and hf_assist.SUPPORTED)]
+                         or (d in self.feature_drafts and hf_assist.SUPPORTED and self.sampling is None)]
             self.configs += [Config("none", 1, hf=True)] + [Config(d, t, hf=True) for d in hf_drafts for t in taus]
         if compare_llamacpp:
             self.configs.append(Config("none", 1, llamacpp=True))
@@ -95,11 +99,14 @@ class Bench:
         if c.llamacpp:
             ids = self._decoders[self.configs[0].label].encode(prompt["prompt"], prompt["chat"])
             t0 = perf_counter()
-            out = llamacpp.greedy(self._llama, ids, max_new_tokens, self._decoders[self.configs[0].label].engine.eos_ids)
+            out = llamacpp.decode(self._llama, ids, max_new_tokens,
+                                  self._decoders[self.configs[0].label].engine.eos_ids, self.sampling)
             return out, perf_counter() - t0, 0, 0, 0
         if not c.hf:
+            s = self.sampling or SamplingParams()
             out = self._decoders[c.label].generate(prompt["prompt"], max_new_tokens=max_new_tokens,
-                                                   chat=prompt["chat"])
+                                                   chat=prompt["chat"], temperature=s.temperature, top_p=s.top_p,
+                                                   top_k=s.top_k, seed=s.seed)
             s = out.stats
             return out.token_ids, s["wall_s"], s["proposed"], s["accepted"], s["cycles"]
         ids = self._decoders[self.configs[0].label].encode(prompt["prompt"], prompt["chat"])
@@ -119,11 +126,17 @@ class Bench:
             kw = dict(assistant_model=self._hf(self.model if c.draft == "target" else self.draft_models[c.draft]),
                       num_assistant_tokens=c.tau,
                       num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0)
+        if self.sampling is not None:
+            torch.manual_seed(self.sampling.seed or 0)
+            kw.update(do_sample=True, temperature=self.sampling.temperature, top_p=self.sampling.top_p,
+                      top_k=self.sampling.top_k)
+        else:
+            kw.update(do_sample=False)
         x = torch.tensor([ids])
         t0 = perf_counter()
         with torch.inference_mode():
             out = self._hf(self.model).generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
-                                      do_sample=False, pad_token_id=self.tok.eos_token_id, **kw)
+                                                pad_token_id=self.tok.eos_token_id, **kw)
         return out[0, len(ids):].tolist(), perf_counter() - t0, 0, 0, 0
 
     def run(self, prompts: list[dict], console: Console | None = None) -> list[dict]:
@@ -157,7 +170,7 @@ class Bench:
                 "acceptance_rate": round(c.accepted / c.proposed, 4) if c.proposed else None,
                 "mean_accepted_len": round(c.accepted / c.cycles, 4) if c.cycles else None,
                 "target_passes_per_token": round(c.cycles / c.tokens, 4) if c.cycles else None,
-                "identical_to_baseline": c.outputs == base.outputs,
+                "identical_to_baseline": None if self.sampling else c.outputs == base.outputs,
             })
         return rows
 
@@ -170,7 +183,7 @@ def print_table(rows: list[dict], console: Console) -> None:
     for r in rows:
         table.add_row(r["config"], fmt(r["tokens_per_s"]), fmt(r["speedup"], "{:.2f}x"), fmt(r["acceptance_rate"]),
                       fmt(r["mean_accepted_len"]), fmt(r["target_passes_per_token"]),
-                      "yes" if r["identical_to_baseline"] else "NO")
+                      "-" if r["identical_to_baseline"] is None else "yes" if r["identical_to_baseline"] else "NO")
     console.print(table)
 
 
@@ -180,14 +193,17 @@ def cmd_bench(args) -> int:
     if args.limit:
         prompts = prompts[: args.limit]
     bench = Bench(args.target, args.draft or [default_draft(args.target)], args.tau or [2, 4, 6], args.max_new_tokens,
-                  args.compare_hf, policies=args.policy, backend=args.backend, compare_llamacpp=args.compare_llamacpp)
+                  args.compare_hf, policies=args.policy, backend=args.backend, compare_llamacpp=args.compare_llamacpp,
+                  sampling=SamplingParams(args.temperature, args.top_p, args.top_k, args.seed))
     console = Console(stderr=True)
     rows = bench.run(prompts, console)
     print_table(rows, Console(width=max(120, Console().width)))
     if args.json:
         try:
             with open(args.json, "w") as f:
-                json.dump({"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "results": rows}, f,
+                json.dump({"prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+                           "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                           "seed": args.seed, "results": rows}, f,
                           indent=2)
         except OSError as e:
             raise SpecDecError(f"cannot write {args.json}: {e.strerror}")
@@ -205,6 +221,10 @@ def register(sub, model_args, sampling_args):
     b.add_argument("--max-new-tokens", type=int, default=64)
     b.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
     b.add_argument("--compare-hf", action="store_true", help="add transformers' (assisted) generate as reference")
+    b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples every row")
+    b.add_argument("--top-p", type=float, default=1.0)
+    b.add_argument("--top-k", type=int, default=0)
+    b.add_argument("--seed", type=int, default=0)
     b.add_argument("--compare-llamacpp", action="store_true",
                    help="add llama.cpp's decoding of the same GGUF (needs llama-cpp-python)")
     backend_arg(b)

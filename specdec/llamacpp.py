@@ -25,10 +25,16 @@ def load(path: Path, n_ctx: int = 4096, logits_all: bool = False):
                            logits_all=logits_all)
 
 
-def greedy(llm, ids: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
-    """Up to max_new_tokens greedy tokens after `ids` (llama.cpp evaluates the prompt, then one token per step)."""
+def decode(llm, ids: list[int], max_new_tokens: int, eos: set[int], params=None) -> list[int]:
+    """Up to max_new_tokens tokens after `ids` (llama.cpp evaluates the prompt, then one token per step): greedy, or
+    sampled with `params` (temperature, top-k, top-p; seeded)."""
+    if params is not None and not params.greedy:
+        llm.set_seed(params.seed if params.seed is not None else 0)
+        kw = dict(temp=params.temperature, top_k=params.top_k, top_p=params.top_p)
+    else:
+        kw = dict(temp=0.0, top_k=1, top_p=1.0)
     out = []
-    for token in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+    for token in llm.generate(ids, min_p=0.0, repeat_penalty=1.0, reset=True, **kw):
         out.append(int(token))
         if token in eos or len(out) >= max_new_tokens:
             break

@@ -160,3 +160,20 @@ def test_serve_and_tune_bad_input(argv, message, tiny_dirs, capsys):
     assert main([*argv, "--target", tiny_dirs["target"]]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_bench_sampled(tiny_dirs, tmp_path, capsys):
+    """--temperature/--top-p/--seed: every row samples; outputs are not compared token by token (same
+    distribution, other draws), so `identical` is null; bad sampling options are one line, exit 2."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(PROMPTS[:2]) + "\n")
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--target", tiny_dirs["target"], "--prompts", str(prompts), "--draft", "ngram", "--tau", "2",
+                 "--max-new-tokens", "10", "--temperature", "0.7", "--top-p", "0.9", "--seed", "3", "--compare-hf",
+                 "--json", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["temperature"] == 0.7 and rep["seed"] == 3
+    assert {r["engine"] for r in rep["results"]} == {"specdec", "transformers"}
+    assert all(r["identical_to_baseline"] is None and r["tokens"] > 0 for r in rep["results"])
+    assert main(["bench", "--target", tiny_dirs["target"], "--prompts", str(prompts), "--temperature", "-1"]) == 2
+    assert "temperature must be >= 0" in capsys.readouterr().err
