@@ -169,24 +169,59 @@ def test_draft_loads_through_cli_and_api(distilled, tiny_dirs, capsys):
     assert rows[f"specdec:{out} tau=3"]["acceptance_rate"] is not None
 
 
-def test_feature_draft_sampling_is_lossless(distilled, tok, target):
+def _joint_pvalue(sd, tok, target, samples: int) -> float:
+    """Chi-square p-value of the first three generated tokens under speculation against the target's exact joint
+    distribution (top-k 3: 27 cells, enumerable). Token 1 comes from the target alone (no features yet); token 2 is
+    drafted by the feature draft and accepted or resampled; token 3 is the target's correction or bonus."""
     from test_verification import chi2_pvalue
     from specdec.sampling import warp
+    sp = SamplingParams(temperature=1.0, top_k=3)
+    ids = tok("Hello").input_ids
+
+    def dist(seq):
+        with torch.inference_mode():
+            return warp(target(torch.tensor([seq])).logits[0, -1], sp)
+    exact = {}
+    p1 = dist(ids)
+    for a in p1.nonzero().flatten().tolist():
+        p2 = dist(ids + [a])
+        for b in p2.nonzero().flatten().tolist():
+            p3 = dist(ids + [a, b])
+            for c in p3.nonzero().flatten().tolist():
+                exact[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
+    counts, drafted = {}, 0
+    for seed in range(samples):
+        out = sd.generate("Hello", max_new_tokens=3, chat=False, temperature=1.0, top_k=3, seed=seed)
+        key = tuple(out.token_ids[:3])
+        counts[key] = counts.get(key, 0) + 1
+        drafted += out.stats["proposed"]
+    assert drafted >= samples // 2  # the drafted path is what is under test
+    keys = sorted(set(counts) | set(exact))
+    return chi2_pvalue(torch.tensor([counts.get(k, 0) for k in keys], dtype=torch.float64),
+                       torch.tensor([exact.get(k, 0.0) for k in keys], dtype=torch.float64))
+
+
+def test_feature_draft_sampling_is_lossless(distilled, tok, target):
     out, _ = distilled
     drafter = FeatureDrafter.load(out, target, tokenizer_fingerprint(tok))
     sd = SpecDecoder.from_models(target, tok, draft=drafter, tau=3)
-    sp = SamplingParams(temperature=1.0, top_k=3)
-    ids = tok("Hello").input_ids
-    # first token comes from the target alone (no features yet); the second cycle is the first draft
-    with torch.inference_mode():
-        p1 = warp(target(torch.tensor([ids])).logits[0, -1], sp)
-    counts = {}
-    for seed in range(600):
-        t = sd.generate("Hello", max_new_tokens=3, chat=False, temperature=1.0, top_k=3, seed=seed).token_ids
-        counts[t[0]] = counts.get(t[0], 0) + 1
-    keys = sorted(set(counts) | set(p1.nonzero().flatten().tolist()))
-    assert chi2_pvalue(torch.tensor([counts.get(k, 0) for k in keys], dtype=torch.float64),
-                       p1[keys].double()) > 1e-3
+    assert _joint_pvalue(sd, tok, target, 1200) > 1e-3
+
+
+def test_feature_draft_sampling_test_catches_a_wrong_q(distilled, tok, target):
+    """The test above fails when the draft reports a q other than the one it sampled from."""
+    out, _ = distilled
+    drafter = FeatureDrafter.load(out, target, tokenizer_fingerprint(tok))
+    honest = drafter.propose
+
+    def wrong_q(*a, **kw):
+        d = honest(*a, **kw)
+        if d.q is not None:  # BUG: the acceptance test sees a uniform q, not the one the draft sampled from
+            d.q = torch.full_like(d.q, 1.0 / d.q.shape[-1])
+        return d
+    drafter.propose = wrong_q
+    sd = SpecDecoder.from_models(target, tok, draft=drafter, tau=3)
+    assert _joint_pvalue(sd, tok, target, 1200) < 1e-3
 
 
 def test_reduced_vocab_mapping_exact(distilled, tok, target):
