@@ -23,6 +23,7 @@ from .engine import Engine
 from .policy import make_policy
 from .errors import InvalidRequest, PromptTooLong
 from .sampling import SamplingParams
+from .text import StopText
 from .trace import CycleRecord, summarize
 
 SHIPPED_DRAFT = Path(__file__).parent / "drafts" / "smollm2-135m-instruct"  # trained by `specdec distill`
@@ -177,7 +178,7 @@ class SpecDecoder:
             raise InvalidRequest(f"stop must be up to {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} "
                                  "characters")
         prompt_ids = self.encode(prompt, chat)
-        text = _StopText(self.tokenizer, stops, self.tokenizer_lock)
+        text = StopText(self.tokenizer, stops, self.tokenizer_lock)
         records, generated, sent = [], [], ""
         start = perf_counter()
         for rec in self.engine.run(prompt_ids, max_new_tokens, params, self._policies[key],
@@ -201,36 +202,3 @@ class SpecDecoder:
         for chunk in self.stream_chunks(prompt, **kwargs):
             pass
         return chunk.result
-
-
-class _StopText:
-    """Decodes generated ids and applies stop strings: the text never shows a stop string or anything after it,
-    and while generating, text that could be the start of a stop string is held back."""
-
-    def __init__(self, tokenizer, stops: list[str], lock):
-        self.tok, self.stops, self.lock = tokenizer, stops, lock
-
-    def decode(self, ids) -> str:
-        with self.lock:
-            return self.tok.decode(ids, skip_special_tokens=True)
-
-    def _first_stop(self, text: str) -> int | None:
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        return min(hits) if hits else None
-
-    def stop_check(self, ids: list[int]) -> int | None:
-        """How many tokens to keep: the shortest prefix whose text completes a stop string."""
-        if self._first_stop(self.decode(ids)) is None:
-            return None
-        return next(m for m in range(1, len(ids) + 1) if self._first_stop(self.decode(ids[:m])) is not None)
-
-    def visible(self, ids: list[int], final: bool) -> str:
-        text = self.decode(ids)
-        cut = self._first_stop(text)
-        if cut is not None:
-            return text[:cut]
-        if final:
-            return text
-        text = text.rstrip("\ufffd")  # an unfinished multi-byte character
-        hold = max((n for s in self.stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
-        return text[: len(text) - hold]

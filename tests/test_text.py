@@ -1,0 +1,78 @@
+"""Incremental detokenization and stop strings: the same text and the same cut as decoding everything, at a cost
+per token that does not grow with the output."""
+import pytest
+
+from specdec import models
+from specdec.text import IncrementalText, StopText
+
+
+class Counting:
+    """A tokenizer wrapper that counts decode calls and the ids they decode."""
+
+    def __init__(self, tok):
+        self.tok, self.calls, self.ids = tok, 0, 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.calls += 1
+        self.ids += len(ids)
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def brute_force_keep(tok, ids, stops):
+    """The old rule: the shortest prefix whose full decode contains a stop string."""
+    for m in range(1, len(ids) + 1):
+        if any(s in tok.decode(ids[:m], skip_special_tokens=True) for s in stops):
+            return m
+    return None
+
+
+def test_cost_per_token_does_not_grow_with_the_output(tok):
+    ids = tok("abcdefghij " * 80, add_special_tokens=False).input_ids  # 880 tokens
+    counting = Counting(tok)
+    text = StopText(counting, ["NEVER", "xyz"])
+    for n in range(1, len(ids) + 1):  # one cycle per token, as the engine calls it
+        assert text.stop_check(ids[:n]) is None
+        text.visible(ids[:n], final=False)
+    assert counting.calls == 2 * len(ids)  # two small decodes per token, never the whole output
+    assert counting.ids <= 4 * len(ids)
+    assert text.visible(ids, final=True) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_stop_cut_equals_decoding_everything(tok):
+    ids = tok("the quick brown fox jumps over the lazy dog", add_special_tokens=False).input_ids
+    for stops in (["fox"], ["zzz", "n f"], ["lazy dog"], ["the"], ["o"]):
+        text = StopText(tok, stops)
+        keep = None
+        for n in range(1, len(ids) + 1):
+            keep = text.stop_check(ids[:n])
+            if keep is not None:
+                break
+        assert keep == brute_force_keep(tok, ids, stops), stops
+        full = tok.decode(ids[:keep], skip_special_tokens=True)
+        assert text.visible(ids[:keep], final=True) == full[: min(full.find(s) for s in stops if s in full)]
+
+
+def test_held_back_text_and_a_budget_cut(tok):
+    ids = tok("hello wor", add_special_tokens=False).input_ids
+    text = StopText(tok, ["world"])
+    assert text.stop_check(ids) is None
+    assert text.visible(ids, final=False) == "hello "  # "wor" could be the start of "world"
+    assert text.visible(ids, final=True) == "hello wor"
+    assert text.visible(ids[:3], final=True) == "hel"  # tokens seen by stop_check were cut by the token budget
+
+
+@pytest.mark.real
+def test_real_tokenizer_multibyte_and_spaces():
+    """SmolLM2's byte-level BPE: characters split across tokens (emoji, accents) and leading spaces decode exactly."""
+    _, tok = models.load("default")
+    sample = "Caf\u00e9 cr\u00e8me \U0001F600 costs 3\u20ac \u2014 na\u00efve r\u00e9sum\u00e9s!\n\tdef f(x): return x**2  # \u00df"
+    ids = tok(sample, add_special_tokens=False).input_ids
+    inc = IncrementalText(lambda w: tok.decode(w, skip_special_tokens=True))
+    for k, t in enumerate(ids):
+        inc.push(t)
+        assert tok.decode(ids[: k + 1], skip_special_tokens=True).startswith(inc.text)
+    assert inc.text + inc.pending() == tok.decode(ids, skip_special_tokens=True)
+    for stops in (["\U0001F600"], ["na\u00ef"], [" return"], ["\u00df"]):
+        text = StopText(tok, stops)
+        keep = next(k for k in range(1, len(ids) + 1) if text.stop_check(ids[:k]) is not None)
+        assert keep == brute_force_keep(tok, ids, stops), stops
