@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from specdec import llamacpp, models
-from specdec.analyze import expected_tokens
+from specdec.costs import expected_tokens
 from specdec.prompts import load_prompts
 
 

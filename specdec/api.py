@@ -102,6 +102,26 @@ def _datastore(draft: str, model, tok) -> DatastoreDrafter:
     return DatastoreDrafter.load(src, model.config.vocab_size, name=draft)
 
 
+def encode_prompt(tokenizer, prompt, chat: bool = True, context_window: int | None = None) -> list[int]:
+    """A string or a list of {role, content} messages -> prompt token ids, as `generate` prompts the target (chat
+    template unless chat=False); PromptTooLong at or past `context_window`."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str)
+            for m in messages):
+        raise InvalidRequest("prompt must be a non-empty string or a list of {role, content} messages")
+    if not any(m["content"].strip() for m in messages):
+        raise InvalidRequest("prompt is empty")
+    if chat and tokenizer.chat_template:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+    else:
+        ids = tokenizer("\n".join(m["content"] for m in messages)).input_ids
+    if context_window is not None and len(ids) >= context_window:
+        raise PromptTooLong(f"prompt is {len(ids)} tokens; the target's context window is {context_window}")
+    return ids
+
+
 def _positive_int(name, value):
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise InvalidRequest(f"{name} must be an integer >= 1, got {value!r}")
@@ -146,22 +166,8 @@ class SpecDecoder:
     # ---- prompts -------------------------------------------------------------------------------------------
     def encode(self, prompt, chat: bool = True) -> list[int]:
         """A string or a list of {role, content} messages -> prompt token ids (chat template unless chat=False)."""
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str)
-                for m in messages):
-            raise InvalidRequest("prompt must be a non-empty string or a list of {role, content} messages")
-        if not any(m["content"].strip() for m in messages):
-            raise InvalidRequest("prompt is empty")
         with self.tokenizer_lock:
-            if chat and self.tokenizer.chat_template:
-                text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-                ids = self.tokenizer(text, add_special_tokens=False).input_ids
-            else:
-                ids = self.tokenizer("\n".join(m["content"] for m in messages)).input_ids
-        if len(ids) >= self.context_window:
-            raise PromptTooLong(f"prompt is {len(ids)} tokens; the target's context window is {self.context_window}")
-        return ids
+            return encode_prompt(self.tokenizer, prompt, chat, self.context_window)
 
     # ---- generation ----------------------------------------------------------------------------------------
     def stream_chunks(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,

@@ -65,11 +65,12 @@ class Bench:
         self._llama = llamacpp.load(models.resolve(target)) if compare_llamacpp else None
         self._hf_models = {}  # transformers' models of the same weights, for the transformers rows
         self.max_new_tokens = max_new_tokens
-        self.feature_drafts = set()  # EAGLE-style drafts (specdec distill): they ride on the target's features
-        for d in drafts:  # load each once (fails early on a bad or incompatible draft)
-            if isinstance(build_drafter(d, self.model, self.tok, draft_models=self.draft_models, backend=backend),
-                          FeatureDrafter):
-                self.feature_drafts.add(d)
+        # each draft built once (fails early on a bad or incompatible draft); its configurations share the instance
+        # (they run one at a time, and every generation starts with a reset)
+        self._drafters = {d: build_drafter(d, self.model, self.tok, draft_models=self.draft_models, backend=backend)
+                          for d in dict.fromkeys(["none", *drafts, *(c[0] for c in configs or [])])}
+        # EAGLE-style drafts (specdec distill): they ride on the target's features
+        self.feature_drafts = {d for d, drafter in self._drafters.items() if isinstance(drafter, FeatureDrafter)}
         grid = configs or [(d, t, p) for d in drafts if d != "none" for t in taus for p in policies]
         self.configs = [Config("none", 1)] + [Config(*c) for c in grid]
         if compare_hf:  # transformers has prompt lookup, assistant models and (via hf_assist) our feature drafts
@@ -82,8 +83,10 @@ class Bench:
                           if not (c.hf or c.llamacpp)}
 
     def decoder_for(self, draft: str, tau: int, policy: str = "fixed") -> SpecDecoder:
-        drafter = build_drafter(draft, self.model, self.tok, draft_models=self.draft_models, backend=self.backend)
-        return SpecDecoder.from_models(self.model, self.tok, drafter, tau, policy=policy)
+        if draft not in self._drafters:
+            self._drafters[draft] = build_drafter(draft, self.model, self.tok, draft_models=self.draft_models,
+                                                  backend=self.backend)
+        return SpecDecoder.from_models(self.model, self.tok, self._drafters[draft], tau, policy=policy)
 
     def _twin(self, c: Config) -> str:
         """Our decoder for the same draft (its drafter instance is reused by the transformers row)."""

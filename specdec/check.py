@@ -9,7 +9,6 @@ sampling — the joint distribution of the first two generated tokens under spec
 from __future__ import annotations
 
 import json
-import sys
 
 import torch
 

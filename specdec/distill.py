@@ -29,6 +29,7 @@ from rich.progress import Progress
 from torch.nn import functional as F
 
 from . import models
+from .api import encode_prompt
 from .drafters.datastore import DatastoreDrafter
 from .drafters.feature import FeatureDrafter, net_for_target, save_draft
 from .errors import InvalidRequest, SpecDecError
@@ -93,16 +94,14 @@ class _Store:
 def generate_responses(model, tok, prompts: list[dict], path: Path, max_new_tokens: int, batch: int,
                        device: str) -> list[dict]:
     """Greedy responses, batched with left padding (resumable)."""
-    from .api import SpecDecoder
     store = _Store(path)
-    enc = SpecDecoder.from_models(model, tok, "none")
     eos = sorted(models.eos_ids(model, tok))
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
     todo = prompts[len(store.items):]
     with _progress() as bar:
         task = bar.add_task("target responses", total=len(prompts), completed=len(store.items))
         for i in range(0, len(todo), batch):
-            chunk = [enc.encode(p["prompt"], p["chat"]) for p in todo[i:i + batch]]
+            chunk = [encode_prompt(tok, p["prompt"], p["chat"]) for p in todo[i:i + batch]]
             store.add(_greedy_batch(model, chunk, max_new_tokens, pad, eos, device))
             bar.advance(task, len(chunk))
     return store.items
@@ -173,9 +172,7 @@ def self_chat_data(model, tok, n: int, path: Path, max_new_tokens: int, batch: i
     template), then the target's greedy response to it, exactly as `generate` would prompt it. Diverse contexts
     in the target's own distribution, at batched-generation cost. Appended to `path` per batch (resumable);
     batch i is seeded with (seed, i) so a resumed run produces the same data."""
-    from .api import SpecDecoder
     store = _Store(path)
-    enc = SpecDecoder.from_models(model, tok, "none")
     eos = sorted(models.eos_ids(model, tok))
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
     start = pre_query(tok)
@@ -193,7 +190,7 @@ def self_chat_data(model, tok, n: int, path: Path, max_new_tokens: int, batch: i
                 rows = q[:, len(start):].tolist()
             queries = [tok.decode([t for t in row if t not in eos and t != pad], skip_special_tokens=True).strip()
                        for row in rows]
-            chunk = [enc.encode(x, chat=True) if x else start for x in queries]
+            chunk = [encode_prompt(tok, x, chat=True) if x else start for x in queries]
             store.add(_greedy_batch(model, chunk, max_new_tokens, pad, eos, device))
             bar.advance(task, b)
     return store.items[:n]
@@ -379,7 +376,7 @@ def train(net, data, embed, head, vocab_map, epochs: int, batch: int, lr: float,
 
 # ---- 5. report -------------------------------------------------------------------------------------------------
 def report(target_model, tok, drafter, prompts: list[dict], max_new_tokens: int, tau: int) -> dict:
-    from .analyze import cost_model, verify_curve
+    from .costs import cost_model, verify_curve
     from .api import SpecDecoder
     from .trace import acceptance_by_position
     spec = SpecDecoder.from_models(target_model, tok, drafter, tau)
@@ -458,9 +455,7 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
     chats = self_chat_data(gen, tok, self_chat, work / "self_chat.jsonl", max_new_tokens, gen_batch, seed, device)
     t_data = perf_counter() - t0
     # where each response starts: drafts are only ever asked to continue responses (as EAGLE's loss mask)
-    from .api import SpecDecoder
-    encode = SpecDecoder.from_models(model, tok, "none").encode
-    starts = [len(encode(p["prompt"], p["chat"])) for p in prompts]
+    starts = [len(encode_prompt(tok, p["prompt"], p["chat"])) for p in prompts]
     header = assistant_header(tok)
     starts += [after_last(it["ids"], header) for it in chats] + [0] * len(texts)
     seqs += chats + texts

@@ -6,11 +6,12 @@
   accepted), draft cost per token, the target's verify cost as a function of tokens verified, and per-cycle
   overhead; each cycle picks the τ in [0, max_tau] (0 = no speculation) maximising
       E[tokens](τ) / time(τ),  E[tokens](τ) = 1 + Σ_{k≤τ} Π_{j≤k} α_j,
-      time(τ) = τ·c_draft + T_verify(τ+1) + overhead            (analyze.cost_model)
+      time(τ) = τ·c_draft + T_verify(τ+1) + overhead            (costs.py)
   A τ of 0 is re-probed with τ=1 every `probe_every` cycles so a draft that recovers is noticed.
 """
 from __future__ import annotations
 
+from .costs import expected_tokens, interpolate
 from .errors import InvalidRequest
 
 POLICIES = ("fixed", "heuristic", "adaptive")
@@ -83,27 +84,13 @@ class AdaptivePolicy:
         return out
 
     def expected_tokens(self, tau: int) -> float:
-        total, reach = 1.0, 1.0
-        for a in self.alphas()[:tau]:
-            reach *= a
-            total += reach
-        return total
+        return expected_tokens(self.alphas(), tau)
 
     def verify_cost(self, n: int) -> float | None:
-        """T_verify(n): measured where seen, else linear between/beyond the nearest measured sizes."""
-        if n in self.verify_ms:
-            return self.verify_ms[n].value
-        known = sorted(self.verify_ms)
-        if not known:
+        """T_verify(n): measured where seen, else the cost model's interpolation of the sizes seen."""
+        if not self.verify_ms:
             return None
-        if len(known) == 1:
-            return self.verify_ms[known[0]].value
-        lo = max([k for k in known if k < n], default=known[0])
-        hi = min([k for k in known if k > n], default=known[-1])
-        if lo == hi:
-            lo, hi = known[-2], known[-1]
-        a, b = self.verify_ms[lo].value, self.verify_ms[hi].value
-        return max(0.0, a + (b - a) * (n - lo) / (hi - lo))
+        return interpolate({k: e.value for k, e in self.verify_ms.items()}, n)
 
     def predicted_rate(self, tau: int) -> float | None:
         verify = self.verify_cost(tau + 1)

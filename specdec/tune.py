@@ -4,48 +4,21 @@
    once the target is compute bound);
 2. for each candidate draft, run it at τmax on sample prompts and measure acceptance by position α_k, draft time
    per token and per-cycle overhead;
-3. predict the speedup of every (draft, τ) with the cost model (analyze.cost_model), confirm the best few by real
+3. predict the speedup of every (draft, τ) with the cost model (costs.py), confirm the best few by real
    runs side by side with target-only, and recommend one with a plain-language reason — or recommend not
    speculating when nothing beats target-only.
 """
 from __future__ import annotations
 
 import json
-from statistics import median
-from time import perf_counter
 
-import torch
-
-from . import models
-from .analyze import cost_model
+from .costs import cost_model, measure_verify_curve
 from .cli import backend_arg
-from .api import SpecDecoder
+from .api import SpecDecoder, encode_prompt
 from .bench import Bench
 from .errors import InvalidRequest, SpecDecError
-from .kv import cached_model
 from .prompts import load_prompts
 from .trace import acceptance_by_position
-
-
-@torch.inference_mode()
-def measure_verify_curve(model, vocab: int, prompt_ids: list[int], max_n: int, reps: int = 9) -> dict[int, float]:
-    """Median ms of one target pass over n new tokens after a cached prompt, n = 1..max_n."""
-    lm = cached_model(model, vocab)
-    lm.forward(prompt_ids)
-    g = torch.Generator().manual_seed(0)
-    for n in (1, max_n):  # warm-up
-        lm.forward(prompt_ids + [1] * n, n)
-        lm.rollback(len(prompt_ids))
-    times = {n: [] for n in range(1, max_n + 1)}
-    for _ in range(reps):  # sizes interleaved, so drift in machine load hits every size alike
-        for n in times:
-            extra = torch.randint(0, vocab, (n,), generator=g).tolist()
-            t0 = perf_counter()
-            lm.forward(prompt_ids + extra, n)
-            times[n].append((perf_counter() - t0) * 1e3)
-            lm.rollback(len(prompt_ids))
-    curve = {n: median(t) for n, t in times.items()}
-    return curve
 
 
 def profile_draft(decoder: SpecDecoder, prompts: list[dict], tau: int, max_new_tokens: int) -> dict:
@@ -90,8 +63,7 @@ def tune(target: str, drafts: list[str], max_tau: int, prompts: list[dict], max_
         raise InvalidRequest("--max-tau and --confirm must be >= 1, --max-new-tokens >= 2")
     bench = Bench(target, drafts, [max_tau], max_new_tokens, compare_hf=False, loaded=loaded, backend=backend)
     vocab = bench.model.config.vocab_size
-    probe_ids = SpecDecoder.from_models(bench.model, bench.tok, "none").encode(prompts[0]["prompt"],
-                                                                             prompts[0]["chat"])
+    probe_ids = encode_prompt(bench.tok, prompts[0]["prompt"], prompts[0]["chat"])
     curve = measure_verify_curve(bench.model, vocab, probe_ids, max_tau + 1)
     t_target = curve[1]
     profiles, predictions = {}, []

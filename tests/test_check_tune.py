@@ -95,7 +95,7 @@ class Sleepy(torch.nn.Module):
 
 def fake_clock(monkeypatch) -> FakeClock:
     clock = FakeClock()
-    for module in ("specdec.engine", "specdec.api", "specdec.tune"):
+    for module in ("specdec.engine", "specdec.api", "specdec.costs"):
         monkeypatch.setattr(f"{module}.perf_counter", clock)
     return clock
 
@@ -177,3 +177,13 @@ def test_bench_sampled(tiny_dirs, tmp_path, capsys):
     assert all(r["identical_to_baseline"] is None and r["tokens"] > 0 for r in rep["results"])
     assert main(["bench", "--target", tiny_dirs["target"], "--prompts", str(prompts), "--temperature", "-1"]) == 2
     assert "temperature must be >= 0" in capsys.readouterr().err
+
+
+def test_bench_builds_each_draft_once(tiny_dirs, monkeypatch):
+    import specdec.bench as bench_module
+    calls = []
+    real = bench_module.build_drafter
+    monkeypatch.setattr(bench_module, "build_drafter", lambda d, *a, **kw: calls.append(d) or real(d, *a, **kw))
+    bench_module.Bench(tiny_dirs["target"], ["ngram", tiny_dirs["draft"]], [2, 3], 4, False,
+                       policies=["fixed", "adaptive"])
+    assert sorted(calls) == sorted(["none", "ngram", tiny_dirs["draft"]])  # 9 configurations, 3 drafters

@@ -1,0 +1,75 @@
+"""The one cost model (policy, analyze, tune, distill's report and the benchmarks read it): the target's verify
+curve T_verify(n), expected tokens per cycle, and the predicted speedup over target-only decoding.
+
+E[tokens](τ) = 1 + Σ_{k≤τ} Π_{j≤k} α_j; time(τ) = τ·c_draft + T_verify(τ+1) + overhead (Leviathan et al. 2023 with
+a measured verify curve instead of a flat one).
+"""
+from __future__ import annotations
+
+from statistics import mean, median
+from time import perf_counter
+
+import torch
+
+from .trace import CycleRecord
+
+
+def verify_curve(records: list[CycleRecord]) -> dict[int, float]:
+    """Mean verify time by tokens verified (drafts + 1). Cycle 0 is left out: it includes the prompt prefill."""
+    by_n: dict[int, list[float]] = {}
+    for r in records[1:] if len(records) > 1 else records:
+        by_n.setdefault(len(r.proposed) + 1, []).append(r.verify_ms)
+    return {n: mean(v) for n, v in sorted(by_n.items())}
+
+
+def interpolate(curve: dict[int, float], n: int) -> float:
+    if n in curve:
+        return curve[n]
+    xs = sorted(curve)
+    if len(xs) == 1:
+        return curve[xs[0]]
+    lo = max([x for x in xs if x < n], default=xs[0])
+    hi = min([x for x in xs if x > n], default=xs[-1])
+    if lo == hi:
+        lo, hi = (xs[0], xs[1]) if n < xs[0] else (xs[-2], xs[-1])
+    return max(0.0, curve[lo] + (curve[hi] - curve[lo]) * (n - lo) / (hi - lo))
+
+
+def expected_tokens(alphas: list[float], tau: int) -> float:
+    """E[tokens per cycle] = 1 + Σ_{k≤τ} Π_{j≤k} α_j; positions past the measured ones reuse the last α."""
+    total, reach = 1.0, 1.0
+    for k in range(tau):
+        reach *= alphas[min(k, len(alphas) - 1)] if alphas else 0.0
+        total += reach
+    return total
+
+
+def cost_model(alphas, tau, draft_ms_per_token, curve, overhead_ms, t_target, match_rate=1.0):
+    """Predicted speedup over target-only: E[tokens](τ) · T_target(1) / (τ·c + T_verify(τ+1) + overhead).
+    `match_rate` < 1 is for drafters that sometimes propose nothing (n-gram without a match): those cycles
+    make one token for one plain target step."""
+    spec_time = tau * draft_ms_per_token + interpolate(curve, tau + 1)
+    time = match_rate * spec_time + (1 - match_rate) * interpolate(curve, 1) + overhead_ms
+    tokens = match_rate * expected_tokens(alphas, tau) + (1 - match_rate)
+    return tokens * t_target / time
+
+
+@torch.inference_mode()
+def measure_verify_curve(model, vocab: int, prompt_ids: list[int], max_n: int, reps: int = 9) -> dict[int, float]:
+    """Median ms of one target pass over n new tokens after a cached prompt, n = 1..max_n."""
+    from .kv import cached_model
+    lm = cached_model(model, vocab)
+    lm.forward(prompt_ids)
+    g = torch.Generator().manual_seed(0)
+    for n in (1, max_n):  # warm-up
+        lm.forward(prompt_ids + [1] * n, n)
+        lm.rollback(len(prompt_ids))
+    times = {n: [] for n in range(1, max_n + 1)}
+    for _ in range(reps):  # sizes interleaved, so drift in machine load hits every size alike
+        for n in times:
+            extra = torch.randint(0, vocab, (n,), generator=g).tolist()
+            t0 = perf_counter()
+            lm.forward(prompt_ids + extra, n)
+            times[n].append((perf_counter() - t0) * 1e3)
+            lm.rollback(len(prompt_ids))
+    return {n: median(t) for n, t in times.items()}
