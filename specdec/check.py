@@ -133,7 +133,8 @@ def cmd_check(args) -> int:
     prompts = load_prompts(args.prompts)[: args.limit or None]
     decoder = SpecDecoder(target=args.target, draft=args.draft, tau=args.tau, policy=args.policy,
                           backend=args.backend)
-    report = {"greedy": check_greedy(decoder, prompts, args.max_new_tokens)}
+    report = {"draft": decoder.draft_name, "tau": decoder.tau, "policy": decoder.policy,
+              "greedy": check_greedy(decoder, prompts, args.max_new_tokens)}
     if args.sampling_prompts:
         report["sampling"] = [check_sampling(decoder, p, args.samples, params)
                               for p in prompts[: args.sampling_prompts]]

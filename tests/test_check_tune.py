@@ -28,8 +28,9 @@ def run_check(capsys, tiny_dirs, prompts_file, *extra, draft="draft"):
 
 @pytest.mark.parametrize("draft", ["draft", "random"])
 def test_check_passes_on_correct_engine(capsys, tiny_dirs, prompts_file, draft):
-    code, rep = run_check(capsys, tiny_dirs, prompts_file, "--limit", "1", draft=draft)
+    code, rep = run_check(capsys, tiny_dirs, prompts_file, "--limit", "1", "--policy", "heuristic", draft=draft)
     assert code == 0 and rep["passed"] and all(r["ok"] for r in rep["greedy"])
+    assert rep["policy"] == "heuristic" and rep["tau"] == 4  # check runs the policy it is given
     assert rep["sampling"][0]["p_value"] >= 1e-3
 
 
