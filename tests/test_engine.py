@@ -241,3 +241,17 @@ def test_greedy_identity_in_fp32_on_the_transformers_backend(tok, tau):
             got = spec.generate(prompt, max_new_tokens=30, chat=False)
             assert got.token_ids == want, (tau, draft, prompt)
     assert got.stats["proposed"] > 0
+
+
+def test_stop_checks_are_outside_the_timed_verify_section(tok, target, monkeypatch):
+    """verify_ms is the target's cost (the adaptive policy reads it); stop checks and detokenizing are not."""
+    import specdec.engine
+    clock = {"now": 0.0}
+    monkeypatch.setattr(specdec.engine, "perf_counter", lambda: clock["now"])
+
+    def slow_stop(ids):
+        clock["now"] += 1.0  # a stop check that costs a whole second on the engine's clock
+        return None
+    engine = Engine(target, NgramDrafter(), VOCAB, set(), 256)
+    recs = list(engine.run(tok("abcabc").input_ids, 5, GREEDY, 2, slow_stop))
+    assert all(r.verify_ms < 1000 <= r.cycle_ms for r in recs)
