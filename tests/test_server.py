@@ -187,15 +187,15 @@ def test_full_queue_disconnect_and_recovery(slow_server):
             assert r.status_code == 200
             next(r.iter_lines())
             busy = httpx.post(slow.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
-            # refused at once: while the stream still runs (no wall-clock bound: the machine's speed drifts)
-            assert busy.status_code == 429 and httpx.get(slow.url + "/health").json()["queue_depth"] == 1
-            assert busy.json()["error"]["code"] == "queue_full"
+            assert busy.status_code == 429 and busy.json()["error"]["code"] == "queue_full"
         # the stream is closed here, long before its 200 tokens (~8 s) were generated
     deadline = time.time() + 3
     while httpx.get(slow.url + "/health").json()["queue_depth"] and time.time() < deadline:
         time.sleep(0.05)
     ok = httpx.post(slow.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3, "temperature": 0})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+    # refused at once: faster than the shortest real request (>= one 40 ms cycle), not a wall-clock constant
+    assert busy.elapsed < ok.elapsed
     assert slow.metrics()[("specdec_generated_tokens_total", ())] < 100  # the dropped stream stopped early
 
 
