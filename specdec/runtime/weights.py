@@ -1,5 +1,5 @@
-"""Weights in their file's form: GGUF tensors memory-mapped through the `gguf` package's reader (quantized blocks
-never expanded), safetensors tensors in their own dtype. A linear's weight is a QTensor: n rows of k columns in one
+"""Weights in their file's form: GGUF tensors memory-mapped (a compact reader of the GGUF layout below; quantized
+blocks never expanded), safetensors tensors in their own dtype. A linear's weight is a QTensor: n rows of k columns in one
 format; the kernels read it as it is, and `dequantize` gives exactly gguf's reference values (torch fallback)."""
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class QTensor:
         return kernels.FORMATS[self.fmt]
 
     def take(self, rows) -> QTensor:
-        """A copy of some rows (e.g. Q/K rows reordered, or the head rows of a reduced vocabulary)."""
+        """A copy of some rows (the head rows of a feature draft's reduced vocabulary)."""
         rows = torch.as_tensor(rows, dtype=torch.long)
         return QTensor(self.fmt, self.data[rows].contiguous(), len(rows), self.k)
 
