@@ -107,9 +107,9 @@ def check_sampling(decoder, prompt: dict, samples: int, params: SamplingParams) 
     joint = exact_two_token_joint(decoder.model, decoder.model.config.vocab_size, ids, params)
     counts: dict[tuple, int] = {}
     for seed in range(samples):  # a full first block is drafted (tau + 1 tokens); its first two are tested
+        torch.manual_seed(seed)  # unseeded requests' rule (rejection sampling), reproducibly
         out = decoder.generate(prompt["prompt"], max_new_tokens=decoder.tau + 1, chat=prompt["chat"],
-                               temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                               seed=seed).token_ids[:2]
+                               temperature=params.temperature, top_p=params.top_p, top_k=params.top_k).token_ids[:2]
         key = tuple(out) if len(out) == 2 else (out[0], None)
         counts[key] = counts.get(key, 0) + 1
     # a first token that is EOS ends generation: fold the joint of that token into one (a, None) cell

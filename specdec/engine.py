@@ -4,14 +4,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from time import perf_counter
 
-import torch
-
 from .drafters.base import Drafter
 from .kv import cached_model
 from .policy import FixedPolicy
-from .sampling import SamplingParams, warp
+from .sampling import SamplingParams
 from .trace import CycleRecord
-from .verification import greedy_verify, sample_verify
+from .verification import verify_block
 
 StopCheck = Callable[[list[int]], "int | None"]  # generated ids -> how many to keep, if a stop string completed
 
@@ -46,11 +44,7 @@ class Engine:
                 start = self.target.last_start
             else:
                 logits = self.target.forward(seq + proposed, len(proposed) + 1)
-            if params.greedy:
-                n, token = greedy_verify(torch.tensor(proposed, dtype=torch.long), logits)
-            else:
-                q = draft.q[: len(proposed)] if draft is not None and draft.q is not None else None
-                n, token = sample_verify(torch.tensor(proposed, dtype=torch.long), q, warp(logits, params), gen)
+            n, token = verify_block(proposed, draft.q if draft is not None else None, logits, params, gen, len(seq))
             if self.wants_hidden:  # target features of the committed positions (all but the newest token)
                 self.drafter.observe_target(start, hidden[: len(seq) + n - start])
             t2 = perf_counter()  # stop strings and detokenizing are not the target's cost (the policy reads verify_ms)

@@ -1,10 +1,20 @@
-"""Sampling parameters and the logit warping shared by target (p) and draft (q).
+"""Sampling parameters, the logit warping shared by target (p) and draft (q), and the two sources of randomness.
 
 The speculative-sampling guarantee only holds when p and q are warped identically
 (temperature, then top-k, then top-p) before the acceptance test.
+
+Randomness:
+- no seed: a private torch.Generator, consumed in order; speculation verifies by rejection sampling
+  (verification.sample_verify, min(1, p/q) then norm(max(0, p-q))).
+- a seed: PositionNoise, one exponential race per sequence position, E_t(v) ~ Exp(1) drawn from (seed, t). The
+  token at position t is argmax_v p_t(v) / E_t(v), an exact sample from p_t (the exponential-race form of the
+  Gumbel-max trick), independent of everything before t. A draft is accepted when it equals that token, and a
+  sampling draft races on the same E_t (Gumbel coupling). The text is then a function of (seed, prompt) alone: the
+  same whatever the drafter, τ, policy or the requests batched beside it.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -33,11 +43,39 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def generator(self) -> torch.Generator:
-        """A private RNG: seeded runs are reproducible and never disturb torch's global RNG."""
+    def generator(self) -> torch.Generator | PositionNoise:
+        """A private source of randomness that never disturbs torch's global RNG: PositionNoise when seeded (see
+        the module docstring), else a generator seeded from torch's global RNG."""
+        if self.seed is not None and not self.greedy:
+            return PositionNoise(self.seed)
         g = torch.Generator()
         g.manual_seed(self.seed if self.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
         return g
+
+
+class PositionNoise:
+    """Exp(1) noise per (seed, sequence position): the randomness of seeded sampling."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+
+    def exponentials(self, position: int, vocab: int) -> torch.Tensor:
+        key = hashlib.blake2b(f"{self.seed}:{position}".encode(), digest_size=8).digest()
+        g = torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
+        e = torch.empty(vocab, dtype=torch.float64).exponential_(generator=g)
+        return e.clamp_(min=torch.finfo(torch.float64).tiny)  # p/E: a zero-probability token never wins
+
+    def race(self, probs: torch.Tensor, start: int) -> torch.Tensor:
+        """probs [n, V] for positions start..start+n-1 -> scores whose argmax is each position's sampled token."""
+        noise = torch.stack([self.exponentials(start + i, probs.shape[-1]) for i in range(len(probs))])
+        return probs.double() / noise
+
+
+def draw(probs: torch.Tensor, generator, position: int) -> int:
+    """One token from probs [V] for sequence position `position` (the position matters to PositionNoise only)."""
+    if isinstance(generator, PositionNoise):
+        return int(generator.race(probs[None], position).argmax())
+    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .sampling import PositionNoise, SamplingParams, warp
+
 
 def greedy_verify(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
     """Accept while the draft token equals the target's argmax; the target's argmax at the first
@@ -48,3 +50,16 @@ def sample_verify(draft: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor,
     n = int(torch.cumprod((u < accept_p).long(), 0).sum())
     dist = p[k] if n == k else residual(p[n], q[n])
     return n, int(torch.multinomial(dist, 1, generator=generator))
+
+
+def verify_block(draft: list[int], q: torch.Tensor | None, logits: torch.Tensor, params: SamplingParams,
+                 generator, position: int) -> tuple[int, int]:
+    """The rule for this request: greedy, seeded (race) or rejection sampling. `position` is the sequence position
+    of the block's first row (the first draft token's)."""
+    tokens = torch.tensor(draft, dtype=torch.long)
+    if params.greedy:
+        return greedy_verify(tokens, logits)
+    p = warp(logits, params)
+    if isinstance(generator, PositionNoise):  # each row's token is argmax p/E: accept drafts while they equal it
+        return greedy_verify(tokens, generator.race(p, position))
+    return sample_verify(tokens, None if q is None else q[: len(draft)], p, generator)

@@ -122,17 +122,24 @@ def test_context_window_limits_generation(tok):
     assert out.prompt_tokens + len(out.token_ids) == 32 and out.finish_reason == "length"
 
 
-def sample_counts(sd, prompt, n, params, tokens=2):
+def sample_counts(sd, prompt, n, params, tokens=2, seeded=True):
+    """Seeded: seed i per sample (PositionNoise races). Unseeded: the rejection sampler, its private generator
+    seeded from torch's global RNG, which is seeded per sample for a reproducible test."""
     counts = {}
     for seed in range(n):
-        ids = sd.generate(prompt, max_new_tokens=tokens, chat=False, seed=seed, **params).token_ids
+        if not seeded:
+            torch.manual_seed(seed)
+        ids = sd.generate(prompt, max_new_tokens=tokens, chat=False, seed=seed if seeded else None,
+                          **params).token_ids
         counts[tuple(ids)] = counts.get(tuple(ids), 0) + 1
     return counts
 
 
+@pytest.mark.parametrize("seeded", [True, False])
 @pytest.mark.parametrize("params", [dict(temperature=1.0, top_k=3), dict(temperature=0.8, top_p=0.7)])
-def test_sampling_first_tokens_match_exact_target_distribution(params, tok, target, draft_close):
-    """Speculative sampling on a real (tiny) model: the first two tokens ~ the target's exact joint."""
+def test_sampling_first_tokens_match_exact_target_distribution(params, seeded, tok, target, draft_close):
+    """Speculative sampling on a real (tiny) model, by either rule: the first two tokens ~ the target's exact
+    joint."""
     from specdec.sampling import warp
     from test_verification import chi2_pvalue
 
@@ -147,7 +154,7 @@ def test_sampling_first_tokens_match_exact_target_distribution(params, tok, targ
             for b in p2.nonzero().flatten().tolist():
                 joint[(a, b)] = float(p1[a] * p2[b])
     sd = SpecDecoder.from_models(target, tok, draft=draft_close, tau=3)
-    counts = sample_counts(sd, "ab", 1500, params)
+    counts = sample_counts(sd, "ab", 1500, params, seeded=seeded)
     keys = sorted(set(joint) | set(counts))
     pv = chi2_pvalue(torch.tensor([counts.get(k, 0) for k in keys], dtype=torch.float64),
                      torch.tensor([joint.get(k, 0.0) for k in keys], dtype=torch.float64))
@@ -160,6 +167,24 @@ def test_seeded_sampling_is_reproducible(tok, target, draft_close):
     b = sd.generate("Hello", max_new_tokens=20, temperature=1.0, seed=42)
     c = sd.generate("Hello", max_new_tokens=20, temperature=1.0, seed=43)
     assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
+
+
+def test_seeded_text_is_the_same_whatever_the_drafter_tau_and_policy(tok, target, draft_close):
+    """A seed fixes the text (sampling.PositionNoise): a sampling draft model, an n-gram drafter, no drafter and
+    every τ and policy give the tokens target-only sampling gives with that seed, while drafts are accepted."""
+    kw = dict(max_new_tokens=24, temperature=0.9, top_p=0.95, chat=False)
+    alone = SpecDecoder.from_models(target, tok, draft="none")
+    for seed in (1, 2, 3):
+        ref = alone.generate("Hello", seed=seed, **kw).token_ids
+        accepted = 0
+        for draft in (draft_close, "ngram"):
+            for tau in (1, 2, 4, 7):
+                for policy in ("fixed", "adaptive"):
+                    sd = SpecDecoder.from_models(target, tok, draft=draft, tau=tau, policy=policy)
+                    out = sd.generate("Hello", seed=seed, **kw)
+                    assert out.token_ids == ref, (seed, draft, tau, policy)
+                    accepted += out.stats["accepted"]
+        assert accepted > 0  # drafts were really verified
 
 
 def test_incompatible_draft_model_refused(tok, target, draft_close):

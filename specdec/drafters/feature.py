@@ -23,7 +23,7 @@ from ..models import is_runtime
 from .. import kernels
 from ..runtime.model import LayerWeights, Llama
 from ..runtime.weights import QTensor, qlinear
-from ..sampling import warp
+from ..sampling import draw, warp
 from .base import Draft
 
 MARKER = "specdec_draft.json"
@@ -174,7 +174,7 @@ class FeatureDrafter:
                 full = logits.new_full((self.vocab_size,), float("-inf"))
                 full[self.vocab_map] = logits
                 q = warp(full, params)
-                token = int(torch.multinomial(q, 1, generator=generator))
+                token = draw(q, generator, L + i)
                 qs.append(q)
                 p = float(q[token])
             drafted.append(token)

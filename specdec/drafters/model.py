@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..kv import cached_model
-from ..sampling import warp
+from ..sampling import draw, warp
 from .base import Draft
 
 
@@ -22,7 +22,7 @@ class ModelDrafter:
                 token = int(logits.argmax())
             else:
                 q = warp(logits, params)
-                token = int(torch.multinomial(q, 1, generator=generator))
+                token = draw(q, generator, len(seq))
                 qs.append(q)
             seq.append(token)
         return Draft(seq[len(context):], torch.stack(qs) if qs else None)
