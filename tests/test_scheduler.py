@@ -48,7 +48,7 @@ def test_tau_shrinks_as_load_grows_and_a_never_accepted_draft_gets_no_rows():
     assert mean_tau[-1] == 0  # 32 requests fill the cheap rows by themselves
     hopeless = Demand([0.0] * 8, draft_ms=0.05, cap=8)
     taus = plan([good, hopeless, good], 3, 64, curve())
-    assert taus[1] == 0 and taus[0] == taus[2] > 0
+    assert taus[1] == 0 and min(taus[0], taus[2]) > 0
 
 
 def test_budget_and_floors():
