@@ -170,9 +170,10 @@ class SpecDecoder:
             return encode_prompt(self.tokenizer, prompt, chat, self.context_window)
 
     # ---- generation ----------------------------------------------------------------------------------------
-    def stream_chunks(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-                      top_k: int = 0, seed: int | None = None, stop: list[str] | str | None = None,
-                      chat: bool = True, tau: int | None = None, policy: str | None = None) -> Iterator[Chunk]:
+    def prepare(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
+                top_k: int = 0, seed: int | None = None, stop: list[str] | str | None = None, chat: bool = True,
+                tau: int | None = None, policy: str | None = None) -> Request:
+        """Validate and encode one request (InvalidRequest / PromptTooLong on bad input)."""
         _positive_int("max_new_tokens", max_new_tokens)
         tau = self.tau if tau is None else _positive_int("tau", tau)
         key = (policy or self.policy, tau)
@@ -183,20 +184,13 @@ class SpecDecoder:
         if len(stops) > MAX_STOPS or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
             raise InvalidRequest(f"stop must be up to {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} "
                                  "characters")
-        prompt_ids = self.encode(prompt, chat)
-        text = StopText(self.tokenizer, stops, self.tokenizer_lock)
-        records, generated, sent = [], [], ""
-        start = perf_counter()
-        for rec in self.engine.run(prompt_ids, max_new_tokens, params, self._policies[key],
-                                   text.stop_check if stops else None):
-            records.append(rec)
-            generated.extend(rec.emitted)
-            visible = text.visible(generated, final=rec.finish_reason is not None)
-            delta, sent = visible[len(sent):], visible
-            if rec.finish_reason is None:
-                yield Chunk(delta, rec)
-        stats = summarize(records, perf_counter() - start, len(generated))
-        yield Chunk(delta, rec, GenerationResult(sent, generated, len(prompt_ids), rec.finish_reason, stats, records))
+        return Request(self, self.encode(prompt, chat), max_new_tokens, params, stops, tau, self._policies[key])
+
+    def stream_chunks(self, prompt, **kwargs) -> Iterator[Chunk]:
+        """One Chunk per cycle (keyword arguments as prepare)."""
+        req = self.prepare(prompt, **kwargs)
+        for rec in self.engine.run(req.prompt_ids, req.max_new_tokens, req.params, req.policy, req.stop_check):
+            yield req.chunk(rec)
 
     def stream(self, prompt, **kwargs) -> Iterator[str]:
         """Text as it is committed."""
@@ -208,3 +202,31 @@ class SpecDecoder:
         for chunk in self.stream_chunks(prompt, **kwargs):
             pass
         return chunk.result
+
+
+class Request:
+    """One validated request and its output so far: turns cycle records into streamed text chunks (held back while
+    a stop string may be starting) and, with the last record, the GenerationResult."""
+
+    def __init__(self, decoder: SpecDecoder, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
+                 stops: list[str], tau: int, policy):
+        self.prompt_ids, self.max_new_tokens, self.params, self.tau, self.policy = (
+            prompt_ids, max_new_tokens, params, tau, policy)
+        self.text = StopText(decoder.tokenizer, stops, decoder.tokenizer_lock)
+        self.stop_check = self.text.stop_check if stops else None
+        self.records: list[CycleRecord] = []
+        self.generated: list[int] = []
+        self.sent = ""
+        self.start = perf_counter()
+
+    def chunk(self, rec: CycleRecord) -> Chunk:
+        self.records.append(rec)
+        self.generated.extend(rec.emitted)
+        final = rec.finish_reason is not None
+        visible = self.text.visible(self.generated, final=final)
+        delta, self.sent = visible[len(self.sent):], visible
+        if not final:
+            return Chunk(delta, rec)
+        stats = summarize(self.records, perf_counter() - self.start, len(self.generated))
+        return Chunk(delta, rec, GenerationResult(self.sent, self.generated, len(self.prompt_ids),
+                                                  rec.finish_reason, stats, self.records))

@@ -48,7 +48,8 @@ class Engine:
             if self.wants_hidden:  # target features of the committed positions (all but the newest token)
                 self.drafter.observe_target(start, hidden[: len(seq) + n - start])
             t2 = perf_counter()  # stop strings and detokenizing are not the target's cost (the policy reads verify_ms)
-            emitted, finish = self._cut(proposed[:n] + [token], seq, n_prompt, stop, max_new_tokens)
+            emitted, finish = cut(proposed[:n] + [token], seq, n_prompt, stop, max_new_tokens, self.eos_ids,
+                                  self.context_window)
             seq.extend(emitted)
             self.target.rollback(len(seq) - 1)  # keep the committed prefix; the newest token is fed next cycle
 
@@ -60,18 +61,20 @@ class Engine:
             if finish:
                 return
 
-    def _cut(self, emitted, seq, n_prompt, stop, max_new_tokens):
-        """Truncate this cycle's tokens at a stop string, EOS, the token budget or the context window. A stop string
-        completed before an EOS in the same cycle wins, so token_ids and usage end where the text does."""
-        eos_at = next((i for i, t in enumerate(emitted) if t in self.eos_ids), None)
-        body = emitted if eos_at is None else emitted[:eos_at]  # an EOS adds no text
-        if stop is not None:
-            keep = stop(seq[n_prompt:] + body)
-            if keep is not None:
-                return body[: max(0, keep - (len(seq) - n_prompt))], "stop"
-        if eos_at is not None:
-            return emitted[: eos_at + 1], "stop"
-        room = min(max_new_tokens - (len(seq) - n_prompt), self.context_window - len(seq))
-        if len(emitted) >= room:
-            return emitted[:room], "length"
-        return emitted, None
+
+def cut(emitted, seq, n_prompt, stop, max_new_tokens, eos_ids, context_window):
+    """Truncate a cycle's tokens at a stop string, EOS, the token budget or the context window -> (tokens kept,
+    finish reason or None). A stop string completed before an EOS in the same cycle wins, so token_ids and usage
+    end where the text does."""
+    eos_at = next((i for i, t in enumerate(emitted) if t in eos_ids), None)
+    body = emitted if eos_at is None else emitted[:eos_at]  # an EOS adds no text
+    if stop is not None:
+        keep = stop(seq[n_prompt:] + body)
+        if keep is not None:
+            return body[: max(0, keep - (len(seq) - n_prompt))], "stop"
+    if eos_at is not None:
+        return emitted[: eos_at + 1], "stop"
+    room = min(max_new_tokens - (len(seq) - n_prompt), context_window - len(seq))
+    if len(emitted) >= room:
+        return emitted[:room], "length"
+    return emitted, None

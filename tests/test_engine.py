@@ -232,13 +232,13 @@ def test_stop_strings_are_bounded(tok, target):
             sd.generate("abc", max_new_tokens=4, chat=False, stop=stop)
 
 
-def test_a_stop_string_before_eos_in_the_same_cycle_cuts_the_tokens_there(tok, target):
+def test_a_stop_string_before_eos_in_the_same_cycle_cuts_the_tokens_there():
     """token_ids (and usage) end where the text ends: the stop string, not the EOS drafted after it."""
-    engine = Engine(target, NoDrafter(), VOCAB, {2}, 256)
+    from specdec.engine import cut
     stop = lambda ids: 1 if ids[:1] == [5] else None  # noqa: E731  the first generated token completes a stop
-    assert engine._cut([5, 6, 2], [1], 1, stop, 10) == ([5], "stop")
-    assert engine._cut([7, 6, 2], [1], 1, stop, 10) == ([7, 6, 2], "stop")  # no stop: the EOS ends it
-    assert engine._cut([7, 6], [1], 1, stop, 2) == ([7, 6], "length")
+    assert cut([5, 6, 2], [1], 1, stop, 10, {2}, 256) == ([5], "stop")
+    assert cut([7, 6, 2], [1], 1, stop, 10, {2}, 256) == ([7, 6, 2], "stop")  # no stop: the EOS ends it
+    assert cut([7, 6], [1], 1, stop, 2, {2}, 256) == ([7, 6], "length")
 
 
 def test_tokenizer_calls_hold_the_decoders_lock(tok, target, monkeypatch):

@@ -35,3 +35,15 @@ class NoDrafter:
 
     def reset(self) -> None:
         pass
+
+
+def fork(drafter):
+    """A drafter for one more concurrent sequence: the same weights and tables, its own state (caches, target
+    features). Model-free drafters keep no state between calls and serve every sequence as they are."""
+    return drafter.fork() if hasattr(drafter, "fork") else drafter
+
+
+def close(drafter) -> None:
+    """Give back what a forked drafter holds (KV slots)."""
+    if hasattr(drafter, "close"):
+        drafter.close()

@@ -3,7 +3,7 @@ the context when an n-gram matches — free to draft — else run the model draf
 member that wants them, each cycle, so a member that was skipped stays in sync."""
 from __future__ import annotations
 
-from .base import Draft
+from .base import Draft, close, fork
 
 
 class ChainDrafter:
@@ -23,6 +23,13 @@ class ChainDrafter:
         for m in self.members:
             if getattr(m, "wants_target_hidden", False):
                 m.observe_target(start, hidden)
+
+    def fork(self) -> ChainDrafter:
+        return ChainDrafter([fork(m) for m in self.members])
+
+    def close(self) -> None:
+        for m in self.members:
+            close(m)
 
     def reset(self) -> None:
         for m in self.members:

@@ -8,6 +8,7 @@ predicted features are discarded after each proposal and recomputed once the tar
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -128,6 +129,19 @@ class FeatureDrafter:
             self._logits = lambda feat: rows_linear(feat, self.head)
         few_row_linears(self.net)  # drafting runs one row at a time
         self.reset()
+
+    def fork(self) -> FeatureDrafter:
+        """Shares the net, the head rows and the runtime layer; owns its features, cache and KV slot."""
+        other = copy.copy(self)
+        if self._rt is not None:
+            other._slot = self._rt.acquire_slot()
+        other.reset()
+        return other
+
+    def close(self) -> None:
+        if self._rt is not None and self._slot is not None:
+            self._rt.release_slot(self._slot)
+            self._slot = None
 
     def reset(self) -> None:
         d = self.net.cfg["hidden"]

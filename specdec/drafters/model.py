@@ -27,5 +27,12 @@ class ModelDrafter:
             seq.append(token)
         return Draft(seq[len(context):], torch.stack(qs) if qs else None)
 
+    def fork(self) -> ModelDrafter:
+        return ModelDrafter(self.lm.model, self.lm.vocab_size, self.name)
+
+    def close(self) -> None:
+        if hasattr(self.lm, "close"):
+            self.lm.close()
+
     def reset(self) -> None:
         self.lm.reset()
