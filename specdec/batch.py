@@ -1,0 +1,230 @@
+"""Continuous batching: every running request shares each target pass (the runtime's KV slots, runtime/model.py).
+
+One `step()` is one cycle for every request in it:
+1. rows the pass carries anyway: each decoding request's newest token, then prompt chunks of joining requests
+   (at most `prefill_chunk` rows each, so a long prompt never stalls the others);
+2. the verification budget (scheduler.py) splits the rows left under `max_batch_rows` into draft rows τ_i;
+3. each request's own drafter proposes up to τ_i tokens;
+4. ONE target pass over all rows, each at its own position in its own slot;
+5. each request verifies its block with its own rule and randomness, emits, and rolls its slot back.
+
+The runtime computes every row on its own, so a request's logits, and hence its greedy tokens, are bitwise those it
+gets alone; seeded sampling draws from per-position noise (sampling.PositionNoise), so its tokens do not depend
+on τ or on the other requests either. Requests join and leave at cycle boundaries.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from statistics import median
+from time import perf_counter
+
+import torch
+
+from .drafters.base import close, fork
+from .engine import StopCheck, cut
+from .policy import AdaptivePolicy, _Ema
+from .runtime.model import Llama, fit_vocab
+from .sampling import SamplingParams
+from .scheduler import Demand, plan
+from .trace import CycleRecord
+from .verification import verify_block
+
+
+@dataclass
+class Sequence:
+    """One request in the batch: its tokens, its slot, its drafter, its randomness and acceptance estimates."""
+    prompt: list[int]
+    max_new_tokens: int
+    params: SamplingParams
+    stop: StopCheck | None = None
+    max_tau: int = 8  # the most draft rows it may get per cycle
+    fixed_tau: bool = False  # a fixed-τ request drafts exactly max_tau whenever the budget allows
+    id: int = field(default_factory=itertools.count().__next__)
+    finish_reason: str | None = None
+
+    def __post_init__(self):
+        self.tokens = list(self.prompt)
+        self.fed = 0  # positions of `tokens` already in the KV slot
+        self.cycle = 0
+        self.generator = self.params.generator()
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[len(self.prompt):]
+
+    @property
+    def prefilling(self) -> bool:
+        return len(self.tokens) - self.fed > 1
+
+
+class BatchEngine:
+    def __init__(self, model: Llama, drafter, vocab_size: int, eos_ids: set[int], context_window: int,
+                 max_batch_rows: int = 64, prefill_chunk: int = 32, pass_curve: dict[int, float] | None = None):
+        """`drafter` is the template each request's drafter is forked from (drafters.base.fork); `pass_curve`
+        the measured ms of a pass by rows (measure_pass_curve), refined online."""
+        if max_batch_rows < 1 or prefill_chunk < 1:
+            raise ValueError("max_batch_rows and prefill_chunk must be >= 1")
+        self.model, self.drafter, self.vocab_size = model, drafter, vocab_size
+        self.eos_ids, self.context_window = set(eos_ids), context_window
+        self.max_batch_rows, self.prefill_chunk = max_batch_rows, prefill_chunk
+        self.wants_hidden = getattr(drafter, "wants_target_hidden", False)
+        self.running: list[Sequence] = []
+        self._state: dict[int, tuple] = {}  # id -> (slot, drafter, acceptance estimates)
+        self._pass = {n: _Ema(ms, weight=2.0, decay=0.9) for n, ms in (pass_curve or {1: 10.0}).items()}
+        self.shared = AdaptivePolicy(1, 16)  # acceptance by position over all requests: a new request's prior
+        self.last = {}  # the last step's figures (rows, taus), for metrics
+
+    # ---- membership -------------------------------------------------------------------------------------------
+    @property
+    def free_rows(self) -> int:
+        return self.max_batch_rows - len(self.running)
+
+    def add(self, seq: Sequence) -> Sequence:
+        if len(self.running) >= self.max_batch_rows:
+            raise RuntimeError("the batch is full: every running request needs a row")
+        est = AdaptivePolicy(seq.max_tau, max(seq.max_tau, 1))
+        for mine, ours in zip(est.alpha, self.shared.alpha):
+            mine.value = ours.value
+        self._state[seq.id] = (self.model.acquire_slot(), fork(self.drafter), est)
+        self.running.append(seq)
+        return seq
+
+    def remove(self, seq: Sequence) -> None:
+        """A finished, cancelled or timed-out request leaves: its slot and drafter state are freed."""
+        if seq.id in self._state:
+            slot, drafter, _ = self._state.pop(seq.id)
+            self.model.release_slot(slot)
+            close(drafter)
+            self.running.remove(seq)
+
+    # ---- the cycle --------------------------------------------------------------------------------------------
+    def pass_ms(self, rows: int) -> float:
+        from .costs import interpolate
+        return interpolate({n: e.value for n, e in self._pass.items()}, rows)
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[Sequence, CycleRecord]]:
+        """One cycle for every running request -> (request, record) for each request that emitted tokens (a
+        request still prefilling emits none). Finished requests leave the batch."""
+        t0 = perf_counter()
+        decoding = [s for s in self.running if not s.prefilling]
+        rows_left = self.max_batch_rows - len(decoding)
+        chunks = {}  # prefilling request id -> rows this pass
+        for s in self.running:
+            if s.prefilling and rows_left > 0:
+                chunks[s.id] = min(len(s.tokens) - s.fed, self.prefill_chunk, rows_left)
+                rows_left -= chunks[s.id]
+        base = self.max_batch_rows - rows_left
+        demands = []
+        for s in decoding:
+            est = self._state[s.id][2]
+            room = min(s.max_new_tokens - len(s.generated), self.context_window - len(s.tokens))
+            cap = max(0, min(s.max_tau, room - 1))  # never draft more than can be emitted
+            draft_ms = est.draft_ms.value if est.draft_ms is not None else 0.1
+            demands.append(Demand(est.alphas(), draft_ms, cap, cap if s.fixed_tau else 0))
+        taus = plan(demands, base, self.max_batch_rows, self.pass_ms)
+
+        drafts, draft_ms = {}, {}
+        for s, tau in zip(decoding, taus):
+            t = perf_counter()
+            draft = self._state[s.id][1].propose(s.tokens, tau, s.params, s.generator) if tau else None
+            drafts[s.id] = (tau, draft, draft.tokens[:tau] if draft else [])
+            draft_ms[s.id] = (perf_counter() - t) * 1e3
+        t1 = perf_counter()
+
+        tokens, slots, positions, logit_rows, spans = [], [], [], [], {}
+        for s in self.running:
+            if s.id in drafts:
+                new = s.tokens[s.fed:] + drafts[s.id][2]
+            elif s.id in chunks:
+                new = s.tokens[s.fed: s.fed + chunks[s.id]]
+            else:
+                continue
+            start = len(tokens)
+            spans[s.id] = (start, len(new))
+            if s.id in drafts:
+                logit_rows.extend(range(start, start + len(new)))
+            elif s.fed + len(new) == len(s.tokens):  # the prompt's last chunk: its last row gives the first token
+                logit_rows.append(start + len(new) - 1)
+            tokens += new
+            slots += [self._state[s.id][0]] * len(new)
+            positions += range(s.fed, s.fed + len(new))
+        if not tokens:
+            return []
+        out = self.model.forward(tokens, slots, positions, logit_rows, hidden=self.wants_hidden)
+        logits, hidden = (out[0], out[1]) if self.wants_hidden else (out, None)
+        logits = fit_vocab(logits, self.vocab_size) if logits is not None else None
+        t2 = perf_counter()
+        verify_ms = (t2 - t1) * 1e3
+        self._pass.setdefault(len(tokens), _Ema(verify_ms, weight=0.0, decay=0.9)).update(verify_ms)
+
+        results, row = [], 0
+        for s in list(self.running):
+            if s.id not in spans:
+                continue
+            start, n_rows = spans[s.id]
+            tau, draft, proposed = drafts.get(s.id, (0, None, []))
+            n_logits = len(proposed) + 1 if s.id in drafts else (1 if s.fed + n_rows == len(s.tokens) else 0)
+            block = logits[row: row + n_logits] if n_logits else None
+            row += n_logits
+            fed_before = s.fed
+            if not n_logits:  # a prompt chunk: nothing to emit yet
+                s.fed += n_rows
+                if hidden is not None:
+                    self._state[s.id][1].observe_target(fed_before, hidden[start: start + n_rows])
+                continue
+            n, token = verify_block(proposed, draft.q if draft is not None else None, block, s.params,
+                                    s.generator, len(s.tokens))
+            if hidden is not None:  # target features of the committed positions (all but the newest token)
+                self._state[s.id][1].observe_target(fed_before, hidden[start: start + len(s.tokens) + n - fed_before])
+            emitted, finish = cut(proposed[:n] + [token], s.tokens, len(s.prompt), s.stop, s.max_new_tokens,
+                                  self.eos_ids, self.context_window)
+            s.tokens.extend(emitted)
+            s.fed = len(s.tokens) - 1  # the committed prefix stays; the newest token is fed next cycle
+            rec = CycleRecord(s.cycle, tau, proposed, n, emitted, draft_ms=round(draft_ms.get(s.id, 0.0), 3),
+                              verify_ms=round(verify_ms, 3), cycle_ms=round((perf_counter() - t0) * 1e3, 3),
+                              finish_reason=finish)
+            s.cycle += 1
+            self._state[s.id][2].observe(rec)
+            self.shared.observe(rec)
+            results.append((s, rec))
+            if finish:
+                s.finish_reason = finish
+                self.remove(s)
+        self.last = {"rows": len(tokens), "taus": [drafts[s.id][0] for s in decoding]}
+        return results
+
+
+def measure_pass_curve(model: Llama, sizes=(1, 2, 4, 8, 16, 32, 64), context: int = 64, reps: int = 3
+                       ) -> dict[int, float]:
+    """Median ms of one pass over n rows, one row per slot up to the largest size (as a batch of decoding
+    requests), each slot holding `context` positions. Sizes are interleaved so machine drift hits all alike."""
+    slots = [model.acquire_slot() for _ in range(max(sizes))]
+    try:
+        with torch.inference_mode():
+            for s in slots:
+                model.forward(list(range(1, context + 1)), [s] * context, list(range(context)), [])
+            times = {n: [] for n in sizes}
+            for _ in range(reps + 1):  # the first round warms up
+                for n in sizes:
+                    t = perf_counter()
+                    model.forward([1] * n, slots[:n], [context] * n)
+                    times[n].append((perf_counter() - t) * 1e3)
+        return {n: median(t[1:]) for n, t in times.items()}
+    finally:
+        for s in slots:
+            model.release_slot(s)
+
+
+def default_budget(curve: dict[int, float], share: float = 0.5) -> int:
+    """--max-batch-rows when not given: the largest measured size up to which each added row costs at most `share`
+    of a one-row pass (beyond it, a row costs too much to spend on a draft that may be rejected)."""
+    sizes = sorted(curve)
+    best = sizes[0]
+    for a, b in zip(sizes, sizes[1:]):
+        if (curve[b] - curve[a]) / (b - a) > share * curve[sizes[0]]:
+            break
+        best = b
+    return best
+

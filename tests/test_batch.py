@@ -1,0 +1,90 @@
+"""Continuous batching on the runtime: whatever a request is batched with, and whenever it joins or others leave,
+it gets the tokens it gets alone (greedy: bitwise logits; seeded sampling: per-position noise)."""
+import pytest
+import torch
+
+from specdec import SpecDecoder, models
+from specdec.api import build_drafter
+from specdec.batch import BatchEngine, Sequence, default_budget, measure_pass_curve
+from specdec.sampling import SamplingParams
+
+PROMPTS = ["Hello there, general", "abcabcabcabc", "The cat sat on the mat. The cat", "xyz", "Once upon a time"]
+PARAMS = [SamplingParams(), SamplingParams(0.9, 0.95, 0, 7), SamplingParams(), SamplingParams(1.0, 1.0, 5, 3),
+          SamplingParams(0.7, 1.0, 0, 11)]
+
+
+@pytest.fixture(scope="module")
+def rt(tiny_dirs):
+    return models.load(tiny_dirs["target"], backend="runtime")
+
+
+def alone(rt, prompt, params, n):
+    """The request on its own, through the one-request engine, without speculation."""
+    model, tok = rt
+    sd = SpecDecoder.from_models(model, tok, draft="none")
+    return sd.generate(prompt, max_new_tokens=n, chat=False, temperature=params.temperature, top_p=params.top_p,
+                       top_k=params.top_k, seed=params.seed).token_ids
+
+
+@pytest.mark.parametrize("draft", ["ngram", "target", "draft"])
+def test_requests_joining_and_leaving_get_what_they_get_alone(rt, tiny_dirs, draft):
+    model, tok = rt
+    drafter = build_drafter(tiny_dirs["draft"] if draft == "draft" else draft, model, tok, backend="runtime")
+    engine = BatchEngine(model, drafter, model.config.vocab_size, models.eos_ids(model, tok), 128,
+                         max_batch_rows=9, prefill_chunk=4)  # prompts take several chunks; rows are scarce
+    held = len(model._slots) - len(model._free)  # by the template drafter ("target" drafts in a slot of its own)
+    seqs = [Sequence(tok(p).input_ids, 24 + 3 * i, params, max_tau=4 + i % 3)
+            for i, (p, params) in enumerate(zip(PROMPTS, PARAMS))]
+    joins = {0: [0, 1], 2: [2], 5: [3, 4]}  # step -> requests joining then
+    cancelled, done, accepted, rows = seqs[4], [], 0, []
+    for step in range(400):
+        for i in joins.get(step, []):
+            engine.add(seqs[i])
+        if step == 9:
+            engine.remove(cancelled)  # a client that went away: the others carry on
+        for s, rec in engine.step():
+            accepted += rec.accepted
+            if rec.finish_reason:
+                done.append(s)
+        rows.append(engine.last.get("rows", 0))
+        if not engine.running and step > 5:
+            break
+    assert len(done) == 4 and cancelled not in done and not engine.running
+    assert max(rows) <= 9 and max(rows) > 4  # several requests shared passes, within the budget
+    for s in done:
+        i = seqs.index(s)
+        assert s.generated == alone(rt, PROMPTS[i], PARAMS[i], s.max_new_tokens), (draft, i)
+    if draft != "ngram":  # (a random tiny model rarely repeats itself: n-grams seldom match)
+        assert accepted > 0
+    assert len(model._slots) - len(model._free) == held  # every request's slots were given back
+
+
+def test_one_request_alone_in_the_batch_engine_equals_the_engine(rt):
+    model, tok = rt
+    sd = SpecDecoder.from_models(model, tok, draft="ngram", tau=3)
+    engine = BatchEngine(model, sd.engine.drafter, model.config.vocab_size, sd.engine.eos_ids, 128)
+    for p in PROMPTS[:3]:
+        seq = engine.add(Sequence(tok(p).input_ids, 30, SamplingParams()))
+        while engine.running:
+            engine.step()
+        assert seq.generated == sd.generate(p, max_new_tokens=30, chat=False).token_ids
+
+
+def test_pass_curve_and_default_budget(rt):
+    curve = measure_pass_curve(rt[0], sizes=(1, 2, 4, 8), context=8, reps=1)
+    assert sorted(curve) == [1, 2, 4, 8] and all(v > 0 for v in curve.values())
+    assert default_budget({1: 10, 2: 10.5, 4: 12, 8: 16, 16: 60}) == 8  # rows 9-16 cost 5.5 ms each: > half of 10
+    assert default_budget({1: 10, 2: 30}) == 1
+
+
+def test_full_batch_refuses_a_request(rt):
+    model, tok = rt
+    engine = BatchEngine(model, build_drafter("ngram", model, tok), model.config.vocab_size, {2}, 128,
+                         max_batch_rows=2)
+    engine.add(Sequence([5, 6], 4, SamplingParams()))
+    engine.add(Sequence([5, 6], 4, SamplingParams()))
+    with pytest.raises(RuntimeError, match="full"):
+        engine.add(Sequence([5, 6], 4, SamplingParams()))
+    torch.manual_seed(0)
+    while engine.running:
+        engine.step()
