@@ -10,12 +10,13 @@ def cmd_serve(args) -> int:
     from ..api import SpecDecoder
     from ..errors import InvalidRequest
 
-    if not 0 < args.port < 65536 or args.max_queue < 1 or args.timeout <= 0:
-        raise InvalidRequest("--port must be 1-65535, --max-queue >= 1 and --timeout > 0")
+    if not 0 < args.port < 65536 or args.max_queue < 1 or args.timeout <= 0 or args.max_tau < 0:
+        raise InvalidRequest("--port must be 1-65535, --max-queue >= 1, --timeout > 0 and --max-tau >= 0")
     decoder = SpecDecoder(target=args.target, draft=args.draft, tau=args.tau, policy=args.policy,
                           backend=args.backend)
     app = create_app(decoder, model_name=args.model_name, api_key=args.api_key, max_queue=args.max_queue,
-                     timeout_s=args.timeout, trace_dir=args.trace_dir)
+                     timeout_s=args.timeout, trace_dir=args.trace_dir, batch=not args.no_batch,
+                     max_batch_rows=args.max_batch_rows, prefill_chunk=args.prefill_chunk, max_tau=args.max_tau)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
@@ -30,4 +31,11 @@ def register(sub, model_args, sampling_args):
     s.add_argument("--max-queue", type=int, default=16, help="requests waiting or running; beyond: 429")
     s.add_argument("--timeout", type=float, default=300.0, help="seconds per request before it is stopped")
     s.add_argument("--trace-dir", default=None, help="write one per-cycle JSONL trace per request here")
+    s.add_argument("--max-batch-rows", type=int, default=None,
+                   help="rows per target pass, all requests together (default: from the pass curve measured at start)")
+    s.add_argument("--prefill-chunk", type=int, default=32, help="prompt rows per pass for a joining request")
+    s.add_argument("--max-tau", type=int, default=8,
+                   help="the most draft tokens the scheduler gives a request per cycle (a request's own tau, or "
+                        "policy=fixed with tau, overrides it)")
+    s.add_argument("--no-batch", action="store_true", help="serve one request at a time (no continuous batching)")
     s.set_defaults(func=cmd_serve)

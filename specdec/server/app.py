@@ -14,10 +14,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import SpecDecError
+from .. import models
+from ..errors import InvalidRequest, SpecDecError
 from .metrics import Metrics
 from .schemas import ChatRequest, CompletionRequest
-from .worker import JobTimeout, Worker
+from .worker import BatchWorker, JobTimeout, Worker
 
 
 class APIError(Exception):
@@ -31,9 +32,17 @@ def error_body(message: str, type_: str = "invalid_request_error", code: str | N
 
 def create_app(decoder, model_name: str = "specdec", api_key: str | None = None, max_queue: int = 16,
                timeout_s: float = 300.0, max_tokens_default: int = 256, max_body_bytes: int = 1 << 20,
-               trace_dir: str | None = None) -> FastAPI:
+               trace_dir: str | None = None, batch: bool = True, max_batch_rows: int | None = None,
+               prefill_chunk: int = 32, max_tau: int = 8) -> FastAPI:
+    """`batch`: on specdec's runtime, serve all admitted requests in each target pass (BatchWorker) with
+    `max_batch_rows` rows per pass (default: from the pass curve measured here, batch.default_budget); the
+    transformers backend, or batch=False, serves one request at a time."""
     metrics = Metrics()
-    worker = Worker(decoder, metrics, max_queue, timeout_s, trace_dir)
+    if batch and models.is_runtime(decoder.model):
+        engine = batch_engine(decoder, max_batch_rows, prefill_chunk)
+        worker = BatchWorker(decoder, metrics, max_queue, timeout_s, trace_dir, engine, max_tau)
+    else:
+        worker = Worker(decoder, metrics, max_queue, timeout_s, trace_dir)
     app = FastAPI(title="specdec", docs_url=None, redoc_url=None)
     app.state.metrics, app.state.worker, app.state.decoder = metrics, worker, decoder
     app.router.add_event_handler("shutdown", worker.stop)
@@ -163,6 +172,17 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
             job.cancel()
 
     return app
+
+
+def batch_engine(decoder, max_batch_rows: int | None, prefill_chunk: int):
+    from ..batch import BatchEngine, default_budget, measure_pass_curve
+    if (max_batch_rows is not None and max_batch_rows < 1) or prefill_chunk < 1:
+        raise InvalidRequest("--max-batch-rows and --prefill-chunk must be >= 1")
+    sizes = sorted({1, 2, 4, 8, 16, 32, 64, max_batch_rows or 1})
+    curve = measure_pass_curve(decoder.model, sizes, context=min(64, decoder.context_window // 2))
+    return BatchEngine(decoder.model, decoder.engine.drafter, decoder.model.config.vocab_size,
+                       decoder.engine.eos_ids, decoder.context_window, max_batch_rows or default_budget(curve),
+                       prefill_chunk, curve)
 
 
 KNOWN_PATHS = {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions"}

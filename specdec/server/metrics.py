@@ -25,6 +25,18 @@ class Metrics:
         self.tau = Histogram("specdec_tau", "Block size chosen per cycle", buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16),
                              registry=r)
         self.queue_depth = Gauge("specdec_queue_depth", "Requests waiting or running", registry=r)
+        self.batch_rows = Histogram("specdec_batch_rows", "Rows per target pass (all requests' tokens and drafts)",
+                                    buckets=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128), registry=r)
+        self.running = Gauge("specdec_requests_running", "Requests in the running batch", registry=r)
+        self.waiting = Gauge("specdec_requests_waiting", "Requests queued for a place in the batch", registry=r)
+        # the same two figures under the names inference gateways and routers scrape (vLLM's)
+        self.running_alias = Gauge("vllm:num_requests_running", "Alias of specdec_requests_running", registry=r)
+        self.waiting_alias = Gauge("vllm:num_requests_waiting", "Alias of specdec_requests_waiting", registry=r)
+
+    def set_load(self, running: int, waiting: int) -> None:
+        for g, v in ((self.running, running), (self.running_alias, running), (self.waiting, waiting),
+                     (self.waiting_alias, waiting)):
+            g.set(v)
 
     def observe_cycle(self, rec) -> None:
         self.cycles.inc()

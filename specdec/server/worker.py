@@ -1,9 +1,13 @@
 """One model worker thread behind a bounded queue. The model is not thread-safe, so exactly one thread touches it;
 request handlers talk to it through Jobs. A full queue refuses at once; a cancelled or timed-out job stops at the
-next cycle boundary and frees the worker."""
+next cycle boundary and frees its place.
+
+Worker runs one request at a time (the transformers backend); BatchWorker runs every admitted request in each
+target pass (batch.BatchEngine, on specdec's runtime)."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import queue
 import sys
@@ -79,16 +83,14 @@ class Worker:
     def _run(self, job: Job) -> None:
         if job.cancelled.is_set():
             return
+        self.metrics.set_load(1, self._pending - 1)
         chunks = self.decoder.stream_chunks(**job.kwargs)
         try:
             for chunk in chunks:
                 self.metrics.observe_cycle(chunk.record)
                 job.put("chunk", chunk)
                 if chunk.result is not None:
-                    self.metrics.prompt_tokens.inc(chunk.result.prompt_tokens)
-                    if self.trace_dir:
-                        self.trace_dir.mkdir(parents=True, exist_ok=True)
-                        write_jsonl(chunk.result.records, self.trace_dir / f"{job.id}.jsonl")
+                    self._finished(job, chunk.result)
                 elif job.cancelled.is_set():
                     return
                 elif time.monotonic() > job.deadline:
@@ -101,3 +103,100 @@ class Worker:
             job.put("error", e)
         finally:
             chunks.close()
+            self.metrics.set_load(0, self._pending - 1)
+
+    def _finished(self, job: Job, result) -> None:
+        self.metrics.prompt_tokens.inc(result.prompt_tokens)
+        if self.trace_dir:
+            self.trace_dir.mkdir(parents=True, exist_ok=True)
+            write_jsonl(result.records, self.trace_dir / f"{job.id}.jsonl")
+
+
+class BatchWorker(Worker):
+    """Continuous batching: requests join the running batch at cycle boundaries (up to the engine's row budget,
+    the rest wait in order) and leave when they finish, are cancelled or time out."""
+
+    def __init__(self, decoder, metrics, max_queue: int, timeout_s: float, trace_dir: str | None, engine,
+                 max_tau: int = 8):
+        self.engine, self.max_tau = engine, max_tau
+        super().__init__(decoder, metrics, max_queue, timeout_s, trace_dir)
+
+    def _loop(self) -> None:
+        from ..batch import Sequence
+        waiting: collections.deque[Job] = collections.deque()
+        active: dict[int, tuple] = {}  # sequence id -> (job, request, sequence)
+
+        def done(job: Job, kind: str | None = None, payload=None) -> None:
+            if kind:
+                job.put(kind, payload)
+            with self._lock:
+                self._pending -= 1
+                self.metrics.queue_depth.set(self._pending)
+            job.put("end")
+
+        while True:
+            try:  # new jobs; block only when there is nothing to run
+                while True:
+                    job = self._jobs.get(block=not (active or waiting))
+                    if job is None:
+                        for j in [*waiting, *(a[0] for a in active.values())]:
+                            done(j, "error", JobTimeout("the server is shutting down"))
+                        return
+                    waiting.append(job)
+            except queue.Empty:
+                pass
+            now = time.monotonic()
+            for job in [j for j in waiting if j.cancelled.is_set() or now > j.deadline]:
+                waiting.remove(job)
+                done(job, None if job.cancelled.is_set() else "error",
+                     JobTimeout(f"request exceeded the {self.timeout_s:g} s timeout"))
+            while waiting and self.engine.free_rows > 0:
+                job = waiting.popleft()
+                try:
+                    req = self.decoder.prepare(**job.kwargs)
+                except SpecDecError as e:
+                    done(job, "error", e)
+                    continue
+                fixed = job.kwargs.get("policy") == "fixed"
+                cap = req.tau if fixed or job.kwargs.get("tau") is not None else self.max_tau
+                seq = self.engine.add(Sequence(req.prompt_ids, req.max_new_tokens, req.params, req.stop_check,
+                                               max_tau=cap, fixed_tau=fixed))
+                req.start = time.perf_counter()
+                active[seq.id] = (job, req, seq)
+            for job, req, seq in list(active.values()):
+                if job.cancelled.is_set() or now > job.deadline:
+                    self.engine.remove(seq)
+                    del active[seq.id]
+                    done(job, None if job.cancelled.is_set() else "error",
+                         JobTimeout(f"request exceeded the {self.timeout_s:g} s timeout"))
+            self.metrics.set_load(len(active), len(waiting))
+            if not active:
+                continue
+            try:
+                results = self.engine.step()
+            except Exception as e:  # never leave clients waiting on a dead batch; the operator gets the traceback
+                traceback.print_exc(file=sys.stderr)
+                for job, _, seq in list(active.values()):
+                    self.engine.remove(seq)
+                    done(job, "error", e)
+                active.clear()
+                continue
+            if self.engine.last:
+                self.metrics.batch_rows.observe(self.engine.last["rows"])
+            for seq, rec in results:
+                job, req, _ = active[seq.id]
+                self.metrics.observe_cycle(rec)
+                try:
+                    chunk = req.chunk(rec)
+                except Exception as e:
+                    traceback.print_exc(file=sys.stderr)
+                    self.engine.remove(seq)
+                    del active[seq.id]
+                    done(job, "error", e)
+                    continue
+                job.put("chunk", chunk)
+                if chunk.result is not None:
+                    del active[seq.id]
+                    self._finished(job, chunk.result)
+                    done(job)
+            self.metrics.set_load(len(active), len(waiting))

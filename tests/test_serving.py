@@ -1,0 +1,129 @@
+"""Continuous batching over real HTTP (the runtime backend, as `specdec serve` runs the default model): concurrent
+streams get what they get alone, a client that hangs up frees its place, a full queue answers 429 at once, and the
+load gauges routers read are exported."""
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from specdec import SpecDecoder, models
+from specdec.server import create_app
+from test_server import LiveServer, SlowDrafter
+
+REQUESTS = [dict(prompt="Hello there", max_tokens=30, temperature=0),
+            dict(prompt="abcabcabc", max_tokens=25, temperature=0.9, seed=4),
+            dict(prompt="The cat sat", max_tokens=35, temperature=0, stop=["zz"]),
+            dict(prompt="xyz", max_tokens=20, temperature=1.0, top_k=5, seed=9),
+            dict(prompt="Once upon", max_tokens=28, temperature=0, tau=2, policy="fixed"),
+            dict(prompt="qqq", max_tokens=22, temperature=0.7, seed=1)]
+
+
+@pytest.fixture(scope="module")
+def rt_decoder(tiny_dirs):
+    model, tok = models.load(tiny_dirs["target"], backend="runtime")
+    return SpecDecoder.from_models(model, tok, draft="ngram", tau=3)
+
+
+@pytest.fixture(scope="module")
+def batched(rt_decoder):
+    srv = LiveServer(create_app(rt_decoder, model_name="tiny", max_queue=32, max_batch_rows=12, prefill_chunk=4))
+    yield srv
+    srv.stop()
+
+
+async def stream(url, body):
+    text = ""
+    async with httpx.AsyncClient(timeout=30) as hc:
+        async with hc.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text += json.loads(line[6:])["choices"][0]["text"]
+    return text
+
+
+def test_concurrent_streams_equal_each_request_served_alone(batched, rt_decoder):
+    async def all_at_once():
+        return await asyncio.gather(*(stream(batched.url, r) for r in REQUESTS))
+    together = asyncio.run(all_at_once())
+    for body, text in zip(REQUESTS, together):
+        alone = asyncio.run(stream(batched.url, body))
+        assert text == alone, body
+        if body["temperature"] == 0 and "tau" not in body:  # and greedy equals the target alone
+            ref = SpecDecoder.from_models(rt_decoder.model, rt_decoder.tokenizer, draft="none").generate(
+                body["prompt"], max_new_tokens=body["max_tokens"], chat=False, stop=body.get("stop"))
+            assert text == ref.text
+    m = batched.metrics()
+    passes, rows = m[("specdec_batch_rows_count", ())], m[("specdec_batch_rows_sum", ())]
+    assert rows / passes > 1.5  # requests shared passes
+    assert m[("vllm:num_requests_running", ())] == m[("specdec_requests_running", ())] == 0
+    assert ("vllm:num_requests_waiting", ()) in m
+
+
+def test_disconnect_mid_batch_frees_its_slot_and_others_finish(rt_decoder):
+    model, tok = rt_decoder.model, rt_decoder.tokenizer
+    slow = SpecDecoder.from_models(model, tok, draft=SlowDrafter(), tau=2)
+    srv = LiveServer(create_app(slow, model_name="tiny", max_queue=4, max_batch_rows=8))
+    try:
+        held = len(model._slots) - len(model._free)
+
+        async def scenario():
+            others = [asyncio.create_task(stream(srv.url, r)) for r in REQUESTS[:2]]
+            async with httpx.AsyncClient(timeout=30) as hc:
+                async with hc.stream("POST", srv.url + "/v1/completions",
+                                     json={"prompt": "Hello", "max_tokens": 300, "temperature": 0,
+                                           "stream": True, "tau": 2, "policy": "fixed"}) as r:
+                    async for _ in r.aiter_lines():
+                        break  # hang up after the first event
+            return await asyncio.gather(*others)
+        texts = asyncio.run(scenario())
+        deadline = time.time() + 5
+        while httpx.get(srv.url + "/health").json()["queue_depth"] and time.time() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(srv.url + "/health").json()["queue_depth"] == 0
+        assert len(model._slots) - len(model._free) == held  # the dropped request's slot is free again
+        assert srv.metrics()[("specdec_generated_tokens_total", ())] < 200  # it stopped early
+        for body, text in zip(REQUESTS[:2], texts):
+            assert text == asyncio.run(stream(srv.url, body))
+    finally:
+        srv.stop()
+
+
+def test_full_queue_answers_429_at_once(rt_decoder):
+    slow = SpecDecoder.from_models(rt_decoder.model, rt_decoder.tokenizer, draft=SlowDrafter(), tau=2)
+    srv = LiveServer(create_app(slow, model_name="tiny", max_queue=2, max_batch_rows=8))
+    try:
+        body = {"prompt": "Hello", "max_tokens": 100, "temperature": 0, "stream": True, "tau": 2,
+                "policy": "fixed"}  # a fixed τ drafts every cycle: >= 40 ms each
+        with httpx.Client(timeout=10) as hc:
+            with hc.stream("POST", srv.url + "/v1/completions", json=body) as a, \
+                    hc.stream("POST", srv.url + "/v1/completions", json=body) as b:
+                lines = a.iter_lines(), b.iter_lines()  # held: a dropped iterator closes its stream
+                next(lines[0]), next(lines[1])
+                t = time.monotonic()
+                busy = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+                refused_in = time.monotonic() - t
+                assert busy.status_code == 429 and busy.json()["error"]["code"] == "queue_full"
+                m = srv.metrics()
+                assert m[("vllm:num_requests_running", ())] == 2
+        assert refused_in < 0.04 * 2  # faster than the two 40 ms cycles a served request takes at least
+    finally:
+        srv.stop()
+
+
+def test_a_failing_pass_is_a_clean_500_and_the_server_recovers(rt_decoder, monkeypatch, capfd):
+    srv = LiveServer(create_app(rt_decoder, model_name="tiny", max_batch_rows=8))
+    try:
+        engine = srv.app.state.worker.engine
+        original = engine.step
+        monkeypatch.setattr(engine, "step", lambda: (_ for _ in ()).throw(RuntimeError("kernel exploded")))
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=10)
+        assert r.status_code == 500 and "kernel exploded" not in r.text
+        assert "RuntimeError: kernel exploded" in capfd.readouterr().err
+        monkeypatch.setattr(engine, "step", original)
+        ok = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3, "temperature": 0})
+        assert ok.status_code == 200
+    finally:
+        srv.stop()
