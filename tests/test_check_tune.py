@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-import specdec.engine
+import specdec.verification
 from specdec.cli import main
 from specdec.tune import plot, tune
 from specdec.verification import sample_verify
@@ -41,7 +41,7 @@ def test_check_catches_top2_greedy_acceptance(capsys, tiny_dirs, prompts_file, m
         while n < len(draft) and int(draft[n]) in top2[n].tolist():
             n += 1
         return n, int(logits[n].argmax())
-    monkeypatch.setattr(specdec.engine, "greedy_verify", top2_verify)
+    monkeypatch.setattr(specdec.verification, "greedy_verify", top2_verify)
     code, rep = run_check(capsys, tiny_dirs, prompts_file, "--sampling-prompts", "0")
     assert code == 1 and not rep["passed"]
     bad = [r for r in rep["greedy"] if not r["ok"]]
@@ -53,7 +53,7 @@ def test_check_catches_q_from_wrong_position(capsys, tiny_dirs, prompts_file, mo
         if q is not None and len(q) > 1:
             q = torch.roll(q, -1, 0)
         return sample_verify(draft, q, p, gen)
-    monkeypatch.setattr(specdec.engine, "sample_verify", shifted_q)
+    monkeypatch.setattr(specdec.verification, "sample_verify", shifted_q)
     code, rep = run_check(capsys, tiny_dirs, prompts_file, "--limit", "1", draft="random")
     assert code == 1 and rep["sampling"][0]["p_value"] < 1e-3
 
