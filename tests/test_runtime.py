@@ -31,7 +31,7 @@ def quantized(w: np.ndarray, qtype) -> tuple[QTensor, torch.Tensor]:
 @needs_kernel
 @pytest.mark.parametrize("qtype,fmt", FORMATS, ids=[f[0].name for f in FORMATS])
 def test_quantized_linear_equals_gguf_dequantization_then_linear(qtype, fmt):
-    """Every format, rows 1..8 and beyond (4-row tiles; 12+ rows on a dequantized buffer), K with tails for float
+    """Every format, rows 1..8 and beyond (4-row tiles; 12+ rows on a dequantized buffer, 6 rows at a time), K with tails for float
     formats, a bias: (1) bitwise the F32 kernel on gguf's dequantized weights, (2) F.linear within fp32 rounding,
     (3) each row as if alone."""
     rng = np.random.default_rng(int(qtype))
@@ -40,7 +40,7 @@ def test_quantized_linear_equals_gguf_dequantization_then_linear(qtype, fmt):
         qt, ref = quantized(w, qtype)
         dense = QTensor.from_float(ref)
         b = torch.randn(67)
-        for rows in [*range(1, 9), 11, 12, 29]:  # 12+: weights dequantized once into a buffer
+        for rows in [*range(1, 9), 11, 12, 13, 18, 29]:  # 12+: weights dequantized once into a buffer
             x = torch.randn(rows, k)
             y = qlinear(x, qt, b)
             assert torch.equal(y, qlinear(x, dense, b)), (rows, k)
@@ -55,7 +55,7 @@ def test_avx2_build_gives_the_avx512_bits(qtype, fmt):
     """The AVX2 build (forced on this machine) computes the same 16-lane sums in the same order."""
     w = np.random.default_rng(0).standard_normal((45, 576)).astype(np.float32)
     qt, _ = quantized(w, qtype)
-    for rows in (1, 3, 8, 9):
+    for rows in (1, 3, 8, 9, 13, 20):
         x = torch.randn(rows, 576)
         a = kernels.linear(qt.fmt, x, qt.data, qt.n, None, kernels.library("avx512"))
         b = kernels.linear(qt.fmt, x, qt.data, qt.n, None, kernels.library("avx2"))
@@ -190,9 +190,11 @@ def test_whole_pass_is_row_invariant(runtime_model):
     rt = runtime_model
     seq = PROMPT + [9, 14, 21, 50, 66, 70, 80, 97]
     a, b = rt.acquire_slot(), rt.acquire_slot()
-    full = rt.forward(seq, [a] * len(seq), list(range(len(seq))))
-    one = torch.cat([rt.forward([t], [b], [i]) for i, t in enumerate(seq)])
+    longer = seq + [(7 * i) % 90 + 3 for i in range(54)]  # 73 keys: whole 16-key blocks and a tail
+    full = rt.forward(longer, [a] * len(longer), list(range(len(longer))))
+    one = torch.cat([rt.forward([t], [b], [i]) for i, t in enumerate(longer)])
     assert torch.equal(full, one)
+    full = full[: len(seq)]
     # 8 rows of slot a verified after a prefix, interleaved with 3 rows of slot b in the same pass
     rt.forward(seq[:10], [a] * 10, list(range(10)))
     rt.forward(seq[:4], [b] * 4, list(range(4)))

@@ -32,6 +32,9 @@ static inline V16 vdiv(V16 a, V16 b) { return {_mm512_div_ps(a.v, b.v)}; }
 static inline V16 vmax(V16 a, V16 b) { return {_mm512_max_ps(a.v, b.v)}; }
 static inline V16 vmin(V16 a, V16 b) { return {_mm512_min_ps(a.v, b.v)}; }
 static inline V16 vfloor(V16 a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)}; }
+static inline V16 vzero_where_less(V16 a, V16 x, V16 t) {  // lanes with x < t become 0
+    return {_mm512_mask_blend_ps(_mm512_cmp_ps_mask(x.v, t.v, _CMP_LT_OQ), a.v, _mm512_setzero_ps())};
+}
 static inline V16 vpow2i(V16 n) {  // 2^n for integral n in [-126, 127]
     __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n.v), _mm512_set1_epi32(127)), 23);
     return {_mm512_castsi512_ps(e)};
@@ -66,6 +69,10 @@ static inline V16 vdiv(V16 a, V16 b) { return {_mm256_div_ps(a.lo, b.lo), _mm256
 static inline V16 vmax(V16 a, V16 b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
 static inline V16 vmin(V16 a, V16 b) { return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
 static inline V16 vfloor(V16 a) { return {_mm256_floor_ps(a.lo), _mm256_floor_ps(a.hi)}; }
+static inline V16 vzero_where_less(V16 a, V16 x, V16 t) {
+    return {_mm256_blendv_ps(a.lo, _mm256_setzero_ps(), _mm256_cmp_ps(x.lo, t.lo, _CMP_LT_OQ)),
+            _mm256_blendv_ps(a.hi, _mm256_setzero_ps(), _mm256_cmp_ps(x.hi, t.hi, _CMP_LT_OQ))};
+}
 static inline __m256 pow2i8(__m256 n) {
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_castsi256_ps(e);
@@ -110,9 +117,10 @@ static inline float vsum(V16 a) {
 
 
 // exp on 16 lanes (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, times 2^n; ~1 ulp), the same
-// operations lane by lane on both instruction sets. exp(x) for x < -87.3 flushes to ~0.
-static inline V16 vexp(V16 x) {
-    x = vmax(vmin(x, vset1(88.3762626647949f)), vset1(-87.3365447504f));
+// operations lane by lane on both instruction sets. exp(x) for x < -87.3 is exactly 0, never a subnormal (a softmax
+// over far-apart scores would otherwise feed subnormal weights to the value sums: slow microcode assists).
+static inline V16 vexp(V16 x0) {
+    V16 x = vmax(vmin(x0, vset1(88.3762626647949f)), vset1(-87.3365447504f));
     V16 n = vfloor(vfma(x, vset1(1.44269504088896341f), vset1(0.5f)));
     V16 r = vsub(vsub(x, vmul(n, vset1(0.693359375f))), vmul(n, vset1(-2.12194440e-4f)));
     V16 y = vset1(1.9875691500e-4f);
@@ -122,7 +130,7 @@ static inline V16 vexp(V16 x) {
     y = vfma(y, r, vset1(1.6666665459e-1f));
     y = vfma(y, r, vset1(5.0000001201e-1f));
     y = vadd(vfma(y, vmul(r, r), r), vset1(1.0f));
-    return vmul(y, vpow2i(n));
+    return vzero_where_less(vmul(y, vpow2i(n)), x0, vset1(-87.3365447504f));
 }
 
 // ---- weight formats: each yields its weights 16 columns at a time, in column order ------------------------------
@@ -260,7 +268,7 @@ static inline void block_scales(const uint8_t* row, int nb, int stride, float* o
 // NR weight rows at a time (independent FMA chains), each dequantized once for up to 8 rows of x; more rows of x are
 // taken 8 at a time. A (row m, weight row n) result depends on neither NR nor how the rows of x are grouped.
 // W, y and b point at weight row n0 (its output column, its bias).
-template <class F, int M, int NR>
+template <class F, int M, int NR, bool PF = true>  // PF: prefetch weight rows ahead (not for an L1 buffer)
 static inline void tile(const float* x, long ldx, int K, const uint8_t* W, long rb, float* y, long ldy,
                         const float* b, bool acc_out) {
     const int ns = F::SPR * (K / 32);  // scales per weight row
@@ -278,7 +286,7 @@ static inline void tile(const float* x, long ldx, int K, const uint8_t* W, long 
 #pragma GCC unroll 8
         for (int r = 0; r < NR; r++) {
             const uint8_t* row = W + r * rb;
-            if (PREFETCH) _mm_prefetch((const char*)row + PREFETCH * rb + c * (rb / ((K + 15) / 16)), _MM_HINT_T0);
+            if (PF && PREFETCH) _mm_prefetch((const char*)row + PREFETCH * rb + c * (rb / ((K + 15) / 16)), _MM_HINT_T0);
             F::chunk(row, S + r * ns, c, K, w[r]);
         }
 #pragma GCC unroll 2
@@ -315,19 +323,35 @@ static inline void tile(const float* x, long ldx, int K, const uint8_t* W, long 
 }
 
 // Rows of x 4 at a time against NR weight rows (more accumulators no longer fit in registers beside them).
-template <class F, int NR>
+template <class F, int NR, bool PF = true>
 static inline void row_tiles(const float* x, long ldx, int R, int K, const uint8_t* W, long rb, float* y, long ldy,
                              const float* b, bool acc_out) {
     for (int m0 = 0; m0 < R; m0 += 4) {
         const float* xm = x + m0 * ldx;
         float* ym = y + m0 * ldy;
         switch (R - m0 < 4 ? R - m0 : 4) {
-            case 1: tile<F, 1, NR>(xm, ldx, K, W, rb, ym, ldy, b, acc_out); break;
-            case 2: tile<F, 2, NR>(xm, ldx, K, W, rb, ym, ldy, b, acc_out); break;
-            case 3: tile<F, 3, NR>(xm, ldx, K, W, rb, ym, ldy, b, acc_out); break;
-            default: tile<F, 4, NR>(xm, ldx, K, W, rb, ym, ldy, b, acc_out); break;
+            case 1: tile<F, 1, NR, PF>(xm, ldx, K, W, rb, ym, ldy, b, acc_out); break;
+            case 2: tile<F, 2, NR, PF>(xm, ldx, K, W, rb, ym, ldy, b, acc_out); break;
+            case 3: tile<F, 3, NR, PF>(xm, ldx, K, W, rb, ym, ldy, b, acc_out); break;
+            default: tile<F, 4, NR, PF>(xm, ldx, K, W, rb, ym, ldy, b, acc_out); break;
         }
     }
+}
+
+// Many rows against NR weight rows already dequantized to fp32 (an L1 buffer): rows of x WIDE at a time, the most
+// accumulators the registers hold beside the weights (AVX-512: 6 x 4 + 4 + 1 of 32). Same products, same order.
+#ifndef WIDE
+#define WIDE 6
+#endif
+template <int NR>
+static inline void wide_tiles(const float* x, long ldx, int R, int K, const float* buf, float* y, long ldy,
+                              const float* b, bool acc_out) {
+    const uint8_t* W = (const uint8_t*)buf;
+    const long rb = 4L * K;
+    int m0 = 0;
+    for (; m0 + WIDE <= R; m0 += WIDE)
+        tile<FmtF32, WIDE, NR, false>(x + m0 * ldx, ldx, K, W, rb, y + m0 * ldy, ldy, b, acc_out);
+    if (m0 < R) row_tiles<FmtF32, NR, false>(x + m0 * ldx, ldx, R - m0, K, W, rb, y + m0 * ldy, ldy, b, acc_out);
 }
 
 // Weight rows n0..n0+NR-1 against all R rows of x. Up to BUFFER_ROWS - 1 rows, each weight is dequantized in
@@ -347,9 +371,10 @@ static inline void weight_rows(const float* x, long ldx, int R, int K, const uin
         row_tiles<F, NR>(x, ldx, R, K, Wn, rb, y + n0, ldy, bn, acc_out);
         return;
     }
-    std::vector<float> buf((size_t)NR * K);
+    static thread_local std::vector<float> buf, S;  // per thread, grown once: no allocation per call
     const int ns = F::SPR * (K / 32);
-    std::vector<float> S((size_t)ns + 16);
+    if (buf.size() < (size_t)NR * K) buf.resize((size_t)NR * K);
+    if (S.size() < (size_t)ns + 16) S.resize((size_t)ns + 16);
     for (int r = 0; r < NR; r++) {
         block_scales<F::SPR>(Wn + r * rb, K / 32, F::BLOCK, S.data());
         for (int c = 0; c + F::CH <= K / 16; c += F::CH) {
@@ -358,7 +383,7 @@ static inline void weight_rows(const float* x, long ldx, int R, int K, const uin
             for (int h = 0; h < F::CH; h++) vstore(buf.data() + (long)r * K + 16 * (c + h), w[h]);
         }
     }
-    row_tiles<FmtF32, NR>(x, ldx, R, K, (const uint8_t*)buf.data(), 4L * K, y + n0, ldy, bn, acc_out);
+    wide_tiles<NR>(x, ldx, R, K, buf.data(), y + n0, ldy, bn, acc_out);
 }
 
 // Bytes of one weight row of K columns, or -1 for an unsupported format/shape.
@@ -485,8 +510,9 @@ struct Dims {
     float eps;
     const float* cos;  // [max_len, head_dim]
     const float* sin;
-    float* const* kslot;  // per KV slot: [layers, kv_heads, max_len, head_dim]
-    float* const* vslot;
+    float* const* kslot;  // per KV slot: [layers, kv_heads, max_len / 16, head_dim, 16]: keys in blocks of 16
+                          // positions, each block transposed (max_len a multiple of 16)
+    float* const* vslot;  // per KV slot: [layers, kv_heads, max_len, head_dim]
 };
 
 struct Layer {
@@ -500,36 +526,87 @@ static inline float* cache_at(const Dims* d, float* const* slots, int slot, int 
     return slots[slot] + (((long)layer * d->kv_heads + g) * d->max_len + pos) * d->head_dim;
 }
 
-// One query head of one row over keys 0..pos of its slot: softmax(q.k / sqrt(hd)) . v, keys in order.
+// NH query heads of one row that share KV head g, over keys 0..pos of its slot: per head softmax(q.k / sqrt(hd)) . v,
+// keys in order. The heads go together so each key and value is read once for all of them (grouped-query attention
+// is memory-bound: a batch of sequences reads every slot's whole cache each pass). Keys are stored in transposed
+// blocks of 16 positions: 16 keys' scores come from hd broadcast multiply-adds, no horizontal sums. Each score is
+// one multiply-add chain over the dimensions in order (a key past the last whole block by fmaf, as a lane does it);
+// each output is one chain over the keys in order. Nothing depends on other rows or heads.
+template <int NH>
 static void attend(const Dims* d, int layer, int slot, int pos, int g, const float* q, float* out, float* p) {
     const int hd = d->head_dim, L = pos + 1, L16 = (L + 15) / 16 * 16;
     const float scale = 1.0f / sqrtf((float)hd);
-    const float* K = cache_at(d, d->kslot, slot, layer, g, 0);
+    const float* Kt = d->kslot[slot] + ((long)layer * d->kv_heads + g) * hd * (long)d->max_len;  // block b: + 16*hd*b
     const float* Vc = cache_at(d, d->vslot, slot, layer, g, 0);
-    float mx = -INFINITY;
-    for (int j = 0; j < L; j++) {
-        V16 acc = vzero();
-        for (int c = 0; c < hd; c += 16) acc = vfma(vload(q + c), vload(K + (long)j * hd + c), acc);
-        p[j] = vsum(acc) * scale;
-        mx = p[j] > mx ? p[j] : mx;
+    int j = 0;
+    for (; j + 16 <= L; j += 16) {
+        V16 acc[NH];
+        for (int h = 0; h < NH; h++) acc[h] = vzero();
+        const float* blk = Kt + (long)j * hd;
+        for (int c = 0; c < hd; c++) {
+            const V16 k = vload(blk + 16 * c);
+            for (int h = 0; h < NH; h++) acc[h] = vfma(vset1(q[h * hd + c]), k, acc[h]);
+        }
+        for (int h = 0; h < NH; h++) vstore(p + h * L16 + j, vmul(acc[h], vset1(scale)));
     }
-    for (int j = L; j < L16; j++) p[j] = -INFINITY;  // padding lanes: exp gives ~0 and they are not summed
-    V16 sums = vzero();
-    for (int j = 0; j < L16; j += 16) {
-        V16 e = vexp(vsub(vload(p + j), vset1(mx)));
-        vstore(p + j, e);
-        if (j + 16 <= L) sums = vadd(sums, e);
+    for (; j < L; j++) {
+        const float* blk = Kt + (long)(j / 16 * 16) * hd + j % 16;
+        for (int h = 0; h < NH; h++) {
+            float acc = 0.0f;
+            for (int c = 0; c < hd; c++) acc = fmaf(q[h * hd + c], blk[16 * c], acc);
+            p[h * L16 + j] = acc * scale;
+        }
     }
-    float sum = vsum(sums);
-    for (int j = L / 16 * 16; j < L; j++) sum += p[j];
-    V16 o[16];  // head_dim <= 256
-    for (int c = 0; c < hd / 16; c++) o[c] = vzero();
-    for (int j = 0; j < L; j++) {
-        const V16 pj = vset1(p[j]);
-        for (int c = 0; c < hd / 16; c++) o[c] = vfma(pj, vload(Vc + (long)j * hd + 16 * c), o[c]);
+    float sum[NH];
+    for (int h = 0; h < NH; h++) {
+        float* ph = p + h * L16;
+        float mx = -INFINITY;
+        for (j = 0; j < L; j++) mx = ph[j] > mx ? ph[j] : mx;
+        for (j = L; j < L16; j++) ph[j] = -INFINITY;  // padding lanes: exp gives ~0 and they are not summed
+        V16 sums = vzero();
+        for (j = 0; j < L16; j += 16) {
+            V16 e = vexp(vsub(vload(ph + j), vset1(mx)));
+            vstore(ph + j, e);
+            if (j + 16 <= L) sums = vadd(sums, e);
+        }
+        sum[h] = vsum(sums);
+        for (j = L / 16 * 16; j < L; j++) sum[h] += ph[j];
     }
-    const V16 inv = vset1(1.0f / sum);
-    for (int c = 0; c < hd / 16; c++) vstore(out + 16 * c, vmul(o[c], inv));
+    const int nc = hd / 16;
+    for (int c0 = 0; c0 < nc; c0 += 4) {  // 4 columns of 16 at a time: NH x 4 chains stay in registers
+        const int cn = nc - c0 < 4 ? nc - c0 : 4;
+        V16 o[NH][4];
+        for (int h = 0; h < NH; h++)
+            for (int c = 0; c < 4; c++) o[h][c] = vzero();
+        for (j = 0; j < L; j++) {
+            const float* vj = Vc + (long)j * hd + 16 * c0;
+            V16 v[4];
+            for (int c = 0; c < cn; c++) v[c] = vload(vj + 16 * c);
+            for (int h = 0; h < NH; h++) {
+                const V16 pj = vset1(p[h * L16 + j]);
+                for (int c = 0; c < cn; c++) o[h][c] = vfma(pj, v[c], o[h][c]);
+            }
+        }
+        for (int h = 0; h < NH; h++) {
+            const V16 inv = vset1(1.0f / sum[h]);
+            for (int c = 0; c < cn; c++) vstore(out + h * hd + 16 * (c0 + c), vmul(o[h][c], inv));
+        }
+    }
+}
+
+// Heads of group g, up to 4 at a time (registers).
+static void attend_group(const Dims* d, int layer, int slot, int pos, int g, const float* q, float* out, float* p) {
+    const int rep = d->heads / d->kv_heads, hd = d->head_dim;
+    for (int h = 0; h < rep; h += 4) {
+        const float* qh = q + (long)h * hd;
+        float* oh = out + (long)h * hd;
+        switch (rep - h < 4 ? rep - h : 4) {
+            case 1: attend<1>(d, layer, slot, pos, g, qh, oh, p); break;
+            case 2: attend<2>(d, layer, slot, pos, g, qh, oh, p); break;
+            case 3: attend<3>(d, layer, slot, pos, g, qh, oh, p); break;
+            default: attend<4>(d, layer, slot, pos, g, qh, oh, p); break;
+        }
+    }
 }
 
 struct Scratch { float *h, *qkv, *att, *gu, *act, *p; int plen; };
@@ -551,16 +628,17 @@ static void layer_body(const Dims* d, const Layer* L, int layer, float* x, int R
         rope_row(row, H, hd, cs, sn, d->interleaved);
         rope_row(row + nq, G, hd, cs, sn, d->interleaved);
         for (int g = 0; g < G; g++) {
-            memcpy(cache_at(d, d->kslot, slot[r], layer, g, pos[r]), row + nq + g * hd, 4L * hd);
+            float* kt = d->kslot[slot[r]] + ((long)layer * G + g) * hd * (long)d->max_len + (long)(pos[r] / 16 * 16) * hd +
+                        pos[r] % 16;
+            for (int c = 0; c < hd; c++) kt[16 * c] = row[nq + g * hd + c];
             memcpy(cache_at(d, d->vslot, slot[r], layer, g, pos[r]), row + nq + nkv + g * hd, 4L * hd);
         }
     }
     float* p = s.p + (long)omp_get_thread_num() * s.plen;
 #pragma omp for schedule(static)
-    for (int rh = 0; rh < R * H; rh++) {
-        const int r = rh / H, hh = rh % H;
-        attend(d, layer, slot[r], pos[r], hh / (H / G), s.qkv + (long)r * nqkv + hh * hd, s.att + (long)r * nq + hh * hd,
-               p);
+    for (int rg = 0; rg < R * G; rg++) {  // query heads g*rep .. g*rep+rep-1 share KV head g
+        const int r = rg / G, g = rg % G, h0 = g * (H / G);
+        attend_group(d, layer, slot[r], pos[r], g, s.qkv + (long)r * nqkv + h0 * hd, s.att + (long)r * nq + h0 * hd, p);
     }
     linear(&L->o, s.att, R, nq, x, true);  // x += o(att)
     rmsnorm(x, R, D, L->ffn_norm, d->eps, s.h);
@@ -595,8 +673,8 @@ extern "C" int decoder_layers(const Dims* d, const Layer* layers, int n_layers, 
             return -1;
     }
     std::vector<float> h((size_t)R * D), qkv((size_t)R * (H + 2 * G) * hd), att((size_t)R * H * hd),
-        gu((size_t)R * 2 * I), act((size_t)R * I), p((size_t)threads * (maxpos + 16));
-    const Scratch s = {h.data(), qkv.data(), att.data(), gu.data(), act.data(), p.data(), maxpos + 16};
+        gu((size_t)R * 2 * I), act((size_t)R * I), p((size_t)threads * 4 * (maxpos + 16));
+    const Scratch s = {h.data(), qkv.data(), att.data(), gu.data(), act.data(), p.data(), 4 * (maxpos + 16)};
 #pragma omp parallel num_threads(threads)
     for (int l = 0; l < n_layers; l++) layer_body(d, layers + l, l, x, R, slot, pos, s);
     return 0;

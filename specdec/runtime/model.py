@@ -6,8 +6,9 @@ Weights stay in their file's form (weights.QTensor) and run on specdec's kernels
 logits a one-token pass gives it. Without the kernels the same layer runs in torch below (`_layer_torch`), on the
 same dequantized values.
 
-KV slots: each sequence owns a slot, a preallocated [layers, kv_heads, max_len, head_dim] pair of tensors (pages
-are touched only as positions fill). A pass takes rows from any slots, each at its own position: the row's key and
+KV slots: each sequence owns a slot, a preallocated pair of tensors, keys [layers, kv_heads, max_len/16, head_dim, 16]
+(blocks of 16 positions stored transposed: the kernel scores 16 keys per vector) and values [layers, kv_heads,
+max_len, head_dim]; pages are touched only as positions fill. A pass takes rows from any slots, each at its own position: the row's key and
 value are written at (slot, position), then it attends to positions 0..position of its slot. Rolling back is
 forgetting positions (SlotCache.rollback sets a length); no tensor is copied.
 """
@@ -99,7 +100,7 @@ class Llama:
         self.hd, self.heads, self.kv_heads = config.head_dim, config.num_attention_heads, config.num_key_value_heads
         self.eps = float(config.rms_norm_eps)
         self.interleaved = bool(getattr(config, "rope_interleaved", False))  # llama.cpp's Q/K row order
-        self.max_len = int(max_len or config.max_position_embeddings)
+        self.max_len = -(-int(max_len or config.max_position_embeddings) // 16) * 16  # whole key blocks
         self.cos, self.sin = rope_tables(config, self.max_len)
         self._slots: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._free: list[int] = []
@@ -113,8 +114,10 @@ class Llama:
     def acquire_slot(self) -> int:
         if self._free:
             return self._free.pop()
-        shape = (self.config.num_hidden_layers, self.kv_heads, self.max_len, self.hd)
-        self._slots.append((torch.empty(shape), torch.empty(shape)))  # untouched pages cost no memory
+        layers = self.config.num_hidden_layers
+        keys = (layers, self.kv_heads, self.max_len // 16, self.hd, 16)
+        values = (layers, self.kv_heads, self.max_len, self.hd)
+        self._slots.append((torch.empty(keys), torch.empty(values)))  # untouched pages cost no memory
         if self._lib is not None:
             n = len(self._slots)
             self._kptr = (ctypes.c_void_p * n)(*[k.data_ptr() for k, _ in self._slots])
@@ -182,11 +185,11 @@ class Llama:
         att = torch.empty(R, self.heads * hd)
         for r in range(R):  # write every row's key and value first: rows of one slot see each other causally
             kc, vc = self._slots[slots[r]]
-            kc[i, :, positions[r]], vc[i, :, positions[r]] = k[r], v[r]
+            kc[i, :, positions[r] // 16, :, positions[r] % 16], vc[i, :, positions[r]] = k[r], v[r]
         rep = self.heads // self.kv_heads
         for r in range(R):
             kc, vc = self._slots[slots[r]]
-            keys = kc[i, :, : positions[r] + 1].repeat_interleave(rep, 0)  # [heads, L, hd]
+            keys = kc[i].transpose(2, 3).flatten(1, 2)[:, : positions[r] + 1].repeat_interleave(rep, 0)  # [heads, L, hd]
             vals = vc[i, :, : positions[r] + 1].repeat_interleave(rep, 0)
             p = torch.softmax((keys @ q[r][:, :, None])[..., 0] / hd ** 0.5, -1)
             att[r] = (p[:, None] @ vals)[:, 0].reshape(-1)
