@@ -4,9 +4,15 @@ One `step()` is one cycle for every request in it:
 1. rows the pass carries anyway: each decoding request's newest token, then prompt chunks of joining requests
    (at most `prefill_chunk` rows each, so a long prompt never stalls the others);
 2. the verification budget (scheduler.py) splits the rows left under `max_batch_rows` into draft rows τ_i;
-3. each request's own drafter proposes up to τ_i tokens;
+3. each request's own drafter proposes up to τ_i tokens. A model-free drafter (n-gram, datastore) proposes before
+   step 2 instead, as far as the request may draft: its proposal costs next to nothing, so the scheduler sees what
+   there is to verify and acceptance is estimated over the cycles that had a proposal;
 4. ONE target pass over all rows, each at its own position in its own slot;
 5. each request verifies its block with its own rule and randomness, emits, and rolls its slot back.
+
+Prefix caching (as vLLM's and SGLang's): the K/V of recent prompts are kept in slots of their own, and a joining
+request copies the longest cached prefix of its prompt (a chat template's system prompt, an earlier turn) instead of
+computing it: bitwise the same keys and values, fewer prefill rows.
 
 The runtime computes every row on its own, so a request's logits, and hence its greedy tokens, are bitwise those it
 gets alone; seeded sampling draws from per-position noise (sampling.PositionNoise), so its tokens do not depend
@@ -24,7 +30,7 @@ import torch
 from .drafters.base import close, fork
 from .engine import StopCheck, cut
 from .policy import AdaptivePolicy, _Ema
-from .runtime.model import Llama, fit_vocab
+from .runtime.model import Llama, common_prefix_len, fit_vocab
 from .sampling import SamplingParams
 from .scheduler import Demand, plan
 from .trace import CycleRecord
@@ -47,6 +53,7 @@ class Sequence:
         self.tokens = list(self.prompt)
         self.fed = 0  # positions of `tokens` already in the KV slot
         self.cycle = 0
+        self.idle = 0  # cycles in a row it could have drafted and got no rows
         self.generator = self.params.generator()
 
     @property
@@ -58,17 +65,58 @@ class Sequence:
         return len(self.tokens) - self.fed > 1
 
 
+class PrefixCache:
+    """The K/V of the last `entries` prompts, each in a slot of its own, least recently used evicted first."""
+
+    def __init__(self, model: Llama, entries: int = 8, min_tokens: int = 8):
+        self.model, self.entries, self.min_tokens = model, entries, min_tokens
+        self.cached: list[tuple[list[int], int]] = []  # (prompt tokens, slot), most recent last
+        self.hits = self.reused = 0  # requests served from the cache, positions copied instead of computed
+
+    def restore(self, tokens: list[int], slot: int) -> int:
+        """Copy the longest cached prefix of `tokens` (all but the last token at most) into `slot` -> its length."""
+        best, at = 0, None
+        for i, (cached, _) in enumerate(self.cached):
+            n = min(common_prefix_len(cached, tokens), len(tokens) - 1)
+            if n > best:
+                best, at = n, i
+        if at is None or best < self.min_tokens:
+            return 0
+        entry = self.cached.pop(at)
+        self.cached.append(entry)
+        self.model.copy_prefix(entry[1], slot, best)
+        self.hits, self.reused = self.hits + 1, self.reused + best
+        return best
+
+    def store(self, tokens: list[int], slot: int) -> None:
+        """Keep a just-prefilled prompt (computed in `slot`) unless a cached one already covers it."""
+        if len(tokens) < self.min_tokens or any(common_prefix_len(c, tokens) == len(tokens) for c, _ in self.cached):
+            return
+        if len(self.cached) >= self.entries:
+            self.model.release_slot(self.cached.pop(0)[1])
+        mine = self.model.acquire_slot()
+        self.model.copy_prefix(slot, mine, len(tokens))
+        self.cached.append((list(tokens), mine))
+
+
+PROBE_EVERY = 8  # a request denied draft rows this many cycles in a row gets one, to re-measure its acceptance
+
+
 class BatchEngine:
     def __init__(self, model: Llama, drafter, vocab_size: int, eos_ids: set[int], context_window: int,
-                 max_batch_rows: int = 64, prefill_chunk: int = 32, pass_curve: dict[int, float] | None = None):
+                 max_batch_rows: int = 64, prefill_chunk: int = 32, pass_curve: dict[int, float] | None = None,
+                 prefix_cache: int = 8):
         """`drafter` is the template each request's drafter is forked from (drafters.base.fork); `pass_curve`
-        the measured ms of a pass by rows (measure_pass_curve), refined online."""
+        the measured ms of a pass by rows (measure_pass_curve), refined online; `prefix_cache` the prompts whose
+        K/V are kept for reuse (0: none; none either for a drafter that reads the target's hidden states, which a
+        copied prefix does not give it)."""
         if max_batch_rows < 1 or prefill_chunk < 1:
             raise ValueError("max_batch_rows and prefill_chunk must be >= 1")
         self.model, self.drafter, self.vocab_size = model, drafter, vocab_size
         self.eos_ids, self.context_window = set(eos_ids), context_window
         self.max_batch_rows, self.prefill_chunk = max_batch_rows, prefill_chunk
         self.wants_hidden = getattr(drafter, "wants_target_hidden", False)
+        self.prefixes = PrefixCache(model, prefix_cache) if prefix_cache and not self.wants_hidden else None
         self.running: list[Sequence] = []
         self._state: dict[int, tuple] = {}  # id -> (slot, drafter, acceptance estimates)
         self._pass = {n: _Ema(ms, weight=2.0, decay=0.9) for n, ms in (pass_curve or {1: 10.0}).items()}
@@ -86,7 +134,10 @@ class BatchEngine:
         est = AdaptivePolicy(seq.max_tau, max(seq.max_tau, 1))
         for mine, ours in zip(est.alpha, self.shared.alpha):
             mine.value = ours.value
-        self._state[seq.id] = (self.model.acquire_slot(), fork(self.drafter), est)
+        slot = self.model.acquire_slot()
+        self._state[seq.id] = (slot, fork(self.drafter), est)
+        if self.prefixes is not None:
+            seq.fed = self.prefixes.restore(seq.prompt, slot)
         self.running.append(seq)
         return seq
 
@@ -97,6 +148,15 @@ class BatchEngine:
             self.model.release_slot(slot)
             close(drafter)
             self.running.remove(seq)
+
+    def close(self) -> None:
+        """Give back every slot: the running requests' and the prefix cache's."""
+        for seq in list(self.running):
+            self.remove(seq)
+        if self.prefixes is not None:
+            for _, slot in self.prefixes.cached:
+                self.model.release_slot(slot)
+            self.prefixes.cached = []
 
     # ---- the cycle --------------------------------------------------------------------------------------------
     def pass_ms(self, rows: int) -> float:
@@ -116,21 +176,32 @@ class BatchEngine:
                 chunks[s.id] = min(len(s.tokens) - s.fed, self.prefill_chunk, rows_left)
                 rows_left -= chunks[s.id]
         base = self.max_batch_rows - rows_left
-        demands = []
+        free = getattr(self.drafter, "free", False)
+        demands, early, draft_ms = [], {}, {}
         for s in decoding:
             est = self._state[s.id][2]
             room = min(s.max_new_tokens - len(s.generated), self.context_window - len(s.tokens))
             cap = max(0, min(s.max_tau, room - 1))  # never draft more than can be emitted
-            draft_ms = est.draft_ms.value if est.draft_ms is not None else 0.1
-            demands.append(Demand(est.alphas(), draft_ms, cap, cap if s.fixed_tau else 0))
+            if free and cap:  # propose first: the scheduler then knows what there is to verify
+                t = perf_counter()
+                early[s.id] = self._state[s.id][1].propose(s.tokens, cap, s.params, s.generator)
+                draft_ms[s.id] = (perf_counter() - t) * 1e3
+                cap = min(cap, len(early[s.id].tokens))
+            cost = 0.0 if free else est.draft_ms.value if est.draft_ms is not None else 0.1
+            floor = cap if s.fixed_tau else min(cap, 1) if s.idle >= PROBE_EVERY else 0
+            demands.append(Demand(est.alphas(), cost, cap, floor))
         taus = plan(demands, base, self.max_batch_rows, self.pass_ms)
 
-        drafts, draft_ms = {}, {}
-        for s, tau in zip(decoding, taus):
-            t = perf_counter()
-            draft = self._state[s.id][1].propose(s.tokens, tau, s.params, s.generator) if tau else None
+        drafts = {}
+        for s, tau, d in zip(decoding, taus, demands):
+            s.idle = 0 if tau or not d.cap else s.idle + 1
+            if s.id in early:
+                draft = early[s.id]
+            else:
+                t = perf_counter()
+                draft = self._state[s.id][1].propose(s.tokens, tau, s.params, s.generator) if tau else None
+                draft_ms[s.id] = (perf_counter() - t) * 1e3
             drafts[s.id] = (tau, draft, draft.tokens[:tau] if draft else [])
-            draft_ms[s.id] = (perf_counter() - t) * 1e3
         t1 = perf_counter()
 
         tokens, slots, positions, logit_rows, spans = [], [], [], [], {}
@@ -174,6 +245,8 @@ class BatchEngine:
                 if hidden is not None:
                     self._state[s.id][1].observe_target(fed_before, hidden[start: start + n_rows])
                 continue
+            if s.cycle == 0 and self.prefixes is not None:  # the prompt is in the slot now
+                self.prefixes.store(s.prompt, self._state[s.id][0])
             n, token = verify_block(proposed, draft.q if draft is not None else None, block, s.params,
                                     s.generator, len(s.tokens))
             if hidden is not None:  # target features of the committed positions (all but the newest token)
@@ -186,8 +259,9 @@ class BatchEngine:
                               verify_ms=round(verify_ms, 3), cycle_ms=round((perf_counter() - t0) * 1e3, 3),
                               finish_reason=finish)
             s.cycle += 1
-            self._state[s.id][2].observe(rec)
-            self.shared.observe(rec)
+            if proposed or not free:  # a model-free drafter's estimates: over the cycles it proposed in
+                self._state[s.id][2].observe(rec)
+                self.shared.observe(rec)
             results.append((s, rec))
             if finish:
                 s.finish_reason = finish

@@ -56,7 +56,10 @@ def test_requests_joining_and_leaving_get_what_they_get_alone(rt, tiny_dirs, dra
         assert s.generated == alone(rt, PROMPTS[i], PARAMS[i], s.max_new_tokens), (draft, i)
     if draft != "ngram":  # (a random tiny model rarely repeats itself: n-grams seldom match)
         assert accepted > 0
-    assert len(model._slots) - len(model._free) == held  # every request's slots were given back
+    cached = len(engine.prefixes.cached)
+    assert cached and len(model._slots) - len(model._free) == held + cached  # every request's slots came back
+    engine.close()
+    assert len(model._slots) - len(model._free) == held
 
 
 def test_one_request_alone_in_the_batch_engine_equals_the_engine(rt):
@@ -88,3 +91,23 @@ def test_full_batch_refuses_a_request(rt):
     torch.manual_seed(0)
     while engine.running:
         engine.step()
+
+
+def test_prefix_cache_copies_a_shared_prompt_prefix_and_changes_nothing(rt):
+    """A second request sharing a long prompt prefix starts from the cached K/V (fewer prefill rows) and gets
+    bitwise what it gets alone; a drafter reading target hidden states turns the cache off."""
+    model, tok = rt
+    system = "You are a careful assistant. Answer briefly. "
+    prompts = [system + "Hello there", system + "abcabc", system + "The cat"]
+    engine = BatchEngine(model, build_drafter("ngram", model, tok), model.config.vocab_size, {2}, 128,
+                         max_batch_rows=16, prefill_chunk=8)
+    rows = []
+    for p in prompts:
+        seq = engine.add(Sequence(tok(p).input_ids, 12, SamplingParams()))
+        rows.append(len(seq.prompt) - seq.fed)
+        while engine.running:
+            engine.step()
+        assert seq.generated == alone(rt, p, SamplingParams(), 12)
+    assert rows[0] == len(tok(prompts[0]).input_ids) and max(rows[1:]) < rows[0] // 2
+    assert engine.prefixes.hits == 2 and engine.prefixes.reused >= 2 * len(tok(system).input_ids) - 2
+    engine.close()

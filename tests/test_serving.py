@@ -83,7 +83,8 @@ def test_disconnect_mid_batch_frees_its_slot_and_others_finish(rt_decoder):
         while httpx.get(srv.url + "/health").json()["queue_depth"] and time.time() < deadline:
             time.sleep(0.05)
         assert httpx.get(srv.url + "/health").json()["queue_depth"] == 0
-        assert len(model._slots) - len(model._free) == held  # the dropped request's slot is free again
+        cached = len(srv.app.state.worker.engine.prefixes.cached)  # prompts kept for prefix caching
+        assert len(model._slots) - len(model._free) == held + cached  # the dropped request's slot is free again
         assert srv.metrics()[("specdec_generated_tokens_total", ())] < 200  # it stopped early
         for body, text in zip(REQUESTS[:2], texts):
             assert text == asyncio.run(stream(srv.url, body))

@@ -29,6 +29,7 @@ class NoDrafter:
     """`none`: proposes nothing, so every cycle is one plain target step (the baseline, same code path)."""
 
     name = "none"
+    free = True  # model-free: proposing costs next to nothing
 
     def propose(self, context, k, params, generator) -> Draft:
         return Draft()

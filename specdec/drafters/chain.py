@@ -11,6 +11,7 @@ class ChainDrafter:
         self.members = members
         self.name = "+".join(m.name for m in members)
         self.wants_target_hidden = any(getattr(m, "wants_target_hidden", False) for m in members)
+        self.free = all(getattr(m, "free", False) for m in members)
 
     def propose(self, context, k, params, generator) -> Draft:
         for m in self.members:

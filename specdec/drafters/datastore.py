@@ -20,6 +20,7 @@ MAX_MATCHES = 256  # the most recent matches are enough to find the majority
 
 
 class DatastoreDrafter:
+    free = True  # model-free: a lookup costs next to nothing
     def __init__(self, tokens: torch.Tensor, vocab_size: int, name: str = "datastore", min_count: int = 2,
                  min_share: float = 0.5):
         """tokens: 1-D int tensor of sequences separated by -1."""

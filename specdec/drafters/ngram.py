@@ -13,6 +13,7 @@ from .base import Draft
 
 class NgramDrafter:
     name = "ngram"
+    free = True  # model-free: proposing costs next to nothing
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 2):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram

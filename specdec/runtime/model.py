@@ -128,6 +128,16 @@ class Llama:
     def release_slot(self, slot: int) -> None:
         self._free.append(slot)
 
+    @torch.inference_mode()
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Positions 0..n-1 of slot `src` into slot `dst`, keys and values: bitwise what running those tokens in dst
+        would write (a position's key and value depend only on the tokens up to it). Whole key blocks are copied;
+        positions past n in dst are rewritten by the pass that reaches them before anything reads them."""
+        (ks, vs), (kd, vd) = self._slots[src], self._slots[dst]
+        blocks = -(-n // 16)
+        kd[:, :, :blocks].copy_(ks[:, :, :blocks])
+        vd[:, :, :n].copy_(vs[:, :, :n])
+
     def new_cache(self, vocab_size: int | None = None) -> SlotCache:
         return SlotCache(self, vocab_size or self.config.vocab_size)
 

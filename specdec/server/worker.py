@@ -141,6 +141,7 @@ class BatchWorker(Worker):
                     if job is None:
                         for j in [*waiting, *(a[0] for a in active.values())]:
                             done(j, "error", JobTimeout("the server is shutting down"))
+                        self.engine.close()
                         return
                     waiting.append(job)
             except queue.Empty:
