@@ -289,6 +289,7 @@ def measure_pass_curve(model: Llama, sizes=(1, 2, 4, 8, 16, 32, 64), context: in
     finally:
         for s in slots:
             model.release_slot(s)
+        model.trim()
 
 
 def default_budget(curve: dict[int, float], share: float = 0.5) -> int:

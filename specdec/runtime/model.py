@@ -114,16 +114,28 @@ class Llama:
     def acquire_slot(self) -> int:
         if self._free:
             return self._free.pop()
+        self._slots.append(self._empty_slot())
+        self._pointers()
+        return len(self._slots) - 1
+
+    def _empty_slot(self) -> tuple[torch.Tensor, torch.Tensor]:
         layers = self.config.num_hidden_layers
         keys = (layers, self.kv_heads, self.max_len // 16, self.hd, 16)
         values = (layers, self.kv_heads, self.max_len, self.hd)
-        self._slots.append((torch.empty(keys), torch.empty(values)))  # untouched pages cost no memory
+        return torch.empty(keys), torch.empty(values)  # untouched pages cost no memory
+
+    def _pointers(self) -> None:
         if self._lib is not None:
             n = len(self._slots)
             self._kptr = (ctypes.c_void_p * n)(*[k.data_ptr() for k, _ in self._slots])
             self._vptr = (ctypes.c_void_p * n)(*[v.data_ptr() for _, v in self._slots])
             self._dims = self._make_dims()
-        return len(self._slots) - 1
+
+    def trim(self) -> None:
+        """Hand the memory of free slots back (fresh, untouched tensors in their place)."""
+        for i in self._free:
+            self._slots[i] = self._empty_slot()
+        self._pointers()
 
     def release_slot(self, slot: int) -> None:
         self._free.append(slot)

@@ -12,8 +12,9 @@ def cmd_serve(args) -> int:
 
     if not 0 < args.port < 65536 or args.max_queue < 1 or args.timeout <= 0 or args.max_tau < 0:
         raise InvalidRequest("--port must be 1-65535, --max-queue >= 1, --timeout > 0 and --max-tau >= 0")
-    decoder = SpecDecoder(target=args.target, draft=args.draft, tau=args.tau, policy=args.policy,
-                          backend=args.backend)
+    def decoder():  # built on the model worker's thread (server/worker.py says why)
+        return SpecDecoder(target=args.target, draft=args.draft, tau=args.tau, policy=args.policy,
+                           backend=args.backend)
     app = create_app(decoder, model_name=args.model_name, api_key=args.api_key, max_queue=args.max_queue,
                      timeout_s=args.timeout, trace_dir=args.trace_dir, batch=not args.no_batch,
                      max_batch_rows=args.max_batch_rows, prefill_chunk=args.prefill_chunk, max_tau=args.max_tau)

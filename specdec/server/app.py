@@ -34,15 +34,20 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
                timeout_s: float = 300.0, max_tokens_default: int = 256, max_body_bytes: int = 1 << 20,
                trace_dir: str | None = None, batch: bool = True, max_batch_rows: int | None = None,
                prefill_chunk: int = 32, max_tau: int = 8) -> FastAPI:
-    """`batch`: on specdec's runtime, serve all admitted requests in each target pass (BatchWorker) with
-    `max_batch_rows` rows per pass (default: from the pass curve measured here, batch.default_budget); the
-    transformers backend, or batch=False, serves one request at a time."""
+    """`decoder`: a SpecDecoder, or a function that makes one on the model worker's thread (what `specdec serve`
+    passes: see worker.Worker). `batch`: on specdec's runtime, serve all admitted requests in each target pass
+    (BatchWorker) with `max_batch_rows` rows per pass (default: from the pass curve measured at start,
+    batch.default_budget); the transformers backend, or batch=False, serves one request at a time."""
     metrics = Metrics()
-    if batch and models.is_runtime(decoder.model):
-        engine = batch_engine(decoder, max_batch_rows, prefill_chunk)
-        worker = BatchWorker(decoder, metrics, max_queue, timeout_s, trace_dir, engine, max_tau)
+    if (max_batch_rows is not None and max_batch_rows < 1) or prefill_chunk < 1 or max_tau < 0:
+        raise InvalidRequest("--max-batch-rows and --prefill-chunk must be >= 1, --max-tau >= 0")
+    if batch:
+        worker = BatchWorker(decoder, metrics, max_queue, timeout_s, trace_dir,
+                             lambda d: batch_engine(d, max_batch_rows, prefill_chunk), max_tau)
     else:
         worker = Worker(decoder, metrics, max_queue, timeout_s, trace_dir)
+    worker.wait_ready()
+    decoder = worker.decoder
     app = FastAPI(title="specdec", docs_url=None, redoc_url=None)
     app.state.metrics, app.state.worker, app.state.decoder = metrics, worker, decoder
     app.router.add_event_handler("shutdown", worker.stop)
@@ -175,9 +180,10 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
 
 
 def batch_engine(decoder, max_batch_rows: int | None, prefill_chunk: int):
+    """The BatchEngine for a decoder on specdec's runtime, else None (one request at a time)."""
     from ..batch import BatchEngine, default_budget, measure_pass_curve
-    if (max_batch_rows is not None and max_batch_rows < 1) or prefill_chunk < 1:
-        raise InvalidRequest("--max-batch-rows and --prefill-chunk must be >= 1")
+    if not models.is_runtime(decoder.model):
+        return None
     sizes = sorted({1, 2, 4, 8, 16, 32, 64, max_batch_rows or 1})
     curve = measure_pass_curve(decoder.model, sizes, context=min(64, decoder.context_window // 2))
     return BatchEngine(decoder.model, decoder.engine.drafter, decoder.model.config.vocab_size,

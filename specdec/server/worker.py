@@ -42,6 +42,11 @@ class Job:
 
 
 class Worker:
+    """`decoder`: a SpecDecoder, or a function that makes one. Given a function, the decoder is built on the worker
+    thread itself, so that one thread runs every OpenMP region of the process: libgomp throttles its spin-waiting
+    once more threads are parked in OpenMP pools than there are CPUs, and a pass's ~240 barriers then each wait
+    on a futex (a pass on a second thread took 2.3x as long, measured on this 2-core machine)."""
+
     def __init__(self, decoder, metrics, max_queue: int, timeout_s: float, trace_dir: str | None = None):
         self.decoder, self.metrics = decoder, metrics
         self.max_queue, self.timeout_s = max_queue, timeout_s
@@ -49,8 +54,31 @@ class Worker:
         self._jobs: queue.Queue = queue.Queue()
         self._pending = 0
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._loop, name="specdec-model-worker", daemon=True)
+        self.ready = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="specdec-model-worker", daemon=True)
         self._thread.start()
+
+    def wait_ready(self) -> None:
+        """Block until the decoder (and anything _setup builds) exists; re-raise what building it raised."""
+        self.ready.wait()
+        if self.error is not None:
+            raise self.error
+
+    def _main(self) -> None:
+        try:
+            if callable(self.decoder) and not hasattr(self.decoder, "prepare"):
+                self.decoder = self.decoder()
+            self._setup()
+        except BaseException as e:  # reported by wait_ready in the thread that creates the app
+            self.error = e
+            return
+        finally:
+            self.ready.set()
+        self._loop()
+
+    def _setup(self) -> None:
+        pass
 
     @property
     def pending(self) -> int:
@@ -116,12 +144,18 @@ class BatchWorker(Worker):
     """Continuous batching: requests join the running batch at cycle boundaries (up to the engine's row budget,
     the rest wait in order) and leave when they finish, are cancelled or time out."""
 
-    def __init__(self, decoder, metrics, max_queue: int, timeout_s: float, trace_dir: str | None, engine,
+    def __init__(self, decoder, metrics, max_queue: int, timeout_s: float, trace_dir: str | None, make_engine,
                  max_tau: int = 8):
-        self.engine, self.max_tau = engine, max_tau
+        """`make_engine(decoder)` -> the BatchEngine, built on the worker thread (it measures the pass curve)."""
+        self.make_engine, self.max_tau, self.engine = make_engine, max_tau, None
         super().__init__(decoder, metrics, max_queue, timeout_s, trace_dir)
 
+    def _setup(self) -> None:
+        self.engine = self.make_engine(self.decoder)
+
     def _loop(self) -> None:
+        if self.engine is None:  # a model the runtime does not run: one request at a time
+            return super()._loop()
         from ..batch import Sequence
         waiting: collections.deque[Job] = collections.deque()
         active: dict[int, tuple] = {}  # sequence id -> (job, request, sequence)
