@@ -12,6 +12,16 @@ def cmd_serve(args) -> int:
 
     if not 0 < args.port < 65536 or args.max_queue < 1 or args.timeout <= 0 or args.max_tau < 0:
         raise InvalidRequest("--port must be 1-65535, --max-queue >= 1, --timeout > 0 and --max-tau >= 0")
+    if args.ray:
+        from .ray_serve import run
+        run(dict(target=args.target, draft=args.draft, tau=args.tau, policy=args.policy, backend=args.backend,
+                 model_name=args.model_name, api_key=args.api_key, max_queue=args.max_queue, timeout=args.timeout,
+                 trace_dir=args.trace_dir, batch=not args.no_batch, max_batch_rows=args.max_batch_rows,
+                 prefill_chunk=args.prefill_chunk, max_tau=args.max_tau, replicas=args.replicas,
+                 autoscaling=args.ray_autoscaling, cpus_per_replica=args.cpus_per_replica),
+            args.host, args.port, args.ray_address)
+        return 0
+
     def decoder():  # built on the model worker's thread (server/worker.py says why)
         return SpecDecoder(target=args.target, draft=args.draft, tau=args.tau, policy=args.policy,
                            backend=args.backend)
@@ -39,4 +49,12 @@ def register(sub, model_args, sampling_args):
                    help="the most draft tokens the scheduler gives a request per cycle (a request's own tau, or "
                         "policy=fixed with tau, overrides it)")
     s.add_argument("--no-batch", action="store_true", help="serve one request at a time (no continuous batching)")
+    r = s.add_argument_group("scale-out on Ray Serve (pip install 'specdec[ray]')")
+    r.add_argument("--ray", action="store_true", help="serve N replicas behind Ray Serve's HTTP proxy")
+    r.add_argument("--replicas", type=int, default=1, help="replicas, each with its own model")
+    r.add_argument("--ray-autoscaling", default=None,
+                   help="Ray Serve autoscaling_config as JSON (replaces --replicas), e.g. "
+                        "'{\"min_replicas\": 1, \"max_replicas\": 4}'")
+    r.add_argument("--cpus-per-replica", type=float, default=1.0, help="CPUs Ray reserves for each replica")
+    r.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
     s.set_defaults(func=cmd_serve)

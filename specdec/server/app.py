@@ -6,6 +6,7 @@ import hmac
 
 import asyncio
 import json
+import os
 import time
 
 from fastapi import FastAPI, Request
@@ -73,8 +74,8 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
         return JSONResponse(error_body(str(exc.detail), "invalid_request_error"), status_code=exc.status_code)
 
     @app.get("/health")
-    async def health():
-        return {"status": "ok", "queue_depth": worker.pending}
+    async def health():  # pid: which process answered (replicas behind Ray Serve's proxy)
+        return {"status": "ok", "queue_depth": worker.pending, "pid": os.getpid()}
 
     @app.get("/metrics")
     async def prometheus():

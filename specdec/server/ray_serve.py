@@ -1,0 +1,68 @@
+"""Scale-out on Ray Serve (`pip install specdec[ray]`): N replicas of the same FastAPI app, each a process with its
+own model and batching worker, behind Ray Serve's HTTP proxy. Ray routes requests, replaces a replica that dies and
+autoscales; specdec adds no router, balancer or supervisor of its own.
+
+    specdec serve --ray --replicas 2                                   # a local Ray instance, port 8000
+    specdec serve --ray --ray-autoscaling '{"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8}'
+    serve run specdec.server.ray_serve:build replicas=2 target=default   # Ray's own CLI, the same application
+"""
+from __future__ import annotations
+
+import json
+
+from ..errors import InvalidRequest
+
+DEFAULTS = dict(target="default", draft=None, tau=None, policy=None, backend="auto", model_name="specdec",
+                api_key=None, max_queue=16, timeout=300.0, trace_dir=None, batch=True, max_batch_rows=None,
+                prefill_chunk=32, max_tau=8, replicas=1, autoscaling=None, cpus_per_replica=1.0)
+
+
+def _ray():
+    try:
+        from ray import serve
+    except ImportError:
+        raise InvalidRequest("Ray Serve is not installed: pip install 'specdec[ray]'") from None
+    return serve
+
+
+def build(args: dict | None = None):
+    """The Ray Serve application (also an application builder for `serve run`, which passes key=value strings)."""
+    serve = _ray()
+    opts = {**DEFAULTS, **(args or {})}
+    autoscaling = opts["autoscaling"]
+    if isinstance(autoscaling, str):
+        try:
+            autoscaling = json.loads(autoscaling)
+        except ValueError:
+            raise InvalidRequest(f"--ray-autoscaling must be a JSON object, got {autoscaling!r}") from None
+    replicas = int(opts["replicas"])
+    if replicas < 1 and not autoscaling:
+        raise InvalidRequest("--replicas must be >= 1")
+
+    def make_app():  # runs in each replica process
+        from ..api import DEFAULT_POLICY, DEFAULT_TAU, SpecDecoder
+        from .app import create_app
+
+        def decoder():
+            return SpecDecoder(target=opts["target"], draft=opts["draft"], tau=int(opts["tau"] or DEFAULT_TAU),
+                               policy=opts["policy"] or DEFAULT_POLICY, backend=opts["backend"])
+        return create_app(decoder, model_name=opts["model_name"], api_key=opts["api_key"],
+                          max_queue=int(opts["max_queue"]), timeout_s=float(opts["timeout"]),
+                          trace_dir=opts["trace_dir"], batch=str(opts["batch"]).lower() not in ("0", "false", "no"),
+                          max_batch_rows=int(opts["max_batch_rows"]) if opts["max_batch_rows"] else None,
+                          prefill_chunk=int(opts["prefill_chunk"]), max_tau=int(opts["max_tau"]))
+
+    scaling = {"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": replicas}
+    # each replica reserves its CPUs; Ray sets OMP_NUM_THREADS to them, so replicas do not oversubscribe the cores
+    deployment = serve.deployment(serve.ingress(make_app)(), name="specdec", max_ongoing_requests=int(opts["max_queue"]),
+                                  ray_actor_options={"num_cpus": float(opts["cpus_per_replica"])}, **scaling)
+    return deployment.bind()
+
+
+def run(args, host: str, port: int, address: str | None = None) -> None:
+    """`specdec serve --ray`: start (or join) Ray, put the application behind Serve's proxy on host:port, block."""
+    serve = _ray()
+    import ray
+    ray.init(address=address, ignore_reinit_error=True, include_dashboard=False)
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(build(args), name="specdec", route_prefix="/", blocking=True)
