@@ -1,102 +1,189 @@
-"""`specdec analyze TRACE.jsonl`: why was this run fast or slow?
+"""`specdec analyze TRACE.jsonl|DIR ...`: why was this run fast or slow?
 
-Reads per-cycle records (from `generate --trace` or the server's --trace-dir) and reports summary metrics,
-acceptance by position, the time split, the measured speedup against the cost model's prediction, and a
-diagnosis naming the bottleneck with a concrete recommendation.
+Reads per-cycle records (from `generate --trace` or the server's --trace-dir) and reports acceptance by position,
+the time split, the measured speedup against the cost model's prediction, and what each cause costs: for each, the
+speedup if it were removed (`speedup_if_fixed`):
+- draft_cost: drafting free;
+- verify_cost: a pass over n rows costing one target step;
+- overhead: no time outside drafting and verifying;
+- tau_too_large / tau_too_small: the best τ for the measured acceptance by position (cost model);
+and the ceiling, tokens per target pass (drafting free, every pass one step). When even the ceiling is low the
+drafts are rarely right or rarely offered: `low_acceptance`, whatever else costs time. Otherwise the bottleneck is
+the cause with the largest gain, or `none` when no cause would add more than NONE_MARGIN.
+
+Measured and predicted speedups are over the decode cycles (cycle 0 also carries the prompt's prefill) against
+one target step, T_verify(1), the cost of a target-only token.
 """
 from __future__ import annotations
 
 import json
-from statistics import mean
+from collections import Counter
+from pathlib import Path
+from statistics import mean, median
 
+from .costs import interpolate, lengths_at, predicted_speedup, verify_curve
 from .errors import SpecDecError
-from .costs import cost_model, interpolate, verify_curve
 from .trace import CycleRecord, acceptance_by_position, read_jsonl
 
 BOTTLENECKS = ("low_acceptance", "draft_cost", "verify_cost", "overhead", "tau_too_large", "tau_too_small", "none")
 MAX_TAU = 16
+LOW_CEILING = 1.15  # tokens per target pass below this: speculation cannot pay, whatever else is fixed
+NONE_MARGIN = 0.10  # no cause worth more than +10%: healthy
+
+ADVICE = {
+    "low_acceptance": "use a draft closer to the target (distil it on the target's outputs: specdec distill), check "
+                      "that the prompt format (chat template) matches, or stop speculating (--draft none)",
+    "draft_cost": "use a cheaper draft (fewer layers, a reduced-vocabulary head) or a model-free one (ngram, "
+                  "datastore); speculation pays only when acceptance clearly exceeds the draft/target cost ratio",
+    "verify_cost": "verify fewer tokens per pass (a smaller tau), or run a backend whose multi-token pass costs "
+                   "little more than one token (specdec's runtime, a GPU)",
+    "overhead": "profile the loop: tokenizer decoding, stop-string checks, logging or I/O inside the cycle; move "
+                "them out of the hot path",
+    "tau_too_large": "run with the suggested --tau, or --policy adaptive to choose it per cycle",
+    "tau_too_small": "run with the suggested --tau, or --policy adaptive to choose it per cycle",
+}
 
 
-def analyze(records: list[CycleRecord]) -> dict:
+def _decode(records: list[CycleRecord]) -> list[CycleRecord]:
+    return records[1:] if len(records) > 1 else records  # cycle 0 carries the prompt's prefill
+
+
+def _fit_draft(records: list[CycleRecord]) -> tuple[float, float]:
+    """Draft ms per cycle = a + b·(tokens proposed), least squares over the cycles that asked for a draft."""
+    pts = [(len(r.proposed), r.draft_ms) for r in records if r.tau > 0]
+    if not pts:
+        return 0.0, 0.0
+    mx, my = mean(x for x, _ in pts), mean(y for _, y in pts)
+    var = sum((x - mx) ** 2 for x, _ in pts)
+    if var == 0:
+        return (my, 0.0) if mx == 0 else (0.0, my / mx)
+    b = max(0.0, sum((x - mx) * (y - my) for x, y in pts) / var)
+    return max(0.0, my - b * mx), b
+
+
+def analyze(records: list[CycleRecord], decode_only: bool = False) -> dict:
+    """The report for one trace (or, decode_only=True, for cycles already stripped of their prefill cycle)."""
     if not records:
         raise SpecDecError("the trace has no cycle records")
-    tokens = sum(len(r.emitted) for r in records)
-    proposed = sum(len(r.proposed) for r in records)
-    accepted = sum(r.accepted for r in records)
-    draft_ms = sum(r.draft_ms for r in records)
-    verify_ms = sum(r.verify_ms for r in records)
-    total_ms = sum(r.cycle_ms for r in records)
-    other_ms = max(0.0, total_ms - draft_ms - verify_ms)
-    by_pos = acceptance_by_position(records)
-    alphas = [a for a in by_pos if a is not None]
-    curve = verify_curve(records)
-    t_target = interpolate(curve, 1)  # one target step: what target-only decoding pays per token
-    mean_tau = mean(r.tau for r in records)
-    drafted_cycles = [r for r in records if r.proposed]
-    c_ms = (sum(r.draft_ms for r in drafted_cycles) / max(1, sum(len(r.proposed) for r in drafted_cycles))
-            if drafted_cycles else 0.0)
-    overhead = other_ms / len(records)
-    acc_rate = accepted / proposed if proposed else 0.0
-    measured = tokens / total_ms * t_target if total_ms else 0.0
-    tau_used = max(0, round(mean_tau))
-    asked = [r for r in records if r.tau > 0]
-    match = len(drafted_cycles) / len(asked) if asked else 1.0  # share of cycles that got a draft at all
-    predicted = (cost_model(alphas, tau_used, c_ms, curve, overhead, t_target, match)
-                 if alphas or tau_used == 0 else None)
-    best_tau = max(range(0, MAX_TAU + 1),
-                   key=lambda t: cost_model(alphas, t, c_ms, curve, overhead, t_target, match))
-    best = cost_model(alphas, best_tau, c_ms, curve, overhead, t_target, match)
-    growth = interpolate(curve, tau_used + 1) / t_target if t_target else 1.0
+    cycles = records if decode_only else _decode(records)
+    tokens = sum(len(r.emitted) for r in cycles)
+    proposed = sum(len(r.proposed) for r in cycles)
+    accepted = sum(r.accepted for r in cycles)
+    draft_ms = sum(r.draft_ms for r in cycles)
+    verify_ms = sum(r.verify_ms for r in cycles)
+    total_ms = sum(r.cycle_ms for r in cycles)
+    other_ms = sum(max(0.0, r.cycle_ms - r.draft_ms - r.verify_ms) for r in cycles)
+    curve = verify_curve(cycles if decode_only else records)
+    t1 = interpolate(curve, 1)  # one target step: what target-only decoding pays per token
+    by_pos = acceptance_by_position(cycles)
+    alphas = []
+    for a in by_pos:  # a position never reached after an accepted one: assume no better than the one before
+        alphas.append(a if a is not None else (alphas[-1] if alphas else 0.0))
+    tau = Counter(r.tau for r in cycles).most_common(1)[0][0]
+    lengths = {n: c / len(cycles) for n, c in Counter(len(r.proposed) for r in cycles).items()}
+    draft_cost = _fit_draft(cycles)
+    overhead = other_ms / len(cycles)
 
-    findings = []
-    if other_ms / total_ms > 0.25:
-        findings.append(("overhead", f"{100 * other_ms / total_ms:.0f}% of the time is outside draft and verify "
-                         f"({overhead:.1f} ms per cycle)", "profile the loop: tokenizer decoding, stop-string "
-                         "checks, logging or I/O inside the cycle; batch or move them out of the hot path"))
-    if growth > 1.6 and len(curve) > 1:
-        findings.append(("verify_cost", f"verifying {tau_used + 1} tokens costs {growth:.1f}x one target step "
-                         f"({interpolate(curve, tau_used + 1):.1f} vs {t_target:.1f} ms): parallel verification is not "
-                         "paying", f"use a smaller tau (the cost model suggests {best_tau}), or a backend whose "
-                         "multi-token pass is memory bound (GPU, fused kernels)"))
-    c_ratio = c_ms / t_target if t_target else 0.0
-    alpha1 = alphas[0] if alphas else 0.0  # Leviathan's alpha: a draft token's chance of acceptance
-    if drafted_cycles and c_ratio > 0.1 and c_ratio >= 0.5 * alpha1:
-        findings.append(("draft_cost", f"one draft token costs {c_ratio:.2f} of a target step while its first "
-                         f"token is accepted only {100 * alpha1:.0f}% of the time", "use a cheaper draft (fewer "
-                         "layers, a reduced-vocabulary head) or the n-gram drafter; speculation pays only when "
-                         "acceptance clearly exceeds the draft/target cost ratio"))
-    if proposed and alpha1 < 0.4:
-        findings.append(("low_acceptance", f"acceptance rate {acc_rate:.2f}; the target already rejects the first "
-                         f"draft token {100 * (1 - alpha1):.0f}% of the time", "use a draft closer to the target "
-                         "(distil it on the target's outputs: specdec distill), check that the prompt format "
-                         "(chat template) matches, or stop speculating (--draft none / --policy adaptive)"))
-    if predicted is not None and best > 1.1 * predicted and best_tau != tau_used:
-        kind = "tau_too_large" if best_tau < tau_used else "tau_too_small"
-        drop = next((k + 1 for k, a in enumerate(alphas) if a < 0.5), None)
-        where = f"; acceptance falls below 0.5 at draft position {drop}" if drop else ""
-        findings.append((kind, f"tau={tau_used} but the measured acceptance by position favours tau={best_tau} "
-                         f"(predicted speedup {best:.2f}x vs {predicted:.2f}x){where}",
-                         f"run with --tau {best_tau}, or --policy adaptive to choose it per cycle"))
-    bottleneck = findings[0][0] if findings else "none"
+    def model(t: int) -> float:
+        return predicted_speedup(alphas, lengths_at(lengths, tau, t), draft_cost, curve, overhead, t1)
+
+    def speedup(time_ms: float) -> float:
+        return tokens * t1 / time_ms if time_ms > 0 else float("inf")
+
+    measured = speedup(total_ms)
+    predicted = model(tau)
+    best_tau = max(range(MAX_TAU + 1), key=model)
+    gains = {
+        "draft_cost": speedup(total_ms - draft_ms),
+        "verify_cost": speedup(total_ms - verify_ms + t1 * len(cycles)),
+        "overhead": speedup(total_ms - other_ms),
+    }
+    if best_tau != tau and model(best_tau) > predicted:
+        gains["tau_too_large" if best_tau < tau else "tau_too_small"] = measured * model(best_tau) / predicted
+    ceiling = tokens / len(cycles)  # tokens per target pass
+
+    if ceiling < LOW_CEILING:
+        bottleneck = "low_acceptance"
+    else:
+        top = max(gains, key=gains.get)
+        bottleneck = top if gains[top] > measured * (1 + NONE_MARGIN) else "none"
+    why = {
+        "low_acceptance": f"{ceiling:.2f} tokens per target pass (acceptance "
+                          f"{accepted / proposed if proposed else 0:.2f}, drafts in "
+                          f"{100 * (1 - lengths.get(0, 0)):.0f}% of cycles): even free drafting and one-step "
+                          "verification would barely beat target-only",
+        "draft_cost": f"drafting is {100 * draft_ms / total_ms:.0f}% of the time "
+                      f"({draft_cost[1] / t1 if t1 else 0:.2f} target steps per draft token)",
+        "verify_cost": f"verification is {100 * verify_ms / total_ms:.0f}% of the time; a pass over "
+                       f"{tau + 1} tokens costs {interpolate(curve, tau + 1) / t1 if t1 else 0:.2f} target steps",
+        "overhead": f"{100 * other_ms / total_ms:.0f}% of the time is outside drafting and verifying "
+                    f"({overhead:.1f} ms per cycle)",
+        "tau_too_large": f"tau={tau}; the measured acceptance by position favours tau={best_tau}",
+        "tau_too_small": f"tau={tau}; the measured acceptance by position favours tau={best_tau}",
+    }
+    findings = sorted(({"kind": k, "speedup_if_fixed": round(v, 3), "gain": round(v / measured, 3),
+                        "finding": why[k], "recommendation": ADVICE[k]} for k, v in gains.items()),
+                      key=lambda f: -f["speedup_if_fixed"])
+    if bottleneck == "low_acceptance":
+        findings.insert(0, {"kind": "low_acceptance", "speedup_if_fixed": None, "gain": None,
+                            "finding": why["low_acceptance"], "recommendation": ADVICE["low_acceptance"]})
     return {
-        "summary": {"cycles": len(records), "new_tokens": tokens, "proposed": proposed, "accepted": accepted,
-                    "acceptance_rate": round(acc_rate, 4) if proposed else None,
-                    "mean_accepted_len": round(accepted / len(records), 4), "mean_tau": round(mean_tau, 3),
+        "summary": {"cycles": len(cycles), "new_tokens": tokens, "proposed": proposed, "accepted": accepted,
+                    "acceptance_rate": round(accepted / proposed, 4) if proposed else None,
+                    "mean_accepted_len": round(accepted / len(cycles), 4), "tau": tau,
+                    "mean_proposed": round(proposed / len(cycles), 3),
                     "tokens_per_s": round(tokens / total_ms * 1e3, 3) if total_ms else None,
-                    "target_passes_per_token": round(len(records) / tokens, 4) if tokens else None},
+                    "target_passes_per_token": round(len(cycles) / tokens, 4) if tokens else None},
         "acceptance_by_position": by_pos,
+        "proposal_lengths": {str(n): round(w, 4) for n, w in sorted(lengths.items())},
         "time_split": {"draft_ms": round(draft_ms, 3), "verify_ms": round(verify_ms, 3),
                        "other_ms": round(other_ms, 3), "draft_frac": round(draft_ms / total_ms, 4),
                        "verify_frac": round(verify_ms / total_ms, 4), "other_frac": round(other_ms / total_ms, 4)},
-        "costs": {"target_step_ms": round(t_target, 3), "draft_ms_per_token": round(c_ms, 3),
-                  "draft_cost_ratio": round(c_ratio, 4), "overhead_ms_per_cycle": round(overhead, 3),
+        "costs": {"target_step_ms": round(t1, 3), "draft_ms_per_cycle": round(draft_cost[0], 3),
+                  "draft_ms_per_token": round(draft_cost[1], 3),
+                  "draft_cost_ratio": round(draft_cost[1] / t1, 4) if t1 else None,
+                  "overhead_ms_per_cycle": round(overhead, 3),
                   "verify_ms_by_tokens": {str(k): round(v, 3) for k, v in curve.items()}},
-        "speedup": {"measured_vs_target_step": round(measured, 3),
-                    "predicted": round(predicted, 3) if predicted is not None else None,
-                    "best_tau": best_tau, "predicted_at_best_tau": round(best, 3)},
+        "speedup": {"measured": round(measured, 3), "predicted": round(predicted, 3),
+                    "prediction_error": round(predicted / measured - 1, 4) if measured else None,
+                    "ceiling": round(ceiling, 3), "best_tau": best_tau,
+                    "predicted_at_best_tau": round(model(best_tau), 3)},
         "bottleneck": bottleneck,
-        "findings": [{"kind": k, "finding": f, "recommendation": r} for k, f, r in findings],
+        "findings": findings,
     }
+
+
+def analyze_many(traces: dict[str, list[CycleRecord]]) -> dict:
+    """Several traces (a server's --trace-dir, or many --trace files) together: the report over all their decode
+    cycles, one line per trace, and the outliers (a speedup a quarter off the median, or a bottleneck other than
+    most traces')."""
+    per = {name: analyze(recs) for name, recs in traces.items()}
+    merged = analyze([r for recs in traces.values() for r in _decode(recs)], decode_only=True)
+    mid = median(p["speedup"]["measured"] for p in per.values())
+    rows = [{"trace": name, "cycles": p["summary"]["cycles"], "measured": p["speedup"]["measured"],
+             "predicted": p["speedup"]["predicted"], "bottleneck": p["bottleneck"]} for name, p in per.items()]
+    usual = Counter(r["bottleneck"] for r in rows).most_common(1)[0][0]
+    outliers = [r for r in rows if abs(r["measured"] / mid - 1) > 0.25 or r["bottleneck"] != usual]
+    return {**merged, "traces": rows, "outliers": outliers}
+
+
+def load_traces(paths: list[str]) -> dict[str, list[CycleRecord]]:
+    files = []
+    for p in map(Path, paths):
+        files += sorted(p.glob("*.jsonl")) if p.is_dir() else [p]
+    if not files:
+        raise SpecDecError(f"no trace files (*.jsonl) in {', '.join(paths)}")
+    traces = {}
+    for f in files:
+        try:
+            traces[str(f)] = read_jsonl(f)
+        except OSError as e:
+            raise SpecDecError(f"cannot read trace {f}: {e.strerror}")
+        except (json.JSONDecodeError, TypeError) as e:
+            raise SpecDecError(f"{f} is not a specdec trace (one JSON cycle record per line): {e}")
+        if not traces[str(f)]:
+            raise SpecDecError(f"the trace {f} has no cycle records")
+    return traces
 
 
 def print_report(rep: dict) -> None:
@@ -105,32 +192,38 @@ def print_report(rep: dict) -> None:
 
     con = Console(width=110)
     s, t, c, sp = rep["summary"], rep["time_split"], rep["costs"], rep["speedup"]
-    con.print(f"[bold]{s['new_tokens']} tokens in {s['cycles']} cycles[/]  acceptance {s['acceptance_rate']}  "
-              f"mean accepted {s['mean_accepted_len']}  mean tau {s['mean_tau']}  {s['tokens_per_s']} tok/s")
+    con.print(f"[bold]{s['new_tokens']} tokens in {s['cycles']} decode cycles[/]  tau {s['tau']}  proposed "
+              f"{s['mean_proposed']}/cycle  acceptance {s['acceptance_rate']}  mean accepted {s['mean_accepted_len']}"
+              f"  {s['tokens_per_s']} tok/s")
     pos = Table(title="acceptance by draft position (alpha_k)")
     for k in range(len(rep["acceptance_by_position"])):
         pos.add_column(str(k + 1), justify="right")
     pos.add_row(*["-" if a is None else f"{a:.2f}" for a in rep["acceptance_by_position"]])
     con.print(pos)
     con.print(f"time: draft {100 * t['draft_frac']:.0f}%  verify {100 * t['verify_frac']:.0f}%  "
-              f"other {100 * t['other_frac']:.0f}%   target step {c['target_step_ms']} ms, draft token "
-              f"{c['draft_ms_per_token']} ms (ratio {c['draft_cost_ratio']}), verify ms by tokens "
+              f"other {100 * t['other_frac']:.0f}%   target step {c['target_step_ms']} ms, verify ms by tokens "
               f"{c['verify_ms_by_tokens']}")
-    con.print(f"speedup vs target-only: measured {sp['measured_vs_target_step']}x, cost model "
-              f"{sp['predicted']}x; best tau {sp['best_tau']} -> {sp['predicted_at_best_tau']}x")
+    con.print(f"speedup over target-only: measured {sp['measured']}x, cost model {sp['predicted']}x; "
+              f"ceiling (tokens per pass) {sp['ceiling']}x")
+    words = {"draft_cost": "if drafting were free", "verify_cost": "if a pass over n tokens cost one step",
+             "overhead": "without the overhead", "tau_too_large": f"at the best tau ({sp['best_tau']})",
+             "tau_too_small": f"at the best tau ({sp['best_tau']})"}
+    for f in rep["findings"]:
+        if f["speedup_if_fixed"] is not None:
+            con.print(f"  {words[f['kind']]}: {f['speedup_if_fixed']:.2f}x")
     con.print(f"[bold]bottleneck: {rep['bottleneck']}[/]")
     for f in rep["findings"]:
-        con.print(f" - {f['kind']}: {f['finding']}\n   -> {f['recommendation']}")
+        if f["kind"] == rep["bottleneck"]:
+            con.print(f"  {f['finding']}\n  -> {f['recommendation']}")
+    if "traces" in rep:
+        con.print(f"{len(rep['traces'])} traces; outliers:")
+        for r in rep["outliers"]:
+            con.print(f"  {r['trace']}: measured {r['measured']}x, bottleneck {r['bottleneck']}")
 
 
 def cmd_analyze(args) -> int:
-    try:
-        records = read_jsonl(args.trace)
-    except OSError as e:
-        raise SpecDecError(f"cannot read trace {args.trace}: {e.strerror}")
-    except (json.JSONDecodeError, TypeError) as e:
-        raise SpecDecError(f"{args.trace} is not a specdec trace (one JSON cycle record per line): {e}")
-    rep = analyze(records)
+    traces = load_traces(args.trace)
+    rep = analyze(next(iter(traces.values()))) if len(traces) == 1 else analyze_many(traces)
     if args.json:
         print(json.dumps(rep, indent=2))
     else:
@@ -139,7 +232,7 @@ def cmd_analyze(args) -> int:
 
 
 def register(sub, model_args, sampling_args):
-    a = sub.add_parser("analyze", help="diagnose a trace written by generate --trace or the server")
-    a.add_argument("trace")
+    a = sub.add_parser("analyze", help="diagnose traces written by generate --trace or the server's --trace-dir")
+    a.add_argument("trace", nargs="+", help="trace files (.jsonl) or directories of them")
     a.add_argument("--json", action="store_true")
     a.set_defaults(func=cmd_analyze)

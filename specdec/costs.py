@@ -1,5 +1,6 @@
-"""The one cost model (policy, analyze, tune, distill's report and the benchmarks read it): the target's verify
-curve T_verify(n), expected tokens per cycle, and the predicted speedup over target-only decoding.
+"""The one cost model (policy, the batch scheduler, analyze, tune, distill's report and the benchmarks read it): the
+target's verify curve T_verify(n), expected tokens per cycle, and the predicted speedup over target-only decoding,
+priced on the proposals a drafter actually makes (how many tokens per cycle, early stops, empty ones).
 
 E[tokens](τ) = 1 + Σ_{k≤τ} Π_{j≤k} α_j; time(τ) = τ·c_draft + T_verify(τ+1) + overhead (Leviathan et al. 2023 with
 a measured verify curve instead of a flat one).
@@ -48,10 +49,32 @@ def cost_model(alphas, tau, draft_ms_per_token, curve, overhead_ms, t_target, ma
     """Predicted speedup over target-only: E[tokens](τ) · T_target(1) / (τ·c + T_verify(τ+1) + overhead).
     `match_rate` < 1 is for drafters that sometimes propose nothing (n-gram without a match): those cycles
     make one token for one plain target step."""
-    spec_time = tau * draft_ms_per_token + interpolate(curve, tau + 1)
-    time = match_rate * spec_time + (1 - match_rate) * interpolate(curve, 1) + overhead_ms
-    tokens = match_rate * expected_tokens(alphas, tau) + (1 - match_rate)
-    return tokens * t_target / time
+    return predicted_speedup(alphas, {0: 1 - match_rate, tau: match_rate}, (0.0, draft_ms_per_token), curve,
+                             overhead_ms, t_target)
+
+
+def predicted_speedup(alphas, lengths: dict[int, float], draft_cost: tuple[float, float], curve, overhead_ms,
+                      t_target) -> float:
+    """The speedup over target-only of a drafter that proposes L tokens in a share lengths[L] of cycles (early
+    stops and empty proposals included), a proposal of L costing draft_cost[0] + draft_cost[1]·L ms and its
+    verification T_verify(L + 1):
+
+        Σ_L P(L)·E[tokens](L) · T_target(1) / (Σ_L P(L)·(a + b·L + T_verify(L + 1)) + overhead)
+    """
+    a, b = draft_cost
+    tokens = sum(w * expected_tokens(alphas, n) for n, w in lengths.items())
+    time = sum(w * ((a + b * n if n else a) + interpolate(curve, n + 1)) for n, w in lengths.items())
+    return tokens * t_target / max(time + overhead_ms, 1e-9)
+
+
+def lengths_at(lengths: dict[int, float], tau_seen: int, tau: int) -> dict[int, float]:
+    """The proposal lengths a drafter would give at τ, from those it gave at tau_seen: longer ones cut to τ; for a
+    larger τ, proposals that filled tau_seen are assumed to go on (an estimate: they were cut, not stopped)."""
+    out: dict[int, float] = {}
+    for n, w in lengths.items():
+        m = min(n, tau) if tau <= tau_seen or n < tau_seen else tau
+        out[m] = out.get(m, 0.0) + w
+    return out
 
 
 @torch.inference_mode()

@@ -32,12 +32,14 @@ def synthetic(alphas, tau, draft_ms=0.6, verify=lambda n: T, other_ms=0.5, cycle
 
 
 CASES = {
-    "none": dict(alphas=[0.9, 0.85, 0.5, 0.15], tau=3),
+    "none": dict(alphas=[0.9, 0.85, 0.5, 0.15], tau=4),
     "low_acceptance": dict(alphas=[0.1], tau=2),
     "draft_cost": dict(alphas=[0.6], tau=3, draft_ms=0.5 * T),
     "verify_cost": dict(alphas=[0.7], tau=4, verify=lambda n: T * (1 + 0.5 * (n - 1)), empty_every=5),
     "overhead": dict(alphas=[0.8, 0.7, 0.5], tau=3, other_ms=0.8 * T),
-    "tau_too_large": dict(alphas=[0.9, 0.2, 0.1], tau=8, draft_ms=0.05 * T),
+    # drafting and verifying rejected tokens both cost: cutting tau gains more than removing either cost alone
+    "tau_too_large": dict(alphas=[0.9, 0.1], tau=8, draft_ms=0.1 * T, verify=lambda n: T * (1 + 0.1 * (n - 1)),
+                          empty_every=5),
     "tau_too_small": dict(alphas=[0.95], tau=1),
 }
 
@@ -46,8 +48,12 @@ CASES = {
 def test_analyzer_names_the_right_bottleneck(expected):
     rep = analyze(synthetic(**CASES[expected]))
     assert rep["bottleneck"] == expected, rep["findings"]
+    assert abs(rep["speedup"]["prediction_error"]) < 0.1  # the cost model of what the drafter did
     if expected != "none":
-        assert rep["findings"][0]["recommendation"]
+        first = rep["findings"][0]
+        assert first["kind"] == expected and first["recommendation"]
+        if expected != "low_acceptance":  # the headline is the largest counterfactual gain
+            assert first["speedup_if_fixed"] == max(f["speedup_if_fixed"] for f in rep["findings"])
 
 
 def test_analyzer_numbers():
@@ -58,7 +64,7 @@ def test_analyzer_numbers():
     assert rep["costs"]["verify_ms_by_tokens"] == {"1": T + 1, "5": T + 5}
     assert rep["time_split"]["draft_frac"] + rep["time_split"]["verify_frac"] + rep["time_split"]["other_frac"] \
         == pytest.approx(1, abs=1e-3)
-    assert rep["speedup"]["measured_vs_target_step"] > 1.5  # ~3.4 tokens per ~1.05 target steps
+    assert rep["speedup"]["measured"] > 1.5  # ~3.4 tokens per ~1.05 target steps
 
 
 def test_analyze_cli(tmp_path, capsys):
@@ -75,6 +81,24 @@ def test_analyze_cli(tmp_path, capsys):
     assert main(["analyze", str(tmp_path / "missing.jsonl")]) == 2
     (tmp_path / "empty.jsonl").write_text("")
     assert main(["analyze", str(tmp_path / "empty.jsonl")]) == 2
+    (tmp_path / "no-traces").mkdir()
+    capsys.readouterr()
+    assert main(["analyze", str(tmp_path / "no-traces")]) == 2
+    assert "no trace files" in capsys.readouterr().err
+
+
+def test_analyze_a_directory_of_traces_lists_outliers(tmp_path, capsys):
+    runs = tmp_path / "traces"
+    runs.mkdir()
+    for i in range(4):
+        write_jsonl(synthetic(**CASES["none"], seed=i), runs / f"ok{i}.jsonl")
+    write_jsonl(synthetic(**CASES["overhead"]), runs / "slow.jsonl")
+    assert main(["analyze", str(runs), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert len(rep["traces"]) == 5 and [o["trace"] for o in rep["outliers"]] == [str(runs / "slow.jsonl")]
+    assert rep["summary"]["cycles"] == 5 * 299  # every trace's decode cycles
+    assert main(["analyze", str(runs)]) == 0
+    assert "outliers" in capsys.readouterr().out
 
 
 def rec(tau, proposed, accepted, draft_ms=1.0, verify_ms=T, cycle=1):
