@@ -4,7 +4,8 @@ latency, mean rows per target pass and mean τ (from /metrics), errors by status
 RSS. Greedy outputs served under load are compared with the same requests served alone afterwards.
 
     python benchmarks/load.py --spawn --levels 1,4,16,32 --duration 60 --temperatures 0,0.7 --out docs/load.json
-    python benchmarks/load.py --spawn --serve-args "--max-queue 64 --no-batch" --levels 1    # one request at a time
+    python benchmarks/load.py --spawn --levels 1 --duration 20 --rounds 3 --baseline "--max-queue 64 --no-batch"
+        # the same level against a second server (one request at a time), windows alternating between the two
     python benchmarks/load.py --url http://127.0.0.1:8000 --pid SERVER_PID
 """
 from __future__ import annotations
@@ -155,14 +156,19 @@ async def level(hc, args, pid, concurrency, temperature) -> dict:
     return row
 
 
-async def main_async(args, pid):
+async def main_async(args, pid, baseline=None):
     limits = httpx.Limits(max_connections=max(args.levels) + 64)
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout), limits=limits) as hc:
         rows = []
         for t in args.temperatures:
             for c in args.levels:
-                rows.append(await level(hc, args, pid, c, t))
-                print(json.dumps(rows[-1]), file=sys.stderr)
+                for r in range(args.rounds):  # with a baseline: its window right after ours, every round
+                    for name, url, server_pid in [("main", args.url, pid)] + ([("baseline", *baseline)] if baseline
+                                                                              else []):
+                        rows.append({"server": name, "round": r,
+                                     **await level(hc, argparse.Namespace(**{**vars(args), "url": url}),
+                                                   server_pid, c, t)})
+                        print(json.dumps(rows[-1]), file=sys.stderr)
         burst = await malformed_burst(hc, args.url, args.malformed)
         health = (await hc.get(args.url + "/health")).status_code
     return {"levels": rows, "malformed_status": {str(k): v for k, v in burst.items()},
@@ -201,6 +207,8 @@ def main():
     ap.add_argument("--no-identity", dest="check_identity", action="store_false",
                     help="skip serving each greedy prompt alone after its level")
     ap.add_argument("--out", default=None, help="also write the JSON report here")
+    ap.add_argument("--baseline", default=None, help="serve args of a second spawned server measured alternately")
+    ap.add_argument("--rounds", type=int, default=1, help="windows per level (alternating with --baseline)")
     args = ap.parse_args()
     args.levels = [int(x) for x in args.levels.split(",")]
     args.temperatures = [float(x) for x in args.temperatures.split(",")]
@@ -210,17 +218,31 @@ def main():
         args.pid = proc.pid
     if not args.url:
         ap.error("give --url or --spawn")
+    base = None
+    if args.baseline:
+        base = spawn(args.baseline)
     try:
-        report = asyncio.run(main_async(args, args.pid))
+        report = asyncio.run(main_async(args, args.pid, (base[1], base[0].pid) if base else None))
         report["serve_args"] = args.serve_args if args.spawn else None
+        report["baseline_args"] = args.baseline
+        for t in args.temperatures:
+            for c in args.levels:
+                mine = [r["tokens_per_s"] for r in report["levels"] if r["server"] == "main" and r["concurrency"] == c
+                        and r["temperature"] == t]
+                theirs = [r["tokens_per_s"] for r in report["levels"] if r["server"] == "baseline"
+                          and r["concurrency"] == c and r["temperature"] == t]
+                if theirs:
+                    print(f"concurrency {c}, T={t}: {sum(mine) / len(mine):.1f} vs baseline "
+                          f"{sum(theirs) / len(theirs):.1f} tokens/s ({sum(mine) / sum(theirs):.2f}x)", file=sys.stderr)
         print(json.dumps(report, indent=2))
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=2)
     finally:
-        if proc:
-            proc.terminate()
-            proc.wait(10)
+        for p in [proc, base[0] if base else None]:
+            if p:
+                p.terminate()
+                p.wait(10)
 
 
 if __name__ == "__main__":

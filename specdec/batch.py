@@ -4,7 +4,8 @@ One `step()` is one cycle for every request in it:
 1. rows the pass carries anyway: each decoding request's newest token, then prompt chunks of joining requests
    (at most `prefill_chunk` rows each, so a long prompt never stalls the others);
 2. the verification budget (scheduler.py) splits the rows left under `max_batch_rows` into draft rows τ_i;
-3. each request's own drafter proposes up to τ_i tokens. A model-free drafter (n-gram, datastore) proposes before
+3. each request's own drafter proposes up to τ_i tokens, all requests' drafts in one batched call (the feature
+   draft runs its layer once per step for all of them). A model-free drafter (n-gram, datastore) proposes before
    step 2 instead, as far as the request may draft: its proposal costs next to nothing, so the scheduler sees what
    there is to verify and acceptance is estimated over the cycles that had a proposal;
 4. ONE target pass over all rows, each at its own position in its own slot;
@@ -27,7 +28,7 @@ from time import perf_counter
 
 import torch
 
-from .drafters.base import close, fork
+from .drafters.base import close, fork, propose_many
 from .engine import StopCheck, cut
 from .policy import AdaptivePolicy, _Ema
 from .runtime.model import Llama, common_prefix_len, fit_vocab
@@ -192,16 +193,18 @@ class BatchEngine:
             demands.append(Demand(est.alphas(), cost, cap, floor))
         taus = plan(demands, base, self.max_batch_rows, self.pass_ms)
 
-        drafts = {}
         for s, tau, d in zip(decoding, taus, demands):
             s.idle = 0 if tau or not d.cap else s.idle + 1
-            if s.id in early:
-                draft = early[s.id]
-            else:
-                t = perf_counter()
-                draft = self._state[s.id][1].propose(s.tokens, tau, s.params, s.generator) if tau else None
-                draft_ms[s.id] = (perf_counter() - t) * 1e3
-            drafts[s.id] = (tau, draft, draft.tokens[:tau] if draft else [])
+        late = [(s, tau) for s, tau in zip(decoding, taus) if tau and s.id not in early]
+        if late:  # one batched proposal (the feature draft's layer runs once per step for all of them)
+            t = perf_counter()
+            made = propose_many([self._state[s.id][1] for s, _ in late], [s.tokens for s, _ in late],
+                                [tau for _, tau in late], [s.params for s, _ in late], [s.generator for s, _ in late])
+            share = (perf_counter() - t) * 1e3 / sum(tau for _, tau in late)  # its time, split by tokens asked
+            for (s, tau), draft in zip(late, made):
+                early[s.id], draft_ms[s.id] = draft, share * tau
+        drafts = {s.id: (tau, early.get(s.id), early[s.id].tokens[:tau] if s.id in early else [])
+                  for s, tau in zip(decoding, taus)}
         t1 = perf_counter()
 
         tokens, slots, positions, logit_rows, spans = [], [], [], [], {}

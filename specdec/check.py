@@ -3,8 +3,13 @@
 greedy   — speculative output vs the target alone (transformers' own generate with its stock layers on the same
            weights — for specdec's runtime, the fp32-dequantized model — an independent reference), token by token;
            every differing prompt is reported with the first divergent position and both continuations.
-sampling — the joint distribution of the first two generated tokens under speculation vs the target's exact
-           distribution at the same prefix (computed by direct forward passes), chi-square test with a p-value.
+sampling — for every member of the draft chain, at a prefix where that member drafts (the prompt plus part of the
+           target's own greedy continuation), the joint distribution of the next two tokens under speculation vs
+           the target's exact distribution there (direct forward passes, top-k keeps it enumerable), chi-square.
+           The draws needed come from a stated power: the sample size at which a distribution error of total
+           variation --detect is caught with probability 0.8 at --alpha (simulated on the exact distribution).
+           Only drafted-and-rejected events exercise the resampling rule: with fewer than --min-events of them
+           the test is reported inconclusive and fails.
 """
 from __future__ import annotations
 
@@ -102,31 +107,118 @@ def exact_two_token_joint(model, vocab: int, ids: list[int], params: SamplingPar
     return joint
 
 
-def check_sampling(decoder, prompt: dict, samples: int, params: SamplingParams) -> dict:
+POWER, SAMPLE_SIZES = 0.8, (200, 400, 800, 1600, 3200, 6400)
+
+
+def detectable_tv(probs: list[float], n: int, alpha: float, trials: int = 200, seed: int = 0) -> float:
+    """The smallest total-variation error the chi-square test catches with probability POWER from n draws, at the
+    least detectable placement: mass moved between the two likeliest cells (found by simulation, bisection)."""
+    p0 = torch.tensor(probs, dtype=torch.float64)
+    order = torch.argsort(p0, descending=True)
+    g = torch.Generator().manual_seed(seed)
+
+    def power(tv: float) -> float:
+        p1 = p0.clone()
+        moved = min(tv, float(p1[order[0]]))
+        p1[order[0]] -= moved
+        p1[order[1 % len(p1)]] += moved
+        draws = torch.multinomial(p1.expand(trials, -1), n, replacement=True, generator=g)
+        counts = torch.zeros(trials, len(p0), dtype=torch.float64).scatter_add_(1, draws, torch.ones_like(draws,
+                                                                                                      dtype=torch.float64))
+        return sum(chi2_pvalue(c.tolist(), probs) < alpha for c in counts) / trials
+    lo, hi = 0.0, 0.5
+    if power(hi) < POWER:
+        return 1.0
+    for _ in range(8):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if power(mid) >= POWER else (mid, hi)
+    return hi
+
+
+def _events(records, tested: int = 2) -> int:
+    """Drafted tokens rejected at one of the first `tested` generated positions (where resampling happens)."""
+    pos, n = 0, 0
+    for r in records:
+        if pos >= tested:
+            break
+        if r.proposed and r.accepted < len(r.proposed) and pos + r.accepted < tested:
+            n += 1
+        pos += len(r.emitted)
+    return n
+
+
+def drafted_prefix(decoder, ids: list[int], params: SamplingParams, search: int = 24, probes: int = 6):
+    """The prompt plus the shortest part of the target's greedy continuation after which the drafter drafts at one
+    of the next two positions in most probe runs (None if it never does)."""
+    greedy = [t for r in decoder.engine.run(ids, search, SamplingParams(), decoder.tau) for t in r.emitted]
+    for t in range(len(greedy) + 1):
+        prefix = ids + greedy[:t]
+        drafted = 0
+        for i in range(probes):
+            torch.manual_seed(10_000 + i)
+            recs = list(decoder.engine.run(prefix, decoder.tau + 2, params, decoder.tau))
+            pos = 0
+            for r in recs:
+                if pos >= 2:
+                    break
+                drafted += bool(r.proposed)
+                pos += len(r.emitted)
+        if drafted * 2 >= probes:
+            return prefix
+    return None
+
+
+def check_sampling(decoder, prompt: dict, params: SamplingParams, alpha: float, detect: float, min_events: int,
+                   samples: int | None = None) -> dict:
+    """The sampling test for this decoder's drafter at a prefix where it drafts (see the module docstring)."""
     ids = decoder.encode(prompt["prompt"], prompt["chat"])
-    joint = exact_two_token_joint(decoder.model, decoder.model.config.vocab_size, ids, params)
-    counts: dict[tuple, int] = {}
-    for seed in range(samples):  # a full first block is drafted (tau + 1 tokens); its first two are tested
-        torch.manual_seed(seed)  # unseeded requests' rule (rejection sampling), reproducibly
-        out = decoder.generate(prompt["prompt"], max_new_tokens=decoder.tau + 1, chat=prompt["chat"],
-                               temperature=params.temperature, top_p=params.top_p, top_k=params.top_k).token_ids[:2]
-        key = tuple(out) if len(out) == 2 else (out[0], None)
-        counts[key] = counts.get(key, 0) + 1
-    # a first token that is EOS ends generation: fold the joint of that token into one (a, None) cell
-    for (a, b) in list(joint):
+    entry = {"draft": decoder.draft_name, "prompt": prompt["prompt"][:60]}
+    prefix = drafted_prefix(decoder, ids, params)
+    if prefix is None:
+        return {**entry, "verdict": "inconclusive", "events": 0, "reason": "the drafter never drafts here"}
+    joint = exact_two_token_joint(decoder.model, decoder.model.config.vocab_size, prefix, params)
+    for (a, b) in list(joint):  # a first token that is EOS ends generation: one (a, None) cell
         if a in decoder.engine.eos_ids:
             joint[(a, None)] = joint.get((a, None), 0.0) + joint.pop((a, b))
+    cells = sorted(joint, key=str)
+    probs = [joint[k] for k in cells]
+    if samples is None:  # the fewest draws that catch an error of TV `detect` with probability POWER
+        samples = next((n for n in SAMPLE_SIZES if detectable_tv(probs, n, alpha) <= detect), SAMPLE_SIZES[-1])
+    counts: dict[tuple, int] = {}
+    events = 0
+    for seed in range(samples):  # unseeded requests' rule (rejection sampling), reproducibly
+        torch.manual_seed(seed)
+        recs = list(decoder.engine.run(prefix, decoder.tau + 2, params, decoder.tau))
+        out = [t for r in recs for t in r.emitted][:2]
+        key = tuple(out) if len(out) == 2 else (out[0], None)
+        counts[key] = counts.get(key, 0) + 1
+        events += _events(recs)
     keys = sorted(set(joint) | set(counts), key=str)
     pv = chi2_pvalue([counts.get(k, 0) for k in keys], [joint.get(k, 0.0) for k in keys])
-    return {"prompt": prompt["prompt"][:60], "samples": samples, "cells": len(joint), "p_value": pv}
+    verdict = "differs" if pv < alpha else "inconclusive" if events < min_events else "ok"
+    return {**entry, "prefix_tokens": len(prefix) - len(ids), "samples": samples, "cells": len(joint),
+            "detectable_tv": round(detectable_tv(probs, samples, alpha), 4), "events": events,
+            "p_value": pv, "verdict": verdict}
+
+
+def members(decoder) -> list:
+    """The decoder itself and, for a chain A+B, a decoder per member (each tested where it drafts)."""
+    from .api import SpecDecoder
+    chain = getattr(decoder.engine.drafter, "members", None)
+    if not chain:
+        return [decoder]
+    return [decoder] + [SpecDecoder.from_models(decoder.model, decoder.tokenizer, draft=m, tau=decoder.tau)
+                        for m in chain]
 
 
 def cmd_check(args) -> int:
     from .api import SpecDecoder
     from .prompts import load_prompts
 
-    if args.samples < 50 or args.max_new_tokens < 1 or not 0 < args.alpha < 1:
-        raise InvalidRequest("--samples must be >= 50, --max-new-tokens >= 1 and --alpha in (0, 1)")
+    if (args.samples is not None and args.samples < 50) or args.max_new_tokens < 1 or not 0 < args.alpha < 1 \
+            or not 0 < args.detect < 1 or args.min_events < 0:
+        raise InvalidRequest("--samples must be >= 50, --max-new-tokens >= 1, --alpha and --detect in (0, 1), "
+                             "--min-events >= 0")
     params = SamplingParams(args.temperature, args.top_p, args.top_k)
     if params.greedy:
         raise InvalidRequest("the sampling check needs --temperature > 0")
@@ -136,10 +228,10 @@ def cmd_check(args) -> int:
     report = {"draft": decoder.draft_name, "tau": decoder.tau, "policy": decoder.policy,
               "greedy": check_greedy(decoder, prompts, args.max_new_tokens)}
     if args.sampling_prompts:
-        report["sampling"] = [check_sampling(decoder, p, args.samples, params)
-                              for p in prompts[: args.sampling_prompts]]
+        report["sampling"] = [check_sampling(d, p, params, args.alpha, args.detect, args.min_events, args.samples)
+                              for d in members(decoder) for p in prompts[: args.sampling_prompts]]
     bad_greedy = [r for r in report["greedy"] if not r["ok"]]
-    bad_sampling = [r for r in report.get("sampling", []) if r["p_value"] < args.alpha]
+    bad_sampling = [r for r in report.get("sampling", []) if r["verdict"] != "ok"]
     report["passed"] = not bad_greedy and not bad_sampling
     if args.json:
         print(json.dumps(report, indent=2))
@@ -150,9 +242,12 @@ def cmd_check(args) -> int:
             print(f"  DIFFERS at token {r['first_divergence']} of {r['prompt']!r}\n"
                   f"    speculative: {r['speculative'][:80]!r}\n    target:      {r['target'][:80]!r}")
         for r in report.get("sampling", []):
-            verdict = "ok" if r["p_value"] >= args.alpha else "DIFFERS"
-            print(f"sampling: {r['prompt']!r}: first-two-token distribution vs target, {r['samples']} samples, "
-                  f"p={r['p_value']:.4g} {verdict}")
+            if "p_value" not in r:
+                print(f"sampling, draft {r['draft']}: {r['prompt']!r}: INCONCLUSIVE ({r['reason']})")
+                continue
+            print(f"sampling, draft {r['draft']}: {r['prompt']!r}, {r['prefix_tokens']} tokens in: next two tokens vs "
+                  f"the target, {r['samples']} samples (catches TV >= {r['detectable_tv']} with power {POWER}), "
+                  f"{r['events']} drafted-and-rejected, p={r['p_value']:.4g} {r['verdict'].upper()}")
         print("PASSED" if report["passed"] else "FAILED: speculative decoding is not lossless here")
     return 0 if report["passed"] else 1
 
@@ -164,7 +259,12 @@ def register(sub, model_args, sampling_args):
     c.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
     c.add_argument("--max-new-tokens", type=int, default=32)
     c.add_argument("--sampling-prompts", type=int, default=1, help="prompts for the sampling test (0 = skip)")
-    c.add_argument("--samples", type=int, default=400, help="samples per sampling test")
+    c.add_argument("--samples", type=int, default=None,
+                   help="samples per sampling test (default: from --detect at power 0.8)")
+    c.add_argument("--detect", type=float, default=0.1,
+                   help="the total-variation error the sampling test must catch with probability 0.8")
+    c.add_argument("--min-events", type=int, default=20,
+                   help="drafted-and-rejected events below which the sampling test is inconclusive")
     c.add_argument("--temperature", type=float, default=1.0)
     c.add_argument("--top-k", type=int, default=8, help="keeps the exact reference enumerable")
     c.add_argument("--top-p", type=float, default=1.0)

@@ -48,6 +48,54 @@ def test_check_catches_top2_greedy_acceptance(capsys, tiny_dirs, prompts_file, m
     assert bad and all(r["speculative"] != r["target"] and r["first_divergence"] >= 0 for r in bad)
 
 
+def test_check_catches_resampling_from_p_after_a_rejection(capsys, tiny_dirs, prompts_file, monkeypatch):
+    """BUG: after a rejection, resample from p instead of norm(max(0, p - q)): caught at a drafted position, with
+    enough drafted-and-rejected events behind the verdict."""
+    monkeypatch.setattr(specdec.verification, "residual", lambda p, q: p)
+    code, rep = run_check(capsys, tiny_dirs, prompts_file, "--limit", "1", "--samples", "800", draft="random")
+    r = rep["sampling"][0]
+    assert code == 1 and r["verdict"] == "differs" and r["p_value"] < 1e-3 and r["events"] >= 20
+
+
+def test_check_catches_a_draft_reporting_another_q(capsys, tiny_dirs, prompts_file, monkeypatch):
+    """BUG: the draft reports a q other than the one it sampled from (here: uniform)."""
+    from specdec.drafters.model import ModelDrafter
+    honest = ModelDrafter.propose
+
+    def wrong_q(self, *a, **kw):
+        d = honest(self, *a, **kw)
+        if d.q is not None:
+            d.q = torch.full_like(d.q, 1.0 / d.q.shape[-1])
+        return d
+    monkeypatch.setattr(ModelDrafter, "propose", wrong_q)
+    code, rep = run_check(capsys, tiny_dirs, prompts_file, "--limit", "1", "--samples", "800")
+    assert code == 1 and rep["sampling"][0]["verdict"] == "differs"
+
+
+def test_check_sampling_is_inconclusive_without_drafts_and_tests_each_chain_member(capsys, tiny_dirs,
+                                                                                    prompts_file):
+    """A drafter that never drafts (none) proves nothing: inconclusive, a failure. A chain is tested member by
+    member; the sample size follows from the stated power."""
+    code = main(["check", "--target", tiny_dirs["target"], "--draft", "none", "--prompts", prompts_file, "--limit",
+                 "1", "--max-new-tokens", "8", "--json"])
+    rep = json.loads(capsys.readouterr().out)
+    assert code == 1 and rep["sampling"][0]["verdict"] == "inconclusive"
+    code = main(["check", "--target", tiny_dirs["target"], "--draft", f"ngram+{tiny_dirs['random']}", "--prompts",
+                 prompts_file, "--limit", "1", "--max-new-tokens", "8", "--top-k", "4", "--detect", "0.15",
+                 "--json"])
+    rep = json.loads(capsys.readouterr().out)
+    assert [r["draft"] for r in rep["sampling"]] == [f"ngram+{tiny_dirs['random']}", "ngram", tiny_dirs["random"]]
+    tested = [r for r in rep["sampling"] if "samples" in r]
+    assert tested and all(r["detectable_tv"] <= 0.15 for r in tested)
+
+
+def test_detectable_error_shrinks_with_samples():
+    from specdec.check import detectable_tv
+    probs = [0.4, 0.3, 0.2, 0.1]
+    small, large = detectable_tv(probs, 200, 1e-3), detectable_tv(probs, 3200, 1e-3)
+    assert 0 < large < small < 0.5
+
+
 def test_check_catches_q_from_wrong_position(capsys, tiny_dirs, prompts_file, monkeypatch):
     def shifted_q(draft, q, p, gen):  # BUG: q of the next position is used for the acceptance test
         if q is not None and len(q) > 1:
@@ -55,7 +103,7 @@ def test_check_catches_q_from_wrong_position(capsys, tiny_dirs, prompts_file, mo
         return sample_verify(draft, q, p, gen)
     monkeypatch.setattr(specdec.verification, "sample_verify", shifted_q)
     code, rep = run_check(capsys, tiny_dirs, prompts_file, "--limit", "1", draft="random")
-    assert code == 1 and rep["sampling"][0]["p_value"] < 1e-3
+    assert code == 1 and rep["sampling"][0]["p_value"] < 1e-3 and rep["sampling"][0]["verdict"] == "differs"
 
 
 def test_check_bad_input(capsys, tiny_dirs, prompts_file, tmp_path):

@@ -48,3 +48,12 @@ def close(drafter) -> None:
     """Give back what a forked drafter holds (KV slots)."""
     if hasattr(drafter, "close"):
         drafter.close()
+
+
+def propose_many(drafters, contexts, ks, params, generators) -> list[Draft]:
+    """Drafts for several sequences, each with its own drafter (forks of one): batched where the drafter type
+    batches (FeatureDrafter, ChainDrafter), else one by one. A k of 0 gets an empty draft."""
+    if drafters and hasattr(type(drafters[0]), "propose_many"):
+        return type(drafters[0]).propose_many(drafters, contexts, ks, params, generators)
+    return [d.propose(c, k, p, g) if k else Draft() for d, c, k, p, g in zip(drafters, contexts, ks, params,
+                                                                             generators)]

@@ -3,7 +3,7 @@ the context when an n-gram matches — free to draft — else run the model draf
 member that wants them, each cycle, so a member that was skipped stays in sync."""
 from __future__ import annotations
 
-from .base import Draft, close, fork
+from .base import Draft, close, fork, propose_many
 
 
 class ChainDrafter:
@@ -19,6 +19,21 @@ class ChainDrafter:
             if draft.tokens:
                 return draft
         return Draft()
+
+    @staticmethod
+    def propose_many(chains, contexts, ks, params, generators) -> list[Draft]:
+        """Each member in turn for the sequences its predecessors proposed nothing for, batched per member."""
+        out, pending = [Draft() for _ in chains], [i for i, k in enumerate(ks) if k]
+        for m in range(len(chains[0].members) if chains else 0):
+            if not pending:
+                break
+            drafts = propose_many([chains[i].members[m] for i in pending], [contexts[i] for i in pending],
+                                  [ks[i] for i in pending], [params[i] for i in pending],
+                                  [generators[i] for i in pending])
+            for i, d in zip(pending, drafts):
+                out[i] = d
+            pending = [i for i, d in zip(pending, drafts) if not d.tokens]
+        return out
 
     def observe_target(self, start: int, hidden) -> None:
         for m in self.members:

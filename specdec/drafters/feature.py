@@ -166,39 +166,85 @@ class FeatureDrafter:
         out, self.cache = self.net(emb, feats[None], start, self.cache)
         return out[0]
 
-    @torch.inference_mode()
     def propose(self, context, k, params, generator) -> Draft:
-        L = len(context)
-        if len(self.feats) < L - 1 or L < 2:
-            return Draft()  # the target has not scored this context yet (first cycle)
-        keep = min(common_prefix_len(self.tokens, context), L - 1)
-        self._truncate(keep)
-        prev = self.feats[max(0, keep - 1): L - 1]  # position j is fed the target's feature at j - 1
-        if keep == 0:
-            prev = torch.cat([prev.new_zeros(1, prev.shape[1]), prev])
-        feat = self._step(context[keep:L], prev, keep)[-1]
-        self.tokens = list(context)
-        drafted, qs, reach = [], [], 1.0
-        for i in range(k):
-            logits = self._logits(feat)
-            if params.greedy:
-                best = int(logits.argmax())
-                token, p = int(self.vocab_map[best]), float(logits.softmax(-1)[best])
-            else:
-                full = logits.new_full((self.vocab_size,), float("-inf"))
-                full[self.vocab_map] = logits
-                q = warp(full, params)
-                token = draw(q, generator, L + i)
-                qs.append(q)
-                p = float(q[token])
-            drafted.append(token)
-            reach *= p  # the draft's own estimate that the whole block so far is accepted
-            if reach < self.min_confidence:
-                break  # dynamic block length (EAGLE-2): the rest would rarely be accepted
-            if i + 1 < k:
-                feat = self._step([token], feat[None], L + i)[-1]
-        self._truncate(L)  # drop positions drafted from predicted features
-        return Draft(drafted, torch.stack(qs) if qs else None)
+        return FeatureDrafter.propose_many([self], [context], [k], [params], [generator])[0]
+
+    @staticmethod
+    @torch.inference_mode()
+    def propose_many(drafters, contexts, ks, params, generators) -> list[Draft]:
+        """propose() for several sequences at once (continuous batching), each with its own drafter fork. On the
+        runtime the forks share one draft layer, so each step runs the layer and the head once for all of them;
+        every row is computed as alone (row-invariant kernels), so each draft equals its drafter's propose()."""
+        out = [Draft() for _ in drafters]
+        live, rows = [], []  # drafting sequences; their catch-up rows: (tokens, features, first position)
+        for i, (d, ctx) in enumerate(zip(drafters, contexts)):
+            L = len(ctx)
+            if len(d.feats) < L - 1 or L < 2 or ks[i] < 1:
+                continue  # the target has not scored this context yet (first cycle)
+            keep = min(common_prefix_len(d.tokens, ctx), L - 1)
+            d._truncate(keep)
+            prev = d.feats[max(0, keep - 1): L - 1]  # position j is fed the target's feature at j - 1
+            if keep == 0:
+                prev = torch.cat([prev.new_zeros(1, prev.shape[1]), prev])
+            rows.append((ctx[keep:L], prev, keep))
+            d.tokens = list(ctx)
+            live.append(i)
+        if not live:
+            return out
+        feats = FeatureDrafter._advance([drafters[i] for i in live], rows)
+        state = {i: ([], [], 1.0) for i in live}  # drafted, qs, reach
+        for step in range(max(ks[i] for i in live)):
+            logits = FeatureDrafter._head([drafters[i] for i in live], feats)
+            nxt, rows = [], []
+            for i, feat, lg in zip(live, feats, logits):
+                d, L = drafters[i], len(contexts[i])
+                drafted, qs, reach = state[i]
+                if params[i].greedy:
+                    best = int(lg.argmax())
+                    token, p = int(d.vocab_map[best]), float(lg.softmax(-1)[best])
+                else:
+                    full = lg.new_full((d.vocab_size,), float("-inf"))
+                    full[d.vocab_map] = lg
+                    q = warp(full, params[i])
+                    token = draw(q, generators[i], L + step)
+                    qs.append(q)
+                    p = float(q[token])
+                drafted.append(token)
+                reach *= p  # the draft's own estimate that the whole block so far is accepted
+                state[i] = (drafted, qs, reach)
+                # dynamic block length (EAGLE-2): below the threshold the rest would rarely be accepted
+                if reach >= d.min_confidence and step + 1 < ks[i]:
+                    nxt.append(i)
+                    rows.append(([token], feat[None], L + step))
+            if not nxt:
+                break
+            live, feats = nxt, FeatureDrafter._advance([drafters[i] for i in nxt], rows)
+        for i, (drafted, qs, _) in state.items():
+            drafters[i]._truncate(len(contexts[i]))  # drop positions drafted from predicted features
+            out[i] = Draft(drafted, torch.stack(qs) if qs else None)
+        return out
+
+    @staticmethod
+    def _advance(drafters, rows) -> list[torch.Tensor]:
+        """Run each drafter's rows (tokens, input features, first position) -> each one's last predicted feature.
+        Forks on one runtime layer share a single pass; otherwise one torch step each."""
+        rt = drafters[0]._rt
+        if rt is None or any(d._rt is not rt for d in drafters):
+            return [d._step(t, f, s)[-1] for d, (t, f, s) in zip(drafters, rows)]
+        x = torch.cat([torch.cat([d._embed(t), f], -1) for d, (t, f, _) in zip(drafters, rows)]).contiguous()
+        slots = [d._slot for d, (t, _, _) in zip(drafters, rows) for _ in t]
+        positions = [s + j for t, _, s in rows for j in range(len(t))]
+        h = rt.forward_rows(qlinear(x, drafters[0]._fc), slots, positions, logit_rows=[], hidden=True)[1]
+        ends = torch.tensor([len(t) for t, _, _ in rows]).cumsum(0) - 1
+        return list(h[ends])
+
+    @staticmethod
+    def _head(drafters, feats) -> list[torch.Tensor]:
+        """Reduced-vocabulary logits per feature: one call for forks on the runtime (row-invariant), else each
+        alone (the transformers path's linear is not row-invariant across row counts)."""
+        if drafters[0]._rt is not None:
+            return list(drafters[0]._logits(torch.stack(feats)))
+        return [d._logits(f) for d, f in zip(drafters, feats)]
 
     # ---- persistence ---------------------------------------------------------------------------------------
     def save(self, out: Path, target_fingerprint: str) -> None:
