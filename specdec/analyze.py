@@ -21,9 +21,9 @@ from collections import Counter
 from pathlib import Path
 from statistics import mean, median
 
-from .costs import interpolate, lengths_at, predicted_speedup, verify_curve
+from .costs import blocks_at, interpolate, non_decreasing, predicted_speedup, verify_curve
 from .errors import SpecDecError
-from .trace import CycleRecord, acceptance_by_position, read_jsonl
+from .trace import CycleRecord, acceptance_by_position, read_trace, step_curve
 
 BOTTLENECKS = ("low_acceptance", "draft_cost", "verify_cost", "overhead", "tau_too_large", "tau_too_small", "none")
 MAX_TAU = 16
@@ -44,6 +44,17 @@ ADVICE = {
 }
 
 
+MIN_GROUP = 5  # cycles with one proposal length needed for their own acceptance by position
+
+
+def _filled(by_pos: list) -> list[float]:
+    """A position never reached after an accepted one: assume no better than the one before."""
+    out = []
+    for a in by_pos:
+        out.append(a if a is not None else (out[-1] if out else 0.0))
+    return out
+
+
 def _decode(records: list[CycleRecord]) -> list[CycleRecord]:
     return records[1:] if len(records) > 1 else records  # cycle 0 carries the prompt's prefill
 
@@ -61,8 +72,10 @@ def _fit_draft(records: list[CycleRecord]) -> tuple[float, float]:
     return max(0.0, my - b * mx), b
 
 
-def analyze(records: list[CycleRecord], decode_only: bool = False) -> dict:
-    """The report for one trace (or, decode_only=True, for cycles already stripped of their prefill cycle)."""
+def analyze(records: list[CycleRecord], decode_only: bool = False, target_curve: dict | None = None) -> dict:
+    """The report for one trace (or, decode_only=True, for cycles already stripped of their prefill cycle).
+    `target_curve`: the target's verify ms by tokens, measured apart (a trace's meta): sizes the trace never
+    verified, above all one target step when every cycle drafted, come from it."""
     if not records:
         raise SpecDecError("the trace has no cycle records")
     cycles = records if decode_only else _decode(records)
@@ -74,18 +87,25 @@ def analyze(records: list[CycleRecord], decode_only: bool = False) -> dict:
     total_ms = sum(r.cycle_ms for r in cycles)
     other_ms = sum(max(0.0, r.cycle_ms - r.draft_ms - r.verify_ms) for r in cycles)
     curve = verify_curve(cycles if decode_only else records)
+    if target_curve:  # sizes the trace never verified (one target step, above all) from the curve measured apart
+        seen = Counter(len(r.proposed) + 1 for r in cycles)
+        extra = {n: v for n, v in target_curve.items() if n not in curve}
+        curve = non_decreasing({**extra, **curve}, {n: seen.get(n, 1) for n in {**extra, **curve}})
     t1 = interpolate(curve, 1)  # one target step: what target-only decoding pays per token
     by_pos = acceptance_by_position(cycles)
-    alphas = []
-    for a in by_pos:  # a position never reached after an accepted one: assume no better than the one before
-        alphas.append(a if a is not None else (alphas[-1] if alphas else 0.0))
+    alphas = _filled(by_pos)
     tau = Counter(r.tau for r in cycles).most_common(1)[0][0]
     lengths = {n: c / len(cycles) for n, c in Counter(len(r.proposed) for r in cycles).items()}
+    blocks = []  # (share, length, acceptance by position over the cycles that proposed that many)
+    for n, w in sorted(lengths.items()):
+        group = [r for r in cycles if len(r.proposed) == n]
+        own = acceptance_by_position(group) if n and len(group) >= MIN_GROUP else []
+        blocks.append((w, n, _filled(own) if own else alphas))
     draft_cost = _fit_draft(cycles)
     overhead = other_ms / len(cycles)
 
     def model(t: int) -> float:
-        return predicted_speedup(alphas, lengths_at(lengths, tau, t), draft_cost, curve, overhead, t1)
+        return predicted_speedup(blocks_at(blocks, tau, t), draft_cost, curve, overhead, t1)
 
     def speedup(time_ms: float) -> float:
         return tokens * t1 / time_ms if time_ms > 0 else float("inf")
@@ -153,12 +173,15 @@ def analyze(records: list[CycleRecord], decode_only: bool = False) -> dict:
     }
 
 
-def analyze_many(traces: dict[str, list[CycleRecord]]) -> dict:
+def analyze_many(traces: dict[str, tuple[list[CycleRecord], dict]]) -> dict:
     """Several traces (a server's --trace-dir, or many --trace files) together: the report over all their decode
     cycles, one line per trace, and the outliers (a speedup a quarter off the median, or a bottleneck other than
     most traces')."""
-    per = {name: analyze(recs) for name, recs in traces.items()}
-    merged = analyze([r for recs in traces.values() for r in _decode(recs)], decode_only=True)
+    per = {name: analyze(recs, target_curve=step_curve(meta)) for name, (recs, meta) in traces.items()}
+    curves = [c for _, meta in traces.values() if (c := step_curve(meta))]
+    merged = analyze([r for recs, _ in traces.values() for r in _decode(recs)], decode_only=True,
+                     target_curve={n: median(c[n] for c in curves if n in c) for n in set().union(*curves)}
+                     if curves else None)
     mid = median(p["speedup"]["measured"] for p in per.values())
     rows = [{"trace": name, "cycles": p["summary"]["cycles"], "measured": p["speedup"]["measured"],
              "predicted": p["speedup"]["predicted"], "bottleneck": p["bottleneck"]} for name, p in per.items()]
@@ -167,7 +190,7 @@ def analyze_many(traces: dict[str, list[CycleRecord]]) -> dict:
     return {**merged, "traces": rows, "outliers": outliers}
 
 
-def load_traces(paths: list[str]) -> dict[str, list[CycleRecord]]:
+def load_traces(paths: list[str]) -> dict[str, tuple[list[CycleRecord], dict]]:
     files = []
     for p in map(Path, paths):
         files += sorted(p.glob("*.jsonl")) if p.is_dir() else [p]
@@ -176,12 +199,12 @@ def load_traces(paths: list[str]) -> dict[str, list[CycleRecord]]:
     traces = {}
     for f in files:
         try:
-            traces[str(f)] = read_jsonl(f)
+            traces[str(f)] = read_trace(f)
         except OSError as e:
             raise SpecDecError(f"cannot read trace {f}: {e.strerror}")
         except (json.JSONDecodeError, TypeError) as e:
             raise SpecDecError(f"{f} is not a specdec trace (one JSON cycle record per line): {e}")
-        if not traces[str(f)]:
+        if not traces[str(f)][0]:
             raise SpecDecError(f"the trace {f} has no cycle records")
     return traces
 
@@ -223,7 +246,11 @@ def print_report(rep: dict) -> None:
 
 def cmd_analyze(args) -> int:
     traces = load_traces(args.trace)
-    rep = analyze(next(iter(traces.values()))) if len(traces) == 1 else analyze_many(traces)
+    if len(traces) == 1:
+        records, meta = next(iter(traces.values()))
+        rep = analyze(records, target_curve=step_curve(meta))
+    else:
+        rep = analyze_many(traces)
     if args.json:
         print(json.dumps(rep, indent=2))
     else:

@@ -52,9 +52,12 @@ def cmd_generate(args) -> int:
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
     result = chunk.result
-    if args.trace:
+    if args.trace:  # with the target's measured verify curve: the analyzer's reference for one target step
+        from .costs import measure_verify_curve
+        ids = sd.encode(prompt, not args.no_chat)
+        curve = measure_verify_curve(sd.model, sd.model.config.vocab_size, ids, max(sd.tau + 1, 9), reps=5)
         try:
-            write_jsonl(result.records, args.trace)
+            write_jsonl(result.records, args.trace, {"verify_curve": {str(k): round(v, 3) for k, v in curve.items()}})
         except OSError as e:
             raise SpecDecError(f"cannot write trace {args.trace}: {e.strerror}")
     s = result.stats

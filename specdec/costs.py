@@ -16,23 +16,42 @@ from .trace import CycleRecord
 
 
 def verify_curve(records: list[CycleRecord]) -> dict[int, float]:
-    """Mean verify time by tokens verified (drafts + 1). Cycle 0 is left out: it includes the prompt prefill."""
+    """Mean verify time by tokens verified (drafts + 1), made non-decreasing. Cycle 0 is left out: it includes the
+    prompt prefill."""
     by_n: dict[int, list[float]] = {}
     for r in records[1:] if len(records) > 1 else records:
         by_n.setdefault(len(r.proposed) + 1, []).append(r.verify_ms)
-    return {n: mean(v) for n, v in sorted(by_n.items())}
+    return non_decreasing({n: mean(v) for n, v in by_n.items()}, {n: len(v) for n, v in by_n.items()})
+
+
+def non_decreasing(values: dict[int, float], weights: dict[int, float]) -> dict[int, float]:
+    """The weighted least-squares non-decreasing fit (pool adjacent violators): more rows never cost less, and a
+    size seen once cannot drag the sizes seen often."""
+    blocks = []  # [value, weight, sizes]
+    for n in sorted(values):
+        blocks.append([values[n], weights[n], [n]])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            v2, w2, n2 = blocks.pop()
+            v1, w1, n1 = blocks.pop()
+            blocks.append([(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+    return {n: v for v, _, sizes in blocks for n in sizes}
 
 
 def interpolate(curve: dict[int, float], n: int) -> float:
+    """T_verify(n): measured, or linear between the measured sizes around n; below the smallest, along the first
+    two; above the largest, along the whole curve's mean slope (steadier than the last two points' noise)."""
     if n in curve:
         return curve[n]
     xs = sorted(curve)
     if len(xs) == 1:
         return curve[xs[0]]
+    if n > xs[-1]:
+        slope = max(0.0, (curve[xs[-1]] - curve[xs[0]]) / (xs[-1] - xs[0]))
+        return curve[xs[-1]] + slope * (n - xs[-1])
     lo = max([x for x in xs if x < n], default=xs[0])
     hi = min([x for x in xs if x > n], default=xs[-1])
     if lo == hi:
-        lo, hi = (xs[0], xs[1]) if n < xs[0] else (xs[-2], xs[-1])
+        lo, hi = xs[0], xs[1]
     return max(0.0, curve[lo] + (curve[hi] - curve[lo]) * (n - lo) / (hi - lo))
 
 
@@ -49,32 +68,29 @@ def cost_model(alphas, tau, draft_ms_per_token, curve, overhead_ms, t_target, ma
     """Predicted speedup over target-only: E[tokens](τ) · T_target(1) / (τ·c + T_verify(τ+1) + overhead).
     `match_rate` < 1 is for drafters that sometimes propose nothing (n-gram without a match): those cycles
     make one token for one plain target step."""
-    return predicted_speedup(alphas, {0: 1 - match_rate, tau: match_rate}, (0.0, draft_ms_per_token), curve,
-                             overhead_ms, t_target)
+    return predicted_speedup([(1 - match_rate, 0, alphas), (match_rate, tau, alphas)], (0.0, draft_ms_per_token),
+                             curve, overhead_ms, t_target)
 
 
-def predicted_speedup(alphas, lengths: dict[int, float], draft_cost: tuple[float, float], curve, overhead_ms,
-                      t_target) -> float:
-    """The speedup over target-only of a drafter that proposes L tokens in a share lengths[L] of cycles (early
-    stops and empty proposals included), a proposal of L costing draft_cost[0] + draft_cost[1]·L ms and its
-    verification T_verify(L + 1):
+def predicted_speedup(blocks, draft_cost: tuple[float, float], curve, overhead_ms, t_target) -> float:
+    """The speedup over target-only of a drafter whose cycles come as `blocks`: (share of cycles, tokens proposed
+    L, acceptance by position in those cycles). Early stops and empty proposals are blocks of their own; acceptance
+    is kept per block because a drafter that stops early when unsure is also right more often when it goes on. A
+    proposal of L costs draft_cost[0] + draft_cost[1]·L ms and its verification T_verify(L + 1):
 
-        Σ_L P(L)·E[tokens](L) · T_target(1) / (Σ_L P(L)·(a + b·L + T_verify(L + 1)) + overhead)
+        Σ_b w_b·E[tokens](α_b, L_b) · T_target(1) / (Σ_b w_b·(a + b·L_b + T_verify(L_b + 1)) + overhead)
     """
     a, b = draft_cost
-    tokens = sum(w * expected_tokens(alphas, n) for n, w in lengths.items())
-    time = sum(w * ((a + b * n if n else a) + interpolate(curve, n + 1)) for n, w in lengths.items())
+    tokens = sum(w * expected_tokens(alphas, n) for w, n, alphas in blocks)
+    time = sum(w * ((a + b * n if n else a) + interpolate(curve, n + 1)) for w, n, alphas in blocks)
     return tokens * t_target / max(time + overhead_ms, 1e-9)
 
 
-def lengths_at(lengths: dict[int, float], tau_seen: int, tau: int) -> dict[int, float]:
-    """The proposal lengths a drafter would give at τ, from those it gave at tau_seen: longer ones cut to τ; for a
-    larger τ, proposals that filled tau_seen are assumed to go on (an estimate: they were cut, not stopped)."""
-    out: dict[int, float] = {}
-    for n, w in lengths.items():
-        m = min(n, tau) if tau <= tau_seen or n < tau_seen else tau
-        out[m] = out.get(m, 0.0) + w
-    return out
+def blocks_at(blocks, tau_seen: int, tau: int):
+    """The blocks a drafter would give at τ, from those it gave at tau_seen: longer proposals cut to τ; for a larger
+    τ, proposals that filled tau_seen are assumed to go on (an estimate: they were cut, not stopped), their
+    acceptance at the new positions no better than at their last one."""
+    return [(w, min(n, tau) if tau <= tau_seen or n < tau_seen else tau, alphas) for w, n, alphas in blocks]
 
 
 @torch.inference_mode()

@@ -54,12 +54,33 @@ def summarize(records: list[CycleRecord], wall_s: float, new_tokens: int) -> dic
     }
 
 
-def write_jsonl(records: list[CycleRecord], path) -> None:
+def write_jsonl(records: list[CycleRecord], path, meta: dict | None = None) -> None:
+    """One JSON record per cycle; `meta` (e.g. the target's measured verify curve) first, as {"meta": {...}}."""
     with open(path, "w") as f:
+        if meta:
+            f.write(json.dumps({"meta": meta}) + "\n")
         for r in records:
             f.write(json.dumps(r.to_dict()) + "\n")
 
 
-def read_jsonl(path) -> list[CycleRecord]:
+def read_trace(path) -> tuple[list[CycleRecord], dict]:
+    records, meta = [], {}
     with open(path) as f:
-        return [CycleRecord(**json.loads(line)) for line in f if line.strip()]
+        for line in f:
+            if line.strip():
+                row = json.loads(line)
+                if "meta" in row and len(row) == 1:
+                    meta = row["meta"]
+                else:
+                    records.append(CycleRecord(**row))
+    return records, meta
+
+
+def read_jsonl(path) -> list[CycleRecord]:
+    return read_trace(path)[0]
+
+
+def step_curve(meta: dict) -> dict[int, float] | None:
+    """The target's measured ms by tokens verified, from a trace's meta (keys come back from JSON as strings)."""
+    curve = meta.get("verify_curve")
+    return {int(k): float(v) for k, v in curve.items()} if curve else None

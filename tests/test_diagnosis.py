@@ -1,31 +1,41 @@
 """The analyzer on real engine traces: a tiny runtime model whose costs are controlled (a target pass that costs
-what a real one does, a drafter that sleeps per token, one that is never right, a slow per-cycle hook), each cause
+what a real one does, a drafter that spends time per token, one that is never right, a slow per-cycle hook), each cause
 planted in a real generation; the analyzer names it and its cost model predicts the measured speedup."""
+import itertools
 import time
 
 import pytest
 
 from specdec import SpecDecoder, models
 from specdec.analyze import analyze
+from specdec.costs import measure_verify_curve
 from specdec.drafters.base import Draft
 
 PROMPT = "Hello there, general"
 
 
+def spend(ms: float) -> None:
+    """Busy-wait: time.sleep oversleeps by milliseconds at random on a loaded machine."""
+    end = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < end:
+        pass
+
+
 class Scripted:
     """Proposes the target's own greedy continuation (known in advance): right for the first `right` tokens of a
-    block, then wrong; `sleep_ms` per proposed token."""
+    block (a number, or a cycle of numbers taken in turn), then wrong; `cost_ms` per proposed token."""
     name = "scripted"
 
-    def __init__(self, reference: list[int], vocab: int, right: int = 1 << 30, sleep_ms: float = 0.0):
-        self.ref, self.vocab, self.right, self.sleep_ms = reference, vocab, right, sleep_ms
+    def __init__(self, reference: list[int], vocab: int, right=1 << 30, cost_ms: float = 0.0):
+        self.ref, self.vocab, self.cost_ms = reference, vocab, cost_ms
+        self.right = itertools.cycle(right if isinstance(right, (list, tuple)) else [right])
 
     def propose(self, context, k, params, generator) -> Draft:
-        n, out = len(context), []
+        n, out, right = len(context), [], next(self.right)
         for i in range(k):
             t = self.ref[n + i] if n + i < len(self.ref) else 3
-            out.append(t if i < self.right else (t + 1) % self.vocab)
-        time.sleep(self.sleep_ms * len(out) / 1e3)
+            out.append(t if i < right else (t + 1) % self.vocab)
+        spend(self.cost_ms * len(out))
         return Draft(out)
 
     def reset(self) -> None:
@@ -42,19 +52,20 @@ def pass_cost(model, monkeypatch, base_ms: float, per_row_ms: float) -> None:
     original = model.forward
 
     def slow(tokens, *a, **kw):
-        time.sleep((base_ms + per_row_ms * len(tokens)) / 1e3)
+        spend(base_ms + per_row_ms * len(tokens))
         return original(tokens, *a, **kw)
     monkeypatch.setattr(model, "forward", slow)
 
 
 SCENARIOS = {  # planted cause -> (draft: right tokens per block, ms per token), tau, pass (base, per row), hook ms
-    "draft_cost": (dict(sleep_ms=12.0), 4, (8.0, 0.1), 0.0),
+    "draft_cost": (dict(cost_ms=12.0), 4, (8.0, 0.1), 0.0),
     "verify_cost": (dict(), 4, (1.0, 6.0), 0.0),
     "low_acceptance": (dict(right=0), 3, (8.0, 0.1), 0.0),
     "overhead": (dict(right=2), 3, (8.0, 0.1), 25.0),
-    "tau_too_large": (dict(right=1, sleep_ms=0.8), 8, (8.0, 0.6), 0.0),
+    "tau_too_large": (dict(right=1, cost_ms=0.8), 8, (8.0, 0.6), 0.0),
     "tau_too_small": (dict(), 1, (8.0, 0.1), 0.0),
-    "none": (dict(right=2), 3, (8.0, 0.1), 0.0),
+    # right 3, 2, 2, 1, 1, 0 tokens in turn: acceptance falls by position; a bigger target (a 20 ms step)
+    "none": (dict(right=[3, 2, 2, 1, 1, 0]), 3, (20.0, 0.1), 0.0),
 }
 
 
@@ -62,7 +73,7 @@ SCENARIOS = {  # planted cause -> (draft: right tokens per block, ms per token),
 def test_analyzer_names_the_cause_planted_in_a_real_generation(rt, monkeypatch, cause):
     model, tok = rt
     drafter_kw, tau, (base, per_row), hook_ms = SCENARIOS[cause]
-    n = 42  # not a whole number of full blocks: the last, shorter ones show the verify curve's lower end
+    n = 42
     reference = SpecDecoder.from_models(model, tok, draft="none").generate(PROMPT, max_new_tokens=n + 10,
                                                                           chat=False).token_ids
     prompt_ids = tok(PROMPT).input_ids
@@ -72,10 +83,12 @@ def test_analyzer_names_the_cause_planted_in_a_real_generation(rt, monkeypatch, 
     stop = None
     if hook_ms:  # a slow per-cycle hook: the stop check runs once per cycle, outside draft and verify
         def stop(ids):
-            time.sleep(hook_ms / 1e3)
+            spend(hook_ms)
             return None
     records = list(sd.engine.run(prompt_ids, n, sd.prepare(PROMPT, chat=False).params, tau, stop))
     assert [t for r in records for t in r.emitted] == reference[:n]  # still the target's own output
-    rep = analyze(records)
+    # what `generate --trace` writes beside the records: the target's verify curve, measured apart
+    curve = measure_verify_curve(model, model.config.vocab_size, prompt_ids, max(tau + 1, 9), reps=3)
+    rep = analyze(records, target_curve=curve)
     assert rep["bottleneck"] == cause, (rep["speedup"], [(f["kind"], f["gain"]) for f in rep["findings"]])
     assert abs(rep["speedup"]["prediction_error"]) < 0.10, rep["speedup"]

@@ -137,7 +137,15 @@ class Worker:
         self.metrics.prompt_tokens.inc(result.prompt_tokens)
         if self.trace_dir:
             self.trace_dir.mkdir(parents=True, exist_ok=True)
-            write_jsonl(result.records, self.trace_dir / f"{job.id}.jsonl")
+            write_jsonl(result.records, self.trace_dir / f"{job.id}.jsonl", self.trace_meta())
+
+    def trace_meta(self) -> dict:
+        """What every trace carries for the analyzer: the target's verify ms by tokens, measured once."""
+        if getattr(self, "_curve", None) is None:
+            from ..costs import measure_verify_curve
+            model = self.decoder.model
+            self._curve = measure_verify_curve(model, model.config.vocab_size, list(range(1, 33)), 9, reps=3)
+        return {"verify_curve": {str(k): round(v, 3) for k, v in self._curve.items()}}
 
 
 class BatchWorker(Worker):
@@ -152,6 +160,11 @@ class BatchWorker(Worker):
 
     def _setup(self) -> None:
         self.engine = self.make_engine(self.decoder)
+
+    def trace_meta(self) -> dict:
+        if self.engine is None:
+            return super().trace_meta()
+        return {"verify_curve": {str(n): round(self.engine.pass_ms(n), 3) for n in range(1, 10)}}
 
     def _loop(self) -> None:
         if self.engine is None:  # a model the runtime does not run: one request at a time
