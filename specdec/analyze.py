@@ -104,8 +104,8 @@ def analyze(records: list[CycleRecord], decode_only: bool = False, target_curve:
     draft_cost = _fit_draft(cycles)
     overhead = other_ms / len(cycles)
 
-    def model(t: int) -> float:
-        return predicted_speedup(blocks_at(blocks, tau, t), draft_cost, curve, overhead, t1)
+    def model(t: int) -> float:  # at τ = 0 the drafter is never asked: no lookup cost either
+        return predicted_speedup(blocks_at(blocks, tau, t), draft_cost if t else (0.0, 0.0), curve, overhead, t1)
 
     def speedup(time_ms: float) -> float:
         return tokens * t1 / time_ms if time_ms > 0 else float("inf")

@@ -8,8 +8,8 @@ sampling — for every member of the draft chain, at a prefix where that member 
            the target's exact distribution there (direct forward passes, top-k keeps it enumerable), chi-square.
            The draws needed come from a stated power: the sample size at which a distribution error of total
            variation --detect is caught with probability 0.8 at --alpha (simulated on the exact distribution).
-           Only drafted-and-rejected events exercise the resampling rule: with fewer than --min-events of them
-           the test is reported inconclusive and fails.
+           Only drafted-and-rejected events exercise the resampling rule: draws go on (doubling, up to 6400) until
+           --min-events of them are seen; with fewer the test is reported inconclusive and fails.
 """
 from __future__ import annotations
 
@@ -185,14 +185,19 @@ def check_sampling(decoder, prompt: dict, params: SamplingParams, alpha: float, 
     if samples is None:  # the fewest draws that catch an error of TV `detect` with probability POWER
         samples = next((n for n in SAMPLE_SIZES if detectable_tv(probs, n, alpha) <= detect), SAMPLE_SIZES[-1])
     counts: dict[tuple, int] = {}
-    events = 0
-    for seed in range(samples):  # unseeded requests' rule (rejection sampling), reproducibly
-        torch.manual_seed(seed)
-        recs = list(decoder.engine.run(prefix, decoder.tau + 2, params, decoder.tau))
-        out = [t for r in recs for t in r.emitted][:2]
-        key = tuple(out) if len(out) == 2 else (out[0], None)
-        counts[key] = counts.get(key, 0) + 1
-        events += _events(recs)
+    events, drawn = 0, 0
+    while True:
+        for seed in range(drawn, samples):  # unseeded requests' rule (rejection sampling), reproducibly
+            torch.manual_seed(seed)
+            recs = list(decoder.engine.run(prefix, decoder.tau + 2, params, decoder.tau))
+            out = [t for r in recs for t in r.emitted][:2]
+            key = tuple(out) if len(out) == 2 else (out[0], None)
+            counts[key] = counts.get(key, 0) + 1
+            events += _events(recs)
+        drawn = samples
+        if events >= min_events or samples >= SAMPLE_SIZES[-1]:
+            break
+        samples = min(2 * samples, SAMPLE_SIZES[-1])  # too few rejections yet: draw more
     keys = sorted(set(joint) | set(counts), key=str)
     pv = chi2_pvalue([counts.get(k, 0) for k in keys], [joint.get(k, 0.0) for k in keys])
     verdict = "differs" if pv < alpha else "inconclusive" if events < min_events else "ok"

@@ -34,8 +34,10 @@ def test_generate_json_and_trace(capsys, tmp_path, tiny_dirs, tok, target):
     records = read_jsonl(trace)
     assert len(records) == data["stats"]["target_passes"]
     assert [t for r in records for t in r.emitted] == data["token_ids"]
-    line = json.loads(trace.read_text().splitlines()[0])
+    meta, line = [json.loads(x) for x in trace.read_text().splitlines()[:2]]
     assert {"cycle", "tau", "proposed", "accepted", "emitted", "draft_ms", "verify_ms", "cycle_ms"} <= set(line)
+    curve = meta["meta"]["verify_curve"]  # the target's own step cost, for the analyzer
+    assert set(curve) == {str(n) for n in range(1, 10)} and all(v > 0 for v in curve.values())
 
 
 def test_generate_streams_text(capsys, tiny_dirs):
