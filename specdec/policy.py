@@ -11,7 +11,7 @@
 """
 from __future__ import annotations
 
-from .costs import expected_tokens, interpolate
+from .costs import expected_tokens, interpolate, predicted_speedup
 from .errors import InvalidRequest
 
 POLICIES = ("fixed", "heuristic", "adaptive")
@@ -93,11 +93,12 @@ class AdaptivePolicy:
         return interpolate({k: e.value for k, e in self.verify_ms.items()}, n)
 
     def predicted_rate(self, tau: int) -> float | None:
-        verify = self.verify_cost(tau + 1)
-        if verify is None or (tau and self.draft_ms is None):
+        """Tokens per ms at τ: the cost model (costs.predicted_speedup) with one target step counted as 1 ms."""
+        if not self.verify_ms or (tau and self.draft_ms is None):
             return None
-        time = tau * (self.draft_ms.value if tau else 0.0) + verify + self.overhead_ms.value
-        return self.expected_tokens(tau) / max(time, 1e-6)
+        curve = {k: e.value for k, e in self.verify_ms.items()}
+        cost = (0.0, self.draft_ms.value if tau else 0.0)
+        return predicted_speedup([(1.0, tau, self.alphas())], cost, curve, self.overhead_ms.value, 1.0)
 
     def next_tau(self) -> int:
         if self._cycle < 2:  # first cycles: prefill pollutes timings; just draft the initial τ
