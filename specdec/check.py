@@ -8,7 +8,8 @@ sampling — for every member of the draft chain, at a prefix where that member 
            the target's exact distribution there (direct forward passes, top-k keeps it enumerable), chi-square.
            The draws needed come from a stated power: the sample size at which a distribution error of total
            variation --detect is caught with probability 0.8 at --alpha (simulated on the exact distribution).
-           Only drafted-and-rejected events exercise the resampling rule: draws go on (doubling, up to 6400) until
+           Only drafted tokens rejected where the target could have produced them exercise the resampling rule (the
+           prefix is chosen where the drafter proposes such tokens): draws go on (doubling, up to 6400) until
            --min-events of them are seen; with fewer the test is reported inconclusive and fails.
 """
 from __future__ import annotations
@@ -135,35 +136,42 @@ def detectable_tv(probs: list[float], n: int, alpha: float, trials: int = 200, s
     return hi
 
 
-def _events(records, tested: int = 2) -> int:
-    """Drafted tokens rejected at one of the first `tested` generated positions (where resampling happens)."""
-    pos, n = 0, 0
+def _events(records, joint: dict[tuple, float]) -> int:
+    """Drafted tokens rejected at one of the first two generated positions where the target could have produced
+    them (non-zero probability): only there does the resampling rule differ from plain sampling from p."""
+    firsts = {a for a, _ in joint}
+    pos, emitted, n = 0, [], 0
     for r in records:
-        if pos >= tested:
+        if pos >= 2:
             break
-        if r.proposed and r.accepted < len(r.proposed) and pos + r.accepted < tested:
-            n += 1
+        if r.proposed and r.accepted < len(r.proposed) and pos + r.accepted < 2:
+            at = pos + r.accepted  # 0: the first generated position, 1: the second
+            x = r.proposed[r.accepted]
+            before = (emitted + r.proposed[: r.accepted])[:1]
+            n += (x in firsts) if at == 0 else ((before[0], x) in joint)
+        emitted += r.emitted
         pos += len(r.emitted)
     return n
 
 
 def drafted_prefix(decoder, ids: list[int], params: SamplingParams, search: int = 24, probes: int = 6):
-    """The prompt plus the shortest part of the target's greedy continuation after which the drafter drafts at one
-    of the next two positions in most probe runs (None if it never does)."""
+    """The prompt plus the shortest part of the target's greedy continuation after which, in most probe runs, the
+    drafter drafts at one of the next two positions a token the target could produce there but need not: where a
+    rejection exercises the resampling rule (None if it never does)."""
     greedy = [t for r in decoder.engine.run(ids, search, SamplingParams(), decoder.tau) for t in r.emitted]
+    vocab = decoder.model.config.vocab_size
     for t in range(len(greedy) + 1):
         prefix = ids + greedy[:t]
-        drafted = 0
+        p1 = warp(next_token_logits(decoder.model, prefix)[:vocab], params)
+        useful = 0
         for i in range(probes):
             torch.manual_seed(10_000 + i)
             recs = list(decoder.engine.run(prefix, decoder.tau + 2, params, decoder.tau))
-            pos = 0
-            for r in recs:
-                if pos >= 2:
-                    break
-                drafted += bool(r.proposed)
-                pos += len(r.emitted)
-        if drafted * 2 >= probes:
+            if recs[0].proposed:  # drafted at the first position: is it uncertain there?
+                useful += 0 < float(p1[recs[0].proposed[0]]) < 0.999
+            elif len(recs) > 1 and len(recs[0].emitted) == 1 and recs[1].proposed:
+                useful += 1  # drafted at the second (a draft that needs the target's features first)
+        if useful * 2 >= probes:
             return prefix
     return None
 
@@ -193,7 +201,7 @@ def check_sampling(decoder, prompt: dict, params: SamplingParams, alpha: float, 
             out = [t for r in recs for t in r.emitted][:2]
             key = tuple(out) if len(out) == 2 else (out[0], None)
             counts[key] = counts.get(key, 0) + 1
-            events += _events(recs)
+            events += _events(recs, joint)
         drawn = samples
         if events >= min_events or samples >= SAMPLE_SIZES[-1]:
             break
