@@ -52,7 +52,7 @@ def planted(bug: str):
 def run(draft: str, bug: str, extra: list[str]) -> dict:
     out = io.StringIO()
     with planted(bug), contextlib.redirect_stdout(out):
-        code = cli(["check", "--draft", draft, "--limit", "1", "--max-new-tokens", "16", "--json", *extra])
+        code = cli(["check", "--draft", draft, "--limit", "6", "--max-new-tokens", "4", "--json", *extra])
     rep = json.loads(out.getvalue())
     return {"draft": draft, "bug": bug, "exit": code, "passed": rep["passed"],
             "sampling": [{k: r.get(k) for k in ("draft", "verdict", "p_value", "events", "samples", "detectable_tv")}
