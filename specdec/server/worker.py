@@ -44,8 +44,8 @@ class Job:
 class Worker:
     """`decoder`: a SpecDecoder, or a function that makes one. Given a function, the decoder is built on the worker
     thread itself, so that one thread runs every OpenMP region of the process: libgomp throttles its spin-waiting
-    once more threads are parked in OpenMP pools than there are CPUs, and a pass's ~240 barriers then each wait
-    on a futex (a pass on a second thread took 2.3x as long, measured on this 2-core machine)."""
+    once more threads are parked in OpenMP pools than there are CPUs, and a pass's ~270 barriers (9 a layer) then
+    each wait on a futex (a pass on a second thread took 2.3x as long, measured on this 2-core machine)."""
 
     def __init__(self, decoder, metrics, max_queue: int, timeout_s: float, trace_dir: str | None = None):
         self.decoder, self.metrics = decoder, metrics
