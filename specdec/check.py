@@ -204,11 +204,11 @@ def check_sampling(decoder, prompt: dict, params: SamplingParams, alpha: float, 
             counts[key] = counts.get(key, 0) + 1
             events += _events(recs, joint)
         drawn = samples
-        if events >= min_events or samples >= SAMPLE_SIZES[-1]:
+        keys = sorted(set(joint) | set(counts), key=str)
+        pv = chi2_pvalue([counts.get(k, 0) for k in keys], [joint.get(k, 0.0) for k in keys])
+        if events >= min_events or pv < alpha or samples >= SAMPLE_SIZES[-1]:
             break
-        samples = min(2 * samples, SAMPLE_SIZES[-1])  # too few rejections yet: draw more
-    keys = sorted(set(joint) | set(counts), key=str)
-    pv = chi2_pvalue([counts.get(k, 0) for k in keys], [joint.get(k, 0.0) for k in keys])
+        samples = min(2 * samples, SAMPLE_SIZES[-1])  # too few rejections yet to trust a pass: draw more
     verdict = "differs" if pv < alpha else "inconclusive" if events < min_events else "ok"
     return {**entry, "prefix_tokens": len(prefix) - len(ids), "samples": samples, "cells": len(joint),
             "detectable_tv": round(detectable_tv(probs, samples, alpha), 4), "events": events,
