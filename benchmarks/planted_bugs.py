@@ -62,12 +62,13 @@ def run(draft: str, bug: str, extra: list[str]) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--draft", action="append", default=None)
+    ap.add_argument("--bug", action="append", default=None, help="none, resample_from_p, wrong_q (default: all)")
     ap.add_argument("--out", default=None)
     ap.add_argument("extra", nargs="*", help="more `specdec check` arguments")
     args = ap.parse_args()
     rows = []
     for draft in args.draft or ["datastore+ngram", "ngram"]:
-        for bug in ("none", "resample_from_p", "wrong_q"):
+        for bug in args.bug or ("none", "resample_from_p", "wrong_q"):
             rows.append(run(draft, bug, args.extra))
             print(json.dumps(rows[-1]), file=sys.stderr)
     if args.out:
