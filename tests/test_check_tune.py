@@ -109,6 +109,8 @@ def test_check_catches_q_from_wrong_position(capsys, tiny_dirs, prompts_file, mo
 def test_check_bad_input(capsys, tiny_dirs, prompts_file, tmp_path):
     assert main(["check", "--target", tiny_dirs["target"], "--samples", "3"]) == 2
     assert main(["check", "--target", tiny_dirs["target"], "--temperature", "0"]) == 2
+    for bad in (["--detect", "0"], ["--detect", "1.5"], ["--min-events", "-1"]):
+        assert main(["check", "--target", tiny_dirs["target"], *bad]) == 2
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     assert main(["check", "--target", tiny_dirs["target"], "--prompts", str(empty)]) == 2

@@ -128,3 +128,14 @@ def test_a_failing_pass_is_a_clean_500_and_the_server_recovers(rt_decoder, monke
         assert ok.status_code == 200
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("args", [["--max-batch-rows", "0"], ["--prefill-chunk", "0"], ["--max-tau", "-1"],
+                                  ["--ray", "--ray-autoscaling", "{not json"], ["--ray", "--replicas", "0"]])
+def test_serve_refuses_bad_batching_and_ray_options(tiny_dirs, capsys, args):
+    """One readable line and exit status 2, before any model or Ray process starts (without Ray installed, the
+    --ray options say how to install it)."""
+    from specdec.cli import main
+    assert main(["serve", "--target", tiny_dirs["target"], "--port", "1", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and ("must" in err or "Ray Serve is not installed" in err), err

@@ -63,6 +63,7 @@ def run(args, host: str, port: int, address: str | None = None) -> None:
     """`specdec serve --ray`: start (or join) Ray, put the application behind Serve's proxy on host:port, block."""
     serve = _ray()
     import ray
+    app = build(args)  # bad options fail here, before any Ray process starts
     ray.init(address=address, ignore_reinit_error=True, include_dashboard=False)
     serve.start(http_options={"host": host, "port": port})
-    serve.run(build(args), name="specdec", route_prefix="/", blocking=True)
+    serve.run(app, name="specdec", route_prefix="/", blocking=True)
