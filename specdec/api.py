@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import copy
 import json
 import threading
 from collections.abc import Iterator
@@ -102,9 +103,11 @@ def _datastore(draft: str, model, tok) -> DatastoreDrafter:
     return DatastoreDrafter.load(src, model.config.vocab_size, name=draft)
 
 
-def encode_prompt(tokenizer, prompt, chat: bool = True, context_window: int | None = None) -> list[int]:
+def encode_prompt(tokenizer, prompt, chat: bool = True, context_window: int | None = None,
+                  max_token_chars: int | None = None) -> list[int]:
     """A string or a list of {role, content} messages -> prompt token ids, as `generate` prompts the target (chat
-    template unless chat=False); PromptTooLong at or past `context_window`."""
+    template unless chat=False); PromptTooLong at or past `context_window`. With `max_token_chars` (the longest
+    token's text), a prompt too long to fit whatever its tokens is refused before it is tokenized."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str)
@@ -112,14 +115,36 @@ def encode_prompt(tokenizer, prompt, chat: bool = True, context_window: int | No
         raise InvalidRequest("prompt must be a non-empty string or a list of {role, content} messages")
     if not any(m["content"].strip() for m in messages):
         raise InvalidRequest("prompt is empty")
+    for m in messages:
+        try:
+            m["content"].encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRequest("prompt is not valid Unicode text (a lone surrogate such as \\ud800)") from None
+    chars = sum(len(m["content"]) for m in messages)
+    if context_window is not None and max_token_chars and chars >= context_window * max_token_chars:
+        raise PromptTooLong(f"prompt is {chars} characters, more than {context_window} tokens of at most "
+                            f"{max_token_chars} characters each: it cannot fit the target's context window")
     if chat and tokenizer.chat_template:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - a template's own raise_exception ("roles must alternate") and the like
+            raise InvalidRequest(f"the chat template refused these messages: {e}") from None
         ids = tokenizer(text, add_special_tokens=False).input_ids
     else:
         ids = tokenizer("\n".join(m["content"] for m in messages)).input_ids
     if context_window is not None and len(ids) >= context_window:
         raise PromptTooLong(f"prompt is {len(ids)} tokens; the target's context window is {context_window}")
     return ids
+
+
+def longest_token_chars(tokenizer) -> int | None:
+    """Characters of the longest token's text (decoded), an upper bound on characters per token; None if unknown."""
+    try:
+        vocab = tokenizer.get_vocab()
+        longest = max(vocab, key=len)
+        return max(len(longest), len(tokenizer.decode([vocab[longest]])), 1)
+    except Exception:  # noqa: BLE001 - a tokenizer without a readable vocabulary: no early bound
+        return None
 
 
 def _positive_int(name, value):
@@ -155,8 +180,12 @@ class SpecDecoder:
 
     def _setup(self, model, tok, drafter, tau, draft_name, policy):
         self.model, self.tokenizer, self.draft_name = model, tok, draft_name
-        # the server encodes in its request handlers while the model worker decodes: one tokenizer call at a time
+        # the server encodes prompts on request threads while the model worker decodes text: each side has its own
+        # copy of the tokenizer (transformers' fast tokenizers are not safe to share across threads), so a long
+        # prompt being encoded never holds up the worker's streams
         self.tokenizer_lock = threading.Lock()
+        self._encoder, self._encoder_lock = copy.deepcopy(tok), threading.Lock()
+        self.max_token_chars = None  # measured at the first encode
         self.tau = _positive_int("tau", tau)
         self.policy = make_policy(policy, self.tau).name
         self._policies = {}  # (name, tau) -> policy; adaptive estimates persist across requests
@@ -166,14 +195,17 @@ class SpecDecoder:
     # ---- prompts -------------------------------------------------------------------------------------------
     def encode(self, prompt, chat: bool = True) -> list[int]:
         """A string or a list of {role, content} messages -> prompt token ids (chat template unless chat=False)."""
-        with self.tokenizer_lock:
-            return encode_prompt(self.tokenizer, prompt, chat, self.context_window)
+        with self._encoder_lock:
+            if self.max_token_chars is None:
+                self.max_token_chars = longest_token_chars(self._encoder) or 0
+            return encode_prompt(self._encoder, prompt, chat, self.context_window, self.max_token_chars)
 
     # ---- generation ----------------------------------------------------------------------------------------
     def prepare(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                 top_k: int = 0, seed: int | None = None, stop: list[str] | str | None = None, chat: bool = True,
-                tau: int | None = None, policy: str | None = None) -> Request:
-        """Validate and encode one request (InvalidRequest / PromptTooLong on bad input)."""
+                tau: int | None = None, policy: str | None = None, prompt_ids: list[int] | None = None) -> Request:
+        """Validate and encode one request (InvalidRequest / PromptTooLong on bad input). `prompt_ids`: the prompt
+        already encoded (the server encodes it once, off the model worker)."""
         _positive_int("max_new_tokens", max_new_tokens)
         tau = self.tau if tau is None else _positive_int("tau", tau)
         key = (policy or self.policy, tau)
@@ -184,7 +216,8 @@ class SpecDecoder:
         if len(stops) > MAX_STOPS or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
             raise InvalidRequest(f"stop must be up to {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} "
                                  "characters")
-        return Request(self, self.encode(prompt, chat), max_new_tokens, params, stops, tau, self._policies[key])
+        ids = self.encode(prompt, chat) if prompt_ids is None else prompt_ids
+        return Request(self, ids, max_new_tokens, params, stops, tau, self._policies[key])
 
     def stream_chunks(self, prompt, **kwargs) -> Iterator[Chunk]:
         """One Chunk per cycle (keyword arguments as prepare)."""

@@ -122,7 +122,8 @@ class BatchEngine:
         self._state: dict[int, tuple] = {}  # id -> (slot, drafter, acceptance estimates)
         self._pass = {n: _Ema(ms, weight=2.0, decay=0.9) for n, ms in (pass_curve or {1: 10.0}).items()}
         self.shared = AdaptivePolicy(1, 16)  # acceptance by position over all requests: a new request's prior
-        self.last = {}  # the last step's figures (rows, taus), for metrics
+        self.last = {}  # the last step's figures (rows, taus, verify_ms), for metrics; {} when it ran no pass
+        self.failed: list[tuple[Sequence, BaseException]] = []  # the last step's requests that failed on their own
 
     # ---- membership -------------------------------------------------------------------------------------------
     @property
@@ -136,9 +137,14 @@ class BatchEngine:
         for mine, ours in zip(est.alpha, self.shared.alpha):
             mine.value = ours.value
         slot = self.model.acquire_slot()
-        self._state[seq.id] = (slot, fork(self.drafter), est)
-        if self.prefixes is not None:
-            seq.fed = self.prefixes.restore(seq.prompt, slot)
+        try:
+            self._state[seq.id] = (slot, fork(self.drafter), est)
+            if self.prefixes is not None:
+                seq.fed = self.prefixes.restore(seq.prompt, slot)
+        except BaseException:  # nothing of a request that could not join stays behind
+            self._state.pop(seq.id, None)
+            self.model.release_slot(slot)
+            raise
         self.running.append(seq)
         return seq
 
@@ -149,6 +155,12 @@ class BatchEngine:
             self.model.release_slot(slot)
             close(drafter)
             self.running.remove(seq)
+
+    def _fail(self, seq: Sequence, error: BaseException) -> None:
+        """A request whose own work raised leaves the batch with its error; the others go on."""
+        seq.finish_reason = "error"
+        self.failed.append((seq, error))
+        self.remove(seq)
 
     def close(self) -> None:
         """Give back every slot: the running requests' and the prefix cache's."""
@@ -167,8 +179,25 @@ class BatchEngine:
     @torch.inference_mode()
     def step(self) -> list[tuple[Sequence, CycleRecord]]:
         """One cycle for every running request -> (request, record) for each request that emitted tokens (a
-        request still prefilling emits none). Finished requests leave the batch."""
+        request still prefilling emits none). Finished requests leave the batch; so do requests whose own drafting
+        or verification raised (listed in `self.failed` with their errors): one request never fails the others."""
         t0 = perf_counter()
+        self.last, self.failed = {}, []
+        free = getattr(self.drafter, "free", False)
+        early, draft_ms = {}, {}  # request id -> its draft, its drafting ms
+        caps = {}
+        for s in [s for s in self.running if not s.prefilling]:
+            room = min(s.max_new_tokens - len(s.generated), self.context_window - len(s.tokens))
+            caps[s.id] = max(0, min(s.max_tau, room - 1))  # never draft more than can be emitted
+            if free and caps[s.id]:  # propose first: the scheduler then knows what there is to verify
+                t = perf_counter()
+                try:
+                    early[s.id] = self._state[s.id][1].propose(s.tokens, caps[s.id], s.params, s.generator)
+                except Exception as e:  # noqa: BLE001
+                    self._fail(s, e)
+                    continue
+                draft_ms[s.id] = (perf_counter() - t) * 1e3
+                caps[s.id] = min(caps[s.id], len(early[s.id].tokens))
         decoding = [s for s in self.running if not s.prefilling]
         rows_left = self.max_batch_rows - len(decoding)
         chunks = {}  # prefilling request id -> rows this pass
@@ -177,18 +206,11 @@ class BatchEngine:
                 chunks[s.id] = min(len(s.tokens) - s.fed, self.prefill_chunk, rows_left)
                 rows_left -= chunks[s.id]
         base = self.max_batch_rows - rows_left
-        free = getattr(self.drafter, "free", False)
-        demands, early, draft_ms = [], {}, {}
+        demands = []
         for s in decoding:
             est = self._state[s.id][2]
-            room = min(s.max_new_tokens - len(s.generated), self.context_window - len(s.tokens))
-            cap = max(0, min(s.max_tau, room - 1))  # never draft more than can be emitted
-            if free and cap:  # propose first: the scheduler then knows what there is to verify
-                t = perf_counter()
-                early[s.id] = self._state[s.id][1].propose(s.tokens, cap, s.params, s.generator)
-                draft_ms[s.id] = (perf_counter() - t) * 1e3
-                cap = min(cap, len(early[s.id].tokens))
             cost = 0.0 if free else est.draft_ms.value if est.draft_ms is not None else 0.1
+            cap = caps[s.id]
             floor = cap if s.fixed_tau else min(cap, 1) if s.idle >= PROBE_EVERY else 0
             demands.append(Demand(est.alphas(), cost, cap, floor))
         taus = plan(demands, base, self.max_batch_rows, self.pass_ms)
@@ -198,13 +220,14 @@ class BatchEngine:
         late = [(s, tau) for s, tau in zip(decoding, taus) if tau and s.id not in early]
         if late:  # one batched proposal (the feature draft's layer runs once per step for all of them)
             t = perf_counter()
-            made = propose_many([self._state[s.id][1] for s, _ in late], [s.tokens for s, _ in late],
-                                [tau for _, tau in late], [s.params for s, _ in late], [s.generator for s, _ in late])
+            made = self._propose_late(late)
             share = (perf_counter() - t) * 1e3 / sum(tau for _, tau in late)  # its time, split by tokens asked
             for (s, tau), draft in zip(late, made):
-                early[s.id], draft_ms[s.id] = draft, share * tau
+                if draft is not None:
+                    early[s.id], draft_ms[s.id] = draft, share * tau
+        running = {s.id for s in self.running}  # less any whose late drafting failed
         drafts = {s.id: (tau, early.get(s.id), early[s.id].tokens[:tau] if s.id in early else [])
-                  for s, tau in zip(decoding, taus)}
+                  for s, tau in zip(decoding, taus) if s.id in running}
         t1 = perf_counter()
 
         tokens, slots, positions, logit_rows, spans = [], [], [], [], {}
@@ -226,7 +249,11 @@ class BatchEngine:
             positions += range(s.fed, s.fed + len(new))
         if not tokens:
             return []
-        out = self.model.forward(tokens, slots, positions, logit_rows, hidden=self.wants_hidden)
+        try:
+            out = self.model.forward(tokens, slots, positions, logit_rows, hidden=self.wants_hidden)
+        except Exception:  # find whose rows the pass cannot run; the others run again next step
+            self._isolate(spans, tokens, slots, positions)
+            return []
         logits, hidden = (out[0], out[1]) if self.wants_hidden else (out, None)
         logits = fit_vocab(logits, self.vocab_size) if logits is not None else None
         t2 = perf_counter()
@@ -242,35 +269,78 @@ class BatchEngine:
             n_logits = len(proposed) + 1 if s.id in drafts else (1 if s.fed + n_rows == len(s.tokens) else 0)
             block = logits[row: row + n_logits] if n_logits else None
             row += n_logits
-            fed_before = s.fed
-            if not n_logits:  # a prompt chunk: nothing to emit yet
-                s.fed += n_rows
-                if hidden is not None:
-                    self._state[s.id][1].observe_target(fed_before, hidden[start: start + n_rows])
+            try:
+                rec = self._finish_cycle(s, start, n_rows, tau, draft, proposed, block, hidden, free,
+                                         draft_ms.get(s.id, 0.0), verify_ms, t0)
+            except Exception as e:  # noqa: BLE001 - this request's verification or stop check: it alone fails
+                self._fail(s, e)
                 continue
-            if s.cycle == 0 and self.prefixes is not None:  # the prompt is in the slot now
-                self.prefixes.store(s.prompt, self._state[s.id][0])
-            n, token = verify_block(proposed, draft.q if draft is not None else None, block, s.params,
-                                    s.generator, len(s.tokens))
-            if hidden is not None:  # target features of the committed positions (all but the newest token)
-                self._state[s.id][1].observe_target(fed_before, hidden[start: start + len(s.tokens) + n - fed_before])
-            emitted, finish = cut(proposed[:n] + [token], s.tokens, len(s.prompt), s.stop, s.max_new_tokens,
-                                  self.eos_ids, self.context_window)
-            s.tokens.extend(emitted)
-            s.fed = len(s.tokens) - 1  # the committed prefix stays; the newest token is fed next cycle
-            rec = CycleRecord(s.cycle, tau, proposed, n, emitted, draft_ms=round(draft_ms.get(s.id, 0.0), 3),
-                              verify_ms=round(verify_ms, 3), cycle_ms=round((perf_counter() - t0) * 1e3, 3),
-                              finish_reason=finish)
-            s.cycle += 1
-            if proposed or not free:  # a model-free drafter's estimates: over the cycles it proposed in
-                self._state[s.id][2].observe(rec)
-                self.shared.observe(rec)
-            results.append((s, rec))
-            if finish:
-                s.finish_reason = finish
-                self.remove(s)
-        self.last = {"rows": len(tokens), "taus": [drafts[s.id][0] for s in decoding]}
+            if rec is not None:
+                results.append((s, rec))
+        self.last = {"rows": len(tokens), "taus": [drafts[s.id][0] for s in decoding if s.id in drafts],
+                     "verify_ms": verify_ms}
         return results
+
+    def _propose_late(self, late: list[tuple[Sequence, int]]) -> list:
+        """Drafts for the requests that draft after the row split, batched; should the batched call raise, each
+        request is asked on its own so that only the one whose drafting fails leaves (its draft None)."""
+        args = lambda group: ([self._state[s.id][1] for s, _ in group], [s.tokens for s, _ in group],  # noqa: E731
+                              [tau for _, tau in group], [s.params for s, _ in group], [s.generator for s, _ in group])
+        try:
+            return propose_many(*args(late))
+        except Exception:  # noqa: BLE001
+            made = []
+            for s, tau in late:
+                try:
+                    made.append(propose_many(*args([(s, tau)]))[0])
+                except Exception as e:  # noqa: BLE001
+                    self._fail(s, e)
+                    made.append(None)
+            return made
+
+    def _isolate(self, spans, tokens, slots, positions) -> None:
+        """After a pass raised: run each request's rows alone; those that still raise fail. When none does on its
+        own, the pass's failure is nobody's in particular and is raised (the worker then fails the pass)."""
+        blamed = 0
+        for s in [s for s in list(self.running) if s.id in spans]:
+            start, n = spans[s.id]
+            try:
+                self.model.forward(tokens[start: start + n], slots[start: start + n], positions[start: start + n], [])
+            except Exception as e:  # noqa: BLE001
+                self._fail(s, e)
+                blamed += 1
+        if not blamed:
+            raise RuntimeError("a target pass failed, and no request's rows fail on their own")
+
+    def _finish_cycle(self, s: Sequence, start, n_rows, tau, draft, proposed, block, hidden, free, d_ms, verify_ms,
+                      t0) -> CycleRecord | None:
+        """Verify, emit and roll back one request after the pass -> its record (None for a prompt chunk)."""
+        fed_before = s.fed
+        if block is None:  # a prompt chunk: nothing to emit yet
+            s.fed += n_rows
+            if hidden is not None:
+                self._state[s.id][1].observe_target(fed_before, hidden[start: start + n_rows])
+            return None
+        if s.cycle == 0 and self.prefixes is not None:  # the prompt is in the slot now
+            self.prefixes.store(s.prompt, self._state[s.id][0])
+        n, token = verify_block(proposed, draft.q if draft is not None else None, block, s.params, s.generator,
+                                len(s.tokens))
+        if hidden is not None:  # target features of the committed positions (all but the newest token)
+            self._state[s.id][1].observe_target(fed_before, hidden[start: start + len(s.tokens) + n - fed_before])
+        emitted, finish = cut(proposed[:n] + [token], s.tokens, len(s.prompt), s.stop, s.max_new_tokens,
+                              self.eos_ids, self.context_window)
+        s.tokens.extend(emitted)
+        s.fed = len(s.tokens) - 1  # the committed prefix stays; the newest token is fed next cycle
+        rec = CycleRecord(s.cycle, tau, proposed, n, emitted, draft_ms=round(d_ms, 3), verify_ms=round(verify_ms, 3),
+                          cycle_ms=round((perf_counter() - t0) * 1e3, 3), finish_reason=finish)
+        s.cycle += 1
+        if proposed or not free:  # a model-free drafter's estimates: over the cycles it proposed in
+            self._state[s.id][2].observe(rec)
+            self.shared.observe(rec)
+        if finish:
+            s.finish_reason = finish
+            self.remove(s)
+        return rec
 
 
 def measure_pass_curve(model: Llama, sizes=(1, 2, 4, 8, 16, 32, 64), context: int = 64, reps: int = 3

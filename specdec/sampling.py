@@ -15,11 +15,16 @@ Randomness:
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 
 import torch
 
 from .errors import InvalidRequest
+
+
+MAX_TEMPERATURE = 2.0  # OpenAI's bound
+SEED_RANGE = 2**64  # torch.Generator.manual_seed takes [0, 2^64); other seeds are reduced into it (seed mod 2^64)
 
 
 @dataclass(frozen=True)
@@ -30,14 +35,16 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) \
+                or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise InvalidRequest(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1 or math.isnan(self.top_p):
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise InvalidRequest(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise InvalidRequest(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not 0 <= self.top_k < 2**31:
+            raise InvalidRequest(f"top_k must be an integer in [0, 2^31), got {str(self.top_k)[:40]}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not -SEED_RANGE // 2 <= self.seed < SEED_RANGE):
+            raise InvalidRequest(f"seed must be an integer in [-2^63, 2^64), got {str(self.seed)[:40]}")
 
     @property
     def greedy(self) -> bool:
@@ -49,7 +56,7 @@ class SamplingParams:
         if self.seed is not None and not self.greedy:
             return PositionNoise(self.seed)
         g = torch.Generator()
-        g.manual_seed(self.seed if self.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
+        g.manual_seed(self.seed % SEED_RANGE if self.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
         return g
 
 
@@ -79,8 +86,11 @@ def draw(probs: torch.Tensor, generator, position: int) -> int:
 
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Logits [..., V] -> probabilities [..., V] after temperature, top-k and top-p (in that order)."""
-    logits = logits.double() / params.temperature
+    """Logits [..., V] -> probabilities [..., V] after temperature, top-k and top-p (in that order). The maximum is
+    subtracted before dividing by the temperature: a tiny temperature (1e-308) then sends every other logit to -inf
+    (a one-hot of the argmax) instead of overflowing to inf - inf = NaN."""
+    logits = logits.double()
+    logits = (logits - logits.amax(-1, keepdim=True)) / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -17,6 +17,10 @@ from .base import Draft
 FILE = "datastore.safetensors"
 ORDERS = (4, 3)
 MAX_MATCHES = 256  # the most recent matches are enough to find the majority
+# n-gram keys: h = h·MIX + token, wrapping in int64. Any vocabulary fits (a positional base of vocab^n overflowed
+# past vocab ~55k and merged unrelated n-grams); a rare collision only widens a search range, since every
+# candidate is checked against the context's tokens.
+MIX = 0x100000001B3  # the 64-bit FNV prime: odd, so each step is a bijection of the int64 ring
 
 
 class DatastoreDrafter:
@@ -31,7 +35,7 @@ class DatastoreDrafter:
     def _hash(self, windows: torch.Tensor) -> torch.Tensor:
         h = torch.zeros(windows.shape[:-1], dtype=torch.long)
         for j in range(windows.shape[-1]):
-            h = h * self.vocab + windows[..., j]
+            h = h * MIX + windows[..., j]
         return h
 
     def _table(self, n: int):
@@ -45,7 +49,7 @@ class DatastoreDrafter:
         for j in range(n):
             column = self.tokens[j: j + L]
             ok &= column >= 0
-            hashes.mul_(self.vocab).add_(column.long())
+            hashes.mul_(MIX).add_(column.long())
         ends = torch.nonzero(ok).squeeze(1).add_(n).int()
         hashes = hashes[ok]
         order = torch.argsort(hashes, stable=True)  # stable: equal keys stay in datastore order (recent last)
@@ -56,11 +60,14 @@ class DatastoreDrafter:
             if len(context) < n:
                 continue
             hashes, ends = self.tables[n]
-            key = self._hash(torch.tensor(context[-n:]))
+            gram = torch.tensor(context[-n:], dtype=torch.int32)
+            key = self._hash(gram)
             lo, hi = int(torch.searchsorted(hashes, key)), int(torch.searchsorted(hashes, key, right=True))
-            if hi - lo < self.min_count:
+            found = ends[lo:hi]
+            found = found[(self.tokens[found[:, None].long() - n + torch.arange(n)] == gram).all(1)]  # collisions out
+            if len(found) < self.min_count:
                 continue
-            return Draft(self._walk(ends[lo:hi][-MAX_MATCHES:], k))
+            return Draft(self._walk(found[-MAX_MATCHES:], k))
         return Draft()
 
     def _walk(self, starts: torch.Tensor, k: int) -> list[int]:

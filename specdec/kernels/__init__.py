@@ -35,17 +35,19 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec")) / "kernels"
 
 
-def _build(compiler: str, isa: str) -> Path:
-    """Compile once per source/flags/compiler; a finished build is renamed into place atomically."""
+def _build(compiler: str, isa: str, where: str | None = None) -> Path:
+    """Compile once per source/flags/compiler (into `where`, default the cache); a finished build is renamed into
+    place atomically."""
     flags = [*COMMON, *ISA_FLAGS[isa]]
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
-    lib = _cache_dir() / f"rows-{isa}-{key}.so"
+    lib = Path(where or _cache_dir()) / f"rows-{isa}-{key}.so"
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
         os.close(fd)
         try:
             subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp], check=True, capture_output=True, timeout=300)
+            os.chmod(tmp, 0o755)  # mkstemp makes it 0600: other users of a shared cache must be able to load it
             os.replace(tmp, lib)
         finally:
             Path(tmp).unlink(missing_ok=True)
@@ -85,25 +87,53 @@ def library(isa: str | None = None) -> Library | None:
     isa = isa or best_isa()
     compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
     if isa is None or compiler is None:
+        why = ("SPECDEC_CPU_KERNEL=0" if os.environ.get("SPECDEC_CPU_KERNEL") == "0" else "no C++ compiler"
+               if isa else "this CPU has no AVX2")
+        print(f"specdec: CPU kernels off ({why}); the runtime runs torch one row at a time: {FALLBACK}",
+              file=sys.stderr)
         return None
     try:
-        return Library(_build(compiler, isa), isa)
+        path = _build(compiler, isa)
+        try:
+            return Library(path, isa)
+        except OSError as e:  # a cached build this user cannot load (another user's, unreadable): build a private one
+            print(f"specdec: cached CPU kernel {path} cannot be loaded ({e}); building a private copy", file=sys.stderr)
+            return Library(_build(compiler, isa, tempfile.mkdtemp(prefix="specdec-kernels-")), isa)
     except (OSError, subprocess.SubprocessError) as e:
         detail = " ".join((getattr(e, "stderr", b"") or b"").decode(errors="replace").split())[:200]
         print(f"specdec: CPU kernel unavailable, using torch's paths ({e}) {detail}", file=sys.stderr)
         return None
 
 
+FALLBACK = "row-invariant, not bitwise equal to the kernels, several times slower"
+
+
 def available() -> bool:
     return library() is not None
+
+
+def path_name() -> str:
+    """Which arithmetic the runtime runs here, as `check` and `bench` report it."""
+    lib = library()
+    return f"kernels ({lib.isa})" if lib is not None else "torch fallback (one row at a time)"
 
 
 def linear(fmt: int, x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | None = None,
            lib: Library | None = None) -> torch.Tensor:
     """y = x·Wᵀ (+ b) for W given as `n` rows in format `fmt` (a uint8 block tensor, or a float tensor) and x
-    [..., K] fp32 CPU, any number of rows. The caller guarantees the shapes (runtime.QTensor)."""
+    [..., K] fp32 CPU, any number of rows. Shapes and dtypes are checked here: a pointer never reaches C++ with a
+    size that does not match its tensor."""
     lib = lib or library()
-    k = x.shape[-1]
+    k = x.shape[-1] if x.dim() else 0
+    if x.dtype != torch.float32 or not x.is_cpu:
+        raise ValueError(f"kernel linear needs fp32 CPU rows, got {x.dtype} on {x.device}")
+    rb = lib.row_bytes(fmt, k)
+    if rb < 0 or weight.dim() != 2 or tuple(weight.shape) != (n, rb) or weight.element_size() != 1 \
+            or not weight.is_contiguous():
+        raise ValueError(f"kernel linear: weight {tuple(weight.shape)} is not {n} contiguous rows of {rb} bytes "
+                         f"({FORMATS.get(fmt, fmt)} with {k} columns)")
+    if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (n,) or not bias.is_contiguous()):
+        raise ValueError(f"kernel linear: bias must be fp32 [{n}]")
     x2 = x.reshape(-1, k)
     if not x2.is_contiguous():
         x2 = x2.contiguous()

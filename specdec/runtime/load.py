@@ -27,6 +27,9 @@ def load_gguf(path: Path, max_len: int | None = None) -> Llama:
     hd = m("attention.key_length") or hidden // heads
     if m("rope.dimension_count", hd) != hd:
         raise Unsupported("partial rotary embedding is not supported by the runtime")
+    if f.has("rope_freqs.weight"):  # llama.cpp's Llama 3.1+ rotary scaling: per-frequency factors, no scaling type
+        raise Unsupported("rotary frequency factors (rope_freqs.weight, Llama 3.1/3.2 files) are not applied by the "
+                          "runtime yet; running without them would be wrong")
     rope = {"rope_type": "default", "rope_theta": float(m("rope.freq_base", 10000.0))}
     kind = m("rope.scaling.type")
     if kind and kind != "none":
@@ -96,9 +99,34 @@ def _config(model_type: str, **kw):
     return SimpleNamespace(model_type=model_type, **kw)
 
 
+def check_shapes(config, embed, layers, norm, head) -> None:
+    """Every tensor's shape against the config, before any pointer reaches the kernels (a mismatch would read or
+    write out of bounds there): Unsupported naming the first tensor that differs."""
+    D, hd, I = config.hidden_size, config.head_dim, config.intermediate_size
+    nq, nkv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+
+    def want(name, t, shape):
+        got = (t.n, t.k) if hasattr(t, "k") else tuple(t.shape)
+        if got != shape:
+            raise Unsupported(f"tensor {name} is {got}, the config says {shape}: the file and its config disagree")
+    if len(layers) != config.num_hidden_layers:
+        raise Unsupported(f"{len(layers)} layers, the config says {config.num_hidden_layers}")
+    want("embedding", embed, (embed.n, D))
+    want("head", head, (head.n, D))
+    want("output norm", norm, (D,))
+    for i, w in enumerate(layers):
+        for name, t, shape in [("attn_norm", w.attn_norm, (D,)), ("q", w.q, (nq, D)), ("k", w.k, (nkv, D)),
+                               ("v", w.v, (nkv, D)), ("o", w.o, (D, nq)), ("ffn_norm", w.ffn_norm, (D,)),
+                               ("gate", w.gate, (I, D)), ("up", w.up, (I, D)), ("down", w.down, (D, I)),
+                               ("q_bias", w.q_bias, (nq,)), ("k_bias", w.k_bias, (nkv,)), ("v_bias", w.v_bias, (nkv,))]:
+            if t is not None:
+                want(f"layer {i} {name}", t, shape)
+
+
 def _build(config, embed, layers, norm, head, gen, max_len, source) -> Llama:
     if getattr(config, "head_dim", None) is None:
         config.head_dim = config.hidden_size // config.num_attention_heads
+    check_shapes(config, embed, layers, norm, head)
     if config.head_dim % 16 or config.head_dim > 256:
         raise Unsupported(f"head size {config.head_dim} (the runtime needs a multiple of 16, at most 256)")
     if config.num_attention_heads % config.num_key_value_heads:

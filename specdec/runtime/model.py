@@ -138,6 +138,8 @@ class Llama:
         self._pointers()
 
     def release_slot(self, slot: int) -> None:
+        if not 0 <= slot < len(self._slots) or slot in self._free:
+            raise ValueError(f"KV slot {slot} is not held (released twice, or never acquired)")
         self._free.append(slot)
 
     @torch.inference_mode()
@@ -184,37 +186,37 @@ class Llama:
                 raise RuntimeError("the decoder kernel refused its shapes")
             h = torch.empty_like(x)
             self._lib.rows_rmsnorm(x.data_ptr(), R, x.shape[1], self.norm.data_ptr(), self.eps, h.data_ptr(), threads)
-        else:
-            for i, w in enumerate(self.layers):
-                x = self._layer_torch(i, w, x, slots, positions)
-            h = _rmsnorm(x, self.norm, self.eps)
+        else:  # torch, one row at a time through every layer: each row is exactly a one-token step (row-invariant)
+            h = torch.empty_like(x)
+            for r in range(R):
+                xr = x[r:r + 1].clone()  # a fresh, aligned [1, hidden]: the same BLAS call a one-token pass makes
+                for i, w in enumerate(self.layers):
+                    xr = self._layer_torch(i, w, xr, slots[r], positions[r])
+                h[r] = _rmsnorm(xr, self.norm, self.eps)[0]
         rows = h if logit_rows is None else h[list(logit_rows)]
         logits = qlinear(rows.contiguous(), self.head) if len(rows) else None
         return (logits, h) if hidden else logits
 
     # ---- the same layer in torch (no kernels on this machine) --------------------------------------------------
-    def _layer_torch(self, i, w: LayerWeights, x, slots, positions):
-        R, hd = x.shape[0], self.hd
+    def _layer_torch(self, i, w: LayerWeights, x, slot: int, pos: int):
+        """One layer for ONE row x [1, hidden] at position `pos` of `slot` (rows go one by one: torch's matrix
+        products change their summation order with the number of rows, a single row's never does)."""
+        hd = self.hd
         h = x if w.attn_norm is None else _rmsnorm(x, w.attn_norm, self.eps)
-        q = F.linear(h, w.q.dequantize(), w.q_bias).view(R, self.heads, hd)
-        k = F.linear(h, w.k.dequantize(), w.k_bias).view(R, self.kv_heads, hd)
-        v = F.linear(h, w.v.dequantize(), w.v_bias).view(R, self.kv_heads, hd)
-        pos = torch.tensor(positions)
-        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]
+        q = F.linear(h, w.q.dequantize(), w.q_bias).view(self.heads, hd)
+        k = F.linear(h, w.k.dequantize(), w.k_bias).view(self.kv_heads, hd)
+        v = F.linear(h, w.v.dequantize(), w.v_bias).view(self.kv_heads, hd)
+        cos, sin = _pairs(self.cos[pos], self.interleaved), _pairs(self.sin[pos], self.interleaved)
         rot = _rotate_pairs if self.interleaved else _rotate_half
-        q, k = q * _pairs(cos, self.interleaved) + rot(q) * _pairs(sin, self.interleaved), \
-            k * _pairs(cos, self.interleaved) + rot(k) * _pairs(sin, self.interleaved)
-        att = torch.empty(R, self.heads * hd)
-        for r in range(R):  # write every row's key and value first: rows of one slot see each other causally
-            kc, vc = self._slots[slots[r]]
-            kc[i, :, positions[r] // 16, :, positions[r] % 16], vc[i, :, positions[r]] = k[r], v[r]
-        rep = self.heads // self.kv_heads
-        for r in range(R):
-            kc, vc = self._slots[slots[r]]
-            keys = kc[i].transpose(2, 3).flatten(1, 2)[:, : positions[r] + 1].repeat_interleave(rep, 0)  # [heads, L, hd]
-            vals = vc[i, :, : positions[r] + 1].repeat_interleave(rep, 0)
-            p = torch.softmax((keys @ q[r][:, :, None])[..., 0] / hd ** 0.5, -1)
-            att[r] = (p[:, None] @ vals)[:, 0].reshape(-1)
+        q, k = q * cos + rot(q) * sin, k * cos + rot(k) * sin
+        kc, vc = self._slots[slot]
+        kc[i, :, pos // 16, :, pos % 16], vc[i, :, pos] = k, v
+        rep, blocks = self.heads // self.kv_heads, pos // 16 + 1
+        # only this row's key blocks, untransposed: [kv_heads, blocks * 16, hd] cut to the pos + 1 keys it attends to
+        keys = kc[i, :, :blocks].transpose(2, 3).reshape(self.kv_heads, blocks * 16, hd)[:, : pos + 1]
+        keys, vals = keys.repeat_interleave(rep, 0), vc[i, :, : pos + 1].repeat_interleave(rep, 0)
+        p = torch.softmax((keys @ q[:, :, None])[..., 0] / hd ** 0.5, -1)  # [heads, L]
+        att = (p[:, None] @ vals)[:, 0].reshape(1, -1)
         x = x + F.linear(att, w.o.dequantize())
         h = _rmsnorm(x, w.ffn_norm, self.eps)
         return x + F.linear(F.silu(F.linear(h, w.gate.dequantize())) * F.linear(h, w.up.dequantize()),

@@ -29,7 +29,8 @@ class Tokenizer:
         self._template = None
 
     def __call__(self, text: str, add_special_tokens: bool = True) -> Encoding:
-        return Encoding(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        # encode_batch releases the GIL while it works (encode holds it: a long prompt stalled every other thread)
+        return Encoding(self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self(text, add_special_tokens).input_ids

@@ -19,7 +19,7 @@ from .. import models
 from ..errors import InvalidRequest, SpecDecError
 from .metrics import Metrics
 from .schemas import ChatRequest, CompletionRequest
-from .worker import BatchWorker, JobTimeout, Worker
+from .worker import BatchWorker, JobTimeout, Worker, WorkerDown
 
 
 class APIError(Exception):
@@ -69,13 +69,20 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
     async def _specdec(request, exc: SpecDecError):
         return JSONResponse(error_body(str(exc)), status_code=400)
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request, exc: Exception):  # never a plain-text traceback page
+        return JSONResponse(error_body(f"internal error in this request: {type(exc).__name__}", "server_error",
+                                       "internal_error"), status_code=500)
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, exc: StarletteHTTPException):
         return JSONResponse(error_body(str(exc.detail), "invalid_request_error"), status_code=exc.status_code)
 
     @app.get("/health")
     async def health():  # pid: which process answered (replicas behind Ray Serve's proxy)
-        return {"status": "ok", "queue_depth": worker.pending, "pid": os.getpid()}
+        body = {"status": "ok" if worker.alive else "unavailable", "queue_depth": worker.pending,
+                "worker_restarts": worker.restarts, "pid": os.getpid()}
+        return JSONResponse(body, status_code=200 if worker.alive else 503)
 
     @app.get("/metrics")
     async def prometheus():
@@ -99,7 +106,12 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
         if req.model is not None and req.model != model_name:
             raise APIError(404, f"model {req.model!r} does not exist; this server serves {model_name!r}",
                            code="model_not_found")
-        prompt_tokens = len(decoder.encode(prompt, chat))  # raises InvalidRequest / PromptTooLong -> 400
+        if not worker.alive:
+            raise APIError(503, "the model worker is down; retry later", "server_error", "worker_down")
+        # on a thread (the tokenizer releases the GIL), with its own copy of the tokenizer: neither the event loop
+        # nor the model worker waits for a long prompt; raises InvalidRequest / PromptTooLong -> 400
+        prompt_ids = await asyncio.to_thread(decoder.encode, prompt, chat)
+        prompt_tokens = len(prompt_ids)
         room = decoder.context_window - prompt_tokens
         max_tokens = req.max_tokens or min(max_tokens_default, room)
         if max_tokens > room:
@@ -107,7 +119,7 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
                                 f"window of {decoder.context_window}", code="context_length_exceeded")
         job = worker.submit(dict(prompt=prompt, chat=chat, max_new_tokens=max_tokens, temperature=req.temperature,
                                  top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=req.stop,
-                                 tau=req.tau, policy=req.policy))
+                                 tau=req.tau, policy=req.policy, prompt_ids=prompt_ids))
         if job is None:
             raise APIError(429, "server busy: request queue is full, retry later", "rate_limit_error",
                            "queue_full")
@@ -128,6 +140,8 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
                 try:
                     ev, payload = await asyncio.wait_for(job.events.get(), timeout=0.5)
                 except asyncio.TimeoutError:
+                    if overdue(job):
+                        raise overdue(job)
                     continue
                 if ev == "end":
                     break
@@ -156,10 +170,23 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
                 choice = {"index": 0, "text": delta_text, "logprobs": None, "finish_reason": finish}
             return f"data: {json.dumps({**meta, 'object': obj, 'choices': [choice]})}\n\n"
 
+        async def events():  # the job's events; an error event of our own should the worker never answer
+            while True:
+                try:
+                    item = await asyncio.wait_for(job.events.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if overdue(job):
+                        yield "error", overdue(job)
+                        return
+                    continue
+                if item[0] == "end":
+                    return
+                yield item
+
         try:  # a client that hangs up cancels this generator; the finally stops its generation
             if kind == "chat":
                 yield event("", first=True)
-            while (item := await job.events.get())[0] != "end":
+            async for item in events():
                 ev, payload = item
                 if ev == "error":
                     err = _as_api_error(payload)
@@ -177,7 +204,20 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
         finally:
             job.cancel()
 
+    def overdue(job) -> APIError | None:
+        """The worker enforces timeouts; should it stop answering, the handler does: 503 at once for a dead worker,
+        504 a grace period after the deadline."""
+        if not worker.alive:
+            return APIError(503, "the model worker stopped while serving this request; retry", "server_error",
+                            "worker_down")
+        if time.monotonic() > job.deadline + TIMEOUT_GRACE_S:
+            return APIError(504, f"request exceeded the {timeout_s:g} s timeout", "timeout_error", "timeout")
+        return None
+
     return app
+
+
+TIMEOUT_GRACE_S = 5.0
 
 
 def batch_engine(decoder, max_batch_rows: int | None, prefill_chunk: int):
@@ -258,11 +298,16 @@ class Guard:
 
 
 def _as_api_error(exc) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
     if isinstance(exc, JobTimeout):
         return APIError(504, str(exc), "timeout_error", "timeout")
     if isinstance(exc, SpecDecError):
         return APIError(400, str(exc))
-    return APIError(500, f"internal error: {type(exc).__name__}", "server_error")
+    if isinstance(exc, WorkerDown):
+        return APIError(503, str(exc), "server_error", "worker_down")
+    # this request's own failure (the others go on): named, without internals
+    return APIError(500, f"internal error in this request: {type(exc).__name__}", "server_error", "internal_error")
 
 
 def _usage(result) -> dict:

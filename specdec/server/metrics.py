@@ -18,9 +18,10 @@ class Metrics:
         self.accepted = Counter("specdec_accepted_tokens", "Draft tokens accepted", registry=r)
         self.accepted_pos = Counter("specdec_accepted_tokens_by_position", "Accepted draft tokens by position",
                                     ["position"], registry=r)
-        self.cycles = Counter("specdec_cycles", "Speculative cycles (one target pass each)", registry=r)
+        self.cycles = Counter("specdec_cycles", "Target passes (one speculative cycle of every request in them)",
+                              registry=r)
         self.draft_time = Histogram("specdec_draft_seconds", "Draft time per cycle", buckets=MS_BUCKETS, registry=r)
-        self.verify_time = Histogram("specdec_verify_seconds", "Verify time per cycle", buckets=MS_BUCKETS,
+        self.verify_time = Histogram("specdec_verify_seconds", "Time per target pass", buckets=MS_BUCKETS,
                                      registry=r)
         self.tau = Histogram("specdec_tau", "Block size chosen per cycle", buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16),
                              registry=r)
@@ -38,13 +39,17 @@ class Metrics:
                      (self.waiting_alias, waiting)):
             g.set(v)
 
-    def observe_cycle(self, rec) -> None:
+    def observe_pass(self, verify_ms: float) -> None:
+        """One target pass, counted once however many requests shared it."""
         self.cycles.inc()
+        self.verify_time.observe(verify_ms / 1e3)
+
+    def observe_cycle(self, rec) -> None:
+        """One request's cycle: its drafts, acceptance and tokens."""
         self.drafted.inc(len(rec.proposed))
         self.accepted.inc(rec.accepted)
         for k in range(rec.accepted):
             self.accepted_pos.labels(position=str(k + 1)).inc()
         self.generated.inc(len(rec.emitted))
         self.draft_time.observe(rec.draft_ms / 1e3)
-        self.verify_time.observe(rec.verify_ms / 1e3)
         self.tau.observe(rec.tau)

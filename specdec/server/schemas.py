@@ -7,20 +7,21 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..api import MAX_STOP_CHARS, MAX_STOPS
+from ..sampling import MAX_TEMPERATURE, SEED_RANGE
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0)
+    max_tokens: int | None = Field(default=None, ge=1, lt=2**31)
+    temperature: float = Field(default=1.0, ge=0, le=MAX_TEMPERATURE)
     top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=0)  # extensions: top_k, tau, policy
+    top_k: int = Field(default=0, ge=0, lt=2**31)  # extensions: top_k, tau, policy
     tau: int | None = Field(default=None, ge=1, le=64)
     policy: Literal["fixed", "heuristic", "adaptive"] | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-SEED_RANGE // 2, lt=SEED_RANGE)
     n: Literal[1] = 1
     stream: bool = False
     stream_options: dict | None = None
@@ -54,4 +55,4 @@ class ChatRequest(_Request):
 
 class CompletionRequest(_Request):
     prompt: str = Field(min_length=1)
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    max_tokens: int | None = Field(default=16, ge=1, lt=2**31)  # OpenAI's default for completions

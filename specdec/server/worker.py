@@ -3,7 +3,12 @@ request handlers talk to it through Jobs. A full queue refuses at once; a cancel
 next cycle boundary and frees its place.
 
 Worker runs one request at a time (the transformers backend); BatchWorker runs every admitted request in each
-target pass (batch.BatchEngine, on specdec's runtime)."""
+target pass (batch.BatchEngine, on specdec's runtime).
+
+Failure is confined to the request that caused it: a request whose preparation, drafting, verification or text
+raises gets that error alone (400 for bad input, else a 500 naming it), and the batch goes on for everyone else. The
+worker thread runs under a supervisor: should its loop itself die, the jobs it held get a 500, the loop restarts,
+and `alive` (what /health reports) is false only while it cannot serve."""
 from __future__ import annotations
 
 import asyncio
@@ -24,6 +29,14 @@ class JobTimeout(Exception):
     pass
 
 
+class WorkerDown(Exception):
+    """The model worker stopped while this job was in it."""
+
+
+MAX_RESTARTS = 5  # loop crashes within RESTART_WINDOW_S before the supervisor gives up (health: 503 for good)
+RESTART_WINDOW_S = 60.0
+
+
 class Job:
     _ids = itertools.count()
 
@@ -33,8 +46,11 @@ class Job:
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         self.deadline = time.monotonic() + timeout_s
+        self.ended = False
 
     def put(self, kind: str, payload=None) -> None:
+        if self.loop.is_closed():
+            return
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
 
     def cancel(self) -> None:
@@ -54,8 +70,11 @@ class Worker:
         self._jobs: queue.Queue = queue.Queue()
         self._pending = 0
         self._lock = threading.Lock()
+        self._held: set[Job] = set()  # jobs the loop has taken and not ended (the supervisor fails them on a crash)
         self.ready = threading.Event()
         self.error: BaseException | None = None
+        self.restarts, self._crashes = 0, collections.deque()
+        self.serving = False  # the loop is running (false while it restarts, and for good once it gives up)
         self._thread = threading.Thread(target=self._main, name="specdec-model-worker", daemon=True)
         self._thread.start()
 
@@ -64,6 +83,11 @@ class Worker:
         self.ready.wait()
         if self.error is not None:
             raise self.error
+
+    @property
+    def alive(self) -> bool:
+        """Whether the worker can serve: its thread runs its loop."""
+        return self.serving and self._thread.is_alive()
 
     def _main(self) -> None:
         try:
@@ -75,7 +99,43 @@ class Worker:
             return
         finally:
             self.ready.set()
-        self._loop()
+        self._supervise()
+
+    def _supervise(self) -> None:
+        """Run the loop; should it die, fail the jobs it held, and restart it (up to MAX_RESTARTS a minute)."""
+        while True:
+            self.serving = True
+            try:
+                self._loop()
+                return  # stopped
+            except BaseException as e:  # noqa: BLE001 - the supervisor's whole point
+                self.serving = False
+                traceback.print_exc(file=sys.stderr)
+                for job in list(self._held):
+                    self._end(job, "error", WorkerDown(f"the model worker failed ({type(e).__name__}); retry"))
+                self._recover()
+                now = time.monotonic()
+                self._crashes.append(now)
+                while self._crashes and now - self._crashes[0] > RESTART_WINDOW_S:
+                    self._crashes.popleft()
+                if len(self._crashes) > MAX_RESTARTS:
+                    print("specdec: the model worker failed too often; giving up", file=sys.stderr)
+                    self._fail_queue()
+                    return
+                self.restarts += 1
+
+    def _recover(self) -> None:
+        """Undo what a crashed loop left behind (BatchWorker: the engine's running requests)."""
+
+    def _fail_queue(self) -> None:
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                self._held.add(job)
+                self._end(job, "error", WorkerDown("the model worker is down"))
 
     def _setup(self) -> None:
         pass
@@ -98,46 +158,68 @@ class Worker:
     def stop(self) -> None:
         self._jobs.put(None)
 
+    def _end(self, job: Job, kind: str | None = None, payload=None) -> None:
+        """The job's last event(s), once: an optional error, then 'end'; its place in the queue is freed."""
+        if job.ended:
+            return
+        job.ended = True
+        self._held.discard(job)
+        if kind:
+            job.put(kind, payload)
+        with self._lock:
+            self._pending -= 1
+            self.metrics.queue_depth.set(self._pending)
+        job.put("end")
+
     def _loop(self) -> None:
         while (job := self._jobs.get()) is not None:
+            self._held.add(job)
             try:
                 self._run(job)
             finally:
-                with self._lock:
-                    self._pending -= 1
-                    self.metrics.queue_depth.set(self._pending)
-                job.put("end")
+                self._end(job)
 
     def _run(self, job: Job) -> None:
         if job.cancelled.is_set():
             return
         self.metrics.set_load(1, self._pending - 1)
-        chunks = self.decoder.stream_chunks(**job.kwargs)
+        chunks = None
         try:
+            chunks = self.decoder.stream_chunks(**job.kwargs)
             for chunk in chunks:
                 self.metrics.observe_cycle(chunk.record)
+                self.metrics.observe_pass(chunk.record.verify_ms)
                 job.put("chunk", chunk)
                 if chunk.result is not None:
                     self._finished(job, chunk.result)
                 elif job.cancelled.is_set():
                     return
                 elif time.monotonic() > job.deadline:
-                    job.put("error", JobTimeout(f"request exceeded the {self.timeout_s:g} s timeout"))
+                    self._end(job, "error", JobTimeout(f"request exceeded the {self.timeout_s:g} s timeout"))
                     return
-        except SpecDecError as e:
-            job.put("error", e)
-        except Exception as e:  # never leave a client waiting on a dead job; the operator gets the traceback
-            traceback.print_exc(file=sys.stderr)
-            job.put("error", e)
+        except Exception as e:  # noqa: BLE001 - this request's failure is reported to it alone
+            self._report(job, e)
         finally:
-            chunks.close()
+            if chunks is not None:
+                chunks.close()
             self.metrics.set_load(0, self._pending - 1)
 
+    def _report(self, job: Job, e: BaseException) -> None:
+        """End a job with its own failure: bad input as itself, anything else with the traceback for the operator."""
+        if not isinstance(e, SpecDecError):
+            traceback.print_exc(file=sys.stderr)
+        self._end(job, "error", e)
+
     def _finished(self, job: Job, result) -> None:
+        """Bookkeeping after a result was delivered; its failure (an unwritable trace) is the operator's, not the
+        client's, and never the worker's."""
         self.metrics.prompt_tokens.inc(result.prompt_tokens)
         if self.trace_dir:
-            self.trace_dir.mkdir(parents=True, exist_ok=True)
-            write_jsonl(result.records, self.trace_dir / f"{job.id}.jsonl", self.trace_meta())
+            try:
+                self.trace_dir.mkdir(parents=True, exist_ok=True)
+                write_jsonl(result.records, self.trace_dir / f"{job.id}.jsonl", self.trace_meta())
+            except Exception as e:  # noqa: BLE001
+                print(f"specdec: trace of request {job.id} not written: {type(e).__name__}: {e}", file=sys.stderr)
 
     def trace_meta(self) -> dict:
         """What every trace carries for the analyzer: the target's verify ms by tokens, measured once."""
@@ -150,12 +232,14 @@ class Worker:
 
 class BatchWorker(Worker):
     """Continuous batching: requests join the running batch at cycle boundaries (up to the engine's row budget,
-    the rest wait in order) and leave when they finish, are cancelled or time out."""
+    the rest wait in order) and leave when they finish, fail, are cancelled or time out."""
 
     def __init__(self, decoder, metrics, max_queue: int, timeout_s: float, trace_dir: str | None, make_engine,
                  max_tau: int = 8):
         """`make_engine(decoder)` -> the BatchEngine, built on the worker thread (it measures the pass curve)."""
         self.make_engine, self.max_tau, self.engine = make_engine, max_tau, None
+        self.waiting: collections.deque[Job] = collections.deque()
+        self.active: dict[int, tuple] = {}  # sequence id -> (job, request, sequence)
         super().__init__(decoder, metrics, max_queue, timeout_s, trace_dir)
 
     def _setup(self) -> None:
@@ -166,85 +250,107 @@ class BatchWorker(Worker):
             return super().trace_meta()
         return {"verify_curve": {str(n): round(self.engine.pass_ms(n), 3) for n in range(1, 10)}}
 
+    def _recover(self) -> None:
+        if self.engine is not None:
+            for _, _, seq in list(self.active.values()):
+                self.engine.remove(seq)
+        self.active.clear()
+        self.waiting.clear()
+
     def _loop(self) -> None:
         if self.engine is None:  # a model the runtime does not run: one request at a time
             return super()._loop()
-        from ..batch import Sequence
-        waiting: collections.deque[Job] = collections.deque()
-        active: dict[int, tuple] = {}  # sequence id -> (job, request, sequence)
-
-        def done(job: Job, kind: str | None = None, payload=None) -> None:
-            if kind:
-                job.put(kind, payload)
-            with self._lock:
-                self._pending -= 1
-                self.metrics.queue_depth.set(self._pending)
-            job.put("end")
-
         while True:
-            try:  # new jobs; block only when there is nothing to run
-                while True:
-                    job = self._jobs.get(block=not (active or waiting))
-                    if job is None:
-                        for j in [*waiting, *(a[0] for a in active.values())]:
-                            done(j, "error", JobTimeout("the server is shutting down"))
-                        self.engine.close()
-                        return
-                    waiting.append(job)
-            except queue.Empty:
-                pass
-            now = time.monotonic()
-            for job in [j for j in waiting if j.cancelled.is_set() or now > j.deadline]:
-                waiting.remove(job)
-                done(job, None if job.cancelled.is_set() else "error",
-                     JobTimeout(f"request exceeded the {self.timeout_s:g} s timeout"))
-            while waiting and self.engine.free_rows > 0:
-                job = waiting.popleft()
-                try:
-                    req = self.decoder.prepare(**job.kwargs)
-                except SpecDecError as e:
-                    done(job, "error", e)
-                    continue
-                fixed = job.kwargs.get("policy") == "fixed"
+            if not self._take_jobs():
+                return
+            self._expire()
+            self._admit()
+            self.metrics.set_load(len(self.active), len(self.waiting))
+            if self.active:
+                self._step()
+            self.metrics.set_load(len(self.active), len(self.waiting))
+
+    def _take_jobs(self) -> bool:
+        """Move new jobs to the waiting line, blocking only when there is nothing to run -> False on stop."""
+        try:
+            while True:
+                job = self._jobs.get(block=not (self.active or self.waiting))
+                if job is None:
+                    for j in [*self.waiting, *(a[0] for a in self.active.values())]:
+                        self._end(j, "error", JobTimeout("the server is shutting down"))
+                    self.engine.close()
+                    return False
+                self._held.add(job)
+                self.waiting.append(job)
+        except queue.Empty:
+            return True
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        timeout = JobTimeout(f"request exceeded the {self.timeout_s:g} s timeout")
+        for job in [j for j in self.waiting if j.cancelled.is_set() or now > j.deadline]:
+            self.waiting.remove(job)
+            self._end(job, None if job.cancelled.is_set() else "error", timeout)
+        for job, req, seq in list(self.active.values()):
+            if job.cancelled.is_set() or now > job.deadline:
+                self._drop(seq)
+                self._end(job, None if job.cancelled.is_set() else "error", timeout)
+
+    def _admit(self) -> None:
+        from ..batch import Sequence
+        while self.waiting and self.engine.free_rows > 0:
+            job = self.waiting.popleft()
+            try:
+                req = self.decoder.prepare(**job.kwargs)
+                policy = job.kwargs.get("policy")
+                if policy not in (None, "fixed", "adaptive"):
+                    from ..errors import InvalidRequest
+                    raise InvalidRequest(f"policy {policy!r} is not available with continuous batching: the "
+                                         "scheduler chooses tau (policy 'adaptive', the default) or policy 'fixed' "
+                                         "keeps the request's tau")
+                fixed = policy == "fixed"
                 cap = req.tau if fixed or job.kwargs.get("tau") is not None else self.max_tau
                 seq = self.engine.add(Sequence(req.prompt_ids, req.max_new_tokens, req.params, req.stop_check,
                                                max_tau=cap, fixed_tau=fixed))
-                req.start = time.perf_counter()
-                active[seq.id] = (job, req, seq)
-            for job, req, seq in list(active.values()):
-                if job.cancelled.is_set() or now > job.deadline:
-                    self.engine.remove(seq)
-                    del active[seq.id]
-                    done(job, None if job.cancelled.is_set() else "error",
-                         JobTimeout(f"request exceeded the {self.timeout_s:g} s timeout"))
-            self.metrics.set_load(len(active), len(waiting))
-            if not active:
+            except Exception as e:  # noqa: BLE001 - bad input or a failed admission: this request alone
+                self._report(job, e)
                 continue
+            req.start = time.perf_counter()
+            self.active[seq.id] = (job, req, seq)
+
+    def _drop(self, seq) -> None:
+        self.engine.remove(seq)
+        self.active.pop(seq.id, None)
+
+    def _step(self) -> None:
+        try:
+            results = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - a pass no single request can be blamed for: all in it fail
+            traceback.print_exc(file=sys.stderr)
+            for job, _, seq in list(self.active.values()):
+                self._drop(seq)
+                self._end(job, "error", e)
+            return
+        for seq, e in self.engine.failed:  # requests that failed on their own; the engine already removed them
+            if seq.id in self.active:
+                job = self.active.pop(seq.id)[0]
+                self._report(job, e)
+        if self.engine.last:
+            self.metrics.batch_rows.observe(self.engine.last["rows"])
+            self.metrics.observe_pass(self.engine.last["verify_ms"])
+        for seq, rec in results:
+            if seq.id not in self.active:
+                continue
+            job, req, _ = self.active[seq.id]
+            self.metrics.observe_cycle(rec)
             try:
-                results = self.engine.step()
-            except Exception as e:  # never leave clients waiting on a dead batch; the operator gets the traceback
-                traceback.print_exc(file=sys.stderr)
-                for job, _, seq in list(active.values()):
-                    self.engine.remove(seq)
-                    done(job, "error", e)
-                active.clear()
+                chunk = req.chunk(rec)
+            except Exception as e:  # noqa: BLE001
+                self._drop(seq)
+                self._report(job, e)
                 continue
-            if self.engine.last:
-                self.metrics.batch_rows.observe(self.engine.last["rows"])
-            for seq, rec in results:
-                job, req, _ = active[seq.id]
-                self.metrics.observe_cycle(rec)
-                try:
-                    chunk = req.chunk(rec)
-                except Exception as e:
-                    traceback.print_exc(file=sys.stderr)
-                    self.engine.remove(seq)
-                    del active[seq.id]
-                    done(job, "error", e)
-                    continue
-                job.put("chunk", chunk)
-                if chunk.result is not None:
-                    del active[seq.id]
-                    self._finished(job, chunk.result)
-                    done(job)
-            self.metrics.set_load(len(active), len(waiting))
+            job.put("chunk", chunk)
+            if chunk.result is not None:
+                del self.active[seq.id]
+                self._finished(job, chunk.result)
+                self._end(job)
