@@ -225,6 +225,24 @@ def members(decoder) -> list:
                         for m in chain]
 
 
+@torch.inference_mode()
+def check_row_invariance(model, ids: list[int], rows: int = 32) -> dict | None:
+    """On specdec's runtime: one pass over `rows` tokens against the same tokens as one-token steps, bitwise (what
+    makes greedy speculation token-identical). None for the transformers backend."""
+    from . import kernels
+    if not models.is_runtime(model):
+        return None
+    ids = (ids * rows)[:rows]
+    a, b = model.acquire_slot(), model.acquire_slot()
+    try:
+        whole = model.forward(ids, [a] * rows, list(range(rows)))
+        steps = torch.cat([model.forward([t], [b], [i]) for i, t in enumerate(ids)])
+    finally:
+        model.release_slot(a), model.release_slot(b)
+    return {"path": kernels.path_name(), "rows": rows, "bitwise": bool(torch.equal(whole, steps)),
+            "max_abs_diff": float((whole - steps).abs().max())}
+
+
 def cmd_check(args) -> int:
     from .api import SpecDecoder
     from .prompts import load_prompts
@@ -240,6 +258,7 @@ def cmd_check(args) -> int:
     decoder = SpecDecoder(target=args.target, draft=args.draft, tau=args.tau, policy=args.policy,
                           backend=args.backend)
     report = {"draft": decoder.draft_name, "tau": decoder.tau, "policy": decoder.policy,
+              "row_invariance": check_row_invariance(decoder.model, decoder.encode(prompts[0]["prompt"], prompts[0]["chat"])),
               "greedy": check_greedy(decoder, prompts, args.max_new_tokens)}
     if args.sampling_prompts:
         report["sampling"] = []
@@ -254,10 +273,15 @@ def cmd_check(args) -> int:
             report["sampling"] += tested
     bad_greedy = [r for r in report["greedy"] if not r["ok"]]
     bad_sampling = [r for r in report.get("sampling", []) if r["verdict"] != "ok"]
-    report["passed"] = not bad_greedy and not bad_sampling
+    rows = report["row_invariance"]
+    report["passed"] = not bad_greedy and not bad_sampling and (rows is None or rows["bitwise"])
     if args.json:
         print(json.dumps(report, indent=2))
     else:
+        if rows is not None:
+            print(f"runtime: {rows['path']}; a {rows['rows']}-row pass "
+                  + ("equals the one-token steps bitwise (row-invariant)" if rows["bitwise"] else
+                     f"DIFFERS from the one-token steps by up to {rows['max_abs_diff']:.3g} (not row-invariant)"))
         print(f"greedy: {len(report['greedy']) - len(bad_greedy)}/{len(report['greedy'])} prompts token-identical "
               f"to the target alone")
         for r in bad_greedy:

@@ -15,11 +15,11 @@ import torch
 from .trace import CycleRecord
 
 
-def verify_curve(records: list[CycleRecord]) -> dict[int, float]:
-    """Mean verify time by tokens verified (drafts + 1), made non-decreasing. Cycle 0 is left out: it includes the
-    prompt prefill."""
+def verify_curve(records: list[CycleRecord], skip_prefill: bool = True) -> dict[int, float]:
+    """Mean verify time by tokens verified (drafts + 1), made non-decreasing. Cycle 0 is left out (skip_prefill):
+    it includes the prompt prefill."""
     by_n: dict[int, list[float]] = {}
-    for r in records[1:] if len(records) > 1 else records:
+    for r in records[1:] if skip_prefill and len(records) > 1 else records:
         by_n.setdefault(len(r.proposed) + 1, []).append(r.verify_ms)
     return non_decreasing({n: mean(v) for n, v in by_n.items()}, {n: len(v) for n, v in by_n.items()})
 

@@ -2,7 +2,6 @@
 what a real one does, a drafter that spends time per token, one that is never right, a slow per-cycle hook), each cause
 planted in a real generation; the analyzer names it and its cost model predicts the measured speedup."""
 import itertools
-import time
 
 import pytest
 
@@ -14,11 +13,27 @@ from specdec.drafters.base import Draft
 PROMPT = "Hello there, general"
 
 
+class Clock:
+    """The engine's and the verify-curve measurement's clock, injected: it moves only when a planted cost is spent,
+    so every timing the analyzer reads is exactly the planted one, at any machine speed (busy-waits measured the
+    machine's load too, and failed the prediction bound on a shared CI host)."""
+    now = 0.0
+
+    @classmethod
+    def perf_counter(cls) -> float:
+        return cls.now
+
+
 def spend(ms: float) -> None:
-    """Busy-wait: time.sleep oversleeps by milliseconds at random on a loaded machine."""
-    end = time.perf_counter() + ms / 1e3
-    while time.perf_counter() < end:
-        pass
+    Clock.now += ms / 1e3
+
+
+@pytest.fixture(autouse=True)
+def virtual_clock(monkeypatch):
+    import specdec.costs
+    import specdec.engine
+    for module in (specdec.engine, specdec.costs):
+        monkeypatch.setattr(module, "perf_counter", Clock.perf_counter)
 
 
 class Scripted:
@@ -91,4 +106,4 @@ def test_analyzer_names_the_cause_planted_in_a_real_generation(rt, monkeypatch, 
     curve = measure_verify_curve(model, model.config.vocab_size, prompt_ids, max(tau + 1, 9), reps=3)
     rep = analyze(records, target_curve=curve)
     assert rep["bottleneck"] == cause, (rep["speedup"], [(f["kind"], f["gain"]) for f in rep["findings"]])
-    assert abs(rep["speedup"]["prediction_error"]) < 0.10, rep["speedup"]
+    assert abs(rep["speedup"]["prediction_error"]) < 0.05, rep["speedup"]  # exact costs: only the model errs

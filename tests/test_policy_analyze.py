@@ -169,3 +169,30 @@ def test_policies_stay_lossless(policy, tok, target, draft_close):
             ids = tok(prompt).input_ids
             got = [t for r in engine.run(ids, 40, SamplingParams(), make_policy(policy, 3)) for t in r.emitted]
             assert got == reference_greedy(target, ids, 40)
+
+
+def test_short_trace_draft_cost_fit_stays_physical():
+    """6 cycles drafting 6 tokens and one drafting 5 (a model draft, τ=6, 48 tokens): the unconstrained fit gave
+    76 ms a token and a negative intercept, and the prediction missed the measurement by 31%."""
+    draft = [343.7, 287.5, 223.1, 232.8, 254.4, 192.5]
+    recs = [CycleRecord(0, 6, [5] * 6, 6, [5] * 7, 436.0, 404.6, 840.7)]
+    recs += [CycleRecord(i + 1, 6, [5] * n, n, [5] * (n + 1), d, 130.0, d + 131.0)
+             for i, (n, d) in enumerate(zip([6, 6, 6, 6, 6, 5], draft))]
+    rep = analyze(recs, target_curve={1: 25.0})
+    per_cycle, per_token = rep["costs"]["draft_ms_per_cycle"], rep["costs"]["draft_ms_per_token"]
+    assert per_cycle >= 0 and 38 < per_token < 48
+    assert abs(rep["speedup"]["prediction_error"]) < 0.05
+
+
+def test_one_time_work_is_not_priced_per_cycle():
+    """A cycle that also does work once (a draft catching up on the prompt, first touches of KV pages) is reported
+    as one-time cost; the per-cycle prediction matches the cycles without it."""
+    recs = synthetic(alphas=[0.7], tau=3, cycles=60)
+    slow = recs[5]
+    recs[5] = CycleRecord(slow.cycle, slow.tau, slow.proposed, slow.accepted, slow.emitted, slow.draft_ms + 900,
+                          slow.verify_ms, slow.cycle_ms + 900)
+    rep = analyze(recs)
+    assert abs(rep["speedup"]["one_time_ms"] - 900) < 1
+    assert rep["speedup"]["measured"] < rep["speedup"]["measured_per_cycle"]
+    assert abs(rep["speedup"]["prediction_error"]) < 0.05
+    assert abs(rep["costs"]["draft_ms_per_token"] - 0.6) < 0.01  # the fit did not see the one-time work
