@@ -22,7 +22,10 @@ import torch
 
 SOURCE = Path(__file__).with_name("rows.cpp")
 COMMON = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]  # no fused multiply-add unless written
-ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mfma", "-mf16c"], "avx2": ["-mavx2", "-mfma", "-mf16c"]}
+# avx512 includes VNNI (vpdpbusd, the q8 mode's integer dot products); an AVX-512 CPU without it runs the avx2 build
+ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vnni", "-mfma", "-mf16c"],
+             "avx2": ["-mavx2", "-mfma", "-mf16c"]}
+NUMERICS = ("exact", "q8")
 MAX_ROWS = 8  # few_rows_linear serves up to this many rows (kv.rows_linear decides which row counts it asks for)
 
 # ggml's type ids, as the kernels take them
@@ -60,9 +63,16 @@ def best_isa() -> str | None:
     if choice == "0":
         return None
     cap = torch.backends.cpu.get_cpu_capability()
-    if cap in ("AVX512", "AVX512_BF16", "AMX") and choice != "avx2":
+    if cap in ("AVX512", "AVX512_BF16", "AMX") and choice != "avx2" and _has_vnni():
         return "avx512"
     return "avx2" if cap.startswith(("AVX2", "AVX512", "AMX")) else None
+
+
+def _has_vnni() -> bool:
+    try:
+        return "avx512_vnni" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
 
 
 class Library:
@@ -72,7 +82,7 @@ class Library:
         lib, p, i, f, lng = ctypes.CDLL(str(path)), ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
         self.isa = isa
         self.rows_linear = lib.rows_linear
-        self.rows_linear.argtypes, self.rows_linear.restype = [i, p, i, i, p, i, p, p, i], i
+        self.rows_linear.argtypes, self.rows_linear.restype = [i, p, i, i, p, i, p, p, i, i], i
         self.row_bytes = lib.row_bytes
         self.row_bytes.argtypes, self.row_bytes.restype = [i, i], lng
         self.rows_rmsnorm = lib.rows_rmsnorm
@@ -119,9 +129,9 @@ def path_name() -> str:
 
 
 def linear(fmt: int, x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | None = None,
-           lib: Library | None = None) -> torch.Tensor:
+           lib: Library | None = None, q8: bool = False) -> torch.Tensor:
     """y = x·Wᵀ (+ b) for W given as `n` rows in format `fmt` (a uint8 block tensor, or a float tensor) and x
-    [..., K] fp32 CPU, any number of rows. Shapes and dtypes are checked here: a pointer never reaches C++ with a
+    [..., K] fp32 CPU, any number of rows; q8: int8 activations for Q4_0/Q4_1/Q8_0 weights (rows.cpp, the q8 mode). Shapes and dtypes are checked here: a pointer never reaches C++ with a
     size that does not match its tensor."""
     lib = lib or library()
     k = x.shape[-1] if x.dim() else 0
@@ -139,7 +149,7 @@ def linear(fmt: int, x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.
         x2 = x2.contiguous()
     y = x.new_empty((*x.shape[:-1], n))
     rc = lib.rows_linear(fmt, x2.data_ptr(), x2.shape[0], k, weight.data_ptr(), n, y.data_ptr(),
-                         None if bias is None else bias.data_ptr(), torch.get_num_threads())
+                         None if bias is None else bias.data_ptr(), torch.get_num_threads(), int(q8))
     if rc:
         raise ValueError(f"kernel cannot serve format {FORMATS.get(fmt, fmt)} with {k} columns")
     return y
@@ -158,7 +168,7 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         x = x.contiguous()
     y = x.new_empty((*x.shape[:-1], weight.shape[0]))
     lib.rows_linear(F32, x.data_ptr(), rows, k, weight.data_ptr(), weight.shape[0], y.data_ptr(),
-                    None if bias is None else bias.data_ptr(), torch.get_num_threads())
+                    None if bias is None else bias.data_ptr(), torch.get_num_threads(), 0)
     return y
 
 

@@ -398,13 +398,216 @@ extern "C" long row_bytes(int fmt, int K) {
     }
 }
 
+// ---- q8: int8 activations x integer weights (the `q8` numerics mode) ---------------------------------------------
+// Each activation row is quantized by itself in 32-element blocks (as ggml's Q8_0): s = max|x| / 127,
+// q = round-half-even(x * (127 / max|x|)), an all-zero block has s = 0 and q = 0. Rows are padded with zero blocks to
+// an even count. Weight blocks (Q4_0, Q4_1, Q8_0) meet them in integers: per pair of blocks (A, B) 16 int32 lanes,
+// lane j summing the 4 products of weights 4j..4j+3 (lanes 0-7 block A, 8-15 block B), exact in any instruction
+// order: VNNI `vpdpbusd` (u8 x s8; Q8_0 weights offset by +128, the offset taken back in integers) or AVX2
+// `maddubs`+`madd` (Q8_0 by the sign trick; no 16-bit saturation: |w| <= 128, |q| <= 127). Then per lane
+// acc += float(isum) * (d_w * s_x), pairs in order, and y = the lanes summed in vsum's tree (+ for Q4_1
+// Σ_b m_b * (s_b * Σq_b) in 16-lane steps, also summed by vsum). A multiply then an add, never fused: tests rebuild
+// it in numpy bit for bit. Nothing depends on other rows, so every row is a one-token step's (row-invariant).
+struct QX {            // R rows of K columns, quantized
+    int8_t* q;         // [R][KP], KP = 64 * pairs (zero padded)
+    float* s16;        // [R][pairs * 16]: lane scales, s_A x 8 then s_B x 8
+    float* sq;         // [R][NB16]: s_b * Σq_b per block, zero padded to a multiple of 16 (Q4_1's offset term)
+    int32_t* sum4;     // [R][KP / 4]: Σ of each 4 consecutive q (Q4_0's -8 and VNNI Q8_0's +128 offsets)
+    int K, KP, pairs, NB16;
+};
+
+static inline int q8_pairs(int K) { return (K / 32 + 1) / 2; }
+static inline int q8_nb16(int K) { return (K / 32 + 15) / 16 * 16; }
+
+static void q8_quantize_row(const float* x, int K, const QX& Q, int r) {
+    int8_t* q = Q.q + (long)r * Q.KP;
+    float* s16 = Q.s16 + (long)r * Q.pairs * 16;
+    float* sq = Q.sq + (long)r * Q.NB16;
+    int32_t* sum4 = Q.sum4 + (long)r * (Q.KP / 4);
+    const int nb = K / 32;
+    for (int b = 0; b < 2 * Q.pairs; b++) {
+        float s = 0.0f;
+        int total = 0;
+        if (b < nb) {
+            const float* xb = x + 32 * b;
+            float amax = 0.0f;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
+            s = amax / 127.0f;
+            const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            for (int i = 0; i < 32; i++) {
+                const int v = (int)nearbyintf(xb[i] * id);  // round half to even (the default rounding mode)
+                q[32 * b + i] = (int8_t)v;
+                total += v;
+            }
+            sq[b] = s * (float)total;
+        } else {
+            memset(q + 32 * b, 0, 32);
+        }
+        for (int l = 0; l < 8; l++) s16[16 * (b / 2) + 8 * (b % 2) + l] = s;
+        for (int j = 0; j < 8; j++) {
+            const int8_t* g = q + 32 * b + 4 * j;
+            sum4[8 * b + j] = g[0] + g[1] + g[2] + g[3];
+        }
+    }
+    for (int b = nb; b < Q.NB16; b++) sq[b] = 0.0f;
+}
+
+static void q8_quantize(const float* x, int R, int K, const QX& Q) {
+#pragma omp for schedule(static)
+    for (int r = 0; r < R; r++) q8_quantize_row(x + (long)r * K, K, Q, r);
+}
+
+// 16 int32 lanes of one pair of blocks: the exact integer dot products of weights (one row) and x (one row).
+#if defined(__AVX512VNNI__)
+struct I16 { __m512i v; };
+static inline V16 i16_to_f(I16 a) { return vfrom_i32(a.v); }
+// Q4: the 16 packed bytes of block A and of block B -> 64 u8 weights in x's order (A 0..31, B 0..31)
+static inline __m512i q4_unpack(const uint8_t* a, const uint8_t* b) {
+    const __m256i pk = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)a)),
+                                               _mm_loadu_si128((const __m128i*)b), 1);
+    const __m256i m = _mm256_set1_epi8(15);
+    const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(pk, m)),
+                                         _mm256_and_si256(_mm256_srli_epi16(pk, 4), m), 1);  // Alo Blo Ahi Bhi
+    return _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));                             // Alo Ahi Blo Bhi
+}
+template <int FMT>
+static inline I16 q8_pair_dot(const uint8_t* wa, const uint8_t* wb, const int8_t* xq, const int32_t* s4) {
+    const __m512i x = _mm512_loadu_si512(xq);
+    if (FMT == Q8_0) {  // (w + 128) . x - 128 Σx
+        const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)wa)),
+                                             _mm256_loadu_si256((const __m256i*)wb), 1);
+        const __m512i init = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(_mm512_loadu_si512(s4), 7));
+        return {_mm512_dpbusd_epi32(init, _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80)), x)};
+    }
+    const __m512i w = q4_unpack(wa, wb);
+    const __m512i init = FMT == Q4_0 ? _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(_mm512_loadu_si512(s4), 3))
+                                     : _mm512_setzero_si512();
+    return {_mm512_dpbusd_epi32(init, w, x)};
+}
+#else
+struct I16 { __m256i lo, hi; };
+static inline V16 i16_to_f(I16 a) {
+#if defined(__AVX512F__)
+    return vfrom_i32(_mm512_inserti64x4(_mm512_castsi256_si512(a.lo), a.hi, 1));
+#else
+    return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)};
+#endif
+}
+template <int FMT>
+static inline __m256i q8_block_dot(const uint8_t* w, const int8_t* xq, const int32_t* s4) {
+    const __m256i x = _mm256_loadu_si256((const __m256i*)xq), ones = _mm256_set1_epi16(1);
+    if (FMT == Q8_0) {
+        const __m256i ws = _mm256_loadu_si256((const __m256i*)w);
+        return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(ws, ws), _mm256_sign_epi8(x, ws)), ones);
+    }
+    const __m128i pk = _mm_loadu_si128((const __m128i*)w), m = _mm_set1_epi8(15);
+    const __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(pk, m)),
+                                              _mm_and_si128(_mm_srli_epi16(pk, 4), m), 1);
+    const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), ones);
+    return FMT == Q4_0 ? _mm256_sub_epi32(d, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)s4), 3)) : d;
+}
+template <int FMT>
+static inline I16 q8_pair_dot(const uint8_t* wa, const uint8_t* wb, const int8_t* xq, const int32_t* s4) {
+    return {q8_block_dot<FMT>(wa, xq, s4), q8_block_dot<FMT>(wb, xq + 32, s4 + 8)};
+}
+#endif
+
+template <int FMT> struct Q8W;  // block bytes, where the quants start, and whether there is an offset m
+template <> struct Q8W<Q4_0> { static const int BLOCK = 18, QS = 2, SPR = 1; };
+template <> struct Q8W<Q4_1> { static const int BLOCK = 20, QS = 4, SPR = 2; };
+template <> struct Q8W<Q8_0> { static const int BLOCK = 34, QS = 2, SPR = 1; };
+
+// NR weight rows x M rows of x. A (row, weight row) result: the same lanes, the same pair order, whatever NR and M.
+template <int FMT, int M, int NR>
+static inline void q8_tile(const QX& Q, int m0, int K, const uint8_t* W, long rb, float* y, long ldy, const float* b,
+                           bool acc_out, float* S /* [NR][SPR * 2 * pairs] */) {
+    typedef Q8W<FMT> F;
+    const int nb = K / 32, pairs = Q.pairs;
+    const int ns = F::SPR * 2 * pairs;
+    for (int r = 0; r < NR; r++) {
+        block_scales<F::SPR>(W + r * rb, nb, F::BLOCK, S + r * ns);
+        for (int j = F::SPR * nb; j < ns; j++) S[r * ns + j] = 0.0f;  // the padding block: no weights
+    }
+    static const uint8_t ZERO[34] = {0};
+    V16 acc[NR][M];
+    for (int r = 0; r < NR; r++)
+        for (int m = 0; m < M; m++) acc[r][m] = vzero();
+    for (int p = 0; p < pairs; p++) {
+        const int ba = 2 * p, bb = 2 * p + 1;
+        for (int r = 0; r < NR; r++) {
+            const uint8_t* row = W + r * rb;
+            const uint8_t* wa = row + (long)ba * F::BLOCK + F::QS;
+            const uint8_t* wb = bb < nb ? row + (long)bb * F::BLOCK + F::QS : ZERO;
+            if (PREFETCH) _mm_prefetch((const char*)wa + PREFETCH * rb, _MM_HINT_T0);
+            const float* sr = S + r * ns;
+            const float da = sr[F::SPR * ba], db = sr[F::SPR * bb];
+            const float dl[16] = {da, da, da, da, da, da, da, da, db, db, db, db, db, db, db, db};
+            const V16 dw = vload(dl);
+            for (int m = 0; m < M; m++) {
+                const long xr = (long)(m0 + m);
+                const I16 isum = q8_pair_dot<FMT>(wa, wb, Q.q + xr * Q.KP + 64 * p, Q.sum4 + xr * (Q.KP / 4) + 16 * p);
+                const V16 scale = vmul(dw, vload(Q.s16 + xr * pairs * 16 + 16 * p));
+                acc[r][m] = vadd(acc[r][m], vmul(i16_to_f(isum), scale));
+            }
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int m = 0; m < M; m++) {
+            float s = vsum(acc[r][m]);
+            if (FMT == Q4_1) {  // Σ_b m_b * (s_b Σq_b), 16 blocks at a time
+                const float* sr = S + r * ns;
+                const float* sq = Q.sq + (long)(m0 + m) * Q.NB16;
+                V16 am = vzero();
+                for (int b0 = 0; b0 < nb; b0 += 16) {
+                    float mv[16];
+                    for (int j = 0; j < 16; j++) mv[j] = b0 + j < nb ? sr[2 * (b0 + j) + 1] : 0.0f;
+                    am = vadd(am, vmul(vload(mv), vload(sq + b0)));
+                }
+                s = s + vsum(am);
+            }
+            if (b) s = s + b[r];
+            float* out = y + (long)m * ldy + r;
+            *out = acc_out ? *out + s : s;
+        }
+}
+
+template <int FMT, int NR>
+static void q8_weight_rows(const QX& Q, int R, int K, const uint8_t* W, long rb, int n0, float* y, long ldy,
+                           const float* b, bool acc_out) {
+    static thread_local std::vector<float> S;
+    const int ns = Q8W<FMT>::SPR * 2 * Q.pairs;
+    if (S.size() < (size_t)NR * ns) S.resize((size_t)NR * ns);
+    const uint8_t* Wn = W + (long)n0 * rb;
+    const float* bn = b ? b + n0 : nullptr;
+    for (int m0 = 0; m0 < R; m0 += 4) {
+        float* ym = y + (long)m0 * ldy + n0;
+        switch (R - m0 < 4 ? R - m0 : 4) {
+            case 1: q8_tile<FMT, 1, NR>(Q, m0, K, Wn, rb, ym, ldy, bn, acc_out, S.data()); break;
+            case 2: q8_tile<FMT, 2, NR>(Q, m0, K, Wn, rb, ym, ldy, bn, acc_out, S.data()); break;
+            case 3: q8_tile<FMT, 3, NR>(Q, m0, K, Wn, rb, ym, ldy, bn, acc_out, S.data()); break;
+            default: q8_tile<FMT, 4, NR>(Q, m0, K, Wn, rb, ym, ldy, bn, acc_out, S.data()); break;
+        }
+    }
+}
+
+static inline bool q8_format(int fmt) { return fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0; }
+
 // A linear whose output columns come from up to 3 weight matrices (fused q/k/v, gate/up), each in its own format.
 struct Seg { const uint8_t* w; const float* bias; int fmt, n; };
 struct Lin { Seg seg[3]; int count; };
 
 template <int NR>
-static inline void rows_of(const Seg& s, const float* x, int R, int K, int n0, float* y, long ldy, bool acc_out) {
+static inline void rows_of(const Seg& s, const float* x, int R, int K, int n0, float* y, long ldy, bool acc_out,
+                           const QX* Q) {
     const long rb = row_bytes(s.fmt, K);
+    if (Q && q8_format(s.fmt)) {
+        switch (s.fmt) {
+            case Q4_0: q8_weight_rows<Q4_0, NR>(*Q, R, K, s.w, rb, n0, y, ldy, s.bias, acc_out); break;
+            case Q4_1: q8_weight_rows<Q4_1, NR>(*Q, R, K, s.w, rb, n0, y, ldy, s.bias, acc_out); break;
+            default: q8_weight_rows<Q8_0, NR>(*Q, R, K, s.w, rb, n0, y, ldy, s.bias, acc_out); break;
+        }
+        return;
+    }
     switch (s.fmt) {
         case F32: weight_rows<FmtF32, NR>(x, K, R, K, s.w, rb, n0, y, ldy, s.bias, acc_out); break;
         case F16: weight_rows<FmtF16, NR>(x, K, R, K, s.w, rb, n0, y, ldy, s.bias, acc_out); break;
@@ -424,8 +627,9 @@ static bool servable(const Lin* L, int K) {
 }
 
 // y[R, Σn] (+)= x[R, K]·[W_0; W_1; ...]ᵀ (+ biases). Work-shares over the calling parallel region (an orphaned
-// `omp for`: called outside one, the calling thread does it all); ends with the for's barrier.
-static void linear(const Lin* L, const float* x, int R, int K, float* y, bool acc_out) {
+// `omp for`: called outside one, the calling thread does it all); ends with the for's barrier. With Q (x quantized,
+// the q8 mode) integer weight formats run the q8 kernel; float weights always take x itself.
+static void linear(const Lin* L, const float* x, int R, int K, float* y, bool acc_out, const QX* Q = nullptr) {
     const int NR = 4;
     int groups = 0, ldy = 0, starts[4] = {0}, cols[4] = {0};
     for (int i = 0; i < L->count; i++) {
@@ -440,19 +644,36 @@ static void linear(const Lin* L, const float* x, int R, int K, float* y, bool ac
         const Seg& s = L->seg[i];
         const int n0 = (g - starts[i]) * NR;
         float* ys = y + cols[i];  // weight row n of this segment is output column cols[i] + n
-        if (n0 + NR <= s.n) rows_of<NR>(s, x, R, K, n0, ys, ldy, acc_out);
-        else for (int n = n0; n < s.n; n++) rows_of<1>(s, x, R, K, n, ys, ldy, acc_out);
+        if (n0 + NR <= s.n) rows_of<NR>(s, x, R, K, n0, ys, ldy, acc_out, Q);
+        else for (int n = n0; n < s.n; n++) rows_of<1>(s, x, R, K, n, ys, ldy, acc_out, Q);
     }
 }
 
 // x: [R, K] row-major fp32; W: N rows of `fmt`; y: [R, N]; b: [N] or null.
 // Returns 0, or -1 if fmt/K unsupported.
+// QX buffers for R rows of up to K columns, owned by the caller's vectors.
+struct QXBuf {
+    std::vector<int8_t> q; std::vector<float> s16, sq; std::vector<int32_t> sum4;
+    QXBuf(int R, int K) : q((size_t)R * 64 * q8_pairs(K)), s16((size_t)R * 16 * q8_pairs(K)),
+                          sq((size_t)R * q8_nb16(K)), sum4((size_t)R * 16 * q8_pairs(K)) {}
+    QX view(int K) {  // the layout for rows of K columns (K <= the size it was made for)
+        return {q.data(), s16.data(), sq.data(), sum4.data(), K, 64 * q8_pairs(K), q8_pairs(K), q8_nb16(K)};
+    }
+};
+
+// q8: 0 = exact (fp32 on dequantized weights), 1 = int8 activations for Q4_0/Q4_1/Q8_0 weights.
 extern "C" int rows_linear(int fmt, const float* x, int R, int K, const uint8_t* W, int N, float* y, const float* b,
-                           int threads) {
+                           int threads, int q8) {
     Lin L = {{{W, b, fmt, N}}, 1};
     if (!servable(&L, K) || R < 0) return -1;
+    const bool quant = q8 && q8_format(fmt) && R > 0;
+    QXBuf buf(quant ? R : 0, quant ? K : 32);
+    const QX Q = buf.view(K);
 #pragma omp parallel num_threads(threads)
-    linear(&L, x, R, K, y, false);
+    {
+        if (quant) q8_quantize(x, R, K, Q);
+        linear(&L, x, R, K, y, false, quant ? &Q : nullptr);
+    }
     return 0;
 }
 
@@ -513,6 +734,7 @@ struct Dims {
     float* const* kslot;  // per KV slot: [layers, kv_heads, max_len / 16, head_dim, 16]: keys in blocks of 16
                           // positions, each block transposed (max_len a multiple of 16)
     float* const* vslot;  // per KV slot: [layers, kv_heads, max_len, head_dim]
+    int q8;  // the numerics mode: 0 exact, 1 int8 activations for integer weight formats
 };
 
 struct Layer {
@@ -609,7 +831,15 @@ static void attend_group(const Dims* d, int layer, int slot, int pos, int g, con
     }
 }
 
-struct Scratch { float *h, *qkv, *att, *gu, *act, *p; int plen; };
+struct Scratch { float *h, *qkv, *att, *gu, *act, *p; int plen; QXBuf* xq; };
+
+// x quantized for the next linear (q8 mode), or null (exact)
+static const QX* q8_input(const Dims* d, const Scratch& s, const float* x, int R, int K, QX* view) {
+    if (!d->q8) return nullptr;
+    *view = s.xq->view(K);
+    q8_quantize(x, R, K, *view);
+    return view;
+}
 
 // One decoder layer over R rows, in place on the residual stream x [R, hidden], inside the pass's parallel region.
 // Row r is at position pos[r] of KV slot slot[r]; its key and value are written there first, so a row sees the
@@ -618,8 +848,9 @@ static void layer_body(const Dims* d, const Layer* L, int layer, float* x, int R
                        const Scratch& s) {
     const int D = d->hidden, hd = d->head_dim, H = d->heads, G = d->kv_heads, I = d->inter;
     const int nq = H * hd, nkv = G * hd, nqkv = nq + 2 * nkv;
+    QX view;
     rmsnorm(x, R, D, L->attn_norm, d->eps, s.h);
-    linear(&L->qkv, s.h, R, D, s.qkv, false);
+    linear(&L->qkv, s.h, R, D, s.qkv, false, q8_input(d, s, s.h, R, D, &view));
 #pragma omp for schedule(static)
     for (int r = 0; r < R; r++) {
         float* row = s.qkv + (long)r * nqkv;
@@ -640,9 +871,9 @@ static void layer_body(const Dims* d, const Layer* L, int layer, float* x, int R
         const int r = rg / G, g = rg % G, h0 = g * (H / G);
         attend_group(d, layer, slot[r], pos[r], g, s.qkv + (long)r * nqkv + h0 * hd, s.att + (long)r * nq + h0 * hd, p);
     }
-    linear(&L->o, s.att, R, nq, x, true);  // x += o(att)
+    linear(&L->o, s.att, R, nq, x, true, q8_input(d, s, s.att, R, nq, &view));  // x += o(att)
     rmsnorm(x, R, D, L->ffn_norm, d->eps, s.h);
-    linear(&L->gate_up, s.h, R, D, s.gu, false);
+    linear(&L->gate_up, s.h, R, D, s.gu, false, q8_input(d, s, s.h, R, D, &view));
 #pragma omp for schedule(static)
     for (int r = 0; r < R; r++) {  // act = silu(gate) * up = gate / (1 + exp(-gate)) * up, 16 lanes at a time
         const float* gate = s.gu + (long)r * 2 * I;
@@ -654,7 +885,7 @@ static void layer_body(const Dims* d, const Layer* L, int layer, float* x, int R
         }
         for (; i < I; i++) a[i] = silu(gate[i]) * gate[I + i];
     }
-    linear(&L->down, s.act, R, I, x, true);  // x += down(act)
+    linear(&L->down, s.act, R, I, x, true, q8_input(d, s, s.act, R, I, &view));  // x += down(act)
 }
 
 // All decoder layers of one pass in one parallel region (thread start-up costs more than a whole small linear).
@@ -674,7 +905,9 @@ extern "C" int decoder_layers(const Dims* d, const Layer* layers, int n_layers, 
     }
     std::vector<float> h((size_t)R * D), qkv((size_t)R * (H + 2 * G) * hd), att((size_t)R * H * hd),
         gu((size_t)R * 2 * I), act((size_t)R * I), p((size_t)threads * 4 * (maxpos + 16));
-    const Scratch s = {h.data(), qkv.data(), att.data(), gu.data(), act.data(), p.data(), 4 * (maxpos + 16)};
+    const int kmax = D > H * hd ? (D > I ? D : I) : (H * hd > I ? H * hd : I);
+    QXBuf xq(d->q8 ? R : 0, d->q8 ? kmax : 32);
+    const Scratch s = {h.data(), qkv.data(), att.data(), gu.data(), act.data(), p.data(), 4 * (maxpos + 16), &xq};
 #pragma omp parallel num_threads(threads)
     for (int l = 0; l < n_layers; l++) layer_body(d, layers + l, l, x, R, slot, pos, s);
     return 0;

@@ -41,7 +41,7 @@ class _Layer(ctypes.Structure):
 class _Dims(ctypes.Structure):
     _fields_ = [("hidden", _i), ("heads", _i), ("kv_heads", _i), ("head_dim", _i), ("inter", _i), ("layers", _i),
                 ("max_len", _i), ("interleaved", _i), ("eps", _f), ("cos", _p), ("sin", _p), ("kslot", _p),
-                ("vslot", _p)]
+                ("vslot", _p), ("q8", _i)]
 
 
 @dataclass
@@ -94,8 +94,9 @@ class Llama:
     backend = "runtime"
 
     def __init__(self, config, embed: QTensor, layers: list[LayerWeights], norm: torch.Tensor, head: QTensor,
-                 generation_config=None, max_len: int | None = None, source: str = ""):
+                 generation_config=None, max_len: int | None = None, source: str = "", numerics: str = "exact"):
         self.config, self.generation_config, self.source = config, generation_config, source
+        self.numerics = numerics
         self.embed, self.layers, self.norm, self.head = embed, layers, norm, head
         self.hd, self.heads, self.kv_heads = config.head_dim, config.num_attention_heads, config.num_key_value_heads
         self.eps = float(config.rms_norm_eps)
@@ -105,6 +106,12 @@ class Llama:
         self._slots: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._free: list[int] = []
         self._lib = kernels.library()
+        if numerics not in kernels.NUMERICS:
+            raise ValueError(f"numerics must be one of {', '.join(kernels.NUMERICS)}, got {numerics!r}")
+        if numerics == "q8" and self._lib is None:
+            import sys
+            print("specdec: the q8 mode needs the CPU kernels; running exact", file=sys.stderr)
+            self.numerics = "exact"
         self._structs = None  # the kernels' description of the layers, made at the first pass
         if self._lib is not None:
             self._kptr, self._vptr = (ctypes.c_void_p * 0)(), (ctypes.c_void_p * 0)()
@@ -194,7 +201,7 @@ class Llama:
                     xr = self._layer_torch(i, w, xr, slots[r], positions[r])
                 h[r] = _rmsnorm(xr, self.norm, self.eps)[0]
         rows = h if logit_rows is None else h[list(logit_rows)]
-        logits = qlinear(rows.contiguous(), self.head) if len(rows) else None
+        logits = qlinear(rows.contiguous(), self.head, q8=self.q8) if len(rows) else None
         return (logits, h) if hidden else logits
 
     # ---- the same layer in torch (no kernels on this machine) --------------------------------------------------
@@ -228,11 +235,25 @@ class Llama:
                       _lin([(w.o, None)]), w.ffn_norm.data_ptr(), _lin([(w.gate, None), (w.up, None)]),
                       _lin([(w.down, None)]))
 
+    @property
+    def q8(self) -> bool:
+        """The numerics mode: exact (fp32 on dequantized weights, bitwise transformers' fp32) or q8 (int8
+        activations against integer weight blocks; rows.cpp). Both row-invariant."""
+        return self.numerics == "q8"
+
+    def set_numerics(self, numerics: str) -> None:
+        if numerics not in kernels.NUMERICS:
+            raise ValueError(f"numerics must be one of {', '.join(kernels.NUMERICS)}, got {numerics!r}")
+        self.numerics = numerics if self._lib is not None else "exact"
+        if self._lib is not None:
+            self._dims = self._make_dims()
+
     def _make_dims(self) -> _Dims:
         c = self.config
         return _Dims(c.hidden_size, self.heads, self.kv_heads, self.hd, c.intermediate_size, c.num_hidden_layers,
                      self.max_len, int(self.interleaved), self.eps, self.cos.data_ptr(), self.sin.data_ptr(),
-                     ctypes.cast(self._kptr, ctypes.c_void_p), ctypes.cast(self._vptr, ctypes.c_void_p))
+                     ctypes.cast(self._kptr, ctypes.c_void_p), ctypes.cast(self._vptr, ctypes.c_void_p),
+                     int(self.q8))
 
 
 def _rmsnorm(x, w, eps):

@@ -86,13 +86,13 @@ def _dequantize(fmt: int, data: torch.Tensor, k: int) -> torch.Tensor:
     return (sc[..., :1] * q + sc[..., 1:2]).reshape(n, k)
 
 
-def qlinear(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def qlinear(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None, q8: bool = False) -> torch.Tensor:
     """x·Wᵀ (+ b): the kernel on W's own blocks where it runs, else torch on the same dequantized values, one row
     at a time (a matrix product's summation order depends on its row count; one row's is always the same)."""
     if x.shape[-1] != w.k:
         raise ValueError(f"a linear of {w.k} columns got rows of {x.shape[-1]}")
     if kernels.library() is not None:
-        return kernels.linear(w.fmt, x, w.data, w.n, bias)
+        return kernels.linear(w.fmt, x, w.data, w.n, bias, q8=q8)
     rows, dense = x.reshape(-1, w.k), w.dequantize()
     out = [F.linear(rows[r:r + 1].clone(), dense, bias) for r in range(rows.shape[0])]
     return (torch.cat(out) if out else x.new_empty(0, w.n)).reshape(*x.shape[:-1], w.n)

@@ -1,0 +1,147 @@
+"""The q8 numerics mode: int8 activations against Q4_0/Q4_1/Q8_0 weight blocks. The kernel against a numpy
+rebuild of the same integer and fp32 arithmetic (bitwise), the AVX2 build against the AVX-512 VNNI build, whole
+passes row-invariant, and speculation token-identical to q8 target-only."""
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from specdec import SpecDecoder, kernels
+from specdec.runtime.load import load_gguf
+from test_runtime import gguf_pair  # noqa: F401 - the tiny quantized GGUF (a fixture)
+
+T = gguf.GGMLQuantizationType
+needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no AVX2/AVX-512 CPU or no C++ compiler")
+F32 = np.float32
+BLOCK = {kernels.Q4_0: 18, kernels.Q4_1: 20, kernels.Q8_0: 34}
+
+
+def vsum(lanes: np.ndarray) -> np.float32:
+    """rows.cpp's vsum: 8+8, 4+4, then pairs (2, 3, 0, 1) and (1, 0, 3, 2)."""
+    s8 = lanes[8:] + lanes[:8]
+    s4 = s8[4:] + s8[:4]
+    s2 = s4 + s4[[2, 3, 0, 1]]
+    s1 = s2 + s2[[1, 0, 3, 2]]
+    return s1[0]
+
+
+def weights_of(fmt, data: np.ndarray, n: int, k: int):
+    """Integer weights [n, k] (Q4_0 already minus 8), d [n, nb] and m [n, nb] (Q4_1) from the raw blocks."""
+    nb = k // 32
+    blocks = data.reshape(n, nb, BLOCK[fmt])
+    d = blocks[..., :2].copy().view(np.float16).astype(F32)[..., 0]
+    if fmt == kernels.Q8_0:
+        return blocks[..., 2:].copy().view(np.int8).astype(np.int64).reshape(n, k), d, None
+    off = 4 if fmt == kernels.Q4_1 else 2
+    packed = blocks[..., off:].astype(np.int64)
+    q = np.concatenate([packed & 15, packed >> 4], -1).reshape(n, k)
+    if fmt == kernels.Q4_0:
+        return q - 8, d, None
+    return q, d, blocks[..., 2:4].copy().view(np.float16).astype(F32)[..., 0]
+
+
+def q8_reference(fmt, x: np.ndarray, data: np.ndarray, n: int, k: int, bias=None) -> np.ndarray:
+    """The q8 linear in numpy, operation for operation as rows.cpp does it (fp32, a multiply then an add)."""
+    qw, dw, mw = weights_of(fmt, data, n, k)
+    nb = k // 32
+    pairs = (nb + 1) // 2
+    out = np.zeros((len(x), n), dtype=F32)
+    for r, row in enumerate(x.astype(F32)):
+        xb = row.reshape(nb, 32)
+        amax = np.abs(xb).max(1)
+        s = amax / F32(127)
+        inv = np.where(amax > 0, F32(127) / np.where(amax > 0, amax, F32(1)), F32(0)).astype(F32)
+        q = np.rint(xb * inv[:, None]).astype(np.int64)
+        sq = s * q.sum(1).astype(F32)
+        for j in range(n):
+            lanes = (qw[j].reshape(nb, 8, 4) * q.reshape(nb, 8, 4)).sum(-1)  # [nb, 8] int32 lanes
+            lanes = np.concatenate([lanes, np.zeros((2 * pairs - nb, 8), np.int64)]).reshape(pairs, 16)
+            scale = np.repeat(np.concatenate([dw[j] * s, np.zeros(2 * pairs - nb, F32)]).astype(F32), 8)
+            scale = scale.reshape(pairs, 16)
+            acc = np.zeros(16, F32)
+            for p in range(pairs):
+                acc = acc + lanes[p].astype(F32) * scale[p]
+            y = vsum(acc)
+            if mw is not None:
+                am = np.zeros(16, F32)
+                for b0 in range(0, nb, 16):
+                    mv, sv = np.zeros(16, F32), np.zeros(16, F32)
+                    mv[: min(16, nb - b0)], sv[: min(16, nb - b0)] = mw[j, b0:b0 + 16], sq[b0:b0 + 16]
+                    am = am + mv * sv
+                y = y + vsum(am)
+            if bias is not None:
+                y = y + F32(bias[j])
+            out[r, j] = y
+    return out
+
+
+def quantized(fmt, n, k, seed):
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(F32)
+    data = gguf.quants.quantize(w, {kernels.Q4_0: T.Q4_0, kernels.Q4_1: T.Q4_1, kernels.Q8_0: T.Q8_0}[fmt])
+    return np.ascontiguousarray(data)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", [kernels.Q4_0, kernels.Q4_1, kernels.Q8_0])
+@pytest.mark.parametrize("k", [32, 96, 544])  # odd block counts: a padded pair; 544 = 17 blocks, a 16-block tail
+def test_q8_kernel_equals_numpy_bitwise_on_every_isa(fmt, k):
+    n = 11  # not a multiple of the 4-row weight tiles
+    data = quantized(fmt, n, k, seed=k + fmt)
+    bias = np.random.default_rng(1).standard_normal(n).astype(F32)
+    x = np.random.default_rng(k).standard_normal((29, k)).astype(F32)
+    x[3, :32] = 0  # an all-zero block: scale 0
+    x[5, 7] = 1e4  # one large value: the rest of its block rounds to 0
+    want = q8_reference(fmt, x, data, n, k, bias)
+    libs = [kernels.library()] + ([kernels.library("avx2")] if kernels.library().isa != "avx2" else [])
+    for lib in libs:
+        for rows in (1, 2, 3, 4, 5, 8, 13, 29):
+            got = kernels.linear(fmt, torch.from_numpy(x[:rows]), torch.from_numpy(data), n, torch.from_numpy(bias),
+                                 lib=lib, q8=True)
+            assert np.array_equal(got.numpy(), want[:rows]), (lib.isa, rows)
+
+
+@needs_kernel
+def test_q8_is_close_to_exact():
+    data = quantized(kernels.Q4_1, 64, 576, seed=3)
+    x = torch.randn(4, 576)
+    w = torch.from_numpy(data)
+    exact, q8 = kernels.linear(kernels.Q4_1, x, w, 64), kernels.linear(kernels.Q4_1, x, w, 64, q8=True)
+    assert not torch.equal(exact, q8)  # a different arithmetic...
+    assert (q8 - exact).abs().max() < 0.02 * exact.abs().max()  # ...close to the same numbers
+
+
+@pytest.fixture(scope="module")
+def q8_model(gguf_pair):  # noqa: F811
+    model = load_gguf(gguf_pair[0])
+    model.set_numerics("q8")
+    return model
+
+
+@needs_kernel
+def test_q8_whole_pass_is_row_invariant(q8_model):
+    """1..64 rows in one pass equal one-token steps bitwise, alone and with rows of other slots between them."""
+    model = q8_model
+    ids = torch.randint(3, 90, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    a, b, c = model.acquire_slot(), model.acquire_slot(), model.acquire_slot()
+    steps = torch.cat([model.forward([t], [b], [i]) for i, t in enumerate(ids)])
+    for n in (1, 2, 7, 16, 64):
+        assert torch.equal(model.forward(ids[:n], [a] * n, list(range(n))), steps[:n]), n
+    model.forward(ids[:5], [c] * 5, list(range(5)))
+    mixed = model.forward([ids[30], ids[5], ids[31]], [a, c, a], [30, 5, 31])
+    assert torch.equal(mixed[[0, 2]], steps[30:32])
+    exact = load_gguf(model.source)
+    e = exact.forward(ids[:8], [exact.acquire_slot()] * 8, list(range(8)))
+    assert not torch.equal(e, steps[:8]) and (e - steps[:8]).abs().max() < 0.1 * e.abs().max()
+    for s in (a, b, c):
+        model.release_slot(s)
+
+
+@needs_kernel
+def test_q8_speculation_is_token_identical_to_q8_target_only(q8_model, tok):
+    prompt = "Hello there, general"
+    base = SpecDecoder.from_models(q8_model, tok, "none").generate(prompt, max_new_tokens=40, chat=False)
+    for draft in ["ngram", "target"]:
+        for tau in range(1, 9):
+            out = SpecDecoder.from_models(q8_model, tok, draft, tau=tau).generate(prompt, max_new_tokens=40,
+                                                                                 chat=False)
+            assert out.token_ids == base.token_ids, (draft, tau)
