@@ -34,7 +34,8 @@ DEFAULT_DRAFT = None  # resolved per target by default_draft()
 # stop strings: at most 4, as OpenAI allows, of bounded length (a 100,000-character stop held the model worker
 # for the whole request timeout)
 MAX_STOPS, MAX_STOP_CHARS = 4, 256
-DEFAULT_TAU, DEFAULT_POLICY = 3, "fixed"  # the fastest measured setup on the runtime (docs/benchmarks.md)
+DEFAULT_TAU, DEFAULT_POLICY = 3, "fixed"
+DEFAULT_NUMERICS = "exact"  # the fastest measured setup on the runtime (docs/benchmarks.md)
 
 
 def default_draft(target: str) -> str:
@@ -155,10 +156,12 @@ def _positive_int(name, value):
 
 class SpecDecoder:
     def __init__(self, target: str = models.DEFAULT_MODEL, draft: str | None = DEFAULT_DRAFT, tau: int = DEFAULT_TAU,
-                 policy: str = DEFAULT_POLICY, backend: str = "auto"):
-        """`backend`: auto (specdec's runtime where it runs the model, else transformers), runtime, transformers."""
+                 policy: str = DEFAULT_POLICY, backend: str = "auto", numerics: str = DEFAULT_NUMERICS):
+        """`backend`: auto (specdec's runtime where it runs the model, else transformers), runtime, transformers.
+        `numerics`: the runtime's arithmetic, exact (bitwise transformers' fp32 on the dequantized weights) or q8
+        (int8 activations: faster, close to exact; speculation stays token-identical to q8 target-only)."""
         draft = draft or default_draft(target)
-        model, tok = models.load(target, backend=backend)
+        model, tok = models.load(target, backend=backend, numerics=numerics)
         drafter = build_drafter(draft, model, tok, target, backend=backend)
         models.release_free_memory()  # loading's temporaries, before the first pass touches the weights
         self._setup(model, tok, drafter, tau, getattr(drafter, "name", draft), policy)
@@ -180,6 +183,7 @@ class SpecDecoder:
 
     def _setup(self, model, tok, drafter, tau, draft_name, policy):
         self.model, self.tokenizer, self.draft_name = model, tok, draft_name
+        self.numerics = getattr(model, "numerics", "exact")
         # the server encodes prompts on request threads while the model worker decodes text: each side has its own
         # copy of the tokenizer (transformers' fast tokenizers are not safe to share across threads), so a long
         # prompt being encoded never holds up the worker's streams

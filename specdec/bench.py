@@ -51,7 +51,7 @@ class Bench:
 
     def __init__(self, target: str, drafts: list[str], taus: list[int], max_new_tokens: int, compare_hf: bool,
                  policies: list[str] | None = None, loaded=None, configs=None, backend: str = "auto",
-                 compare_llamacpp: bool = False, sampling: SamplingParams | None = None):
+                 compare_llamacpp: bool = False, sampling: SamplingParams | None = None, numerics: str = "exact"):
         """`sampling`: sampled decoding for every row (None: greedy); the output is then not compared token by
         token (a speculative run draws its randomness differently from target-only, the same distribution)."""
         self.sampling = sampling if sampling is not None and not sampling.greedy else None
@@ -60,7 +60,8 @@ class Bench:
             raise InvalidRequest("max-new-tokens and tau must be >= 1")
         for p in policies:
             make_policy(p, 1)
-        self.model, self.tok, self.draft_models = loaded if loaded else (*models.load(target, backend=backend), {})
+        self.model, self.tok, self.draft_models = loaded if loaded else (
+            *models.load(target, backend=backend, numerics=numerics), {})
         self.backend = backend
         self._llama = llamacpp.load(models.resolve(target)) if compare_llamacpp else None
         self._hf_models = {}  # transformers' models of the same weights, for the transformers rows
@@ -178,8 +179,8 @@ class Bench:
         return rows
 
 
-def print_table(rows: list[dict], console: Console) -> None:
-    table = Table(title="specdec bench (speedup vs specdec target-only, same run)")
+def print_table(rows: list[dict], console: Console, numerics: str = "exact") -> None:
+    table = Table(title=f"specdec bench, numerics {numerics} (speedup vs specdec target-only, same run)")
     for col in ["config", "tokens/s", "speedup", "accept", "mean acc len", "passes/tok", "identical"]:
         table.add_column(col, justify="left" if col == "config" else "right")
     fmt = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
@@ -197,14 +198,15 @@ def cmd_bench(args) -> int:
         prompts = prompts[: args.limit]
     bench = Bench(args.target, args.draft or [default_draft(args.target)], args.tau or [2, 4, 6], args.max_new_tokens,
                   args.compare_hf, policies=args.policy, backend=args.backend, compare_llamacpp=args.compare_llamacpp,
-                  sampling=SamplingParams(args.temperature, args.top_p, args.top_k, args.seed))
+                  sampling=SamplingParams(args.temperature, args.top_p, args.top_k, args.seed), numerics=args.numerics)
     console = Console(stderr=True)
     rows = bench.run(prompts, console)
-    print_table(rows, Console(width=max(120, Console().width)))
+    print_table(rows, Console(width=max(120, Console().width)), getattr(bench.model, "numerics", "exact"))
     if args.json:
         try:
             with open(args.json, "w") as f:
                 json.dump({"prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+                           "numerics": getattr(bench.model, "numerics", "exact"),
                            "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                            "seed": args.seed, "results": rows}, f,
                           indent=2)

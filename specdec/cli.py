@@ -24,8 +24,12 @@ def _model_args(p):
 
 
 def backend_arg(p):
+    from .api import DEFAULT_NUMERICS
     p.add_argument("--backend", default="auto", choices=["auto", "runtime", "transformers"],
                    help="what runs the models: specdec's runtime (auto: where it supports the model) or transformers")
+    p.add_argument("--numerics", default=DEFAULT_NUMERICS, choices=["exact", "q8"],
+                   help="the runtime's arithmetic: exact (bitwise transformers' fp32 on the dequantized weights) or q8 "
+                        f"(int8 activations, faster, close to exact; default {DEFAULT_NUMERICS})")
 
 
 def _sampling_args(p):
@@ -44,7 +48,8 @@ def cmd_generate(args) -> int:
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     make_policy(args.policy, 1)  # validate before loading models
-    sd = SpecDecoder(target=args.target, draft=args.draft, tau=args.tau, policy=args.policy, backend=args.backend)
+    sd = SpecDecoder(target=args.target, draft=args.draft, tau=args.tau, policy=args.policy, backend=args.backend,
+                     numerics=args.numerics)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, seed=args.seed, chat=not args.no_chat, stop=args.stop)
     for chunk in sd.stream_chunks(prompt, **kwargs):
@@ -57,7 +62,8 @@ def cmd_generate(args) -> int:
         ids = sd.encode(prompt, not args.no_chat)
         curve = measure_verify_curve(sd.model, sd.model.config.vocab_size, ids, max(sd.tau + 1, 9), reps=5)
         try:
-            write_jsonl(result.records, args.trace, {"verify_curve": {str(k): round(v, 3) for k, v in curve.items()}})
+            write_jsonl(result.records, args.trace, {"verify_curve": {str(k): round(v, 3) for k, v in curve.items()},
+                                                     "numerics": sd.numerics})
         except OSError as e:
             raise SpecDecError(f"cannot write trace {args.trace}: {e.strerror}")
     s = result.stats
@@ -91,7 +97,7 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
 # subcommand -> the module that registers it; only the one asked for is imported (a cold `specdec generate` does
 # not pay for transformers' generation utilities or the server's web stack)
 COMMANDS = {"bench": "bench", "tune": "tune", "analyze": "analyze", "check": "check", "distill": "distill",
-            "serve": "server"}
+            "serve": "server", "perplexity": "perplexity"}
 
 
 def _extra_commands(argv=None):

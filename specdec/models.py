@@ -90,12 +90,26 @@ def _gguf_to_dir(path: Path) -> Path:
 BACKENDS = ("auto", "runtime", "transformers")
 
 
-def load(spec: str, dtype: torch.dtype = torch.float32, backend: str = "auto"):
+def load(spec: str, dtype: torch.dtype = torch.float32, backend: str = "auto", numerics: str = "exact"):
     """-> (model, tokenizer). `spec` is `default`, a .gguf file, or a Hugging Face model directory. `backend`:
     auto (the runtime where it runs the file, else transformers with one stderr line), runtime (an error where it
-    cannot) or transformers."""
+    cannot) or transformers. `numerics` (the runtime's): exact, or q8 (int8 activations; runtime only)."""
     if backend not in BACKENDS:
         raise ModelLoadError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
+    if numerics not in NUMERICS:
+        raise ModelLoadError(f"unknown numerics {numerics!r} (choose from {', '.join(NUMERICS)})")
+    model, tok = _load(spec, dtype, backend)
+    if is_runtime(model):
+        model.set_numerics(numerics)
+    elif numerics != "exact":
+        raise ModelLoadError(f"--numerics {numerics} runs on specdec's runtime only; {spec} runs on transformers")
+    return model, tok
+
+
+NUMERICS = ("exact", "q8")
+
+
+def _load(spec: str, dtype: torch.dtype, backend: str):
     path = resolve(spec)
     if path.is_file() and path.suffix == ".gguf":
         with open(path, "rb") as f:

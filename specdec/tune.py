@@ -58,10 +58,11 @@ def reason(best: dict, drafts: dict, t_target: float, confirmed: list[dict]) -> 
 
 
 def tune(target: str, drafts: list[str], max_tau: int, prompts: list[dict], max_new_tokens: int, confirm: int,
-         loaded=None, backend: str = "auto") -> dict:
+         loaded=None, backend: str = "auto", numerics: str = "exact") -> dict:
     if max_tau < 1 or confirm < 1 or max_new_tokens < 2:
         raise InvalidRequest("--max-tau and --confirm must be >= 1, --max-new-tokens >= 2")
-    bench = Bench(target, drafts, [max_tau], max_new_tokens, compare_hf=False, loaded=loaded, backend=backend)
+    bench = Bench(target, drafts, [max_tau], max_new_tokens, compare_hf=False, loaded=loaded, backend=backend,
+                  numerics=numerics)
     vocab = bench.model.config.vocab_size
     probe_ids = encode_prompt(bench.tok, prompts[0]["prompt"], prompts[0]["chat"])
     curve = measure_verify_curve(bench.model, vocab, probe_ids, max_tau + 1)
@@ -124,7 +125,7 @@ def cmd_tune(args) -> int:
     default = default_draft(args.target)
     drafts = args.draft or list(dict.fromkeys([default, *default.split("+"), "ngram"]))
     report = tune(args.target, drafts, args.max_tau, prompts, args.max_new_tokens, args.confirm,
-                  backend=args.backend)
+                  backend=args.backend, numerics=args.numerics)
     try:
         if args.plot:
             plot(report, args.plot)

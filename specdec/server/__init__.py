@@ -15,6 +15,7 @@ def cmd_serve(args) -> int:
     if args.ray:
         from .ray_serve import run
         run(dict(target=args.target, draft=args.draft, tau=args.tau, policy=args.policy, backend=args.backend,
+                 numerics=args.numerics,
                  model_name=args.model_name, api_key=args.api_key, max_queue=args.max_queue, timeout=args.timeout,
                  trace_dir=args.trace_dir, batch=not args.no_batch, max_batch_rows=args.max_batch_rows,
                  prefill_chunk=args.prefill_chunk, max_tau=args.max_tau, replicas=args.replicas,
@@ -24,7 +25,7 @@ def cmd_serve(args) -> int:
 
     def decoder():  # built on the model worker's thread (server/worker.py says why)
         return SpecDecoder(target=args.target, draft=args.draft, tau=args.tau, policy=args.policy,
-                           backend=args.backend)
+                           backend=args.backend, numerics=args.numerics)
     app = create_app(decoder, model_name=args.model_name, api_key=args.api_key, max_queue=args.max_queue,
                      timeout_s=args.timeout, trace_dir=args.trace_dir, batch=not args.no_batch,
                      max_batch_rows=args.max_batch_rows, prefill_chunk=args.prefill_chunk, max_tau=args.max_tau)
