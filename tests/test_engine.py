@@ -241,16 +241,20 @@ def test_a_stop_string_before_eos_in_the_same_cycle_cuts_the_tokens_there():
     assert cut([7, 6], [1], 1, stop, 2, {2}, 256) == ([7, 6], "length")
 
 
-def test_tokenizer_calls_hold_the_decoders_lock(tok, target, monkeypatch):
-    """The server encodes in request handlers while the worker decodes: every tokenizer call holds one lock."""
+def test_encoding_and_decoding_use_separate_tokenizers_each_under_its_lock(tok, target, monkeypatch):
+    """The server encodes prompts on request threads while the worker decodes: each side has its own copy of the
+    tokenizer (fast tokenizers are not safe to share across threads) and its own lock, so a long prompt being
+    encoded never holds up the worker's streams."""
     sd = SpecDecoder.from_models(target, tok, "ngram")
+    assert sd._encoder is not sd.tokenizer
     seen = []
     for name in ("decode", "apply_chat_template", "__call__"):
         original = getattr(type(tok), name)
         monkeypatch.setattr(type(tok), name, lambda self, *a, _o=original, **kw: seen.append(
-            sd.tokenizer_lock.locked()) or _o(self, *a, **kw))
+            (self is sd._encoder, (sd._encoder_lock if self is sd._encoder else sd.tokenizer_lock).locked()))
+            or _o(self, *a, **kw))
     sd.generate("Hello", max_new_tokens=6, stop=["zz"])
-    assert seen and all(seen)
+    assert {side for side, _ in seen} == {True, False} and all(held for _, held in seen)
 
 
 @pytest.mark.parametrize("tau", [5, 6, 7, 8])
