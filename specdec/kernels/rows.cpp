@@ -435,7 +435,7 @@ static void q8_quantize_row(const float* x, int K, const QX& Q, int r) {
             s = amax / 127.0f;
             const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
             for (int i = 0; i < 32; i++) {
-                const int v = (int)nearbyintf(xb[i] * id);  // round half to even (the default rounding mode)
+                const int v = _mm_cvtss_si32(_mm_set_ss(xb[i] * id));  // round half to even (MXCSR's default)
                 q[32 * b + i] = (int8_t)v;
                 total += v;
             }
@@ -470,19 +470,23 @@ static inline __m512i q4_unpack(const uint8_t* a, const uint8_t* b) {
                                          _mm256_and_si256(_mm256_srli_epi16(pk, 4), m), 1);  // Alo Blo Ahi Bhi
     return _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));                             // Alo Ahi Blo Bhi
 }
+struct WQ { __m512i w; };  // a pair of weight blocks as the u8 operand of vpdpbusd
 template <int FMT>
-static inline I16 q8_pair_dot(const uint8_t* wa, const uint8_t* wb, const int8_t* xq, const int32_t* s4) {
-    const __m512i x = _mm512_loadu_si512(xq);
-    if (FMT == Q8_0) {  // (w + 128) . x - 128 Σx
+static inline WQ q8_unpack(const uint8_t* wa, const uint8_t* wb) {
+    if (FMT == Q8_0) {  // s8 -> u8 by +128 (taken back in the dot's initial value)
         const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)wa)),
                                              _mm256_loadu_si256((const __m256i*)wb), 1);
-        const __m512i init = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(_mm512_loadu_si512(s4), 7));
-        return {_mm512_dpbusd_epi32(init, _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80)), x)};
+        return {_mm512_xor_si512(w, _mm512_set1_epi8((char)0x80))};
     }
-    const __m512i w = q4_unpack(wa, wb);
-    const __m512i init = FMT == Q4_0 ? _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(_mm512_loadu_si512(s4), 3))
-                                     : _mm512_setzero_si512();
-    return {_mm512_dpbusd_epi32(init, w, x)};
+    return {q4_unpack(wa, wb)};
+}
+template <int FMT>
+static inline I16 q8_dot(WQ w, const int8_t* xq, const int32_t* s4) {
+    const __m512i x = _mm512_loadu_si512(xq);
+    const int shift = FMT == Q8_0 ? 7 : 3;  // Q8_0: (w + 128).x - 128 Σx; Q4_0: q.x - 8 Σx
+    const __m512i init = FMT == Q4_1 ? _mm512_setzero_si512()
+                                     : _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(_mm512_loadu_si512(s4), shift));
+    return {_mm512_dpbusd_epi32(init, w.w, x)};
 }
 #else
 struct I16 { __m256i lo, hi; };
@@ -493,24 +497,37 @@ static inline V16 i16_to_f(I16 a) {
     return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)};
 #endif
 }
-template <int FMT>
-static inline __m256i q8_block_dot(const uint8_t* w, const int8_t* xq, const int32_t* s4) {
-    const __m256i x = _mm256_loadu_si256((const __m256i*)xq), ones = _mm256_set1_epi16(1);
-    if (FMT == Q8_0) {
-        const __m256i ws = _mm256_loadu_si256((const __m256i*)w);
-        return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(ws, ws), _mm256_sign_epi8(x, ws)), ones);
-    }
+struct WQ { __m256i a, b; };  // a pair of weight blocks: Q8_0 as stored (s8), Q4 as unpacked nibbles (u8)
+static inline __m256i q4_nibbles32(const uint8_t* w) {
     const __m128i pk = _mm_loadu_si128((const __m128i*)w), m = _mm_set1_epi8(15);
-    const __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(pk, m)),
-                                              _mm_and_si128(_mm_srli_epi16(pk, 4), m), 1);
-    const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), ones);
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(pk, m)), _mm_and_si128(_mm_srli_epi16(pk, 4), m), 1);
+}
+template <int FMT>
+static inline WQ q8_unpack(const uint8_t* wa, const uint8_t* wb) {
+    if (FMT == Q8_0) return {_mm256_loadu_si256((const __m256i*)wa), _mm256_loadu_si256((const __m256i*)wb)};
+    return {q4_nibbles32(wa), q4_nibbles32(wb)};
+}
+template <int FMT>
+static inline __m256i q8_block_dot(__m256i w, const int8_t* xq, const int32_t* s4) {
+    const __m256i x = _mm256_loadu_si256((const __m256i*)xq), ones = _mm256_set1_epi16(1);
+    if (FMT == Q8_0)  // the sign trick: |w| . (x signed like w)
+        return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), ones);
+    const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
     return FMT == Q4_0 ? _mm256_sub_epi32(d, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)s4), 3)) : d;
 }
 template <int FMT>
-static inline I16 q8_pair_dot(const uint8_t* wa, const uint8_t* wb, const int8_t* xq, const int32_t* s4) {
-    return {q8_block_dot<FMT>(wa, xq, s4), q8_block_dot<FMT>(wb, xq + 32, s4 + 8)};
+static inline I16 q8_dot(WQ w, const int8_t* xq, const int32_t* s4) {
+    return {q8_block_dot<FMT>(w.a, xq, s4), q8_block_dot<FMT>(w.b, xq + 32, s4 + 8)};
 }
 #endif
+
+static inline V16 lanes_8_8(float a, float b) {  // a in lanes 0-7, b in 8-15
+#if defined(__AVX512F__)
+    return {_mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(a)), _mm256_castps_pd(_mm256_set1_ps(b)), 1))};
+#else
+    return {_mm256_set1_ps(a), _mm256_set1_ps(b)};
+#endif
+}
 
 template <int FMT> struct Q8W;  // block bytes, where the quants start, and whether there is an offset m
 template <> struct Q8W<Q4_0> { static const int BLOCK = 18, QS = 2, SPR = 1; };
@@ -527,6 +544,10 @@ static inline void q8_tile(const QX& Q, int m0, int K, const uint8_t* W, long rb
     for (int r = 0; r < NR; r++) {
         block_scales<F::SPR>(W + r * rb, nb, F::BLOCK, S + r * ns);
         for (int j = F::SPR * nb; j < ns; j++) S[r * ns + j] = 0.0f;  // the padding block: no weights
+        if (FMT == Q4_1) {  // m of every block in a row of its own, for the 16-block offset sums
+            float* mr = S + NR * ns + r * Q.NB16;
+            for (int b = 0; b < Q.NB16; b++) mr[b] = b < nb ? S[r * ns + 2 * b + 1] : 0.0f;
+        }
     }
     static const uint8_t ZERO[34] = {0};
     V16 acc[NR][M];
@@ -540,12 +561,11 @@ static inline void q8_tile(const QX& Q, int m0, int K, const uint8_t* W, long rb
             const uint8_t* wb = bb < nb ? row + (long)bb * F::BLOCK + F::QS : ZERO;
             if (PREFETCH) _mm_prefetch((const char*)wa + PREFETCH * rb, _MM_HINT_T0);
             const float* sr = S + r * ns;
-            const float da = sr[F::SPR * ba], db = sr[F::SPR * bb];
-            const float dl[16] = {da, da, da, da, da, da, da, da, db, db, db, db, db, db, db, db};
-            const V16 dw = vload(dl);
+            const V16 dw = lanes_8_8(sr[F::SPR * ba], sr[F::SPR * bb]);
+            const WQ w = q8_unpack<FMT>(wa, wb);  // once for all M rows of x
             for (int m = 0; m < M; m++) {
                 const long xr = (long)(m0 + m);
-                const I16 isum = q8_pair_dot<FMT>(wa, wb, Q.q + xr * Q.KP + 64 * p, Q.sum4 + xr * (Q.KP / 4) + 16 * p);
+                const I16 isum = q8_dot<FMT>(w, Q.q + xr * Q.KP + 64 * p, Q.sum4 + xr * (Q.KP / 4) + 16 * p);
                 const V16 scale = vmul(dw, vload(Q.s16 + xr * pairs * 16 + 16 * p));
                 acc[r][m] = vadd(acc[r][m], vmul(i16_to_f(isum), scale));
             }
@@ -555,14 +575,10 @@ static inline void q8_tile(const QX& Q, int m0, int K, const uint8_t* W, long rb
         for (int m = 0; m < M; m++) {
             float s = vsum(acc[r][m]);
             if (FMT == Q4_1) {  // Σ_b m_b * (s_b Σq_b), 16 blocks at a time
-                const float* sr = S + r * ns;
+                const float* mr = S + NR * ns + r * Q.NB16;  // this weight row's m, contiguous, zero padded
                 const float* sq = Q.sq + (long)(m0 + m) * Q.NB16;
                 V16 am = vzero();
-                for (int b0 = 0; b0 < nb; b0 += 16) {
-                    float mv[16];
-                    for (int j = 0; j < 16; j++) mv[j] = b0 + j < nb ? sr[2 * (b0 + j) + 1] : 0.0f;
-                    am = vadd(am, vmul(vload(mv), vload(sq + b0)));
-                }
+                for (int b0 = 0; b0 < nb; b0 += 16) am = vadd(am, vmul(vload(mr + b0), vload(sq + b0)));
                 s = s + vsum(am);
             }
             if (b) s = s + b[r];
@@ -576,7 +592,7 @@ static void q8_weight_rows(const QX& Q, int R, int K, const uint8_t* W, long rb,
                            const float* b, bool acc_out) {
     static thread_local std::vector<float> S;
     const int ns = Q8W<FMT>::SPR * 2 * Q.pairs;
-    if (S.size() < (size_t)NR * ns) S.resize((size_t)NR * ns);
+    if (S.size() < (size_t)NR * (ns + Q.NB16)) S.resize((size_t)NR * (ns + Q.NB16));
     const uint8_t* Wn = W + (long)n0 * rb;
     const float* bn = b ? b + n0 : nullptr;
     for (int m0 = 0; m0 < R; m0 += 4) {
