@@ -58,6 +58,7 @@ def test_generate_streams_text(capsys, tiny_dirs):
     (["hi", "--draft", "ALIEN"], "different tokenizer"),
     (["x" * 300, "--no-chat"], "context window"),
     (["hi", "--trace", "/no/such/dir/t.jsonl"], "cannot write trace"),
+    (["hi", "--numerics", "q8", "--backend", "transformers"], "runs on specdec's runtime only"),
 ])
 def test_bad_input_one_line_nonzero(capsys, tiny_dirs, args, message):
     args = [tiny_dirs["alien"] if a == "ALIEN" else a for a in args]
@@ -97,3 +98,25 @@ def test_api_raises_specific_exceptions(tok, target):
         sd.generate("y" * 400, chat=False)
     with pytest.raises(InvalidRequest):
         SpecDecoder.from_models(target, tok, draft="ngram", tau=0)
+
+
+def test_perplexity_both_modes_and_its_bad_input(capsys, tiny_dirs, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 8)
+    code, out, err = run_cli(capsys, "perplexity", str(text), "--target", tiny_dirs["target"], "--context", "64",
+                             "--json")
+    assert code == 0, err
+    rep = json.loads(out)
+    assert rep["exact"]["scored"] == rep["q8"]["scored"] > 0 and rep["exact"]["perplexity"] > 1
+    # the tiny model's weights are fp32: no integer form, so q8 runs them exactly as exact does
+    assert rep["q8_vs_exact"] == 0 and rep["greedy_agreement"] == 1
+    for args, message in [([str(tmp_path / "none.txt")], "cannot read"),
+                          ([str(text), "--context", "2"], "--context must be"),
+                          ([str(text), "--context", "250", "--max-tokens", "100"], "needs at least")]:
+        code, _, err = run_cli(capsys, "perplexity", *args, "--target", tiny_dirs["target"])
+        assert code != 0 and message in err, err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    for command in (["perplexity", str(text)], ["generate", "hi"]):  # argparse: one line, status 2
+        with pytest.raises(SystemExit) as exit_:
+            main([*command, "--numerics", "int4"])
+        assert exit_.value.code == 2 and "invalid choice" in capsys.readouterr().err

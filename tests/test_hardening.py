@@ -276,3 +276,12 @@ def test_torch_fallback_is_row_invariant_bitwise(tiny_dirs, monkeypatch):
     mixed = model.forward([ids[10], ids[20], ids[21]], [c, a, a], [10, 20, 21])  # slots a and b hold ids already
     assert torch.equal(mixed[0], model.forward([ids[10]], [c], [10])[0])
     assert torch.equal(mixed[1:], whole[20:22])
+
+
+def test_numerics_is_validated_in_the_api(tiny_dirs):
+    from specdec.errors import ModelLoadError
+    with pytest.raises(ModelLoadError, match="unknown numerics 'int4'"):
+        SpecDecoder(target=tiny_dirs["target"], draft="none", numerics="int4")
+    with pytest.raises(ModelLoadError, match="runtime only"):
+        SpecDecoder(target=tiny_dirs["target"], draft="none", numerics="q8", backend="transformers")
+    assert SpecDecoder(target=tiny_dirs["target"], draft="none", numerics="q8").numerics == "q8"
