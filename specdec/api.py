@@ -34,8 +34,8 @@ DEFAULT_DRAFT = None  # resolved per target by default_draft()
 # stop strings: at most 4, as OpenAI allows, of bounded length (a 100,000-character stop held the model worker
 # for the whole request timeout)
 MAX_STOPS, MAX_STOP_CHARS = 4, 256
-DEFAULT_TAU, DEFAULT_POLICY = 3, "fixed"
-DEFAULT_NUMERICS = "exact"  # the fastest measured setup on the runtime (docs/benchmarks.md)
+DEFAULT_TAU, DEFAULT_POLICY = 3, "fixed"  # the fastest measured setup on the runtime (docs/benchmarks.md)
+DEFAULT_NUMERICS = "exact"  # q8 is not yet faster on the machines measured (docs/numerics.md)
 
 
 def default_draft(target: str) -> str:
@@ -159,7 +159,7 @@ class SpecDecoder:
                  policy: str = DEFAULT_POLICY, backend: str = "auto", numerics: str = DEFAULT_NUMERICS):
         """`backend`: auto (specdec's runtime where it runs the model, else transformers), runtime, transformers.
         `numerics`: the runtime's arithmetic, exact (bitwise transformers' fp32 on the dequantized weights) or q8
-        (int8 activations: faster, close to exact; speculation stays token-identical to q8 target-only)."""
+        (int8 activations, close to exact; speculation stays token-identical to q8 target-only)."""
         draft = draft or default_draft(target)
         model, tok = models.load(target, backend=backend, numerics=numerics)
         drafter = build_drafter(draft, model, tok, target, backend=backend)

@@ -258,7 +258,8 @@ def cmd_check(args) -> int:
     decoder = SpecDecoder(target=args.target, draft=args.draft, tau=args.tau, policy=args.policy,
                           backend=args.backend, numerics=args.numerics)
     report = {"draft": decoder.draft_name, "tau": decoder.tau, "policy": decoder.policy, "numerics": decoder.numerics,
-              "row_invariance": check_row_invariance(decoder.model, decoder.encode(prompts[0]["prompt"], prompts[0]["chat"])),
+              "row_invariance": check_row_invariance(decoder.model,
+                                                     decoder.encode(prompts[0]["prompt"], prompts[0]["chat"])),
               "greedy": check_greedy(decoder, prompts, args.max_new_tokens)}
     if args.sampling_prompts:
         report["sampling"] = []

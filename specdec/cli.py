@@ -29,7 +29,7 @@ def backend_arg(p):
                    help="what runs the models: specdec's runtime (auto: where it supports the model) or transformers")
     p.add_argument("--numerics", default=DEFAULT_NUMERICS, choices=["exact", "q8"],
                    help="the runtime's arithmetic: exact (bitwise transformers' fp32 on the dequantized weights) or q8 "
-                        f"(int8 activations, faster, close to exact; default {DEFAULT_NUMERICS})")
+                        f"(int8 activations, close to exact; default {DEFAULT_NUMERICS})")
 
 
 def _sampling_args(p):

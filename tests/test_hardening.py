@@ -285,3 +285,31 @@ def test_numerics_is_validated_in_the_api(tiny_dirs):
     with pytest.raises(ModelLoadError, match="runtime only"):
         SpecDecoder(target=tiny_dirs["target"], draft="none", numerics="q8", backend="transformers")
     assert SpecDecoder(target=tiny_dirs["target"], draft="none", numerics="q8").numerics == "q8"
+
+
+def test_a_pass_that_fails_on_one_requests_rows_fails_that_request_alone(rt_parts, monkeypatch):
+    """The target pass raises whenever a poisoned token is among its rows: the engine re-runs the pass request by
+    request, the poisoned request leaves with the error, and the others finish exactly as alone (greedy)."""
+    from specdec.batch import BatchEngine, Sequence
+    model, tok = rt_parts
+    alone = SpecDecoder.from_models(model, tok, draft="none")
+    prompts = [tok(p).input_ids for p in ("Hello there", "The cat sat", "poison: ~")]
+    poison = tok("~", add_special_tokens=False).input_ids[-1]
+    engine = BatchEngine(model, NgramDrafter(), model.config.vocab_size, {2}, 128, max_batch_rows=16,
+                         prefill_chunk=4, prefix_cache=0)
+    original = model.forward
+
+    def forward(tokens, *a, **kw):
+        if poison in tokens:
+            raise RuntimeError("a kernel fault on this row")
+        return original(tokens, *a, **kw)
+    monkeypatch.setattr(model, "forward", forward)
+    seqs = [engine.add(Sequence(p, 12, SamplingParams())) for p in prompts]
+    failed = []
+    while engine.running:
+        engine.step()
+        failed += engine.failed
+    assert [(s.id, type(e)) for s, e in failed] == [(seqs[2].id, RuntimeError)]
+    monkeypatch.setattr(model, "forward", original)
+    for s, p in zip(seqs[:2], ("Hello there", "The cat sat")):
+        assert s.generated == alone.generate(p, max_new_tokens=12, chat=False).token_ids

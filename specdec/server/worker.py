@@ -94,6 +94,7 @@ class Worker:
             if callable(self.decoder) and not hasattr(self.decoder, "prepare"):
                 self.decoder = self.decoder()
             self._setup()
+            self.serving = True  # before ready: /health is truthful from the first request on
         except BaseException as e:  # reported by wait_ready in the thread that creates the app
             self.error = e
             return
