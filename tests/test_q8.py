@@ -25,6 +25,34 @@ def vsum(lanes: np.ndarray) -> np.float32:
     return s1[0]
 
 
+def fma32(a, b, c) -> np.ndarray:
+    """fp32 fused multiply-add, rounded once: a·b is exact in float64, TwoSum gives s + lo == a·b + c exactly, and
+    fp32(s) is the correctly rounded result unless s is exactly halfway between two fp32 values (float64 holds every
+    fp32 midpoint, so rounding to float64 can land on one but never cross one): then lo's sign decides."""
+    a, b, c = (np.asarray(v, F32).astype(np.float64) for v in (a, b, c))
+    prod = a * b
+    s = prod + c
+    bv = s - prod
+    lo = (prod - (s - bv)) + (c - bv)
+    r = s.astype(F32)
+    d = s - r.astype(np.float64)
+    other = np.nextafter(r, np.where(d > 0, F32(np.inf), F32(-np.inf))).astype(F32)
+    tie = (d != 0) & (2 * np.abs(d) == np.abs(other.astype(np.float64) - r.astype(np.float64))) & (lo != 0)
+    up = np.where(lo > 0, np.maximum(r, other), np.minimum(r, other))
+    return np.where(tie, up, r).astype(F32)
+
+
+def test_fma32_rounds_once():
+    one, eps = F32(1), F32(2.0 ** -23)
+    # (1 + 2^-23)(1 - 2^-23) = 1 - 2^-46: a multiply then an add (of 0) rounds to 1; fused, the same here
+    assert fma32(one + eps, one - eps, F32(-1)) == F32(-(2.0 ** -46))  # the product's low bits survive the add
+    # s lands exactly on a midpoint after rounding to float64 while the exact sum lies just above it
+    a, b, c = F32(1 + 2.0 ** -12), F32(1 + 2.0 ** -12), F32(2.0 ** -60)
+    exact = (1 + 2.0 ** -12) ** 2  # 1 + 2^-11 + 2^-24: a tie for fp32 without c
+    assert fma32(a, b, F32(0)) == np.float32(exact)  # ties to even: 1 + 2^-11
+    assert fma32(a, b, c) == np.nextafter(np.float32(exact), F32(2))  # c breaks the tie upward
+
+
 def weights_of(fmt, data: np.ndarray, n: int, k: int):
     """Integer weights [n, k] (Q4_0 already minus 8), d [n, nb] and m [n, nb] (Q4_1) from the raw blocks."""
     nb = k // 32
@@ -41,7 +69,7 @@ def weights_of(fmt, data: np.ndarray, n: int, k: int):
 
 
 def q8_reference(fmt, x: np.ndarray, data: np.ndarray, n: int, k: int, bias=None) -> np.ndarray:
-    """The q8 linear in numpy, operation for operation as rows.cpp does it (fp32, a multiply then an add)."""
+    """The q8 linear in numpy, operation for operation as rows.cpp does it (fp32; the lane accumulation fused)."""
     qw, dw, mw = weights_of(fmt, data, n, k)
     nb = k // 32
     pairs = (nb + 1) // 2
@@ -60,7 +88,7 @@ def q8_reference(fmt, x: np.ndarray, data: np.ndarray, n: int, k: int, bias=None
             scale = scale.reshape(pairs, 16)
             acc = np.zeros(16, F32)
             for p in range(pairs):
-                acc = acc + lanes[p].astype(F32) * scale[p]
+                acc = fma32(lanes[p].astype(F32), scale[p], acc)
             y = vsum(acc)
             if mw is not None:
                 am = np.zeros(16, F32)

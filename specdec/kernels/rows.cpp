@@ -405,9 +405,9 @@ extern "C" long row_bytes(int fmt, int K) {
 // lane j summing the 4 products of weights 4j..4j+3 (lanes 0-7 block A, 8-15 block B), exact in any instruction
 // order: VNNI `vpdpbusd` (u8 x s8; Q8_0 weights offset by +128, the offset taken back in integers) or AVX2
 // `maddubs`+`madd` (Q8_0 by the sign trick; no 16-bit saturation: |w| <= 128, |q| <= 127). Then per lane
-// acc += float(isum) * (d_w * s_x), pairs in order, and y = the lanes summed in vsum's tree (+ for Q4_1
-// Σ_b m_b * (s_b * Σq_b) in 16-lane steps, also summed by vsum). A multiply then an add, never fused: tests rebuild
-// it in numpy bit for bit. Nothing depends on other rows, so every row is a one-token step's (row-invariant).
+// acc = fma(float(isum), d_w * s_x, acc), pairs in order, and y = the lanes summed in vsum's tree (+ for Q4_1
+// Σ_b m_b * (s_b * Σq_b) in 16-lane steps, a multiply then an add, also summed by vsum). Tests rebuild it in numpy
+// bit for bit (the fused multiply-add emulated with exact rounding). Nothing depends on other rows, so every row is a one-token step's (row-invariant).
 struct QX {            // R rows of K columns, quantized
     int8_t* q;         // [R][KP], KP = 64 * pairs (zero padded)
     float* s16;        // [R][pairs * 16]: lane scales, s_A x 8 then s_B x 8
@@ -534,40 +534,34 @@ template <> struct Q8W<Q4_0> { static const int BLOCK = 18, QS = 2, SPR = 1; };
 template <> struct Q8W<Q4_1> { static const int BLOCK = 20, QS = 4, SPR = 2; };
 template <> struct Q8W<Q8_0> { static const int BLOCK = 34, QS = 2, SPR = 1; };
 
-// NR weight rows x M rows of x. A (row, weight row) result: the same lanes, the same pair order, whatever NR and M.
+// Most rows of x per tile: their accumulators stay in registers beside NR's (AVX-512: 4 x 4 of 32 zmm; AVX2 holds
+// half as many 16-lane values).
+#if defined(__AVX512F__)
+#define Q8_M 4
+#else
+#define Q8_M 2
+#endif
+
+// NR weight rows, unpacked once per tile into a per-thread buffer (pair p of row r: its u8/s8 operand and its lane
+// scales d_w), then every group of up to Q8_M rows of x runs on them. Per (x row, weight row, pair):
+// acc = fma(float(isum), d_w * s_x, acc). A (row, weight row) result: the same lanes, the same pair order, whatever NR,
+// the group size or the number of rows.
 template <int FMT, int M, int NR>
-static inline void q8_tile(const QX& Q, int m0, int K, const uint8_t* W, long rb, float* y, long ldy, const float* b,
-                           bool acc_out, float* S /* [NR][SPR * 2 * pairs] */) {
-    typedef Q8W<FMT> F;
-    const int nb = K / 32, pairs = Q.pairs;
-    const int ns = F::SPR * 2 * pairs;
-    for (int r = 0; r < NR; r++) {
-        block_scales<F::SPR>(W + r * rb, nb, F::BLOCK, S + r * ns);
-        for (int j = F::SPR * nb; j < ns; j++) S[r * ns + j] = 0.0f;  // the padding block: no weights
-        if (FMT == Q4_1) {  // m of every block in a row of its own, for the 16-block offset sums
-            float* mr = S + NR * ns + r * Q.NB16;
-            for (int b = 0; b < Q.NB16; b++) mr[b] = b < nb ? S[r * ns + 2 * b + 1] : 0.0f;
-        }
-    }
-    static const uint8_t ZERO[34] = {0};
+static inline void q8_tile(const QX& Q, int m0, const WQ* WB, const V16* DW, const float* MR, int nb, float* y,
+                           long ldy, const float* b, bool acc_out) {
+    const int pairs = Q.pairs;
     V16 acc[NR][M];
     for (int r = 0; r < NR; r++)
         for (int m = 0; m < M; m++) acc[r][m] = vzero();
     for (int p = 0; p < pairs; p++) {
-        const int ba = 2 * p, bb = 2 * p + 1;
-        for (int r = 0; r < NR; r++) {
-            const uint8_t* row = W + r * rb;
-            const uint8_t* wa = row + (long)ba * F::BLOCK + F::QS;
-            const uint8_t* wb = bb < nb ? row + (long)bb * F::BLOCK + F::QS : ZERO;
-            if (PREFETCH) _mm_prefetch((const char*)wa + PREFETCH * rb, _MM_HINT_T0);
-            const float* sr = S + r * ns;
-            const V16 dw = lanes_8_8(sr[F::SPR * ba], sr[F::SPR * bb]);
-            const WQ w = q8_unpack<FMT>(wa, wb);  // once for all M rows of x
-            for (int m = 0; m < M; m++) {
-                const long xr = (long)(m0 + m);
-                const I16 isum = q8_dot<FMT>(w, Q.q + xr * Q.KP + 64 * p, Q.sum4 + xr * (Q.KP / 4) + 16 * p);
-                const V16 scale = vmul(dw, vload(Q.s16 + xr * pairs * 16 + 16 * p));
-                acc[r][m] = vadd(acc[r][m], vmul(i16_to_f(isum), scale));
+        for (int m = 0; m < M; m++) {
+            const long xr = (long)(m0 + m);
+            const int8_t* xq = Q.q + xr * Q.KP + 64 * p;
+            const int32_t* s4 = Q.sum4 + xr * (Q.KP / 4) + 16 * p;
+            const V16 sx = vload(Q.s16 + xr * pairs * 16 + 16 * p);
+            for (int r = 0; r < NR; r++) {
+                const I16 isum = q8_dot<FMT>(WB[r * pairs + p], xq, s4);
+                acc[r][m] = vfma(i16_to_f(isum), vmul(DW[r * pairs + p], sx), acc[r][m]);
             }
         }
     }
@@ -575,7 +569,7 @@ static inline void q8_tile(const QX& Q, int m0, int K, const uint8_t* W, long rb
         for (int m = 0; m < M; m++) {
             float s = vsum(acc[r][m]);
             if (FMT == Q4_1) {  // Σ_b m_b * (s_b Σq_b), 16 blocks at a time
-                const float* mr = S + NR * ns + r * Q.NB16;  // this weight row's m, contiguous, zero padded
+                const float* mr = MR + r * Q.NB16;  // this weight row's m, contiguous, zero padded
                 const float* sq = Q.sq + (long)(m0 + m) * Q.NB16;
                 V16 am = vzero();
                 for (int b0 = 0; b0 < nb; b0 += 16) am = vadd(am, vmul(vload(mr + b0), vload(sq + b0)));
@@ -590,18 +584,41 @@ static inline void q8_tile(const QX& Q, int m0, int K, const uint8_t* W, long rb
 template <int FMT, int NR>
 static void q8_weight_rows(const QX& Q, int R, int K, const uint8_t* W, long rb, int n0, float* y, long ldy,
                            const float* b, bool acc_out) {
-    static thread_local std::vector<float> S;
-    const int ns = Q8W<FMT>::SPR * 2 * Q.pairs;
+    typedef Q8W<FMT> F;
+    const int nb = K / 32, pairs = Q.pairs, ns = F::SPR * 2 * pairs;
+    static thread_local std::vector<float> S;       // block scales (d, or d and m) of the tile's rows, then m rows
+    static thread_local std::vector<WQ> WB;          // unpacked weight pairs
+    static thread_local std::vector<V16> DW;         // lane scales d_w per pair
     if (S.size() < (size_t)NR * (ns + Q.NB16)) S.resize((size_t)NR * (ns + Q.NB16));
+    if (WB.size() < (size_t)NR * pairs) { WB.resize((size_t)NR * pairs); DW.resize((size_t)NR * pairs); }
+    static const uint8_t ZERO[34] = {0};
     const uint8_t* Wn = W + (long)n0 * rb;
+    float* MR = S.data() + NR * ns;
+    for (int r = 0; r < NR; r++) {
+        const uint8_t* row = Wn + r * rb;
+        float* sr = S.data() + r * ns;
+        block_scales<F::SPR>(row, nb, F::BLOCK, sr);
+        for (int j = F::SPR * nb; j < ns; j++) sr[j] = 0.0f;  // the padding block: no weights
+        if (FMT == Q4_1)
+            for (int bl = 0; bl < Q.NB16; bl++) MR[r * Q.NB16 + bl] = bl < nb ? sr[2 * bl + 1] : 0.0f;
+        for (int p = 0; p < pairs; p++) {
+            const int ba = 2 * p, bb = 2 * p + 1;
+            if (PREFETCH) _mm_prefetch((const char*)row + (long)ba * F::BLOCK + PREFETCH * rb, _MM_HINT_T0);
+            WB[r * pairs + p] = q8_unpack<FMT>(row + (long)ba * F::BLOCK + F::QS,
+                                               bb < nb ? row + (long)bb * F::BLOCK + F::QS : ZERO);
+            DW[r * pairs + p] = lanes_8_8(sr[F::SPR * ba], sr[F::SPR * bb]);
+        }
+    }
     const float* bn = b ? b + n0 : nullptr;
-    for (int m0 = 0; m0 < R; m0 += 4) {
+    for (int m0 = 0; m0 < R; m0 += Q8_M) {
         float* ym = y + (long)m0 * ldy + n0;
-        switch (R - m0 < 4 ? R - m0 : 4) {
-            case 1: q8_tile<FMT, 1, NR>(Q, m0, K, Wn, rb, ym, ldy, bn, acc_out, S.data()); break;
-            case 2: q8_tile<FMT, 2, NR>(Q, m0, K, Wn, rb, ym, ldy, bn, acc_out, S.data()); break;
-            case 3: q8_tile<FMT, 3, NR>(Q, m0, K, Wn, rb, ym, ldy, bn, acc_out, S.data()); break;
-            default: q8_tile<FMT, 4, NR>(Q, m0, K, Wn, rb, ym, ldy, bn, acc_out, S.data()); break;
+        switch (R - m0 < Q8_M ? R - m0 : Q8_M) {
+            case 1: q8_tile<FMT, 1, NR>(Q, m0, WB.data(), DW.data(), MR, nb, ym, ldy, bn, acc_out); break;
+#if Q8_M >= 3
+            case 2: q8_tile<FMT, 2, NR>(Q, m0, WB.data(), DW.data(), MR, nb, ym, ldy, bn, acc_out); break;
+            case 3: q8_tile<FMT, 3, NR>(Q, m0, WB.data(), DW.data(), MR, nb, ym, ldy, bn, acc_out); break;
+#endif
+            default: q8_tile<FMT, Q8_M, NR>(Q, m0, WB.data(), DW.data(), MR, nb, ym, ldy, bn, acc_out); break;
         }
     }
 }
