@@ -88,7 +88,7 @@ class Library:
         self.rows_rmsnorm = lib.rows_rmsnorm
         self.rows_rmsnorm.argtypes, self.rows_rmsnorm.restype = [p, i, i, p, f, p, i], None
         self.decoder_layers = lib.decoder_layers
-        self.decoder_layers.argtypes, self.decoder_layers.restype = [p, p, i, p, i, p, p, i], i
+        self.decoder_layers.argtypes, self.decoder_layers.restype = [p, p, i, p, i, p, p, p, i], i
 
 
 @cache

@@ -787,14 +787,27 @@ static inline float* cache_at(const Dims* d, float* const* slots, int slot, int 
 // blocks of 16 positions: 16 keys' scores come from hd broadcast multiply-adds, no horizontal sums. Each score is
 // one multiply-add chain over the dimensions in order (a key past the last whole block by fmaf, as a lane does it);
 // each output is one chain over the keys in order. Nothing depends on other rows or heads.
+//
+// A tree row (Keys.map) sees logical positions 0..kbase-1 where they are stored and kbase..pos at the storage
+// positions map[0..pos-kbase] (its ancestors, then itself). Every step below is a function of the logical key
+// sequence alone (a score is the same chain from a lane or from fmaf), so a tree node gets bitwise the output a
+// one-token step of its path gets.
+struct Keys {
+    int kbase;        // logical positions >= kbase are mapped (pos + 1 for a plain row)
+    const int* map;   // their storage positions
+    inline int at(int j) const { return j < kbase ? j : map[j - kbase]; }
+};
+
 template <int NH>
-static void attend(const Dims* d, int layer, int slot, int pos, int g, const float* q, float* out, float* p) {
+static void attend(const Dims* d, int layer, int slot, int pos, const Keys& keys, int g, const float* q, float* out,
+                   float* p) {
     const int hd = d->head_dim, L = pos + 1, L16 = (L + 15) / 16 * 16;
+    const int Lplain = L < keys.kbase ? L : keys.kbase;  // keys stored at their own position
     const float scale = 1.0f / sqrtf((float)hd);
     const float* Kt = d->kslot[slot] + ((long)layer * d->kv_heads + g) * hd * (long)d->max_len;  // block b: + 16*hd*b
     const float* Vc = cache_at(d, d->vslot, slot, layer, g, 0);
     int j = 0;
-    for (; j + 16 <= L; j += 16) {
+    for (; j + 16 <= Lplain; j += 16) {
         V16 acc[NH];
         for (int h = 0; h < NH; h++) acc[h] = vzero();
         const float* blk = Kt + (long)j * hd;
@@ -805,7 +818,8 @@ static void attend(const Dims* d, int layer, int slot, int pos, int g, const flo
         for (int h = 0; h < NH; h++) vstore(p + h * L16 + j, vmul(acc[h], vset1(scale)));
     }
     for (; j < L; j++) {
-        const float* blk = Kt + (long)(j / 16 * 16) * hd + j % 16;
+        const int sj = keys.at(j);
+        const float* blk = Kt + (long)(sj / 16 * 16) * hd + sj % 16;
         for (int h = 0; h < NH; h++) {
             float acc = 0.0f;
             for (int c = 0; c < hd; c++) acc = fmaf(q[h * hd + c], blk[16 * c], acc);
@@ -834,7 +848,7 @@ static void attend(const Dims* d, int layer, int slot, int pos, int g, const flo
         for (int h = 0; h < NH; h++)
             for (int c = 0; c < 4; c++) o[h][c] = vzero();
         for (j = 0; j < L; j++) {
-            const float* vj = Vc + (long)j * hd + 16 * c0;
+            const float* vj = Vc + (long)keys.at(j) * hd + 16 * c0;
             V16 v[4];
             for (int c = 0; c < cn; c++) v[c] = vload(vj + 16 * c);
             for (int h = 0; h < NH; h++) {
@@ -850,16 +864,17 @@ static void attend(const Dims* d, int layer, int slot, int pos, int g, const flo
 }
 
 // Heads of group g, up to 4 at a time (registers).
-static void attend_group(const Dims* d, int layer, int slot, int pos, int g, const float* q, float* out, float* p) {
+static void attend_group(const Dims* d, int layer, int slot, int pos, const Keys& keys, int g, const float* q,
+                         float* out, float* p) {
     const int rep = d->heads / d->kv_heads, hd = d->head_dim;
     for (int h = 0; h < rep; h += 4) {
         const float* qh = q + (long)h * hd;
         float* oh = out + (long)h * hd;
         switch (rep - h < 4 ? rep - h : 4) {
-            case 1: attend<1>(d, layer, slot, pos, g, qh, oh, p); break;
-            case 2: attend<2>(d, layer, slot, pos, g, qh, oh, p); break;
-            case 3: attend<3>(d, layer, slot, pos, g, qh, oh, p); break;
-            default: attend<4>(d, layer, slot, pos, g, qh, oh, p); break;
+            case 1: attend<1>(d, layer, slot, pos, keys, g, qh, oh, p); break;
+            case 2: attend<2>(d, layer, slot, pos, keys, g, qh, oh, p); break;
+            case 3: attend<3>(d, layer, slot, pos, keys, g, qh, oh, p); break;
+            default: attend<4>(d, layer, slot, pos, keys, g, qh, oh, p); break;
         }
     }
 }
@@ -876,9 +891,21 @@ static const QX* q8_input(const Dims* d, const Scratch& s, const float* x, int R
 
 // One decoder layer over R rows, in place on the residual stream x [R, hidden], inside the pass's parallel region.
 // Row r is at position pos[r] of KV slot slot[r]; its key and value are written there first, so a row sees the
-// earlier rows of its own slot in this pass (causal) and nothing of other slots.
+// earlier rows of its own slot in this pass (causal) and nothing of other slots. With a tree (Tree, below) a row's
+// key and value go to its storage position and it attends through its ancestors' map.
+struct Tree {
+    const int* store;  // [R] storage position of each row
+    const int* kbase;  // [R] first mapped logical position (pos + 1: none)
+    const int* moff;   // [R] offset of the row's map in `map`
+    const int* map;
+    inline int stored(const int* pos, int r) const { return store ? store[r] : pos[r]; }
+    inline Keys keys(const int* pos, int r) const {
+        return store ? Keys{kbase[r], map + moff[r]} : Keys{pos[r] + 1, nullptr};
+    }
+};
+
 static void layer_body(const Dims* d, const Layer* L, int layer, float* x, int R, const int* slot, const int* pos,
-                       const Scratch& s) {
+                       const Tree& tree, const Scratch& s) {
     const int D = d->hidden, hd = d->head_dim, H = d->heads, G = d->kv_heads, I = d->inter;
     const int nq = H * hd, nkv = G * hd, nqkv = nq + 2 * nkv;
     QX view;
@@ -891,18 +918,19 @@ static void layer_body(const Dims* d, const Layer* L, int layer, float* x, int R
         const float* sn = d->sin + (long)pos[r] * hd;
         rope_row(row, H, hd, cs, sn, d->interleaved);
         rope_row(row + nq, G, hd, cs, sn, d->interleaved);
+        const int st = tree.stored(pos, r);
         for (int g = 0; g < G; g++) {
-            float* kt = d->kslot[slot[r]] + ((long)layer * G + g) * hd * (long)d->max_len + (long)(pos[r] / 16 * 16) * hd +
-                        pos[r] % 16;
+            float* kt = d->kslot[slot[r]] + ((long)layer * G + g) * hd * (long)d->max_len + (long)(st / 16 * 16) * hd +
+                        st % 16;
             for (int c = 0; c < hd; c++) kt[16 * c] = row[nq + g * hd + c];
-            memcpy(cache_at(d, d->vslot, slot[r], layer, g, pos[r]), row + nq + nkv + g * hd, 4L * hd);
+            memcpy(cache_at(d, d->vslot, slot[r], layer, g, st), row + nq + nkv + g * hd, 4L * hd);
         }
     }
     float* p = s.p + (long)omp_get_thread_num() * s.plen;
 #pragma omp for schedule(static)
     for (int rg = 0; rg < R * G; rg++) {  // query heads g*rep .. g*rep+rep-1 share KV head g
         const int r = rg / G, g = rg % G, h0 = g * (H / G);
-        attend_group(d, layer, slot[r], pos[r], g, s.qkv + (long)r * nqkv + h0 * hd, s.att + (long)r * nq + h0 * hd, p);
+        attend_group(d, layer, slot[r], pos[r], tree.keys(pos, r), g, s.qkv + (long)r * nqkv + h0 * hd, s.att + (long)r * nq + h0 * hd, p);
     }
     linear(&L->o, s.att, R, nq, x, true, q8_input(d, s, s.att, R, nq, &view));  // x += o(att)
     rmsnorm(x, R, D, L->ffn_norm, d->eps, s.h);
@@ -922,13 +950,18 @@ static void layer_body(const Dims* d, const Layer* L, int layer, float* x, int R
 }
 
 // All decoder layers of one pass in one parallel region (thread start-up costs more than a whole small linear).
+// `tree` is null for a plain pass, else [store R | kbase R | moff R | map...] (Tree above; model.py checks it).
 extern "C" int decoder_layers(const Dims* d, const Layer* layers, int n_layers, float* x, int R, const int* slot,
-                              const int* pos, int threads) {
+                              const int* pos, const int* tree_rows, int threads) {
     const int D = d->hidden, hd = d->head_dim, H = d->heads, G = d->kv_heads, I = d->inter;
     if (hd % 16 || hd > 256 || H % G || R < 1) return -1;
+    const Tree tree = tree_rows ? Tree{tree_rows, tree_rows + R, tree_rows + 2 * R, tree_rows + 3 * R}
+                                : Tree{nullptr, nullptr, nullptr, nullptr};
     int maxpos = 0;
     for (int r = 0; r < R; r++) {
         if (pos[r] < 0 || pos[r] >= d->max_len) return -1;
+        const int st = tree.stored(pos, r);
+        if (st < 0 || st >= d->max_len) return -1;
         maxpos = pos[r] > maxpos ? pos[r] : maxpos;
     }
     for (int l = 0; l < n_layers; l++) {
@@ -942,6 +975,6 @@ extern "C" int decoder_layers(const Dims* d, const Layer* layers, int n_layers, 
     QXBuf xq(d->q8 ? R : 0, d->q8 ? kmax : 32);
     const Scratch s = {h.data(), qkv.data(), att.data(), gu.data(), act.data(), p.data(), 4 * (maxpos + 16), &xq};
 #pragma omp parallel num_threads(threads)
-    for (int l = 0; l < n_layers; l++) layer_body(d, layers + l, l, x, R, slot, pos, s);
+    for (int l = 0; l < n_layers; l++) layer_body(d, layers + l, l, x, R, slot, pos, tree, s);
     return 0;
 }

@@ -164,16 +164,21 @@ class Llama:
 
     # ---- the pass ---------------------------------------------------------------------------------------------
     def forward(self, tokens: list[int], slots: list[int], positions: list[int], logit_rows=None,
-                hidden: bool = False):
+                hidden: bool = False, paths: list | None = None):
         """Rows `tokens` at `positions` of `slots` -> logits [len(logit_rows), V] for the rows asked (default: all),
-        and with hidden=True also the final (normed) hidden states of all rows [R, hidden]."""
+        and with hidden=True also the final (normed) hidden states of all rows [R, hidden].
+
+        `paths` makes a tree pass (rows of token trees): for row r, None (a plain row) or the storage positions of
+        its last len(paths[r]) logical positions, ending with its own. A tree row is stored at paths[r][-1] and
+        attends to its slot's positions before those, then to its path (its ancestors and itself): bitwise a
+        one-token step of that path. The rotary position is positions[r], the row's depth in the sequence."""
         if len(tokens) == 0:
             raise ValueError("a pass needs at least one row")
-        return self.forward_rows(self.embed.rows(tokens), slots, positions, logit_rows, hidden)
+        return self.forward_rows(self.embed.rows(tokens), slots, positions, logit_rows, hidden, paths)
 
     @torch.inference_mode()
     def forward_rows(self, x: torch.Tensor, slots: list[int], positions: list[int], logit_rows=None,
-                     hidden: bool = False):
+                     hidden: bool = False, paths: list | None = None):
         """forward() from input rows x [R, hidden] instead of token ids (logit_rows=[] skips the head)."""
         R = len(x)
         if not (len(slots) == len(positions) == R) or R == 0:
@@ -182,14 +187,16 @@ class Llama:
             raise ValueError(f"position outside the KV slots' {self.max_len} positions")
         if max(slots) >= len(self._slots) or min(slots) < 0:
             raise ValueError("a row names a KV slot that was never acquired")
+        tree = self._tree_rows(positions, paths) if paths is not None else None
         x = x.float().contiguous().clone()  # the residual stream, updated in place
         if self._lib is not None:
             if self._structs is None:
                 self._structs = (_Layer * len(self.layers))(*[self._layer_struct(w) for w in self.layers])
             s, p = (ctypes.c_int * R)(*slots), (ctypes.c_int * R)(*positions)
+            t = None if tree is None else (ctypes.c_int * len(tree))(*tree)
             threads = torch.get_num_threads()
             if self._lib.decoder_layers(ctypes.byref(self._dims), self._structs, len(self.layers), x.data_ptr(), R, s,
-                                        p, threads):
+                                        p, t, threads):
                 raise RuntimeError("the decoder kernel refused its shapes")
             h = torch.empty_like(x)
             self._lib.rows_rmsnorm(x.data_ptr(), R, x.shape[1], self.norm.data_ptr(), self.eps, h.data_ptr(), threads)
@@ -197,17 +204,45 @@ class Llama:
             h = torch.empty_like(x)
             for r in range(R):
                 xr = x[r:r + 1].clone()  # a fresh, aligned [1, hidden]: the same BLAS call a one-token pass makes
+                path = None if paths is None else paths[r]
                 for i, w in enumerate(self.layers):
-                    xr = self._layer_torch(i, w, xr, slots[r], positions[r])
+                    xr = self._layer_torch(i, w, xr, slots[r], positions[r], path)
                 h[r] = _rmsnorm(xr, self.norm, self.eps)[0]
         rows = h if logit_rows is None else h[list(logit_rows)]
         logits = qlinear(rows.contiguous(), self.head, q8=self.q8) if len(rows) else None
         return (logits, h) if hidden else logits
 
+    def _tree_rows(self, positions: list[int], paths: list) -> list[int]:
+        """The kernel's tree description [store R | kbase R | map offset R | maps], checked."""
+        R = len(positions)
+        if len(paths) != R:
+            raise ValueError("paths must name one entry per row")
+        store, kbase, moff, maps = [], [], [], []
+        for pos, path in zip(positions, paths):
+            path = [pos] if path is None else [int(q) for q in path]
+            if not 1 <= len(path) <= pos + 1 or min(path) < 0 or max(path) >= self.max_len:
+                raise ValueError("a tree row's path must hold 1..position+1 storage positions inside the KV slots")
+            store.append(path[-1])
+            kbase.append(pos + 1 - len(path))
+            moff.append(len(maps))
+            maps.extend(path)
+        return store + kbase + moff + maps
+
+    @torch.inference_mode()
+    def move_positions(self, slot: int, moves: list[tuple[int, int]]) -> None:
+        """Copy the keys and values at storage position src to dst for each (src, dst), in order: how a tree pass's
+        accepted path is compacted to the positions its tokens hold in the sequence."""
+        kc, vc = self._slots[slot]
+        for src, dst in moves:
+            if src != dst:
+                kc[:, :, dst // 16, :, dst % 16] = kc[:, :, src // 16, :, src % 16]
+                vc[:, :, dst] = vc[:, :, src]
+
     # ---- the same layer in torch (no kernels on this machine) --------------------------------------------------
-    def _layer_torch(self, i, w: LayerWeights, x, slot: int, pos: int):
+    def _layer_torch(self, i, w: LayerWeights, x, slot: int, pos: int, path: list[int] | None = None):
         """One layer for ONE row x [1, hidden] at position `pos` of `slot` (rows go one by one: torch's matrix
-        products change their summation order with the number of rows, a single row's never does)."""
+        products change their summation order with the number of rows, a single row's never does). A tree row's
+        `path` maps its last logical positions to where they are stored (forward())."""
         hd = self.hd
         h = x if w.attn_norm is None else _rmsnorm(x, w.attn_norm, self.eps)
         q = F.linear(h, w.q.dequantize(), w.q_bias).view(self.heads, hd)
@@ -217,11 +252,17 @@ class Llama:
         rot = _rotate_pairs if self.interleaved else _rotate_half
         q, k = q * cos + rot(q) * sin, k * cos + rot(k) * sin
         kc, vc = self._slots[slot]
-        kc[i, :, pos // 16, :, pos % 16], vc[i, :, pos] = k, v
+        st = pos if path is None else path[-1]
+        kc[i, :, st // 16, :, st % 16], vc[i, :, st] = k, v
         rep, blocks = self.heads // self.kv_heads, pos // 16 + 1
         # only this row's key blocks, untransposed: [kv_heads, blocks * 16, hd] cut to the pos + 1 keys it attends to
         keys = kc[i, :, :blocks].transpose(2, 3).reshape(self.kv_heads, blocks * 16, hd)[:, : pos + 1]
-        keys, vals = keys.repeat_interleave(rep, 0), vc[i, :, : pos + 1].repeat_interleave(rep, 0)
+        vals = vc[i, :, : pos + 1]
+        if path is not None:  # the logical key sequence: stored prefix, then the path (same shapes, same products)
+            at = torch.tensor(list(range(pos + 1 - len(path))) + list(path))
+            keys = kc[i][:, at // 16, :, at % 16].transpose(0, 1)  # [kv_heads, L, hd]
+            vals = vc[i, :, at]
+        keys, vals = keys.repeat_interleave(rep, 0), vals.repeat_interleave(rep, 0)
         p = torch.softmax((keys @ q[:, :, None])[..., 0] / hd ** 0.5, -1)  # [heads, L]
         att = (p[:, None] @ vals)[:, 0].reshape(1, -1)
         x = x + F.linear(att, w.o.dequantize())
@@ -309,6 +350,34 @@ class SlotCache:
         logits = out[0] if hidden else out
         logits = fit_vocab(logits, self.vocab_size)
         return (logits, out[1]) if hidden else logits
+
+    def forward_tree(self, tokens: list[int], tree: list[int], parents: list[int]):
+        """One pass over the tokens the slot lacks and a token tree after them -> logits [1 + len(tree), V]: the
+        row of tokens[-1] (which the tree hangs from, parent -1), then one per node (parents[i] < i is node i's
+        parent). Nodes are stored after the sequence in their order, and each attends to its own path only.
+        Only `tokens` count as cached afterwards; keep_path() then moves an accepted path into place."""
+        self.rollback(min(common_prefix_len(self.tokens, tokens), len(tokens) - 1))
+        start = self.last_start = len(self.tokens)
+        new, base = tokens[start:], len(tokens)
+        paths, depth = [None] * len(new), []
+        for i, parent in enumerate(parents):
+            depth.append(1 if parent < 0 else depth[parent] + 1)
+            paths.append((paths[len(new) + parent] if parent >= 0 else []) + [base + i])
+        out = self.model.forward(new + list(tree), [self.slot] * (len(new) + len(tree)),
+                                 list(range(start, base)) + [base - 1 + d for d in depth],
+                                 range(len(new) - 1, len(new) + len(tree)), paths=paths)
+        self.tokens.extend(new)
+        self._tree = (base, tree, paths[len(new):])
+        return fit_vocab(out, self.vocab_size)
+
+    def keep_path(self, nodes: list[int]) -> None:
+        """After forward_tree: the accepted nodes (a root-to-node path, in order) join the cached sequence, their
+        keys and values moved to the positions they hold in it."""
+        base, tree, paths = self._tree
+        if nodes:
+            self.model.move_positions(self.slot, list(zip(paths[nodes[-1]], range(base, base + len(nodes)))))
+        self.rollback(base)
+        self.tokens.extend(tree[i] for i in nodes)
 
     def close(self) -> None:
         if self.slot is not None:
