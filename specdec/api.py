@@ -9,17 +9,15 @@
 from __future__ import annotations
 
 import copy
-import json
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from time import perf_counter
 
 from . import models
-from .drafters import ChainDrafter, ModelDrafter, NgramDrafter, NoDrafter
-from .drafters.datastore import DatastoreDrafter
-from .drafters.feature import MARKER, FeatureDrafter, check_target, is_feature_draft
+from .drafters import ModelDrafter, registry
+from .drafters.feature import is_feature_draft
+from .drafters.registry import SHIPPED_DRAFT
 from .engine import Engine
 from .policy import make_policy
 from .errors import InvalidRequest, PromptTooLong
@@ -27,7 +25,6 @@ from .sampling import SamplingParams
 from .text import StopText
 from .trace import CycleRecord, summarize
 
-SHIPPED_DRAFT = Path(__file__).parent / "drafts" / "smollm2-135m-instruct"  # trained by `specdec distill`
 DEFAULT_DRAFT = None  # resolved per target by default_draft()
 
 
@@ -69,39 +66,9 @@ class Chunk:
 
 def build_drafter(draft: str, model, tok, target_spec: str | None = None, draft_models: dict | None = None,
                   backend: str = "auto"):
-    """A drafter from its name: 'ngram', 'none', 'target', 'shipped' (the distilled draft shipped for the default
-    target), 'datastore' / 'datastore:DIR' (retrieval), a `specdec distill` directory, a draft model (dir/.gguf),
-    or 'A+B' (A first, B when A proposes nothing). `draft_models` caches loaded draft models by name."""
-    draft_models = {} if draft_models is None else draft_models
-    if "+" in draft and not Path(draft).exists():
-        return ChainDrafter([build_drafter(d, model, tok, target_spec, draft_models, backend)
-                             for d in draft.split("+")])
-    if draft == "ngram":
-        return NgramDrafter()
-    if draft == "datastore" or draft.startswith("datastore:"):
-        return _datastore(draft, model, tok)
-    if draft == "none":
-        return NoDrafter()
-    if draft == target_spec or draft == "target":
-        return ModelDrafter(model, model.config.vocab_size, name="target")
-    if draft in draft_models:
-        return ModelDrafter(draft_models[draft], model.config.vocab_size, name=str(draft))
-    path = SHIPPED_DRAFT if draft == "shipped" else models.resolve(draft)
-    if is_feature_draft(path):
-        name = f"shipped:{SHIPPED_DRAFT.name}" if Path(path) == SHIPPED_DRAFT else str(draft)
-        return FeatureDrafter.load(path, model, models.tokenizer_fingerprint(tok), name=name)
-    draft_model, draft_tok = models.load(draft, backend=backend)
-    models.check_compatible(tok, draft_tok, draft)
-    draft_models[draft] = draft_model
-    return ModelDrafter(draft_model, model.config.vocab_size, name=str(draft))
-
-
-def _datastore(draft: str, model, tok) -> DatastoreDrafter:
-    """'datastore' = the shipped draft's; 'datastore:DIR' = a `specdec distill` directory's (or a .safetensors)."""
-    src = SHIPPED_DRAFT if draft == "datastore" else models.resolve(draft.split(":", 1)[1])
-    if is_feature_draft(src):
-        check_target(json.loads((src / MARKER).read_text()), src, models.tokenizer_fingerprint(tok), "datastore")
-    return DatastoreDrafter.load(src, model.config.vocab_size, name=draft)
+    """A drafter from its name (drafters/registry.py). `draft_models` caches loaded draft models by name."""
+    return registry.build(draft, registry.Target(model, tok, target_spec, backend,
+                                                 {} if draft_models is None else draft_models))
 
 
 def encode_prompt(tokenizer, prompt, chat: bool = True, context_window: int | None = None,

@@ -93,6 +93,41 @@ def blocks_at(blocks, tau_seen: int, tau: int):
     return [(w, min(n, tau) if tau <= tau_seen or n < tau_seen else tau, alphas) for w, n, alphas in blocks]
 
 
+def best_tree_size(values: list[float], cost) -> int:
+    """How many nodes of a best-first tree (values in decreasing order, drafters/tree.py) to verify: the n that
+    maximises expected tokens per unit of time, (1 + Σ_{i≤n} v_i) / cost(n + 1), cost(rows) a pass's time."""
+    best, best_rate, tokens = 0, 1.0 / max(cost(1), 1e-9), 1.0
+    for n, v in enumerate(values, 1):
+        tokens += v
+        rate = tokens / max(cost(n + 1), 1e-9)
+        if rate > best_rate:
+            best, best_rate = n, rate
+    return best
+
+
+class PassCosts:
+    """A target's verify curve as one engine measures it, pass by pass (EMA per row count): what trees are sized by.
+    Until two sizes have been seen a few times, the prior: each added row costs PRIOR_ROW of a one-row pass (the
+    hardware note in docs/trees.md: about a third on 2 CPU cores, either numerics mode)."""
+    PRIOR_ROW = 0.35
+    MIN_SEEN = 3
+
+    def __init__(self, decay: float = 0.9):
+        self.decay, self.ms, self.seen = decay, {}, {}
+
+    def observe(self, rows: int, ms: float) -> None:
+        n = self.seen.get(rows, 0)
+        self.ms[rows] = ms if n == 0 else self.decay * self.ms[rows] + (1 - self.decay) * ms
+        self.seen[rows] = n + 1
+
+    def __call__(self, rows: int) -> float:
+        known = {n: v for n, v in self.ms.items() if self.seen[n] >= self.MIN_SEEN}
+        if len(known) < 2:
+            base = known.get(1) or next(iter(known.values()), 1.0) / (1 + self.PRIOR_ROW * (min(known, default=1) - 1))
+            return base * (1 + self.PRIOR_ROW * (rows - 1))
+        return interpolate(non_decreasing(known, {n: self.seen[n] for n in known}), rows)
+
+
 @torch.inference_mode()
 def measure_verify_curve(model, vocab: int, prompt_ids: list[int], max_n: int, reps: int = 9) -> dict[int, float]:
     """Median ms of one target pass over n new tokens after a cached prompt, n = 1..max_n."""

@@ -4,12 +4,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from time import perf_counter
 
-from .drafters.base import Drafter
+from .costs import PassCosts, best_tree_size
+from .drafters.base import Draft, Drafter
+from .drafters.tree import chain_parents, path, prune
 from .kv import cached_model
 from .policy import FixedPolicy
-from .sampling import SamplingParams
+from .sampling import PositionNoise, SamplingParams
 from .trace import CycleRecord
-from .verification import verify_block
+from .verification import verify_block, verify_tree
 
 StopCheck = Callable[[list[int]], "int | None"]  # generated ids -> how many to keep, if a stop string completed
 
@@ -19,6 +21,9 @@ class Engine:
         self.target = cached_model(target_model, vocab_size)
         self.drafter, self.eos_ids, self.context_window = drafter, set(eos_ids), context_window
         self.wants_hidden = getattr(drafter, "wants_target_hidden", False)
+        # token trees need the runtime's tree passes; a feature draft's target features come from chain passes
+        self.trees = hasattr(self.target, "forward_tree") and not self.wants_hidden
+        self.costs = PassCosts()  # the verify curve trees are sized by, measured here
 
     def run(self, prompt: list[int], max_new_tokens: int, params: SamplingParams, policy,
             stop: StopCheck | None = None) -> Iterator[CycleRecord]:
@@ -29,6 +34,9 @@ class Engine:
         self.target.reset()
         self.drafter.reset()
         gen = params.generator()
+        if self.trees and not params.greedy and not isinstance(gen, PositionNoise) \
+                and getattr(self.drafter, "makes_trees", False):
+            gen = PositionNoise.fresh()  # trees verify by the race rule; unseeded requests draw their seed
         seq, n_prompt = list(prompt), len(prompt)
         for cycle in range(max_new_tokens):  # >= 1 token per cycle
             t0 = perf_counter()
@@ -36,30 +44,58 @@ class Engine:
             room = min(max_new_tokens - (len(seq) - n_prompt), self.context_window - len(seq))
             k = max(0, min(tau, room - 1))  # never draft more than can be emitted
             draft = self.drafter.propose(seq, k, params, gen) if k else None
-            proposed = draft.tokens[:k] if draft else []
+            draft = self._shape(draft, k, self.context_window - len(seq) - 1)
+            proposed = draft.tokens if draft else []
             t1 = perf_counter()
 
-            if self.wants_hidden:
-                logits, hidden = self.target.forward(seq + proposed, len(proposed) + 1, hidden=True)
-                start = self.target.last_start
+            if draft is not None and draft.is_tree:
+                logits = self.target.forward_tree(seq, proposed, draft.parents)
+                nodes, token = verify_tree(proposed, draft.parents, logits, params, gen, len(seq))
+                self.target.keep_path(nodes)
+                n, accepted = len(nodes), [proposed[i] for i in nodes]
             else:
-                logits = self.target.forward(seq + proposed, len(proposed) + 1)
-            n, token = verify_block(proposed, draft.q if draft is not None else None, logits, params, gen, len(seq))
-            if self.wants_hidden:  # target features of the committed positions (all but the newest token)
-                self.drafter.observe_target(start, hidden[: len(seq) + n - start])
+                if self.wants_hidden:
+                    logits, hidden = self.target.forward(seq + proposed, len(proposed) + 1, hidden=True)
+                    start = self.target.last_start
+                else:
+                    logits = self.target.forward(seq + proposed, len(proposed) + 1)
+                n, token = verify_block(proposed, draft.q if draft is not None else None, logits, params, gen,
+                                        len(seq))
+                nodes, accepted = list(range(n)), proposed[:n]
+                if self.wants_hidden:  # target features of the committed positions (all but the newest token)
+                    self.drafter.observe_target(start, hidden[: len(seq) + n - start])
             t2 = perf_counter()  # stop strings and detokenizing are not the target's cost (the policy reads verify_ms)
-            emitted, finish = cut(proposed[:n] + [token], seq, n_prompt, stop, max_new_tokens, self.eos_ids,
+            if hasattr(self.drafter, "observe_verify"):  # e.g. recycle: the target's top-k after every row
+                self.drafter.observe_verify(seq, draft, logits, nodes)
+            emitted, finish = cut(accepted + [token], seq, n_prompt, stop, max_new_tokens, self.eos_ids,
                                   self.context_window)
             seq.extend(emitted)
             self.target.rollback(len(seq) - 1)  # keep the committed prefix; the newest token is fed next cycle
 
             record = CycleRecord(cycle, tau, proposed, n, emitted, draft_ms=round((t1 - t0) * 1e3, 3),
                                  verify_ms=round((t2 - t1) * 1e3, 3), cycle_ms=round((perf_counter() - t0) * 1e3, 3),
-                                 finish_reason=finish)
+                                 finish_reason=finish, parents=draft.parents if draft is not None else None)
+            if cycle:  # cycle 0 carries the prompt's prefill
+                self.costs.observe(len(proposed) + 1, record.verify_ms)
             policy.observe(record)
             yield record
             if finish:
                 return
+
+
+    def _shape(self, draft: Draft | None, depth: int, max_nodes: int) -> Draft | None:
+        """A chain cut to `depth`; a tree sized by the cost model (costs.best_tree_size on this engine's measured
+        verify curve), or, where trees cannot be verified, its best branch as a chain."""
+        if draft is None or not draft.is_tree:
+            return Draft(draft.tokens[:depth], draft.q) if draft is not None and len(draft.tokens) > depth else draft
+        if not self.trees:
+            leaf = max(range(len(draft.tokens)), key=lambda i: (len(path(draft.parents, i)), -i), default=None)
+            return Draft([draft.tokens[i] for i in path(draft.parents, leaf)][:depth]) if leaf is not None else None
+        n = best_tree_size(draft.values or [1.0] * len(draft.tokens), self.costs)
+        tree = prune(draft, min(n, max_nodes))
+        if tree.parents == chain_parents(len(tree.tokens)):
+            return Draft(tree.tokens)  # a one-branch tree is a chain: the plain pass
+        return tree if tree.tokens else None
 
 
 def cut(emitted, seq, n_prompt, stop, max_new_tokens, eos_ids, context_window):

@@ -63,18 +63,37 @@ class SamplingParams:
 class PositionNoise:
     """Exp(1) noise per (seed, sequence position): the randomness of seeded sampling."""
 
+    KEEP = 16  # positions whose noise is kept: a tree's drafter and its verification race on the same ones
+
     def __init__(self, seed: int):
         self.seed = seed
+        self._noise: dict[tuple[int, int], torch.Tensor] = {}
+
+    @classmethod
+    def fresh(cls) -> PositionNoise:
+        """Noise under a seed drawn from torch's global RNG (unseeded requests that verify trees)."""
+        return cls(int(torch.randint(0, 2**62, (1,)).item()))
 
     def exponentials(self, position: int, vocab: int) -> torch.Tensor:
+        hit = self._noise.get((position, vocab))
+        if hit is not None:
+            return hit
         key = hashlib.blake2b(f"{self.seed}:{position}".encode(), digest_size=8).digest()
         g = torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
         e = torch.empty(vocab, dtype=torch.float64).exponential_(generator=g)
-        return e.clamp_(min=torch.finfo(torch.float64).tiny)  # p/E: a zero-probability token never wins
+        e.clamp_(min=torch.finfo(torch.float64).tiny)  # p/E: a zero-probability token never wins
+        if len(self._noise) >= self.KEEP:
+            self._noise.pop(next(iter(self._noise)))
+        self._noise[(position, vocab)] = e
+        return e
 
     def race(self, probs: torch.Tensor, start: int) -> torch.Tensor:
         """probs [n, V] for positions start..start+n-1 -> scores whose argmax is each position's sampled token."""
-        noise = torch.stack([self.exponentials(start + i, probs.shape[-1]) for i in range(len(probs))])
+        return self.race_at(probs, range(start, start + len(probs)))
+
+    def race_at(self, probs: torch.Tensor, positions) -> torch.Tensor:
+        """probs [n, V], one row per position in `positions` (repeats allowed: sibling nodes of a tree)."""
+        noise = torch.stack([self.exponentials(t, probs.shape[-1]) for t in positions])
         return probs.double() / noise
 
 

@@ -16,6 +16,7 @@ class CycleRecord:
     verify_ms: float
     cycle_ms: float
     finish_reason: str | None = None  # set on the last record: "stop" or "length"
+    parents: list[int] | None = None  # a token tree's shape (drafters/tree.py); None: `proposed` is a chain
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -63,3 +63,32 @@ def verify_block(draft: list[int], q: torch.Tensor | None, logits: torch.Tensor,
     if isinstance(generator, PositionNoise):  # each row's token is argmax p/E: accept drafts while they equal it
         return greedy_verify(tokens, generator.race(p, position))
     return sample_verify(tokens, None if q is None else q[: len(draft)], p, generator)
+
+
+def verify_tree(tokens: list[int], parents: list[int], logits: torch.Tensor, params: SamplingParams, generator,
+                position: int) -> tuple[list[int], int]:
+    """A token tree (drafters/tree.py) against logits [1 + n, V]: row 0 scores the position after the context
+    (`position`), row 1 + i the position after node i. From the root, follow the child whose token is the target's
+    own at its parent's row: the argmax (greedy) or the exponential race's winner (seeded sampling: the winner at a
+    position is an exact sample from p there, fixed by the seed and the position alone, so the accepted text is the
+    one target-only sampling draws under the same seed). -> (accepted nodes, root to leaf; the target's token after
+    them)."""
+    from .drafters.tree import depths
+    if params.greedy:
+        choice = logits.argmax(-1)
+    elif isinstance(generator, PositionNoise):
+        at = [position] + [position + d for d in depths(parents)]
+        choice = generator.race_at(warp(logits, params), at).argmax(-1)
+    else:
+        raise ValueError("sampled tree verification needs seeded noise (PositionNoise)")
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        children.setdefault(p, []).append(i)
+    accepted, node = [], -1
+    while True:
+        want = int(choice[node + 1])
+        nxt = next((c for c in children.get(node, []) if tokens[c] == want), None)
+        if nxt is None:
+            return accepted, want
+        accepted.append(nxt)
+        node = nxt

@@ -1,0 +1,167 @@
+"""Token Recycling (Luo et al. 2024, arXiv 2408.08696): every verify pass already computes the target's
+distribution after each of its rows' tokens; keep each token's top-k successors from the latest pass that saw it
+(a vocab × k table) and draft a tree from that table. No training, nothing to ship, any target: the table fills
+as the target runs and stays warm across requests (the server keeps it in a file between runs).
+
+Where the paper drafts a fixed 80-node template, this drafter hands the engine a best-first tree with each node's
+estimated acceptance (drafters/tree.py) and the cost model decides how many nodes a pass is worth. The estimate
+is calibrated online: how often a successor stored with probability p in a given bucket was the target's token
+(greedy and sampled requests apart). Under seeded sampling the candidates race on the request's own noise
+(sampling.PositionNoise), so the child proposed first is the likeliest race winner.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from ..sampling import PositionNoise
+from .base import Draft
+from .tree import best_first
+
+TOP_K = 8  # successors kept per token (the paper's k)
+MAX_NODES = 16  # the most nodes a proposal offers; the cost model verifies fewer
+BUCKETS = 10  # calibration of stored probabilities: [0, 0.1), [0.1, 0.2), ..., [0.9, 1]
+PRIOR_WEIGHT = 4.0  # pseudo-observations behind the prior (acceptance = 0.8 · stored p)
+FORMAT = 1
+
+
+class RecycleTable:
+    """Successors [V, k] (token ids, -1 = unknown) and their probabilities, plus calibration counts; shared by every
+    sequence of a target (forks of a RecycleDrafter)."""
+
+    def __init__(self, vocab: int, k: int = TOP_K, fingerprint: str = ""):
+        self.vocab, self.k, self.fingerprint = vocab, k, fingerprint
+        self.succ = torch.full((vocab, k), -1, dtype=torch.int32)
+        self.prob = torch.zeros((vocab, k), dtype=torch.float32)
+        mid = (torch.arange(BUCKETS, dtype=torch.float64) + 0.5) / BUCKETS
+        self.offered = torch.full((2, BUCKETS), PRIOR_WEIGHT, dtype=torch.float64)  # [greedy, sampled]
+        self.accepted = self.offered * 0.8 * mid
+
+    def rate(self, sampled: bool) -> torch.Tensor:
+        """Estimated acceptance by stored-probability bucket."""
+        m = int(sampled)
+        return self.accepted[m] / self.offered[m]
+
+    @staticmethod
+    def bucket(p: torch.Tensor) -> torch.Tensor:
+        return (p * BUCKETS).long().clamp_(0, BUCKETS - 1)
+
+    def update(self, tokens: list[int], logits: torch.Tensor) -> None:
+        """The target's top-k after each token of a pass (rows in order; a token seen twice keeps its last)."""
+        top = torch.softmax(logits.float(), -1).topk(self.k, -1)
+        ids = torch.tensor(tokens, dtype=torch.long)
+        ok = (ids >= 0) & (ids < self.vocab)
+        self.succ[ids[ok]] = top.indices[ok].int()
+        self.prob[ids[ok]] = top.values[ok]
+
+    # ---- persistence -----------------------------------------------------------------------------------------
+    def save(self, path) -> None:
+        from safetensors.torch import save_file
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"format": str(FORMAT), "vocab": str(self.vocab), "k": str(self.k), "fingerprint": self.fingerprint}
+        tmp = path.with_suffix(".tmp")
+        save_file({"succ": self.succ, "prob": self.prob, "offered": self.offered, "accepted": self.accepted},
+                  str(tmp), metadata=meta)
+        tmp.replace(path)  # a crash mid-write never leaves a torn file
+
+    @classmethod
+    def load_or_new(cls, path, vocab: int, fingerprint: str, log=None) -> RecycleTable:
+        """The table saved at `path` if it is whole and made for this target, else a fresh one (saying why)."""
+        log = log or (lambda msg: print(msg, file=sys.stderr))
+        path = Path(path)
+        if not path.exists():
+            return cls(vocab, fingerprint=fingerprint)
+        try:
+            from safetensors import safe_open
+            with safe_open(str(path), "pt") as f:
+                meta = f.metadata() or {}
+                t = {name: f.get_tensor(name) for name in ("succ", "prob", "offered", "accepted")}
+            k = int(meta.get("k", -1))
+            if meta.get("format") != str(FORMAT) or int(meta.get("vocab", -1)) != vocab \
+                    or meta.get("fingerprint") != fingerprint:
+                log(f"specdec: recycle table {path} was made for another target; starting a fresh one")
+                return cls(vocab, fingerprint=fingerprint)
+            if t["succ"].shape != (vocab, k) or t["prob"].shape != (vocab, k) or t["offered"].shape != (2, BUCKETS) \
+                    or t["accepted"].shape != (2, BUCKETS) or int(t["succ"].max()) >= vocab:
+                raise ValueError("tensor shapes do not match")
+        except Exception as e:  # noqa: BLE001 - any unreadable file: a fresh table, never a crash
+            log(f"specdec: recycle table {path} is unreadable ({type(e).__name__}: {str(e)[:80]}); starting a "
+                f"fresh one")
+            return cls(vocab, fingerprint=fingerprint)
+        table = cls(vocab, k, fingerprint)
+        table.succ, table.prob = t["succ"].int(), t["prob"].float()
+        table.offered, table.accepted = t["offered"].double(), t["accepted"].double()
+        return table
+
+
+class RecycleDrafter:
+    name = "recycle"
+    free = True  # a table lookup per node
+    makes_trees = True
+
+    def __init__(self, table: RecycleTable, path: Path | None = None):
+        self.table, self.path = table, path
+        self._last: tuple[Draft, list[int], bool] | None = None  # the last proposal, its buckets, sampled
+
+    def propose(self, context, k, params, generator) -> Draft:
+        t = self.table
+        if not context or t.succ[context[-1], 0] < 0:
+            return Draft()
+        sampled = not params.greedy
+        rate = t.rate(sampled)
+        noise = generator if sampled and isinstance(generator, PositionNoise) else None
+        buckets: dict[tuple[int, int], int] = {}
+
+        def children(token: int, depth: int):
+            succ, prob = t.succ[token], t.prob[token]
+            keep = succ >= 0
+            succ, prob = succ[keep], prob[keep]
+            if noise is not None and len(succ):  # race order on this position's noise: the likeliest winner first
+                q = prob.double() ** (1.0 / params.temperature)
+                e = noise.exponentials(len(context) + depth - 1, t.vocab)[succ.long()]
+                order = torch.argsort(q / e, descending=True)
+                succ, prob = succ[order], prob[order]
+            b = t.bucket(prob)
+            out = []
+            for tok, bk in zip(succ.tolist(), b.tolist()):
+                buckets.setdefault((token, tok), bk)
+                out.append((tok, float(rate[bk])))
+            if noise is not None and out:  # the race winner among them is the one to bet on
+                out[0] = (out[0][0], max(p for _, p in out))
+            return out
+
+        draft = best_first(context[-1], children, MAX_NODES, k)
+        parent_tok = [context[-1] if p < 0 else draft.tokens[p] for p in draft.parents]
+        self._last = (draft, [buckets[(pt, tok)] for pt, tok in zip(parent_tok, draft.tokens)], sampled)
+        return draft
+
+    def observe_verify(self, context, draft, logits, accepted) -> None:
+        """Learn from every pass (whoever drafted it): the successors, and how often our nodes were right."""
+        t = self.table
+        t.update([context[-1]] + (draft.tokens if draft else []), logits)
+        if self._last is None or draft is None or not draft.is_tree:
+            return
+        mine, buckets, sampled = self._last
+        self._last = None
+        n = len(draft.tokens)
+        if draft.tokens != mine.tokens[:n] or draft.parents != mine.parents[:n]:
+            return  # not (a prefix of) our proposal
+        ok = set(accepted)
+        m = int(sampled)
+        for i, p in enumerate(draft.parents):
+            if p < 0 or p in ok:  # the node was reached: its parent was accepted
+                t.offered[m, buckets[i]] += 1
+                t.accepted[m, buckets[i]] += i in ok
+
+    def save(self) -> None:
+        if self.path is not None:
+            self.table.save(self.path)
+
+    def fork(self) -> RecycleDrafter:
+        return RecycleDrafter(self.table, self.path)  # one table; a proposal of its own
+
+    def reset(self) -> None:
+        self._last = None

@@ -1,0 +1,122 @@
+"""Drafters by name. `build(spec, target)` reads a spec the CLI, API and server accept:
+
+- `none`, `ngram`, `recycle` / `recycle:FILE` (token recycling; FILE keeps its table between runs),
+  `datastore` / `datastore:DIR` (retrieval), `target`, `shipped` (the distilled draft shipped for the default
+  target);
+- anything else names a `specdec distill` directory (a feature draft) or a draft model (directory, .gguf, name);
+- `A+B`: A first, B when A proposes nothing.
+
+A new drafter registers a builder under its name (`@register("name")`); nothing outside this package changes."""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+from .. import models
+from .base import NoDrafter
+from .chain import ChainDrafter
+from .datastore import DatastoreDrafter
+from .feature import MARKER, FeatureDrafter, check_target, is_feature_draft
+from .model import ModelDrafter
+from .ngram import NgramDrafter
+from .recycle import RecycleDrafter, RecycleTable
+
+SHIPPED_DRAFT = Path(__file__).parent.parent / "drafts" / "smollm2-135m-instruct"  # trained by `specdec distill`
+
+
+@dataclass
+class Target:
+    """What a drafter may need of its target: the model, its tokenizer, the spec it was loaded from, the backend
+    for draft models, and draft models already loaded (by name)."""
+    model: object
+    tokenizer: object
+    spec: str | None = None
+    backend: str = "auto"
+    loaded: dict = field(default_factory=dict)
+
+    @property
+    def vocab(self) -> int:
+        return self.model.config.vocab_size
+
+    @cached_property
+    def fingerprint(self) -> str:
+        return models.tokenizer_fingerprint(self.tokenizer)
+
+
+BUILDERS: dict[str, Callable[[str, Target], object]] = {}
+
+
+def register(name: str):
+    def add(builder):
+        BUILDERS[name] = builder
+        return builder
+    return add
+
+
+def build(spec: str, target: Target):
+    if "+" in spec and not Path(spec).exists():
+        return ChainDrafter([build(part, target) for part in spec.split("+")])
+    head = spec.split(":", 1)[0]
+    if head in BUILDERS and not Path(spec).exists():
+        return BUILDERS[head](spec, target)
+    return _draft_model(spec, target)
+
+
+@register("none")
+def _none(spec, target):
+    return NoDrafter()
+
+
+@register("ngram")
+def _ngram(spec, target):
+    return NgramDrafter()
+
+
+@register("recycle")
+def _recycle(spec, target):
+    """`recycle`: a table in the cache directory, one per target vocabulary; `recycle:FILE` names the file."""
+    path = Path(spec.split(":", 1)[1]) if ":" in spec else recycle_file(target.fingerprint)
+    return RecycleDrafter(RecycleTable.load_or_new(path, target.vocab, target.fingerprint), path)
+
+
+def recycle_file(fingerprint: str) -> Path:
+    home = Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
+    return home / "recycle" / f"{fingerprint}.safetensors"
+
+
+@register("datastore")
+def _datastore(spec, target):
+    """'datastore' = the shipped draft's; 'datastore:DIR' = a `specdec distill` directory's (or a .safetensors)."""
+    src = SHIPPED_DRAFT if spec == "datastore" else models.resolve(spec.split(":", 1)[1])
+    if is_feature_draft(src):
+        check_target(json.loads((src / MARKER).read_text()), src, target.fingerprint, "datastore")
+    return DatastoreDrafter.load(src, target.vocab, name=spec)
+
+
+@register("target")
+def _target(spec, target):
+    return ModelDrafter(target.model, target.vocab, name="target")
+
+
+@register("shipped")
+def _shipped(spec, target):
+    return _draft_model(spec, target)
+
+
+def _draft_model(spec: str, target: Target):
+    if spec == target.spec:
+        return _target(spec, target)
+    if spec in target.loaded:
+        return ModelDrafter(target.loaded[spec], target.vocab, name=str(spec))
+    path = SHIPPED_DRAFT if spec == "shipped" else models.resolve(spec)
+    if is_feature_draft(path):
+        name = f"shipped:{SHIPPED_DRAFT.name}" if Path(path) == SHIPPED_DRAFT else str(spec)
+        return FeatureDrafter.load(path, target.model, target.fingerprint, name=name)
+    draft_model, draft_tok = models.load(spec, backend=target.backend)
+    models.check_compatible(target.tokenizer, draft_tok, spec)
+    target.loaded[spec] = draft_model
+    return ModelDrafter(draft_model, target.vocab, name=str(spec))
