@@ -1,0 +1,303 @@
+"""Token trees: a tree pass gives every node bitwise the logits of a one-token decode of its path (both numerics, the
+torch fallback, beside chains of other slots); the accepted path is compacted into place; greedy trees are
+token-identical and sampled trees exact in distribution; the recycle drafter learns, persists and recovers."""
+import pytest
+import torch
+
+from specdec import SpecDecoder, kernels
+from specdec.costs import PassCosts, best_tree_size
+from specdec.drafters.base import Draft
+from specdec.drafters.recycle import RecycleDrafter, RecycleTable
+from specdec.drafters.tree import best_first, depths, merge, path, prune
+from specdec.runtime.load import load_gguf
+from specdec.sampling import PositionNoise, SamplingParams, warp
+from specdec.verification import verify_tree
+from test_runtime import PROMPT, gguf_pair  # noqa: F401 - the tiny quantized GGUF (a fixture)
+from test_verification import chi2_pvalue
+
+# duplicate tokens in siblings (10 under the root twice? no: merged by drafters; here 10 appears at several depths and
+# as a child of different parents), depth 5 > width 3
+TREE = [10, 11, 10, 12, 13, 14, 10, 15, 10, 16]
+PARENTS = [-1, -1, 0, 0, 2, 2, 4, 1, 6, 8]
+
+
+@pytest.fixture(scope="module", params=["exact", "q8", "torch"])
+def rt(request, gguf_pair, monkeypatch_module):  # noqa: F811
+    if request.param == "torch":
+        monkeypatch_module.setenv("SPECDEC_CPU_KERNEL", "0")
+        kernels.library.cache_clear()
+    elif not kernels.available():
+        pytest.skip("no CPU kernels")
+    model = load_gguf(gguf_pair[0])
+    model.set_numerics("q8" if request.param == "q8" else "exact")
+    yield model
+    if request.param == "torch":
+        monkeypatch_module.delenv("SPECDEC_CPU_KERNEL")
+        kernels.library.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+def decode_path(model, tokens: list[int]) -> torch.Tensor:
+    """Logits after `tokens` by one-token steps in a fresh slot (the reference every tree row must equal)."""
+    c = model.new_cache()
+    out = None
+    for i in range(1, len(tokens) + 1):
+        out = c.forward(tokens[:i], 1)
+    c.close()
+    return out[0]
+
+
+@pytest.mark.parametrize("extra", [0, 9, 27])  # the tree's keys inside a block, across 16- and 32-key blocks
+def test_tree_node_logits_equal_one_token_decodes_of_their_paths(rt, extra):
+    prompt = PROMPT + [(5 * i) % 90 + 3 for i in range(extra)]
+    c = rt.new_cache()
+    out = c.forward_tree(prompt, TREE, PARENTS)
+    assert torch.equal(out[0], decode_path(rt, prompt))
+    for i in range(len(TREE)):
+        assert torch.equal(out[1 + i], decode_path(rt, prompt + [TREE[j] for j in path(PARENTS, i)])), i
+    c.close()
+
+
+def test_a_tree_beside_chains_of_other_slots_in_one_pass(rt):
+    """Rows of a plain slot (a chain) and a tree slot in the same pass: each equals its own decode."""
+    a, b = rt.acquire_slot(), rt.acquire_slot()
+    chain = [7, 8, 9, 30]
+    rt.forward(PROMPT[:-1], [a] * (len(PROMPT) - 1), list(range(len(PROMPT) - 1)))
+    rt.forward(chain[:2], [b] * 2, [0, 1])
+    base = len(PROMPT)
+    paths = [None, None] + [[base + j for j in path(PARENTS, i)] for i in range(len(TREE))]
+    positions = [2, 3] + [base - 1] + [base - 1 + d for d in depths(PARENTS)]
+    paths = paths[:2] + [None] + paths[2:]
+    out = rt.forward(chain[2:] + [PROMPT[-1]] + TREE, [b, b, a] + [a] * len(TREE), positions, paths=paths)
+    assert torch.equal(out[1], decode_path(rt, chain))
+    for i in range(len(TREE)):
+        assert torch.equal(out[3 + i], decode_path(rt, PROMPT + [TREE[j] for j in path(PARENTS, i)]))
+    rt.release_slot(a), rt.release_slot(b)
+
+
+@pytest.mark.parametrize("leaf", [None, 0, 2, 4, 6, 8, 9, 7])  # acceptance at every depth, both branches
+def test_compaction_leaves_the_slot_a_decode_of_the_path_would(rt, leaf):
+    nodes = [] if leaf is None else path(PARENTS, leaf)
+    seq = PROMPT + [TREE[i] for i in nodes]
+    c = rt.new_cache()
+    c.forward_tree(PROMPT, TREE, PARENTS)
+    c.keep_path(nodes)
+    assert c.tokens == seq
+    ref = rt.new_cache()
+    ref.forward(seq)
+    (k, v), (rk, rv) = rt._slots[c.slot], rt._slots[ref.slot]
+    n = len(seq)
+    keys = lambda t: t.transpose(3, 4).reshape(*t.shape[:2], -1, t.shape[3])[:, :, :n]  # noqa: E731
+    assert torch.equal(keys(k), keys(rk)) and torch.equal(v[:, :, :n], rv[:, :, :n])
+    nxt = seq + [42]
+    assert torch.equal(c.forward(nxt, 1), ref.forward(nxt, 1))  # and decoding goes on from there
+    c.close(), ref.close()
+
+
+# ---- verification and sizing (pure functions) ---------------------------------------------------------------------
+def test_verify_tree_follows_the_targets_choices():
+    V = 20
+    logits = torch.full((1 + len(TREE), V), -5.0)
+    want = {0: 10, 1: 10, 3: 13, 5: 10, 7: 3}  # rows: root -> node 0 -> node 2 -> node 4 -> node 6 -> bonus 3
+    for row, t in want.items():
+        logits[row, t] = 5.0
+    nodes, token = verify_tree(TREE, PARENTS, logits, SamplingParams(), None, 50)
+    assert nodes == [0, 2, 4, 6] and token == 3
+    logits[0] = -5.0
+    logits[0, 11] = 5.0  # the root's choice is the second child, whose child 15 is not the target's (argmax 0)
+    assert verify_tree(TREE, PARENTS, logits, SamplingParams(), None, 50) == ([1], 0)
+
+
+def test_verify_tree_races_on_each_nodes_own_position():
+    """Seeded sampling: the token accepted at a node is the race winner at position + depth, whatever the row."""
+    V, noise, sp = 6, PositionNoise(7), SamplingParams(temperature=1.0)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, V, generator=g)
+    p = warp(logits, sp)
+    w0 = int(noise.race_at(p[:1], [40]).argmax())
+    w1 = int(noise.race_at(p[1:2], [41]).argmax())
+    nodes, token = verify_tree([w0, (w0 + 1) % V], [-1, -1], logits, sp, noise, 40)
+    assert nodes == [0] and token == w1
+
+
+def test_best_tree_size_trades_tokens_for_rows():
+    flat = lambda rows: 1.0  # noqa: E731 - rows cost nothing: every node with any value pays
+    steep = lambda rows: 1.0 + 0.35 * (rows - 1)  # noqa: E731
+    values = [0.9, 0.6, 0.3, 0.2, 0.05]
+    assert best_tree_size(values, flat) == 5
+    # steep: a node pays while its value beats the rate's marginal cost (0.9, 0.6 yes; 0.3 < 0.35 * rate no)
+    assert best_tree_size(values, steep) == 2
+    assert best_tree_size([0.1], steep) == 0
+    costs = PassCosts()
+    assert costs(3) == pytest.approx(1.7)  # the prior before anything is measured
+    for _ in range(3):
+        costs.observe(1, 6.0), costs.observe(4, 9.0)
+    assert costs(1) == 6.0 and costs(4) == 9.0 and costs(2) == pytest.approx(7.0)
+
+
+def test_tree_helpers():
+    assert depths(PARENTS) == [1, 1, 2, 2, 3, 3, 4, 2, 5, 6]
+    t = best_first(1, lambda tok, d: [(tok + 1, 0.9), (tok + 2, 0.5)], 5, 3)
+    assert t.tokens == [2, 3, 4, 3, 4] and t.parents == [-1, 0, 1, -1, 0]  # 0.9, 0.81, 0.729, 0.5, 0.45
+    assert t.values == sorted(t.values, reverse=True)
+    assert prune(t, 2).tokens == [2, 3]
+    m = merge(Draft([2, 3, 9]), t, 6)  # the chain first; the tree's nodes it lacks after
+    assert m.tokens[:3] == [2, 3, 9] and m.parents[:3] == [-1, 0, 1] and len(m.tokens) == 6
+
+
+# ---- the engine with trees ------------------------------------------------------------------------------------------
+class TopTree:
+    """Proposes the target's own top-3 at depth 1 and each one's top-3 at depth 2 (12 nodes): every outcome of
+    top_k=3 sampling lies in the tree, so acceptance leans entirely on the rule."""
+    name, free, makes_trees = "toptree", True, True
+
+    def __init__(self, model):
+        self.model = model
+
+    def _top(self, tokens):
+        c = self.model.new_cache()
+        out = c.forward(tokens, 1)[0].topk(3).indices.tolist()
+        c.close()
+        return out
+
+    def propose(self, context, k, params, generator):
+        tokens, parents = [], []
+        for a in self._top(context):
+            tokens.append(a), parents.append(-1)
+            at = len(tokens) - 1
+            for b in self._top(context + [a]):
+                tokens.append(b), parents.append(at)
+        return Draft(tokens, parents=parents, values=[1.0] * len(tokens))
+
+    def reset(self):
+        pass
+
+
+def exact_joint(model, ids, sp, n=3):
+    joint = {(): 1.0}
+    for _ in range(n):
+        nxt = {}
+        for prefix, pr in joint.items():
+            p = warp(decode_path(model, ids + list(prefix)), sp)
+            for t in p.nonzero().flatten().tolist():
+                nxt[prefix + (t,)] = pr * float(p[t])
+        joint = nxt
+    return joint
+
+
+def sampled_joint(sd, prompt, sp, runs, seeded):
+    counts = {}
+    for i in range(runs):
+        torch.manual_seed(i)
+        out = sd.generate(prompt, max_new_tokens=3, chat=False, temperature=sp.temperature, top_k=sp.top_k,
+                          seed=i if seeded else None)
+        counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
+    return counts
+
+
+class FreeRows(PassCosts):
+    """Rows cost nothing: the cost model verifies every node offered."""
+
+    def __call__(self, rows):
+        return 1.0
+
+
+def tree_spec(gguf_path, tok, drafter):
+    model = load_gguf(gguf_path)
+    sd = SpecDecoder.from_models(model, tok, "none", tau=2)
+    sd.engine.drafter = drafter(model)
+    sd.engine.costs = FreeRows()
+    return sd, model
+
+
+def _planted(tokens, parents, logits, params, generator, position):
+    """The planted bug: accept the first child the target could sample at all (p > 0), not the race winner."""
+    p = warp(logits, params)
+    accepted, node = [], -1
+    while True:
+        kids = [i for i, q in enumerate(parents) if q == node and p[node + 1, tokens[i]] > 0]
+        if not kids:
+            return accepted, verify_tree(tokens, parents, logits, params, generator, position)[1] if not accepted \
+                else int(generator.race_at(p[node + 1:node + 2], [position + len(accepted)]).argmax())
+        accepted.append(kids[0])
+        node = kids[0]
+
+
+@pytest.mark.parametrize("seeded", [True, False])
+def test_sampling_with_trees_matches_the_target_alone(gguf_pair, tok, seeded, monkeypatch):  # noqa: F811
+    sd, model = tree_spec(gguf_pair[0], tok, TopTree)
+    sp = SamplingParams(temperature=1.0, top_k=3)
+    ids = tok("ab").input_ids
+    joint = exact_joint(model, ids, sp)
+    counts = sampled_joint(sd, "ab", sp, 600, seeded)
+    keys = sorted(set(joint) | set(counts))
+    vec = lambda d, default: torch.tensor([d.get(k, default) for k in keys], dtype=torch.float64)  # noqa: E731
+    assert chi2_pvalue(vec(counts, 0), vec(joint, 0.0)) > 1e-3, counts
+    if not seeded:
+        return
+    import specdec.engine
+    monkeypatch.setattr(specdec.engine, "verify_tree", _planted)
+    bad = sampled_joint(sd, "ab", sp, 600, seeded)
+    assert chi2_pvalue(vec(bad, 0), vec(joint, 0.0)) < 1e-6  # the test catches a rule that skips the race
+
+
+def test_seeded_tree_text_equals_target_only(gguf_pair, tok):  # noqa: F811
+    sd, _ = tree_spec(gguf_pair[0], tok, TopTree)
+    plain = SpecDecoder.from_models(load_gguf(gguf_pair[0]), tok, "none")
+    for seed in range(4):
+        kw = dict(max_new_tokens=24, chat=False, temperature=0.9, seed=seed)
+        out = sd.generate("Hello there", **kw)
+        assert out.token_ids == plain.generate("Hello there", **kw).token_ids
+        assert any(r.parents and r.accepted for r in out.records)
+
+
+def test_greedy_recycle_is_token_identical_and_learns(gguf_pair, tok, tmp_path):  # noqa: F811
+    model = load_gguf(gguf_pair[0])
+    plain = SpecDecoder.from_models(model, tok, "none")
+    sd = SpecDecoder.from_models(model, tok, f"recycle:{tmp_path / 'table.safetensors'}", tau=4)
+    sd.engine.costs = FreeRows()
+    prompts = ["Hello there, general", "Once upon a time", "Hello there, general"]
+    trees, accepted = 0, []
+    for p in prompts:
+        out = sd.generate(p, max_new_tokens=40, chat=False)
+        assert out.token_ids == plain.generate(p, max_new_tokens=40, chat=False).token_ids
+        trees += sum(bool(r.parents) for r in out.records)
+        accepted.append(out.stats["accepted"])
+    assert trees and accepted[2] > accepted[0]  # the repeated prompt: its successors are in the table now
+
+
+# ---- recycle persistence --------------------------------------------------------------------------------------------
+def test_recycle_table_round_trip_corrupt_and_foreign_files(tmp_path):
+    f = tmp_path / "t.safetensors"
+    t = RecycleTable(50, fingerprint="abc")
+    t.update([3, 4], torch.randn(2, 50))
+    t.offered[0, 2] += 5
+    t.save(f)
+    back = RecycleTable.load_or_new(f, 50, "abc")
+    assert torch.equal(back.succ, t.succ) and torch.equal(back.prob, t.prob) and torch.equal(back.offered, t.offered)
+    said = []
+    other = RecycleTable.load_or_new(f, 50, "xyz", log=said.append)  # another target's vocabulary
+    assert (other.succ < 0).all() and "another target" in said[-1]
+    f.write_bytes(b"\x00garbage" * 10)
+    fresh = RecycleTable.load_or_new(f, 50, "abc", log=said.append)
+    assert (fresh.succ < 0).all() and "unreadable" in said[-1]
+    RecycleTable.load_or_new(tmp_path / "none.safetensors", 50, "abc", log=said.append)  # absent: fresh, silent
+    assert len(said) == 2
+
+
+def test_recycle_drafts_from_the_successors_it_saw():
+    t = RecycleTable(30)
+    logits = torch.full((2, 30), -9.0)
+    logits[0, 7], logits[1, 8] = 9.0, 9.0  # after 5 comes 7, after 7 comes 8
+    d = RecycleDrafter(t)
+    d.observe_verify([1, 5], Draft([7]), logits, [0])
+    draft = d.propose([1, 5], 3, SamplingParams(), None)
+    assert draft.is_tree and draft.tokens[:2] == [7, 8] and draft.parents[:2] == [-1, 0]
+    assert draft.values[0] > 0.7 and draft.values == sorted(draft.values, reverse=True)
+    assert d.propose([1, 2], 3, SamplingParams(), None).tokens == []  # never saw 2
