@@ -11,6 +11,10 @@ One `step()` is one cycle for every request in it:
 4. ONE target pass over all rows, each at its own position in its own slot;
 5. each request verifies its block with its own rule and randomness, emits, and rolls its slot back.
 
+A drafter that proposes token trees (recycle) gets them verified here too: a tree's nodes, best first, are rows
+like a chain's, and the scheduler sees them as draft positions whose chance of acceptance is each node's value
+(drafters/tree.py), so a tree is cut to what the budget pays for. The accepted path is compacted in the slot.
+
 Prefix caching (as vLLM's and SGLang's): the K/V of recent prompts are kept in slots of their own, and a joining
 request copies the longest cached prefix of its prompt (a chat template's system prompt, an earlier turn) instead of
 computing it: bitwise the same keys and values, fewer prefill rows.
@@ -29,13 +33,14 @@ from time import perf_counter
 import torch
 
 from .drafters.base import close, fork, propose_many
+from .drafters.tree import depths, path, prune
 from .engine import StopCheck, cut
 from .policy import AdaptivePolicy, _Ema
 from .runtime.model import Llama, common_prefix_len, fit_vocab
-from .sampling import SamplingParams
+from .sampling import PositionNoise, SamplingParams
 from .scheduler import Demand, plan
 from .trace import CycleRecord
-from .verification import verify_block
+from .verification import verify_block, verify_tree
 
 
 @dataclass
@@ -136,6 +141,9 @@ class BatchEngine:
         est = AdaptivePolicy(seq.max_tau, max(seq.max_tau, 1))
         for mine, ours in zip(est.alpha, self.shared.alpha):
             mine.value = ours.value
+        if getattr(self.drafter, "makes_trees", False) and not seq.params.greedy \
+                and not isinstance(seq.generator, PositionNoise):
+            seq.generator = PositionNoise.fresh()  # trees verify by the race rule
         slot = self.model.acquire_slot()
         try:
             self._state[seq.id] = (slot, fork(self.drafter), est)
@@ -197,7 +205,10 @@ class BatchEngine:
                     self._fail(s, e)
                     continue
                 draft_ms[s.id] = (perf_counter() - t) * 1e3
-                caps[s.id] = min(caps[s.id], len(early[s.id].tokens))
+                if early[s.id].is_tree:  # nodes, not depth, are the rows it asks for
+                    caps[s.id] = min(len(early[s.id].tokens), self.context_window - len(s.tokens) - 1)
+                else:
+                    caps[s.id] = min(caps[s.id], len(early[s.id].tokens))
         decoding = [s for s in self.running if not s.prefilling]
         rows_left = self.max_batch_rows - len(decoding)
         chunks = {}  # prefilling request id -> rows this pass
@@ -212,6 +223,12 @@ class BatchEngine:
             cost = 0.0 if free else est.draft_ms.value if est.draft_ms is not None else 0.1
             cap = caps[s.id]
             floor = cap if s.fixed_tau else min(cap, 1) if s.idle >= PROBE_EVERY else 0
+            tree = early.get(s.id)
+            if tree is not None and tree.is_tree:  # node k's value v_k = Π_{j≤k} α_j: α_k = v_k / v_{k-1}
+                v = [1.0] + list(tree.values or [1.0] * len(tree.tokens))
+                alphas = [b / a if a > 0 else 0.0 for a, b in zip(v, v[1:])]
+                demands.append(Demand(alphas, cost, cap, min(floor, 1)))
+                continue
             demands.append(Demand(est.alphas(), cost, cap, floor))
         taus = plan(demands, base, self.max_batch_rows, self.pass_ms)
 
@@ -226,11 +243,16 @@ class BatchEngine:
                 if draft is not None:
                     early[s.id], draft_ms[s.id] = draft, share * tau
         running = {s.id for s in self.running}  # less any whose late drafting failed
-        drafts = {s.id: (tau, early.get(s.id), early[s.id].tokens[:tau] if s.id in early else [])
-                  for s, tau in zip(decoding, taus) if s.id in running}
+        drafts = {}
+        for s, tau in zip(decoding, taus):
+            if s.id in running:
+                d = early.get(s.id)
+                if d is not None and d.is_tree:
+                    d = prune(d, tau)
+                drafts[s.id] = (tau, d, d.tokens[:tau] if d is not None else [])
         t1 = perf_counter()
 
-        tokens, slots, positions, logit_rows, spans = [], [], [], [], {}
+        tokens, slots, positions, logit_rows, spans, paths = [], [], [], [], {}, []
         for s in self.running:
             if s.id in drafts:
                 new = s.tokens[s.fed:] + drafts[s.id][2]
@@ -246,11 +268,19 @@ class BatchEngine:
                 logit_rows.append(start + len(new) - 1)
             tokens += new
             slots += [self._state[s.id][0]] * len(new)
-            positions += range(s.fed, s.fed + len(new))
+            draft = drafts.get(s.id, (0, None))[1]
+            if draft is not None and draft.is_tree and draft.tokens:  # nodes stored after the sequence
+                plain, base = len(s.tokens) - s.fed, len(s.tokens)
+                positions += list(range(s.fed, base)) + [base - 1 + d for d in depths(draft.parents)]
+                paths += [None] * plain + [[base + j for j in path(draft.parents, i)] for i in range(len(draft.tokens))]
+            else:
+                positions += range(s.fed, s.fed + len(new))
+                paths += [None] * len(new)
         if not tokens:
             return []
         try:
-            out = self.model.forward(tokens, slots, positions, logit_rows, hidden=self.wants_hidden)
+            out = self.model.forward(tokens, slots, positions, logit_rows, hidden=self.wants_hidden,
+                                     paths=paths if any(q is not None for q in paths) else None)
         except Exception:  # find whose rows the pass cannot run; the others run again next step
             self._isolate(spans, tokens, slots, positions)
             return []
@@ -323,18 +353,31 @@ class BatchEngine:
             return None
         if s.cycle == 0 and self.prefixes is not None:  # the prompt is in the slot now
             self.prefixes.store(s.prompt, self._state[s.id][0])
-        n, token = verify_block(proposed, draft.q if draft is not None else None, block, s.params, s.generator,
-                                len(s.tokens))
+        drafter = self._state[s.id][1]
+        if draft is not None and draft.is_tree and proposed:
+            nodes, token = verify_tree(proposed, draft.parents, block, s.params, s.generator, len(s.tokens))
+            if nodes:  # the accepted path's K/V to the positions its tokens take
+                base = len(s.tokens)
+                self.model.move_positions(self._state[s.id][0], [(base + j, base + d) for d, j in enumerate(nodes)])
+        else:
+            n, token = verify_block(proposed, draft.q if draft is not None else None, block, s.params, s.generator,
+                                    len(s.tokens))
+            nodes = list(range(n))
+        n = len(nodes)
         if hidden is not None:  # target features of the committed positions (all but the newest token)
-            self._state[s.id][1].observe_target(fed_before, hidden[start: start + len(s.tokens) + n - fed_before])
-        emitted, finish = cut(proposed[:n] + [token], s.tokens, len(s.prompt), s.stop, s.max_new_tokens,
-                              self.eos_ids, self.context_window)
+            drafter.observe_target(fed_before, hidden[start: start + len(s.tokens) + n - fed_before])
+        if hasattr(drafter, "observe_verify"):
+            drafter.observe_verify(s.tokens, draft, block, nodes)
+        emitted, finish = cut([proposed[i] for i in nodes] + [token], s.tokens, len(s.prompt), s.stop,
+                              s.max_new_tokens, self.eos_ids, self.context_window)
         s.tokens.extend(emitted)
         s.fed = len(s.tokens) - 1  # the committed prefix stays; the newest token is fed next cycle
+        tree = draft is not None and draft.is_tree and bool(proposed)
         rec = CycleRecord(s.cycle, tau, proposed, n, emitted, draft_ms=round(d_ms, 3), verify_ms=round(verify_ms, 3),
-                          cycle_ms=round((perf_counter() - t0) * 1e3, 3), finish_reason=finish)
+                          cycle_ms=round((perf_counter() - t0) * 1e3, 3), finish_reason=finish,
+                          parents=draft.parents if tree else None)
         s.cycle += 1
-        if proposed or not free:  # a model-free drafter's estimates: over the cycles it proposed in
+        if (proposed or not free) and not tree:  # (a tree's nodes carry the drafter's own estimates)  # a model-free drafter's estimates: over the cycles it proposed in
             self._state[s.id][2].observe(rec)
             self.shared.observe(rec)
         if finish:

@@ -36,10 +36,15 @@ def feature_drafter(model):
                           min_confidence=0.0, max_len=128)
 
 
-@pytest.mark.parametrize("draft", ["ngram", "target", "draft", "feature", "ngram+feature"])
-def test_requests_joining_and_leaving_get_what_they_get_alone(rt, tiny_dirs, draft):
+@pytest.mark.parametrize("draft", ["ngram", "target", "draft", "feature", "ngram+feature", "recycle"])
+def test_requests_joining_and_leaving_get_what_they_get_alone(rt, tiny_dirs, draft, tmp_path):
     model, tok = rt
-    if "feature" in draft:
+    if draft == "recycle":  # token trees, their table warmed on the same prompts run alone
+        drafter = build_drafter(f"recycle:{tmp_path / 'table.safetensors'}", model, tok)
+        warm = SpecDecoder.from_models(model, tok, draft=drafter)
+        for p in PROMPTS:
+            warm.generate(p, max_new_tokens=40, chat=False)
+    elif "feature" in draft:
         from specdec.drafters import ChainDrafter, NgramDrafter
         drafter = feature_drafter(model) if draft == "feature" else ChainDrafter([NgramDrafter(),
                                                                                    feature_drafter(model)])
@@ -51,7 +56,7 @@ def test_requests_joining_and_leaving_get_what_they_get_alone(rt, tiny_dirs, dra
     seqs = [Sequence(tok(p).input_ids, 24 + 3 * i, params, max_tau=4 + i % 3)
             for i, (p, params) in enumerate(zip(PROMPTS, PARAMS))]
     joins = {0: [0, 1], 2: [2], 5: [3, 4]}  # step -> requests joining then
-    cancelled, done, accepted, proposed, rows = seqs[4], [], 0, 0, []
+    cancelled, done, accepted, proposed, rows, trees = seqs[4], [], 0, 0, [], 0
     for step in range(400):
         for i in joins.get(step, []):
             engine.add(seqs[i])
@@ -60,6 +65,7 @@ def test_requests_joining_and_leaving_get_what_they_get_alone(rt, tiny_dirs, dra
         for s, rec in engine.step():
             accepted += rec.accepted
             proposed += len(rec.proposed)
+            trees += bool(rec.parents)
             if rec.finish_reason:
                 done.append(s)
         rows.append(engine.last.get("rows", 0))
@@ -70,8 +76,10 @@ def test_requests_joining_and_leaving_get_what_they_get_alone(rt, tiny_dirs, dra
     for s in done:
         i = seqs.index(s)
         assert s.generated == alone(rt, PROMPTS[i], PARAMS[i], s.max_new_tokens), (draft, i)
-    if draft in ("target", "draft"):  # (a random model rarely repeats itself, and a random feature draft is wrong)
+    if draft in ("target", "draft", "recycle"):  # (a random model rarely repeats itself; a random feature draft errs)
         assert accepted > 0
+    if draft == "recycle":
+        assert trees > 0
     if "feature" in draft:
         assert proposed > 0  # the batched feature drafting ran
     cached = len(engine.prefixes.cached) if engine.prefixes else 0  # (off for drafters reading target features)
