@@ -301,3 +301,28 @@ def test_recycle_drafts_from_the_successors_it_saw():
     assert draft.is_tree and draft.tokens[:2] == [7, 8] and draft.parents[:2] == [-1, 0]
     assert draft.values[0] > 0.7 and draft.values == sorted(draft.values, reverse=True)
     assert d.propose([1, 2], 3, SamplingParams(), None).tokens == []  # never saw 2
+
+
+def test_server_keeps_the_recycle_table_between_runs(tiny_dirs, tmp_path):
+    """`specdec serve` with recycle: trees verified in the batch over real HTTP, the table saved at shutdown and
+    loaded at the next start."""
+    import httpx
+
+    from specdec import models
+    from specdec.server import create_app
+    from test_server import LiveServer
+    model, tok = models.load(tiny_dirs["target"], backend="runtime")
+    table = tmp_path / "table.safetensors"
+    sd = SpecDecoder.from_models(model, tok, f"recycle:{table}", tau=3)
+    srv = LiveServer(create_app(sd, model_name="tiny"))
+    try:
+        for _ in range(2):
+            r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "Hello there",
+                                                              "max_tokens": 24}, timeout=60)
+            assert r.status_code == 200, r.text
+    finally:
+        srv.stop()
+    assert table.exists()
+    again = SpecDecoder.from_models(model, tok, f"recycle:{table}", tau=3)
+    assert torch.equal(again.engine.drafter.table.succ, sd.engine.drafter.table.succ)
+    assert (again.engine.drafter.table.succ >= 0).any()

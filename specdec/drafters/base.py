@@ -53,6 +53,13 @@ def fork(drafter):
     return drafter.fork() if hasattr(drafter, "fork") else drafter
 
 
+def save(drafter) -> None:
+    """Write what a drafter learned to keep (recycle's table) where it came from; chains save every member."""
+    for member in getattr(drafter, "members", [drafter]):
+        if hasattr(member, "save"):
+            member.save()
+
+
 def close(drafter) -> None:
     """Give back what a forked drafter holds (KV slots)."""
     if hasattr(drafter, "close"):

@@ -6,6 +6,7 @@ import hmac
 
 import asyncio
 import json
+import logging
 import os
 import time
 
@@ -16,10 +17,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import models
+from ..drafters.base import save as save_drafter
 from ..errors import InvalidRequest, SpecDecError
 from .metrics import Metrics
 from .schemas import ChatRequest, CompletionRequest
 from .worker import BatchWorker, JobTimeout, Worker, WorkerDown
+
+log = logging.getLogger("specdec.server")
 
 
 class APIError(Exception):
@@ -51,7 +55,15 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
     decoder = worker.decoder
     app = FastAPI(title="specdec", docs_url=None, redoc_url=None)
     app.state.metrics, app.state.worker, app.state.decoder = metrics, worker, decoder
-    app.router.add_event_handler("shutdown", worker.stop)
+
+    def shutdown():
+        worker.stop()
+        try:  # what the drafter learned (recycle's table) is there at the next start
+            save_drafter(decoder.engine.drafter)
+        except OSError as e:
+            log.warning("could not save the drafter's table: %s", e)
+
+    app.router.add_event_handler("shutdown", shutdown)
 
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics)
 
