@@ -326,3 +326,19 @@ def test_server_keeps_the_recycle_table_between_runs(tiny_dirs, tmp_path):
     again = SpecDecoder.from_models(model, tok, f"recycle:{table}", tau=3)
     assert torch.equal(again.engine.drafter.table.succ, sd.engine.drafter.table.succ)
     assert (again.engine.drafter.table.succ >= 0).any()
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no CPU kernels")
+def test_topk_kernel_equals_torch_on_both_builds():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 1000 + 37, generator=g) * 4  # a tail past the 64-wide blocks
+    logits[1, 500] = 80.0
+    ref = logits.topk(8, -1)
+    for isa in {kernels.library().isa, "avx2"}:
+        lib = kernels.library(isa)
+        idx, val, lse = torch.empty(5, 8, dtype=torch.int32), torch.empty(5, 8), torch.empty(5)
+        lib.rows_topk(logits.data_ptr(), 5, logits.shape[1], 8, idx.data_ptr(), val.data_ptr(), lse.data_ptr(), 2)
+        assert torch.equal(idx.long(), ref.indices) and torch.equal(val, ref.values)
+        assert torch.allclose(lse, torch.logsumexp(logits, -1), rtol=1e-6)
+    idx, prob = kernels.topk(logits, 8)
+    assert torch.allclose(prob, torch.softmax(logits, -1).topk(8, -1).values, rtol=1e-5)

@@ -89,6 +89,8 @@ class Library:
         self.rows_rmsnorm.argtypes, self.rows_rmsnorm.restype = [p, i, i, p, f, p, i], None
         self.decoder_layers = lib.decoder_layers
         self.decoder_layers.argtypes, self.decoder_layers.restype = [p, p, i, p, i, p, p, p, i], i
+        self.rows_topk = lib.rows_topk
+        self.rows_topk.argtypes, self.rows_topk.restype = [p, i, i, i, p, p, p, i], None
 
 
 @cache
@@ -153,6 +155,21 @@ def linear(fmt: int, x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.
     if rc:
         raise ValueError(f"kernel cannot serve format {FORMATS.get(fmt, fmt)} with {k} columns")
     return y
+
+
+def topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices int32 [R, k], probabilities [R, k]) of each row's k largest logits; the probabilities are
+    exp(logit - logsumexp(row)), the row's softmax. One kernel call where the kernels serve, else torch."""
+    x = logits.float().contiguous()
+    lib = library()
+    if lib is None or x.dim() != 2 or not 0 < k <= x.shape[1]:
+        top = x.topk(k, -1)
+        return top.indices.int(), (top.values - torch.logsumexp(x, -1, keepdim=True)).exp()
+    R = x.shape[0]
+    idx, val, lse = torch.empty(R, k, dtype=torch.int32), torch.empty(R, k), torch.empty(R, 1)
+    lib.rows_topk(x.data_ptr(), R, x.shape[1], k, idx.data_ptr(), val.data_ptr(), lse.data_ptr(),
+                  min(torch.get_num_threads(), R))
+    return idx, (val - lse).exp()
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -949,6 +949,42 @@ static void layer_body(const Dims* d, const Layer* L, int layer, float* x, int R
     linear(&L->down, s.act, R, I, x, true, q8_input(d, s, s.act, R, I, &view));  // x += down(act)
 }
 
+// The k largest logits of each row (descending; ties keep the lower index) and each row's log-sum-exp: what
+// the recycle drafter keeps of every verify pass (drafters/recycle.py). Blocks of 64 whose maximum cannot enter the
+// current top k are skipped after 3 vector maxima, so a row costs about one read plus one exp pass.
+extern "C" void rows_topk(const float* x, int R, int V, int k, int* idx, float* val, float* lse, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int r = 0; r < R; r++) {
+        const float* row = x + (long)r * V;
+        int* ti = idx + (long)r * k;
+        float* tv = val + (long)r * k;
+        for (int j = 0; j < k; j++) ti[j] = -1, tv[j] = -INFINITY;
+        auto offer = [&](int i) {
+            const float v = row[i];
+            if (!(v > tv[k - 1])) return;
+            int j = k - 1;
+            for (; j > 0 && v > tv[j - 1]; j--) tv[j] = tv[j - 1], ti[j] = ti[j - 1];
+            tv[j] = v, ti[j] = i;
+        };
+        int i = 0;
+        float lanes[16];
+        for (; i + 64 <= V; i += 64) {
+            vstore(lanes, vmax(vmax(vload(row + i), vload(row + i + 16)), vmax(vload(row + i + 32), vload(row + i + 48))));
+            float m = lanes[0];
+            for (int l = 1; l < 16; l++) m = lanes[l] > m ? lanes[l] : m;
+            if (m > tv[k - 1])
+                for (int j = i; j < i + 64; j++) offer(j);
+        }
+        for (; i < V; i++) offer(i);
+        const float mx = tv[0];
+        V16 sums = vzero();
+        for (i = 0; i + 16 <= V; i += 16) sums = vadd(sums, vexp(vsub(vload(row + i), vset1(mx))));
+        float sum = vsum(sums);
+        for (; i < V; i++) sum += expf(row[i] - mx);
+        lse[r] = mx + logf(sum);
+    }
+}
+
 // All decoder layers of one pass in one parallel region (thread start-up costs more than a whole small linear).
 // `tree` is null for a plain pass, else [store R | kbase R | moff R | map...] (Tree above; model.py checks it).
 extern "C" int decoder_layers(const Dims* d, const Layer* layers, int n_layers, float* x, int R, const int* slot,
