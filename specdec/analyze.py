@@ -23,7 +23,7 @@ from statistics import mean, median
 
 from .costs import blocks_at, interpolate, non_decreasing, predicted_speedup, verify_curve
 from .errors import SpecDecError
-from .trace import CycleRecord, acceptance_by_position, read_trace, step_curve
+from .trace import CycleRecord, acceptance_by_position, read_trace, step_curve, tree_stats
 
 BOTTLENECKS = ("low_acceptance", "draft_cost", "verify_cost", "overhead", "tau_too_large", "tau_too_small", "none")
 MAX_TAU = 16
@@ -201,6 +201,7 @@ def analyze(records: list[CycleRecord], decode_only: bool = False, target_curve:
                     "predicted_at_best_tau": round(model(best_tau), 3)},
         "bottleneck": bottleneck,
         "findings": findings,
+        "trees": tree_stats(cycles, curve),
     }
 
 
@@ -265,6 +266,13 @@ def print_report(rep: dict) -> None:
     for f in rep["findings"]:
         if f["speedup_if_fixed"] is not None:
             con.print(f"  {words[f['kind']]}: {f['speedup_if_fixed']:.2f}x")
+    tr = rep.get("trees")
+    if tr:
+        con.print(f"trees: {tr['tree_passes']} passes, {tr['nodes_per_pass']} nodes per pass, accepted depth "
+                  f"{tr['accepted_depth']}; acceptance by depth {tr['acceptance_by_depth']}, by sibling rank "
+                  f"{tr['acceptance_by_rank']}")
+        if "speedup_with_nodes" in tr:
+            con.print(f"  with trees cut to n nodes: {tr['speedup_with_nodes']} (best: {tr['best_nodes']})")
     con.print(f"[bold]bottleneck: {rep['bottleneck']}[/]")
     for f in rep["findings"]:
         if f["kind"] == rep["bottleneck"]:

@@ -375,7 +375,7 @@ class BatchEngine:
         tree = draft is not None and draft.is_tree and bool(proposed)
         rec = CycleRecord(s.cycle, tau, proposed, n, emitted, draft_ms=round(d_ms, 3), verify_ms=round(verify_ms, 3),
                           cycle_ms=round((perf_counter() - t0) * 1e3, 3), finish_reason=finish,
-                          parents=draft.parents if tree else None)
+                          parents=draft.parents if tree else None, path=nodes if tree else None)
         s.cycle += 1
         if (proposed or not free) and not tree:  # (a tree's nodes carry the drafter's own estimates)  # a model-free drafter's estimates: over the cycles it proposed in
             self._state[s.id][2].observe(rec)

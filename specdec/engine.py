@@ -74,7 +74,8 @@ class Engine:
 
             record = CycleRecord(cycle, tau, proposed, n, emitted, draft_ms=round((t1 - t0) * 1e3, 3),
                                  verify_ms=round((t2 - t1) * 1e3, 3), cycle_ms=round((perf_counter() - t0) * 1e3, 3),
-                                 finish_reason=finish, parents=draft.parents if draft is not None else None)
+                                 finish_reason=finish, parents=draft.parents if draft is not None else None,
+                                 path=nodes if draft is not None and draft.is_tree else None)
             if cycle:  # cycle 0 carries the prompt's prefill
                 self.costs.observe(len(proposed) + 1, record.verify_ms)
             policy.observe(record)

@@ -17,20 +17,64 @@ class CycleRecord:
     cycle_ms: float
     finish_reason: str | None = None  # set on the last record: "stop" or "length"
     parents: list[int] | None = None  # a token tree's shape (drafters/tree.py); None: `proposed` is a chain
+    path: list[int] | None = None  # a tree's accepted nodes, root to leaf
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
+def draft_depth(r: CycleRecord) -> int:
+    """How deep the draft went: a chain's length, a tree's deepest node."""
+    if r.parents is None:
+        return len(r.proposed)
+    from .drafters.tree import depths
+    return max(depths(r.parents), default=0)
+
+
 def acceptance_by_position(records: list[CycleRecord]) -> list[float | None]:
-    """alpha_k = P(draft k accepted | drafts 1..k-1 accepted), estimated over the cycles that reached k."""
-    depth = max((len(r.proposed) for r in records), default=0)
+    """alpha_k = P(draft k accepted | drafts 1..k-1 accepted), estimated over the cycles that reached k (a tree
+    counts by depth: some node at depth k accepted)."""
+    depth = max((draft_depth(r) for r in records), default=0)
     reached, passed = [0] * depth, [0] * depth
     for r in records:
-        for k in range(min(len(r.proposed), r.accepted + 1)):
+        for k in range(min(draft_depth(r), r.accepted + 1)):
             reached[k] += 1
             passed[k] += k < r.accepted
     return [round(p / n, 4) if n else None for p, n in zip(passed, reached)]
+
+
+def tree_stats(records: list[CycleRecord], curve: dict[int, float] | None = None) -> dict | None:
+    """Token-tree passes: nodes per pass, accepted depth, acceptance by depth and by sibling rank (the share of
+    reached children of that rank that were accepted), and, given the verify curve, the counterfactual speedup
+    over target-only had every tree been cut to its first n nodes (best-first order: a cut tree accepts the part of
+    the path it keeps). None when no pass verified a tree."""
+    from .costs import interpolate
+    from .drafters.tree import depths
+    trees = [r for r in records if r.parents is not None and r.path is not None]
+    if not trees:
+        return None
+    by_rank: dict[int, list[int]] = {}
+    for r in trees:
+        ok, seen = set(r.path), {}
+        for i, p in enumerate(r.parents):
+            rank = seen[p] = seen.get(p, -1) + 1
+            if p < 0 or p in ok:  # reached: its parent was accepted
+                by_rank.setdefault(rank, [0, 0])[0] += 1
+                by_rank[rank][1] += i in ok
+    out = {"tree_passes": len(trees), "nodes_per_pass": round(sum(len(r.proposed) for r in trees) / len(trees), 3),
+           "accepted_depth": round(sum(len(r.path) for r in trees) / len(trees), 3),
+           "acceptance_by_depth": acceptance_by_position(trees),
+           "acceptance_by_rank": {str(k): round(a / n, 4) for k, (n, a) in sorted(by_rank.items()) if n},
+           "max_depth": max(max(depths(r.parents), default=0) for r in trees)}
+    if curve:
+        most = max(len(r.proposed) for r in trees)
+        step = interpolate(curve, 1)
+        out["speedup_with_nodes"] = {
+            str(n): round(sum(1 + sum(1 for i in r.path if i < n) for r in trees) * step
+                          / sum(interpolate(curve, min(n, len(r.proposed)) + 1) for r in trees), 3)
+            for n in range(most + 1)}
+        out["best_nodes"] = int(max(out["speedup_with_nodes"], key=lambda n: out["speedup_with_nodes"][n]))
+    return out
 
 
 def summarize(records: list[CycleRecord], wall_s: float, new_tokens: int) -> dict:
@@ -52,6 +96,7 @@ def summarize(records: list[CycleRecord], wall_s: float, new_tokens: int) -> dic
         "draft_ms": round(sum(r.draft_ms for r in records), 3),
         "verify_ms": round(sum(r.verify_ms for r in records), 3),
         "finish_reason": records[-1].finish_reason if records else None,
+        **({"trees": trees} if (trees := tree_stats(records)) else {}),
     }
 
 

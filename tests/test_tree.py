@@ -342,3 +342,25 @@ def test_topk_kernel_equals_torch_on_both_builds():
         assert torch.allclose(lse, torch.logsumexp(logits, -1), rtol=1e-6)
     idx, prob = kernels.topk(logits, 8)
     assert torch.allclose(prob, torch.softmax(logits, -1).topk(8, -1).values, rtol=1e-5)
+
+
+def test_trace_and_analyze_report_trees():
+    """Tree records: acceptance by depth and by sibling rank, and the counterfactual of smaller trees, exact on a
+    hand-made trace."""
+    from specdec.analyze import analyze
+    from specdec.trace import CycleRecord, tree_stats
+    parents = [-1, -1, 0, 0, 2]  # ranks: 0, 1 | 0, 1 | 0
+    recs = [CycleRecord(0, 3, [5, 6, 7, 8, 9], 0, [1], 1, 10, 11, parents=parents, path=[]),  # prefill cycle
+            CycleRecord(1, 3, [5, 6, 7, 8, 9], 3, [5, 7, 9, 4], 0.1, 10.0, 10.2, parents=parents, path=[0, 2, 4]),
+            CycleRecord(2, 3, [5, 6, 7, 8, 9], 1, [6, 4], 0.1, 10.0, 10.2, parents=parents, path=[1]),
+            CycleRecord(3, 3, [5, 6, 7, 8, 9], 0, [4], 0.1, 10.0, 10.2, parents=parents, path=[])]
+    t = tree_stats(recs[1:], {1: 5.0, 6: 10.0})
+    assert t["tree_passes"] == 3 and t["nodes_per_pass"] == 5 and t["accepted_depth"] == round(4 / 3, 3)
+    assert t["acceptance_by_depth"] == [round(2 / 3, 4), 0.5, 1.0]
+    # rank 0: reached 3 (root) + 1 (under node 0) + 1 (under node 2) = 5, accepted 0, 2, 4 -> 3/5
+    assert t["acceptance_by_rank"] == {"0": 0.6, "1": round(1 / 4, 4)}
+    # cut to 1 node: tokens 2 + 1 + 1, time 3 passes of 2 rows (linear 5 -> 10 over 1..6 rows: 6 ms)
+    assert t["speedup_with_nodes"]["1"] == round(4 * 5.0 / 18.0, 3)
+    assert t["speedup_with_nodes"]["5"] == round(7 * 5.0 / 30.0, 3)
+    rep = analyze(recs)
+    assert rep["trees"]["tree_passes"] == 3 and rep["acceptance_by_position"][:2] == [round(2 / 3, 4), 0.5]

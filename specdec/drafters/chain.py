@@ -1,28 +1,77 @@
 """`A+B`: ask drafter A first and fall back to B when A proposes nothing (e.g. `ngram+<feature draft>`: copy from
 the context when an n-gram matches — free to draft — else run the model draft). Target hidden states go to every
-member that wants them, each cycle, so a member that was skipped stays in sync."""
+member that wants them, each cycle, so a member that was skipped stays in sync.
+
+With a member that makes token trees (recycle), the chain's proposal becomes one tree: the first member's chain
+(valued by that member's measured acceptance by depth, Π α_d) merged with the tree-makers' trees, shared prefixes
+once (drafters/tree.py); the engine's cost model then verifies the nodes worth their rows."""
 from __future__ import annotations
 
 from .base import Draft, close, fork, propose_many
+from .tree import chain_parents, merge
+
+PRIOR_ALPHA, DECAY = 0.6, 0.95
+MAX_NODES = 16
 
 
 class ChainDrafter:
-    def __init__(self, members: list):
+    def __init__(self, members: list, alphas: dict | None = None):
         self.members = members
         self.name = "+".join(m.name for m in members)
         self.wants_target_hidden = any(getattr(m, "wants_target_hidden", False) for m in members)
         self.free = all(getattr(m, "free", False) for m in members)
+        self.makes_trees = any(getattr(m, "makes_trees", False) for m in members)
+        # member index -> acceptance by depth [value, weight] (shared by forks: a drafter's quality carries over)
+        self.alphas = alphas if alphas is not None else {}
+        self._last: tuple[int, int] | None = None  # (member, chain length) of the last merged proposal
 
     def propose(self, context, k, params, generator) -> Draft:
-        for m in self.members:
+        for i, m in enumerate(self.members):
             draft = m.propose(context, k, params, generator)
             if draft.tokens:
-                return draft
+                return self._with_trees(i, draft, context, k, params, generator) if self.makes_trees else draft
         return Draft()
+
+    def _with_trees(self, i, draft, context, k, params, generator) -> Draft:
+        self._last = None
+        if draft.is_tree:
+            return draft
+        est = self.alphas.setdefault(i, [])
+        values, v = [], 1.0
+        for d in range(len(draft.tokens)):
+            v *= est[d][0] if d < len(est) else PRIOR_ALPHA
+            values.append(v)
+        tree = Draft(draft.tokens, parents=chain_parents(len(draft.tokens)), values=values)
+        for m in self.members[i + 1:]:
+            if getattr(m, "makes_trees", False):
+                tree = merge(tree, m.propose(context, k, params, generator), MAX_NODES)
+        self._last = (i, len(draft.tokens))
+        return tree
+
+    def observe_verify(self, context, draft, logits, accepted) -> None:
+        for m in self.members:
+            if hasattr(m, "observe_verify"):
+                m.observe_verify(context, draft, logits, accepted)
+        if self._last is None or draft is None:
+            return
+        member, length = self._last
+        self._last = None
+        est, ok = self.alphas.setdefault(member, []), set(accepted)
+        for d in range(min(length, len(draft.tokens))):  # the chain's nodes come first, node d at depth d + 1
+            if d and d - 1 not in ok:
+                break
+            if d >= len(est):
+                est.append([PRIOR_ALPHA, 1.0])
+            a = est[d]
+            a[1] = DECAY * a[1] + 1.0
+            a[0] += ((d in ok) - a[0]) / a[1]
 
     @staticmethod
     def propose_many(chains, contexts, ks, params, generators) -> list[Draft]:
         """Each member in turn for the sequences its predecessors proposed nothing for, batched per member."""
+        if chains and chains[0].makes_trees:  # (model-free members: one by one costs next to nothing)
+            return [c.propose(x, k, p, g) if k else Draft() for c, x, k, p, g in zip(chains, contexts, ks, params,
+                                                                                      generators)]
         out, pending = [Draft() for _ in chains], [i for i, k in enumerate(ks) if k]
         for m in range(len(chains[0].members) if chains else 0):
             if not pending:
@@ -41,7 +90,7 @@ class ChainDrafter:
                 m.observe_target(start, hidden)
 
     def fork(self) -> ChainDrafter:
-        return ChainDrafter([fork(m) for m in self.members])
+        return ChainDrafter([fork(m) for m in self.members], self.alphas)
 
     def close(self) -> None:
         for m in self.members:
