@@ -18,11 +18,13 @@ from .api import SpecDecoder, encode_prompt
 from .bench import Bench
 from .errors import InvalidRequest, SpecDecError
 from .prompts import load_prompts
-from .trace import acceptance_by_position
+from .trace import acceptance_by_position, tree_stats
 
 
-def profile_draft(decoder: SpecDecoder, prompts: list[dict], tau: int, max_new_tokens: int) -> dict:
-    """Acceptance by position, draft ms per token and overhead per cycle, measured at a fixed τ."""
+def profile_draft(decoder: SpecDecoder, prompts: list[dict], tau: int, max_new_tokens: int,
+                  curve: dict | None = None) -> dict:
+    """Acceptance by position, draft ms per token and overhead per cycle, measured at a fixed τ; for a drafter
+    that makes token trees also trace.tree_stats (with `curve`: the tree size that would have paid best)."""
     records = []
     for p in prompts:
         records += decoder.generate(p["prompt"], max_new_tokens=max_new_tokens, chat=p["chat"], tau=tau,
@@ -38,6 +40,7 @@ def profile_draft(decoder: SpecDecoder, prompts: list[dict], tau: int, max_new_t
         "draft_ms_per_token": round(sum(r.draft_ms for r in drafted) / max(1, proposed), 4),
         "overhead_ms": round(sum(r.cycle_ms - r.draft_ms - r.verify_ms for r in records) / max(1, len(records)), 4),
         "cycles": len(records),
+        **({"trees": trees} if (trees := tree_stats(records, curve)) else {}),
     }
 
 
@@ -70,7 +73,7 @@ def tune(target: str, drafts: list[str], max_tau: int, prompts: list[dict], max_
     profiles, predictions = {}, []
     for name in drafts:
         dec = bench.decoder_for(name, max_tau)
-        profiles[name] = prof = profile_draft(dec, prompts, max_tau, max_new_tokens)
+        profiles[name] = prof = profile_draft(dec, prompts, max_tau, max_new_tokens, curve)
         for tau in range(1, max_tau + 1):
             predictions.append({"draft": name, "tau": tau, "predicted_speedup": round(cost_model(
                 prof["alphas"], tau, prof["draft_ms_per_token"], curve, prof["overhead_ms"], t_target,
@@ -138,6 +141,11 @@ def cmd_tune(args) -> int:
     print(f"target verify ms by tokens: {curve}")
     for name, d in report["drafts"].items():
         print(f"draft {name}: acceptance by position {d['alphas']}, {d['draft_ms_per_token']:.2f} ms/token")
+        if "trees" in d:
+            t = d["trees"]
+            print(f"  token trees: {t['nodes_per_pass']} nodes per pass (sized by the cost model), accepted depth "
+                  f"{t['accepted_depth']}; trees cut to {t['best_nodes']} nodes would have paid best "
+                  f"({t['speedup_with_nodes'][str(t['best_nodes'])]:.2f}x in verify time)")
     for p in report["confirmed"]:
         print(f"  {p['draft']} tau={p['tau']}: predicted {p['predicted_speedup']:.2f}x, measured "
               f"{p['measured_speedup']:.2f}x{'' if p['identical_to_baseline'] else '  (OUTPUT DIFFERS!)'}")

@@ -22,25 +22,20 @@ PARENTS = [-1, -1, 0, 0, 2, 2, 4, 1, 6, 8]
 
 
 @pytest.fixture(scope="module", params=["exact", "q8", "torch"])
-def rt(request, gguf_pair, monkeypatch_module):  # noqa: F811
-    if request.param == "torch":
-        monkeypatch_module.setenv("SPECDEC_CPU_KERNEL", "0")
+def rt(request, gguf_pair):  # noqa: F811
+    if request.param == "torch":  # the model keeps the library it was built with: None here
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("SPECDEC_CPU_KERNEL", "0")
+            kernels.library.cache_clear()
+            model = load_gguf(gguf_pair[0])
         kernels.library.cache_clear()
-    elif not kernels.available():
+        assert model._lib is None
+        return model
+    if not kernels.available():
         pytest.skip("no CPU kernels")
     model = load_gguf(gguf_pair[0])
-    model.set_numerics("q8" if request.param == "q8" else "exact")
-    yield model
-    if request.param == "torch":
-        monkeypatch_module.delenv("SPECDEC_CPU_KERNEL")
-        kernels.library.cache_clear()
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    mp = pytest.MonkeyPatch()
-    yield mp
-    mp.undo()
+    model.set_numerics(request.param)
+    return model
 
 
 def decode_path(model, tokens: list[int]) -> torch.Tensor:
