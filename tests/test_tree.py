@@ -359,3 +359,25 @@ def test_trace_and_analyze_report_trees():
     assert t["speedup_with_nodes"]["5"] == round(7 * 5.0 / 30.0, 3)
     rep = analyze(recs)
     assert rep["trees"]["tree_passes"] == 3 and rep["acceptance_by_position"][:2] == [round(2 / 3, 4), 0.5]
+
+
+def test_datastore_branches_and_chains_merge_into_one_tree():
+    """The datastore's runner-up continuation becomes a branch valued by its share of the matches; a chain with
+    recycle merges the branches with recycle's tree, shared prefixes once."""
+    from specdec.drafters.chain import ChainDrafter
+    from specdec.drafters.datastore import DatastoreDrafter
+    seqs = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 7], [9, 2, 3, 4, 8, 8, 8], [0, 2, 3, 4, 5, 6, 9],
+            [7, 2, 3, 4, 8, 1, 1]]
+    store = DatastoreDrafter(torch.tensor([t for s in seqs for t in (*s, -1)]), 20)
+    assert store.propose([2, 3, 4], 3, None, None).tokens == [5, 6, 7]
+    t = store.propose_tree([2, 3, 4], 3, None, None)
+    assert (t.tokens, t.parents) == ([5, 6, 8, 7], [-1, 0, -1, 1])
+    assert t.values == pytest.approx([0.6, 0.6, 0.4, 0.4])  # 3 of 5 matches go on with 5, all 3 of those with 6, ...
+    table = RecycleTable(20)
+    logits = torch.full((2, 20), -9.0)
+    logits[0, 5], logits[1, 11] = 9.0, 9.0  # recycle: after 4 comes 5, after 5 comes 11
+    table.update([4, 5], logits)
+    chain = ChainDrafter([store, RecycleDrafter(table)])
+    m = chain.propose([2, 3, 4], 3, SamplingParams(), None)
+    assert m.tokens[:4] == [5, 6, 8, 7] and 11 in m.tokens
+    assert m.parents[m.tokens.index(11)] == 0  # under the shared first node 5, not a second copy of it

@@ -27,25 +27,28 @@ class ChainDrafter:
 
     def propose(self, context, k, params, generator) -> Draft:
         for i, m in enumerate(self.members):
-            draft = m.propose(context, k, params, generator)
+            branching = self.makes_trees and hasattr(m, "propose_tree")  # several continuations, as one tree
+            draft = (m.propose_tree if branching else m.propose)(context, k, params, generator)
             if draft.tokens:
                 return self._with_trees(i, draft, context, k, params, generator) if self.makes_trees else draft
         return Draft()
 
     def _with_trees(self, i, draft, context, k, params, generator) -> Draft:
+        """The member's proposal as a valued tree (a chain by its measured acceptance by depth; a tree by its own
+        values), merged with the trees of the tree-making members after it."""
         self._last = None
-        if draft.is_tree:
-            return draft
-        est = self.alphas.setdefault(i, [])
-        values, v = [], 1.0
-        for d in range(len(draft.tokens)):
-            v *= est[d][0] if d < len(est) else PRIOR_ALPHA
-            values.append(v)
-        tree = Draft(draft.tokens, parents=chain_parents(len(draft.tokens)), values=values)
+        tree = draft
+        if not draft.is_tree:
+            est = self.alphas.setdefault(i, [])
+            values, v = [], 1.0
+            for d in range(len(draft.tokens)):
+                v *= est[d][0] if d < len(est) else PRIOR_ALPHA
+                values.append(v)
+            tree = Draft(draft.tokens, parents=chain_parents(len(draft.tokens)), values=values)
+            self._last = (i, len(draft.tokens))
         for m in self.members[i + 1:]:
             if getattr(m, "makes_trees", False):
                 tree = merge(tree, m.propose(context, k, params, generator), MAX_NODES)
-        self._last = (i, len(draft.tokens))
         return tree
 
     def observe_verify(self, context, draft, logits, accepted) -> None:

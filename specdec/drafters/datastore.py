@@ -56,6 +56,38 @@ class DatastoreDrafter:
         return hashes[order], ends[order]
 
     def propose(self, context, k, params, generator) -> Draft:
+        found = self._matches(context)
+        return Draft() if found is None else Draft(self._walk(found, k))
+
+    def propose_tree(self, context, k, params, generator, branches: int = 2) -> Draft:
+        """The majority continuation and up to `branches - 1` runner-ups at the first token, each walked on as
+        `_walk` does, as one tree; a node's value is the share of matches that agree with its path (the
+        datastore's own estimate that the target continues that way)."""
+        found = self._matches(context)
+        if found is None:
+            return Draft()
+        nxt = self.tokens[found.long().clamp(max=len(self.tokens) - 1)]
+        nxt = torch.where(found < len(self.tokens), nxt, -1)
+        values, counts = torch.unique(nxt[nxt >= 0], return_counts=True)
+        tokens, parents, vals = [], [], []
+        for j in torch.argsort(counts, descending=True, stable=True)[:branches].tolist():
+            count, token = int(counts[j]), int(values[j])
+            if count < self.min_count or (tokens and count < self.min_share * len(found) / 2):
+                break
+            share = count / len(found)
+            tokens.append(token), parents.append(-1), vals.append(share)
+            starts = found[nxt == token] + 1
+            rest, shares = self._walk(starts, k - 1, with_shares=True)
+            for t, sh in zip(rest, shares):
+                tokens.append(t), parents.append(len(tokens) - 2), vals.append(vals[-1] * sh)
+        order = sorted(range(len(tokens)), key=lambda i: -vals[i])  # best first (parents before children)
+        where = {old: new for new, old in enumerate(order)}
+        return Draft([tokens[i] for i in order], parents=[-1 if parents[i] < 0 else where[parents[i]] for i in order],
+                     values=[vals[i] for i in order])
+
+    def _matches(self, context):
+        """End offsets of the datastore's occurrences of the context's last n tokens (n = 4, then 3), the most recent
+        MAX_MATCHES; None when fewer than min_count."""
         for n in ORDERS:
             if len(context) < n:
                 continue
@@ -65,13 +97,12 @@ class DatastoreDrafter:
             lo, hi = int(torch.searchsorted(hashes, key)), int(torch.searchsorted(hashes, key, right=True))
             found = ends[lo:hi]
             found = found[(self.tokens[found[:, None].long() - n + torch.arange(n)] == gram).all(1)]  # collisions out
-            if len(found) < self.min_count:
-                continue
-            return Draft(self._walk(found[-MAX_MATCHES:], k))
-        return Draft()
+            if len(found) >= self.min_count:
+                return found[-MAX_MATCHES:]
+        return None
 
-    def _walk(self, starts: torch.Tensor, k: int) -> list[int]:
-        out = []
+    def _walk(self, starts: torch.Tensor, k: int, with_shares: bool = False):
+        out, shares = [], []
         for i in range(k):
             pos = starts + i
             nxt = self.tokens[pos.clamp(max=len(self.tokens) - 1)]
@@ -85,9 +116,9 @@ class DatastoreDrafter:
             if count < self.min_count or count < self.min_share * len(starts):
                 break
             token = int(values[best])
-            out.append(token)
+            out.append(token), shares.append(count / len(starts))
             starts = starts[nxt == token]
-        return out
+        return (out, shares) if with_shares else out
 
     def reset(self) -> None:
         pass
