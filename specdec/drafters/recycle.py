@@ -95,6 +95,14 @@ class RecycleTable:
         return table
 
 
+def token_paths(draft: Draft) -> list[tuple[int, ...]]:
+    """Each node's tokens from the root's child down to it: what identifies a node across trees."""
+    out: list[tuple[int, ...]] = []
+    for t, p in zip(draft.tokens, draft.parents):
+        out.append((out[p] if p >= 0 else ()) + (t,))
+    return out
+
+
 class RecycleDrafter:
     name = "recycle"
     free = True  # a table lookup per node
@@ -102,7 +110,7 @@ class RecycleDrafter:
 
     def __init__(self, table: RecycleTable, path: Path | None = None):
         self.table, self.path = table, path
-        self._last: tuple[Draft, list[int], bool] | None = None  # the last proposal, its buckets, sampled
+        self._last: tuple[dict, bool] | None = None  # the last proposal: token path -> bucket; sampled
 
     def propose(self, context, k, params, generator) -> Draft:
         t = self.table
@@ -130,8 +138,9 @@ class RecycleDrafter:
             return out
 
         draft = best_first(context[-1], children, MAX_NODES, k)
-        parent_tok = [context[-1] if p < 0 else draft.tokens[p] for p in draft.parents]
-        self._last = (draft, [buckets[(pt, tok)] for pt, tok in zip(parent_tok, draft.tokens)], sampled)
+        paths = token_paths(draft)
+        self._last = ({paths[i]: buckets[(paths[i][-2] if len(paths[i]) > 1 else context[-1], t)]
+                       for i, t in enumerate(draft.tokens)}, sampled)
         return draft
 
     def observe_verify(self, context, draft, logits, accepted) -> None:
@@ -140,17 +149,14 @@ class RecycleDrafter:
         t.update([context[-1]] + (draft.tokens if draft else []), logits)
         if self._last is None or draft is None or not draft.is_tree:
             return
-        mine, buckets, sampled = self._last
+        mine, sampled = self._last
         self._last = None
-        n = len(draft.tokens)
-        if draft.tokens != mine.tokens[:n] or draft.parents != mine.parents[:n]:
-            return  # not (a prefix of) our proposal
-        ok = set(accepted)
-        m = int(sampled)
-        for i, p in enumerate(draft.parents):
-            if p < 0 or p in ok:  # the node was reached: its parent was accepted
-                t.offered[m, buckets[i]] += 1
-                t.accepted[m, buckets[i]] += i in ok
+        ok, m = set(accepted), int(sampled)
+        for i, (p, path) in enumerate(zip(draft.parents, token_paths(draft))):
+            b = mine.get(path)  # our node, wherever pruning or merging with other drafts put it
+            if b is not None and (p < 0 or p in ok):  # reached: its parent was accepted
+                t.offered[m, b] += 1
+                t.accepted[m, b] += i in ok
 
     def save(self) -> None:
         if self.path is not None:
