@@ -166,7 +166,18 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": []}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_object"}}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+                              "max_completion_tokens": 6}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "frobnicate": 1}, 400),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}, 404),
     ("/v1/completions", {"prompt": ""}, 400),
     ("/v1/completions", {"prompt": "x" * 400}, 400),
@@ -311,3 +322,32 @@ def test_worker_exception_is_a_clean_500_and_a_logged_traceback(decoder, capfd, 
         assert "Traceback" in err and "RuntimeError: kernel exploded" in err
     finally:
         srv.stop()
+
+
+def test_what_openai_clients_send_is_served_as_its_plain_equivalent(live):
+    """max_completion_tokens, text content parts, the developer role, tool-call history and the fields SDK helpers
+    add (store, metadata, ...) are accepted; each request answers exactly what its plain form answers (greedy);
+    a refused field is named in the error."""
+    def chat(**body):
+        r = httpx.post(live.url + "/v1/chat/completions", json={"temperature": 0, **body}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"]
+
+    plain = chat(messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi\nthere"}],
+                 max_tokens=12)
+    assert chat(messages=[{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+                          {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text",
+                                                                                       "text": "there"}]}],
+                max_completion_tokens=12, store=False, metadata={"k": "v"}, service_tier="auto", user="u1",
+                parallel_tool_calls=True, reasoning_effort="low") == plain
+    history = [{"role": "user", "content": "weather?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "get", "arguments": "{\"city\": \"Oslo\"}"}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "rain"}]
+    assert isinstance(chat(messages=history, max_tokens=8), str)
+    r = httpx.post(live.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                             "logprobs": True})
+    assert r.status_code == 400 and "logprobs" in r.json()["error"]["message"]
+    r = httpx.post(live.url + "/v1/completions", json={"prompt": ["hi"], "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == httpx.post(
+        live.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4, "temperature": 0}).json()["choices"][0]["text"]

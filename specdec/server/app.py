@@ -107,7 +107,7 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
-        messages = [m.model_dump() for m in req.messages]
+        messages = [m.for_template() for m in req.messages]
         return await _serve(req, request, messages, chat=True, kind="chat")
 
     @app.post("/v1/completions")
@@ -125,7 +125,7 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
         prompt_ids = await asyncio.to_thread(decoder.encode, prompt, chat)
         prompt_tokens = len(prompt_ids)
         room = decoder.context_window - prompt_tokens
-        max_tokens = req.max_tokens or min(max_tokens_default, room)
+        max_tokens = req.token_limit or min(max_tokens_default, room)
         if max_tokens > room:
             raise APIError(400, f"max_tokens {max_tokens} + prompt {prompt_tokens} tokens exceed the context "
                                 f"window of {decoder.context_window}", code="context_length_exceeded")

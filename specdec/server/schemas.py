@@ -2,12 +2,18 @@
 client never silently gets a different behaviour than it asked for."""
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..api import MAX_STOP_CHARS, MAX_STOPS
 from ..sampling import MAX_TEMPERATURE, SEED_RANGE
+
+
+# Sent by SDK helpers and gateways; they change no output of this server, so they are accepted and ignored.
+IGNORED = ("store", "metadata", "service_tier", "user", "parallel_tool_calls", "reasoning_effort", "modalities",
+           "prompt_cache_key", "safety_identifier")
 
 
 class _Request(BaseModel):
@@ -15,6 +21,7 @@ class _Request(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1, lt=2**31)
+    max_completion_tokens: int | None = Field(default=None, ge=1, lt=2**31)  # OpenAI's current name (chat)
     temperature: float = Field(default=1.0, ge=0, le=MAX_TEMPERATURE)
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=0, ge=0, lt=2**31)  # extensions: top_k, tau, policy
@@ -22,12 +29,30 @@ class _Request(BaseModel):
     policy: Literal["fixed", "heuristic", "adaptive"] | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=-SEED_RANGE // 2, lt=SEED_RANGE)
-    n: Literal[1] = 1
+    n: int = Field(default=1, ge=1, le=128)
     stream: bool = False
     stream_options: dict | None = None
-    user: str | None = None
     presence_penalty: Literal[0] = 0
     frequency_penalty: Literal[0] = 0
+    # accepted, ignored (IGNORED)
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
+    modalities: list[str] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # would change the output and are not served yet: each refused by name (_unsupported)
+    logprobs: Any = None
+    top_logprobs: Any = None
+    logit_bias: Any = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
 
     @field_validator("stop")
     @classmethod
@@ -38,15 +63,86 @@ class _Request(BaseModel):
                              "characters")
         return stops
 
+    @model_validator(mode="after")
+    def _unsupported(self):
+        refuse = {
+            "n": self.n > 1,
+            "logprobs": self.logprobs not in (None, False, 0),
+            "top_logprobs": self.top_logprobs not in (None, 0),
+            "logit_bias": bool(self.logit_bias),
+            "response_format": self.response_format not in (None, {"type": "text"}),
+            "tools": bool(self.tools),
+            "functions": bool(self.functions),
+            "tool_choice": self.tool_choice not in (None, "none", "auto"),
+            "function_call": self.function_call not in (None, "none", "auto"),
+        }
+        for name, bad in refuse.items():
+            if bad:
+                raise ValueError(f"{name} is not supported by this server yet (send it unset)")
+        if self.max_tokens and self.max_completion_tokens and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("max_tokens and max_completion_tokens disagree; send one")
+        return self
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
     @property
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
 
 
 class Message(BaseModel):
+    """A chat message as OpenAI's clients send it: content a string or a list of text parts (joined by newlines),
+    `developer` as `system`, assistant `tool_calls` and `tool` results passed to the chat template."""
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict] | None = None
+    name: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, v):
+        if not isinstance(v, list):
+            return v
+        texts = []
+        for part in v:
+            kind = part.get("type")
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"content part type {str(kind)[:40]!r} is not supported (text parts only)"
+                                 if kind != "text" else "a text content part needs a string 'text'")
+            texts.append(part["text"])
+        return "\n".join(texts)
+
+    @model_validator(mode="after")
+    def _content_present(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only for an assistant message with tool_calls)")
+        return self
+
+    def for_template(self) -> dict:
+        out = {"role": "system" if self.role == "developer" else self.role, "content": self.content or ""}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [_tool_call(c) for c in self.tool_calls]
+        return out
+
+
+def _tool_call(call: dict) -> dict:
+    """OpenAI's tool call, arguments as a JSON string, in the form chat templates read (arguments as an object
+    where the string parses)."""
+    fn = dict(call.get("function") or {})
+    if isinstance(fn.get("arguments"), str):
+        try:
+            fn["arguments"] = json.loads(fn["arguments"])
+        except ValueError:
+            pass
+    return {**call, "type": call.get("type", "function"), "function": fn}
 
 
 class ChatRequest(_Request):
@@ -54,5 +150,27 @@ class ChatRequest(_Request):
 
 
 class CompletionRequest(_Request):
-    prompt: str = Field(min_length=1)
+    prompt: str | list[str] = Field(min_length=1)
     max_tokens: int | None = Field(default=16, ge=1, lt=2**31)  # OpenAI's default for completions
+    echo: bool = False
+    best_of: int | None = Field(default=None, ge=1)
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list):
+            if len(v) != 1:
+                raise ValueError("a list of several prompts is not supported by this server yet")
+            v = v[0]
+        if not v:
+            raise ValueError("prompt must be a non-empty string")
+        return v
+
+    @model_validator(mode="after")
+    def _completion_only(self):
+        for name, bad in {"echo": self.echo, "best_of": self.best_of not in (None, 1), "suffix": bool(self.suffix)
+                          }.items():
+            if bad:
+                raise ValueError(f"{name} is not supported by this server yet (send it unset)")
+        return self
