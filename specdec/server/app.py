@@ -75,7 +75,8 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
     async def _validation(request, exc: RequestValidationError):
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-        return JSONResponse(error_body(f"{where + ': ' if where else ''}{err.get('msg', 'invalid request')}"), 400)
+        msg = str(err.get("msg", "invalid request")).removeprefix("Value error, ")  # pydantic's prefix
+        return JSONResponse(error_body(f"{where + ': ' if where else ''}{msg}"), 400)
 
     @app.exception_handler(SpecDecError)
     async def _specdec(request, exc: SpecDecError):
