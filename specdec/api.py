@@ -18,6 +18,7 @@ from . import models
 from .drafters import ModelDrafter, registry
 from .drafters.feature import is_feature_draft
 from .drafters.registry import SHIPPED_DRAFT
+from .constraints import Grammars
 from .engine import Engine
 from .policy import make_policy
 from .errors import InvalidRequest, PromptTooLong
@@ -162,6 +163,7 @@ class SpecDecoder:
         self._policies = {}  # (name, tau) -> policy; adaptive estimates persist across requests
         self.context_window = models.context_window(model)
         self.engine = Engine(model, drafter, model.config.vocab_size, models.eos_ids(model, tok), self.context_window)
+        self.grammars = Grammars(tok, model.config.vocab_size, self.engine.eos_ids)  # structured outputs
 
     # ---- prompts -------------------------------------------------------------------------------------------
     def encode(self, prompt, chat: bool = True) -> list[int]:
@@ -174,9 +176,12 @@ class SpecDecoder:
     # ---- generation ----------------------------------------------------------------------------------------
     def prepare(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                 top_k: int = 0, seed: int | None = None, stop: list[str] | str | None = None, chat: bool = True,
-                tau: int | None = None, policy: str | None = None, prompt_ids: list[int] | None = None) -> Request:
+                tau: int | None = None, policy: str | None = None, prompt_ids: list[int] | None = None,
+                response_format: dict | None = None) -> Request:
         """Validate and encode one request (InvalidRequest / PromptTooLong on bad input). `prompt_ids`: the prompt
-        already encoded (the server encodes it once, off the model worker)."""
+        already encoded (the server encodes it once, off the model worker). `response_format`: OpenAI's
+        ({"type": "json_object"}, or "json_schema" with {"json_schema": {"schema": ...}}): the output follows the
+        grammar (constraints.py)."""
         _positive_int("max_new_tokens", max_new_tokens)
         tau = self.tau if tau is None else _positive_int("tau", tau)
         key = (policy or self.policy, tau)
@@ -188,12 +193,15 @@ class SpecDecoder:
             raise InvalidRequest(f"stop must be up to {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} "
                                  "characters")
         ids = self.encode(prompt, chat) if prompt_ids is None else prompt_ids
-        return Request(self, ids, max_new_tokens, params, stops, tau, self._policies[key])
+        req = Request(self, ids, max_new_tokens, params, stops, tau, self._policies[key])
+        req.constraint = self.grammars.constraint(response_format)
+        return req
 
     def stream_chunks(self, prompt, **kwargs) -> Iterator[Chunk]:
         """One Chunk per cycle (keyword arguments as prepare)."""
         req = self.prepare(prompt, **kwargs)
-        for rec in self.engine.run(req.prompt_ids, req.max_new_tokens, req.params, req.policy, req.stop_check):
+        for rec in self.engine.run(req.prompt_ids, req.max_new_tokens, req.params, req.policy, req.stop_check,
+                                   req.constraint):
             yield req.chunk(rec)
 
     def stream(self, prompt, **kwargs) -> Iterator[str]:

@@ -32,15 +32,15 @@ from time import perf_counter
 
 import torch
 
-from .drafters.base import close, fork, propose_many
-from .drafters.tree import depths, path, prune
+from .drafters.base import Draft, close, fork, propose_many
+from .drafters.tree import best_chain, depths, path, prune
 from .engine import StopCheck, cut
 from .policy import AdaptivePolicy, _Ema
 from .runtime.model import Llama, common_prefix_len, fit_vocab
 from .sampling import PositionNoise, SamplingParams
 from .scheduler import Demand, plan
 from .trace import CycleRecord
-from .verification import verify_block, verify_tree
+from .verification import verify_block, verify_constrained, verify_tree
 
 
 @dataclass
@@ -52,6 +52,7 @@ class Sequence:
     stop: StopCheck | None = None
     max_tau: int = 8  # the most draft rows it may get per cycle
     fixed_tau: bool = False  # a fixed-τ request drafts exactly max_tau whenever the budget allows
+    constraint: object = None  # constraints.Constraint: a grammar the output follows (structured outputs)
     id: int = field(default_factory=itertools.count().__next__)
     finish_reason: str | None = None
 
@@ -141,9 +142,9 @@ class BatchEngine:
         est = AdaptivePolicy(seq.max_tau, max(seq.max_tau, 1))
         for mine, ours in zip(est.alpha, self.shared.alpha):
             mine.value = ours.value
-        if getattr(self.drafter, "makes_trees", False) and not seq.params.greedy \
-                and not isinstance(seq.generator, PositionNoise):
-            seq.generator = PositionNoise.fresh()  # trees verify by the race rule
+        if not seq.params.greedy and not isinstance(seq.generator, PositionNoise) and (
+                seq.constraint is not None or getattr(self.drafter, "makes_trees", False)):
+            seq.generator = PositionNoise.fresh()  # trees and grammars verify by the race rule
         slot = self.model.acquire_slot()
         try:
             self._state[seq.id] = (slot, fork(self.drafter), est)
@@ -197,7 +198,16 @@ class BatchEngine:
         for s in [s for s in self.running if not s.prefilling]:
             room = min(s.max_new_tokens - len(s.generated), self.context_window - len(s.tokens))
             caps[s.id] = max(0, min(s.max_tau, room - 1))  # never draft more than can be emitted
-            if free and caps[s.id]:  # propose first: the scheduler then knows what there is to verify
+            if s.constraint is not None:  # the grammar's forced tokens, then a free drafter's guess: one chain
+                t = perf_counter()
+                try:
+                    early[s.id] = self._constrained_draft(s, room, caps[s.id], free)
+                except Exception as e:  # noqa: BLE001
+                    self._fail(s, e)
+                    continue
+                draft_ms[s.id] = (perf_counter() - t) * 1e3
+                caps[s.id] = len(early[s.id].tokens)
+            elif free and caps[s.id]:  # propose first: the scheduler then knows what there is to verify
                 t = perf_counter()
                 try:
                     early[s.id] = self._state[s.id][1].propose(s.tokens, caps[s.id], s.params, s.generator)
@@ -234,7 +244,7 @@ class BatchEngine:
 
         for s, tau, d in zip(decoding, taus, demands):
             s.idle = 0 if tau or not d.cap else s.idle + 1
-        late = [(s, tau) for s, tau in zip(decoding, taus) if tau and s.id not in early]
+        late = [(s, tau) for s, tau in zip(decoding, taus) if tau and s.id not in early and s.constraint is None]
         if late:  # one batched proposal (the feature draft's layer runs once per step for all of them)
             t = perf_counter()
             made = self._propose_late(late)
@@ -311,6 +321,17 @@ class BatchEngine:
                      "verify_ms": verify_ms}
         return results
 
+    def _constrained_draft(self, s: Sequence, room: int, cap: int, free: bool) -> Draft:
+        """What the grammar forces (drafted for free, unless the request runs without a drafter), then a model-free
+        drafter's proposal after it, cut where the grammar would refuse a token."""
+        drafter = self._state[s.id][1]
+        if getattr(drafter, "name", "") == "none":
+            return Draft()
+        forced = s.constraint.forced(room - 1)
+        more = drafter.propose(s.tokens + forced, cap, s.params, s.generator) if free and cap else None
+        tokens = forced + (best_chain(more)[:cap] if more is not None else [])
+        return Draft(tokens[: s.constraint.valid_prefix(tokens)])
+
     def _propose_late(self, late: list[tuple[Sequence, int]]) -> list:
         """Drafts for the requests that draft after the row split, batched; should the batched call raise, each
         request is asked on its own so that only the one whose drafting fails leaves (its draft None)."""
@@ -354,7 +375,10 @@ class BatchEngine:
         if s.cycle == 0 and self.prefixes is not None:  # the prompt is in the slot now
             self.prefixes.store(s.prompt, self._state[s.id][0])
         drafter = self._state[s.id][1]
-        if draft is not None and draft.is_tree and proposed:
+        if s.constraint is not None:
+            n, token = verify_constrained(proposed, block, s.params, s.generator, len(s.tokens), s.constraint)
+            nodes = list(range(n))
+        elif draft is not None and draft.is_tree and proposed:
             nodes, token = verify_tree(proposed, draft.parents, block, s.params, s.generator, len(s.tokens))
             if nodes:  # the accepted path's K/V to the positions its tokens take
                 base = len(s.tokens)

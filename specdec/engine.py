@@ -6,12 +6,12 @@ from time import perf_counter
 
 from .costs import PassCosts, best_tree_size
 from .drafters.base import Draft, Drafter
-from .drafters.tree import chain_parents, path, prune
+from .drafters.tree import best_chain, chain_parents, prune
 from .kv import cached_model
 from .policy import FixedPolicy
 from .sampling import PositionNoise, SamplingParams
 from .trace import CycleRecord
-from .verification import verify_block, verify_tree
+from .verification import verify_block, verify_constrained, verify_tree
 
 StopCheck = Callable[[list[int]], "int | None"]  # generated ids -> how many to keep, if a stop string completed
 
@@ -26,29 +26,41 @@ class Engine:
         self.costs = PassCosts()  # the verify curve trees are sized by, measured here
 
     def run(self, prompt: list[int], max_new_tokens: int, params: SamplingParams, policy,
-            stop: StopCheck | None = None) -> Iterator[CycleRecord]:
+            stop: StopCheck | None = None, constraint=None) -> Iterator[CycleRecord]:
         """Yields one record per cycle; the last one carries finish_reason. `policy` picks τ each cycle
-        (an int means a fixed τ)."""
+        (an int means a fixed τ). `constraint` (constraints.Constraint): a grammar the output follows."""
         policy = FixedPolicy(policy) if isinstance(policy, int) else policy
         policy.start()
         self.target.reset()
         self.drafter.reset()
         gen = params.generator()
-        if self.trees and not params.greedy and not isinstance(gen, PositionNoise) \
-                and getattr(self.drafter, "makes_trees", False):
-            gen = PositionNoise.fresh()  # trees verify by the race rule; unseeded requests draw their seed
+        if not params.greedy and not isinstance(gen, PositionNoise) and (
+                constraint is not None or self.trees and getattr(self.drafter, "makes_trees", False)):
+            gen = PositionNoise.fresh()  # trees and grammars verify by the race rule; unseeded requests draw a seed
         seq, n_prompt = list(prompt), len(prompt)
         for cycle in range(max_new_tokens):  # >= 1 token per cycle
             t0 = perf_counter()
             tau = policy.next_tau()
             room = min(max_new_tokens - (len(seq) - n_prompt), self.context_window - len(seq))
             k = max(0, min(tau, room - 1))  # never draft more than can be emitted
-            draft = self.drafter.propose(seq, k, params, gen) if k else None
-            draft = self._shape(draft, k, self.context_window - len(seq) - 1)
+            forced = 0
+            if constraint is not None:  # what the grammar forces, then the drafter's guess after it: one chain
+                free = constraint.forced(room - 1) if self.drafter.name != "none" else []  # none: target-only
+                more = self.drafter.propose(seq + free, k, params, gen) if k else None
+                tokens = free + (best_chain(more)[:k] if more is not None else [])
+                draft = Draft(tokens[: constraint.valid_prefix(tokens)]) if tokens else None
+                forced = min(len(free), len(draft.tokens)) if draft else 0
+            else:
+                draft = self.drafter.propose(seq, k, params, gen) if k else None
+                draft = self._shape(draft, k, self.context_window - len(seq) - 1)
             proposed = draft.tokens if draft else []
             t1 = perf_counter()
 
-            if draft is not None and draft.is_tree:
+            if constraint is not None:
+                logits = self.target.forward(seq + proposed, len(proposed) + 1)
+                n, token = verify_constrained(proposed, logits, params, gen, len(seq), constraint)
+                nodes, accepted = list(range(n)), proposed[:n]
+            elif draft is not None and draft.is_tree:
                 logits = self.target.forward_tree(seq, proposed, draft.parents)
                 nodes, token = verify_tree(proposed, draft.parents, logits, params, gen, len(seq))
                 self.target.keep_path(nodes)
@@ -75,7 +87,7 @@ class Engine:
             record = CycleRecord(cycle, tau, proposed, n, emitted, draft_ms=round((t1 - t0) * 1e3, 3),
                                  verify_ms=round((t2 - t1) * 1e3, 3), cycle_ms=round((perf_counter() - t0) * 1e3, 3),
                                  finish_reason=finish, parents=draft.parents if draft is not None else None,
-                                 path=nodes if draft is not None and draft.is_tree else None)
+                                 path=nodes if draft is not None and draft.is_tree else None, forced=forced)
             if cycle:  # cycle 0 carries the prompt's prefill
                 self.costs.observe(len(proposed) + 1, record.verify_ms)
             policy.observe(record)
@@ -90,8 +102,8 @@ class Engine:
         if draft is None or not draft.is_tree:
             return Draft(draft.tokens[:depth], draft.q) if draft is not None and len(draft.tokens) > depth else draft
         if not self.trees:
-            leaf = max(range(len(draft.tokens)), key=lambda i: (len(path(draft.parents, i)), -i), default=None)
-            return Draft([draft.tokens[i] for i in path(draft.parents, leaf)][:depth]) if leaf is not None else None
+            chain = best_chain(draft)[:depth]
+            return Draft(chain) if chain else None
         n = best_tree_size(draft.values or [1.0] * len(draft.tokens), self.costs)
         tree = prune(draft, min(n, max_nodes))
         if tree.parents == chain_parents(len(tree.tokens)):

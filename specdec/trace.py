@@ -18,6 +18,7 @@ class CycleRecord:
     finish_reason: str | None = None  # set on the last record: "stop" or "length"
     parents: list[int] | None = None  # a token tree's shape (drafters/tree.py); None: `proposed` is a chain
     path: list[int] | None = None  # a tree's accepted nodes, root to leaf
+    forced: int = 0  # leading drafts the grammar forced (structured outputs: drafted for free)
 
     def to_dict(self) -> dict:
         return asdict(self)

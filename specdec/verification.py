@@ -92,3 +92,25 @@ def verify_tree(tokens: list[int], parents: list[int], logits: torch.Tensor, par
             return accepted, want
         accepted.append(nxt)
         node = nxt
+
+
+def verify_constrained(draft: list[int], logits: torch.Tensor, params: SamplingParams, generator, position: int,
+                       constraint) -> tuple[int, int]:
+    """A chain under a grammar (constraints.Constraint): row i is masked with the grammar's state after the i
+    draft tokens before it, then chosen as target-only would choose from the masked row: the argmax, or the race
+    winner at position + i (sampling). Accept while the draft token is that choice. The grammar's state ends after
+    the accepted drafts and the target's token. -> (n_accepted, next_token)"""
+    n = 0
+    while True:
+        row = constraint.masked(logits[n])
+        if params.greedy:
+            token = int(row.argmax())
+        elif isinstance(generator, PositionNoise):
+            token = int(generator.race_at(warp(row[None], params), [position + n]).argmax())
+        else:
+            raise ValueError("sampled constrained verification needs seeded noise (PositionNoise)")
+        constraint.accept(token)
+        if n < len(draft) and draft[n] == token:
+            n += 1
+            continue
+        return n, token

@@ -30,6 +30,17 @@ def path(parents: list[int], node: int) -> list[int]:
     return out[::-1]
 
 
+def best_chain(draft: Draft) -> list[int]:
+    """A draft's tokens as a chain: a chain as it is, a tree's deepest branch (the first of the deepest)."""
+    if not draft.is_tree:
+        return list(draft.tokens)
+    ds = depths(draft.parents)
+    if not ds:
+        return []
+    leaf = max(range(len(ds)), key=lambda i: (ds[i], -i))
+    return [draft.tokens[i] for i in path(draft.parents, leaf)]
+
+
 def chain_parents(n: int) -> list[int]:
     return list(range(-1, n - 1))
 

@@ -132,7 +132,8 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
                                 f"window of {decoder.context_window}", code="context_length_exceeded")
         job = worker.submit(dict(prompt=prompt, chat=chat, max_new_tokens=max_tokens, temperature=req.temperature,
                                  top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=req.stop,
-                                 tau=req.tau, policy=req.policy, prompt_ids=prompt_ids))
+                                 tau=req.tau, policy=req.policy, prompt_ids=prompt_ids,
+                                 response_format=req.response_format))
         if job is None:
             raise APIError(429, "server busy: request queue is full, retry later", "rate_limit_error",
                            "queue_full")

@@ -48,7 +48,7 @@ class _Request(BaseModel):
     logprobs: Any = None
     top_logprobs: Any = None
     logit_bias: Any = None
-    response_format: Any = None
+    response_format: dict | None = None  # text, json_object, json_schema (constraints.py)
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -70,7 +70,6 @@ class _Request(BaseModel):
             "logprobs": self.logprobs not in (None, False, 0),
             "top_logprobs": self.top_logprobs not in (None, 0),
             "logit_bias": bool(self.logit_bias),
-            "response_format": self.response_format not in (None, {"type": "text"}),
             "tools": bool(self.tools),
             "functions": bool(self.functions),
             "tool_choice": self.tool_choice not in (None, "none", "auto"),
@@ -79,6 +78,11 @@ class _Request(BaseModel):
         for name, bad in refuse.items():
             if bad:
                 raise ValueError(f"{name} is not supported by this server yet (send it unset)")
+        rf = self.response_format
+        if rf is not None and (rf.get("type") not in ("text", "json_object", "json_schema") or (
+                rf.get("type") == "json_schema" and not isinstance((rf.get("json_schema") or {}).get("schema"), dict))):
+            raise ValueError("response_format must be {\"type\": \"text\" | \"json_object\"} or {\"type\": "
+                             "\"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}")
         if self.max_tokens and self.max_completion_tokens and self.max_tokens != self.max_completion_tokens:
             raise ValueError("max_tokens and max_completion_tokens disagree; send one")
         return self
