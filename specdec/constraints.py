@@ -34,7 +34,10 @@ class Grammars:
             raise InvalidRequest("structured outputs need llguidance: pip install 'specdec[server]'")
         tok = self.tokenizer
         backend = tok._tok if hasattr(tok, "_tok") else tok.backend_tokenizer  # tokenizers' own object
-        return llguidance.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size, eos_token=self.eos_ids)
+        try:
+            return llguidance.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size, eos_token=self.eos_ids)
+        except ValueError as e:  # a tokenizer llguidance cannot read (e.g. no byte-level decoder)
+            raise InvalidRequest(f"structured outputs are not available for this model's tokenizer: {e}")
 
     def constraint(self, response_format: dict | None) -> Constraint | None:
         """OpenAI's response_format -> a Constraint (None for text). InvalidRequest for what cannot be compiled."""
