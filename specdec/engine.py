@@ -45,9 +45,11 @@ class Engine:
             k = max(0, min(tau, room - 1))  # never draft more than can be emitted
             forced = 0
             if constraint is not None:  # what the grammar forces, then the drafter's guess after it: one chain
-                free = constraint.forced(room - 1) if self.drafter.name != "none" else []  # none: target-only
-                more = self.drafter.propose(seq + free, k, params, gen) if k else None
-                tokens = free + (best_chain(more)[:k] if more is not None else [])
+                # within τ: a pass's rows cost the same whoever drafted them (`none` drafts nothing: target-only)
+                free = constraint.forced(k) if self.drafter.name != "none" else []
+                rest = k - len(free)
+                more = self.drafter.propose(seq + free, rest, params, gen) if rest > 0 else None
+                tokens = free + (best_chain(more)[:rest] if more is not None else [])
                 draft = Draft(tokens[: constraint.valid_prefix(tokens)]) if tokens else None
                 forced = min(len(free), len(draft.tokens)) if draft else 0
             else:
