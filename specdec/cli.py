@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 import sys
 
 from .errors import SpecDecError
@@ -51,7 +52,8 @@ def cmd_generate(args) -> int:
     sd = SpecDecoder(target=args.target, draft=args.draft, tau=args.tau, policy=args.policy, backend=args.backend,
                      numerics=args.numerics)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                  top_k=args.top_k, seed=args.seed, chat=not args.no_chat, stop=args.stop)
+                  top_k=args.top_k, seed=args.seed, chat=not args.no_chat, stop=args.stop,
+                  response_format=_response_format(args.schema))
     for chunk in sd.stream_chunks(prompt, **kwargs):
         if not args.json:
             sys.stdout.write(chunk.text)
@@ -78,6 +80,21 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _response_format(schema: str | None) -> dict | None:
+    """--schema: 'json' (any JSON object) or a JSON schema file -> OpenAI's response_format."""
+    if schema is None:
+        return None
+    if schema == "json":
+        return {"type": "json_object"}
+    try:
+        loaded = json.loads(Path(schema).read_text())
+    except OSError as e:
+        raise SpecDecError(f"cannot read schema {schema}: {e.strerror}")
+    except ValueError as e:
+        raise SpecDecError(f"{schema} is not JSON: {e}")
+    return {"type": "json_schema", "json_schema": {"name": Path(schema).stem, "schema": loaded}}
+
+
 def build_parser(argv=None) -> argparse.ArgumentParser:
     parser = _Parser(prog="specdec", description="Lossless speculative decoding for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -88,6 +105,8 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--trace", default=None, help="write one JSON record per cycle to this JSONL file")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats)")
+    g.add_argument("--schema", default=None,
+                   help="structured output: 'json' (any JSON object) or a JSON schema file the output follows")
     g.set_defaults(func=cmd_generate)
     for register in _extra_commands(argv):
         register(sub, _model_args, _sampling_args)

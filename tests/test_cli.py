@@ -59,6 +59,8 @@ def test_generate_streams_text(capsys, tiny_dirs):
     (["x" * 300, "--no-chat"], "context window"),
     (["hi", "--trace", "/no/such/dir/t.jsonl"], "cannot write trace"),
     (["hi", "--numerics", "q8", "--backend", "transformers"], "runs on specdec's runtime only"),
+    (["hi", "--schema", "/no/such/schema.json"], "cannot read schema"),
+    (["hi", "--schema", "json"], "structured outputs are not available for this model's tokenizer"),
 ])
 def test_bad_input_one_line_nonzero(capsys, tiny_dirs, args, message):
     args = [tiny_dirs["alien"] if a == "ALIEN" else a for a in args]

@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import os
+import threading
 import time
 
 from fastapi import FastAPI, Request
@@ -24,6 +25,14 @@ from .schemas import ChatRequest, CompletionRequest
 from .worker import BatchWorker, JobTimeout, Worker, WorkerDown
 
 log = logging.getLogger("specdec.server")
+
+
+def _warm_grammars(decoder) -> None:
+    """Read the vocabulary for structured outputs (about a second) at start, not in the first such request."""
+    try:
+        decoder.grammars.lltokenizer
+    except Exception:  # noqa: BLE001 - no llguidance or a tokenizer it cannot read: such requests get a 400 later
+        pass
 
 
 class APIError(Exception):
@@ -53,6 +62,7 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
         worker = Worker(decoder, metrics, max_queue, timeout_s, trace_dir)
     worker.wait_ready()
     decoder = worker.decoder
+    threading.Thread(target=_warm_grammars, args=(decoder,), daemon=True).start()
     app = FastAPI(title="specdec", docs_url=None, redoc_url=None)
     app.state.metrics, app.state.worker, app.state.decoder = metrics, worker, decoder
 
