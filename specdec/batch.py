@@ -37,10 +37,10 @@ from .drafters.tree import best_chain, depths, path, prune
 from .engine import StopCheck, cut
 from .policy import AdaptivePolicy, _Ema
 from .runtime.model import Llama, common_prefix_len, fit_vocab
-from .sampling import PositionNoise, SamplingParams
+from .sampling import PositionNoise, SamplingParams, token_logprobs
 from .scheduler import Demand, plan
 from .trace import CycleRecord
-from .verification import verify_block, verify_constrained, verify_tree
+from .verification import choice_rows, verify_block, verify_constrained, verify_tree
 
 
 @dataclass
@@ -53,6 +53,7 @@ class Sequence:
     max_tau: int = 8  # the most draft rows it may get per cycle
     fixed_tau: bool = False  # a fixed-τ request drafts exactly max_tau whenever the budget allows
     constraint: object = None  # constraints.Constraint: a grammar the output follows (structured outputs)
+    logprobs: int | None = None  # report the emitted tokens' logprobs and this many alternatives
     id: int = field(default_factory=itertools.count().__next__)
     finish_reason: str | None = None
 
@@ -375,8 +376,9 @@ class BatchEngine:
         if s.cycle == 0 and self.prefixes is not None:  # the prompt is in the slot now
             self.prefixes.store(s.prompt, self._state[s.id][0])
         drafter = self._state[s.id][1]
+        masked = [] if s.constraint is not None and s.logprobs is not None else None
         if s.constraint is not None:
-            n, token = verify_constrained(proposed, block, s.params, s.generator, len(s.tokens), s.constraint)
+            n, token = verify_constrained(proposed, block, s.params, s.generator, len(s.tokens), s.constraint, masked)
             nodes = list(range(n))
         elif draft is not None and draft.is_tree and proposed:
             nodes, token = verify_tree(proposed, draft.parents, block, s.params, s.generator, len(s.tokens))
@@ -400,6 +402,9 @@ class BatchEngine:
         rec = CycleRecord(s.cycle, tau, proposed, n, emitted, draft_ms=round(d_ms, 3), verify_ms=round(verify_ms, 3),
                           cycle_ms=round((perf_counter() - t0) * 1e3, 3), finish_reason=finish,
                           parents=draft.parents if tree else None, path=nodes if tree else None)
+        if s.logprobs is not None:
+            rec.logprobs = token_logprobs(choice_rows(block, nodes, tree and s.constraint is None, masked), emitted,
+                                          s.params, s.logprobs)
         s.cycle += 1
         if (proposed or not free) and not tree:  # (a tree's nodes carry the drafter's own estimates)  # a model-free drafter's estimates: over the cycles it proposed in
             self._state[s.id][2].observe(rec)

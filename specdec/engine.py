@@ -9,9 +9,9 @@ from .drafters.base import Draft, Drafter
 from .drafters.tree import best_chain, chain_parents, prune
 from .kv import cached_model
 from .policy import FixedPolicy
-from .sampling import PositionNoise, SamplingParams
+from .sampling import PositionNoise, SamplingParams, token_logprobs
 from .trace import CycleRecord
-from .verification import verify_block, verify_constrained, verify_tree
+from .verification import choice_rows, verify_block, verify_constrained, verify_tree
 
 StopCheck = Callable[[list[int]], "int | None"]  # generated ids -> how many to keep, if a stop string completed
 
@@ -26,9 +26,10 @@ class Engine:
         self.costs = PassCosts()  # the verify curve trees are sized by, measured here
 
     def run(self, prompt: list[int], max_new_tokens: int, params: SamplingParams, policy,
-            stop: StopCheck | None = None, constraint=None) -> Iterator[CycleRecord]:
+            stop: StopCheck | None = None, constraint=None, logprobs: int | None = None) -> Iterator[CycleRecord]:
         """Yields one record per cycle; the last one carries finish_reason. `policy` picks τ each cycle
-        (an int means a fixed τ). `constraint` (constraints.Constraint): a grammar the output follows."""
+        (an int means a fixed τ). `constraint` (constraints.Constraint): a grammar the output follows. `logprobs`
+        (0..20): each record carries the emitted tokens' logprobs and that many alternatives (sampling.token_logprobs)."""
         policy = FixedPolicy(policy) if isinstance(policy, int) else policy
         policy.start()
         self.target.reset()
@@ -58,9 +59,10 @@ class Engine:
             proposed = draft.tokens if draft else []
             t1 = perf_counter()
 
+            masked = [] if constraint is not None and logprobs is not None else None
             if constraint is not None:
                 logits = self.target.forward(seq + proposed, len(proposed) + 1)
-                n, token = verify_constrained(proposed, logits, params, gen, len(seq), constraint)
+                n, token = verify_constrained(proposed, logits, params, gen, len(seq), constraint, masked)
                 nodes, accepted = list(range(n)), proposed[:n]
             elif draft is not None and draft.is_tree:
                 logits = self.target.forward_tree(seq, proposed, draft.parents)
@@ -90,6 +92,9 @@ class Engine:
                                  verify_ms=round((t2 - t1) * 1e3, 3), cycle_ms=round((perf_counter() - t0) * 1e3, 3),
                                  finish_reason=finish, parents=draft.parents if draft is not None else None,
                                  path=nodes if draft is not None and draft.is_tree else None, forced=forced)
+            if logprobs is not None:
+                tree = draft is not None and draft.is_tree and constraint is None
+                record.logprobs = token_logprobs(choice_rows(logits, nodes, tree, masked), emitted, params, logprobs)
             if cycle:  # cycle 0 carries the prompt's prefill
                 self.costs.observe(len(proposed) + 1, record.verify_ms)
             policy.observe(record)

@@ -97,6 +97,22 @@ class PositionNoise:
         return probs.double() / noise
 
 
+def token_logprobs(logits: torch.Tensor, tokens: list[int], params: SamplingParams, top: int) -> list:
+    """[logprob of tokens[i] at row i, [(token, logprob) of the row's `top` likeliest]] per row: the target's own
+    distribution as the request samples from it (warp: temperature, top-k, top-p; a grammar's mask already in the
+    rows), or for greedy requests the unwarped softmax (temperature 0 has no distribution to report)."""
+    x = logits[: len(tokens)].double()
+    lp = torch.log_softmax(x, -1) if params.greedy else torch.log(warp(x, params))
+    out = []
+    for row, t in zip(lp, tokens):
+        entry = [float(row[t]), []]
+        if top:
+            vals, idx = row.topk(min(top, row.shape[-1]))
+            entry[1] = [(int(i), float(v)) for i, v in zip(idx, vals) if v > float("-inf")]  # sampleable only
+        out.append(entry)
+    return out
+
+
 def draw(probs: torch.Tensor, generator, position: int) -> int:
     """One token from probs [V] for sequence position `position` (the position matters to PositionNoise only)."""
     if isinstance(generator, PositionNoise):

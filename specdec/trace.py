@@ -19,6 +19,7 @@ class CycleRecord:
     parents: list[int] | None = None  # a token tree's shape (drafters/tree.py); None: `proposed` is a chain
     path: list[int] | None = None  # a tree's accepted nodes, root to leaf
     forced: int = 0  # leading drafts the grammar forced (structured outputs: drafted for free)
+    logprobs: list | None = None  # per emitted token [logprob, [[token, logprob], ...]] when asked for
 
     def to_dict(self) -> dict:
         return asdict(self)

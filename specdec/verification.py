@@ -11,6 +11,14 @@ import torch
 from .sampling import PositionNoise, SamplingParams, warp
 
 
+def choice_rows(logits: torch.Tensor, nodes: list[int], tree: bool, masked: list | None = None) -> torch.Tensor:
+    """The rows the emitted tokens were chosen from: a chain's first n + 1; a tree's root row and then each accepted
+    node's own row; under a grammar, the masked rows verify_constrained kept."""
+    if masked:
+        return torch.stack(masked)
+    return logits[[0] + [1 + j for j in nodes]] if tree else logits[: len(nodes) + 1]
+
+
 def greedy_verify(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
     """Accept while the draft token equals the target's argmax; the target's argmax at the first
     mismatch (or after the block) is the correction / bonus token."""
@@ -95,14 +103,16 @@ def verify_tree(tokens: list[int], parents: list[int], logits: torch.Tensor, par
 
 
 def verify_constrained(draft: list[int], logits: torch.Tensor, params: SamplingParams, generator, position: int,
-                       constraint) -> tuple[int, int]:
+                       constraint, rows: list | None = None) -> tuple[int, int]:
     """A chain under a grammar (constraints.Constraint): row i is masked with the grammar's state after the i
     draft tokens before it, then chosen as target-only would choose from the masked row: the argmax, or the race
     winner at position + i (sampling). Accept while the draft token is that choice. The grammar's state ends after
-    the accepted drafts and the target's token. -> (n_accepted, next_token)"""
+    the accepted drafts and the target's token. -> (n_accepted, next_token); the masked rows go to `rows`."""
     n = 0
     while True:
         row = constraint.masked(logits[n])
+        if rows is not None:
+            rows.append(row)
         if params.greedy:
             token = int(row.argmax())
         elif isinstance(generator, PositionNoise):

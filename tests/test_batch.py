@@ -164,3 +164,21 @@ def test_feature_drafts_batched_across_requests_equal_each_alone(rt):
                                                                                 zip(together, ks))
     for a, b in zip(together, alone):
         assert (a.q is None and b.q is None) or torch.equal(a.q, b.q)
+
+
+def test_logprobs_in_the_batch_equal_the_request_alone(rt):
+    """Greedy and seeded requests batched together report, token by token, the logprobs target-only reports."""
+    model, tok = rt
+    sd = SpecDecoder.from_models(model, tok, draft="ngram", tau=3)
+    plain = SpecDecoder.from_models(model, tok, draft="none")
+    engine = BatchEngine(model, sd.engine.drafter, model.config.vocab_size, sd.engine.eos_ids, 128, max_batch_rows=8)
+    seqs = [engine.add(Sequence(tok(p).input_ids, 16, params, logprobs=2)) for p, params in zip(PROMPTS, PARAMS)]
+    got = {s.id: [] for s in seqs}
+    while engine.running:
+        for s, rec in engine.step():
+            got[s.id] += rec.logprobs
+    for s, p, params in zip(seqs, PROMPTS, PARAMS):
+        ref = plain.generate(p, max_new_tokens=16, chat=False, temperature=params.temperature, top_p=params.top_p,
+                             top_k=params.top_k, seed=params.seed, logprobs=2)
+        assert s.generated == ref.token_ids and got[s.id] == [[lp, list(a)] for lp, a in ref.logprobs]
+    engine.close()

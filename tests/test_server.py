@@ -168,7 +168,11 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "stream": True},
+     400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": 3}, 400),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 50}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "response_format": {"type": "json_object"}}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
@@ -346,8 +350,34 @@ def test_what_openai_clients_send_is_served_as_its_plain_equivalent(live):
                {"role": "tool", "tool_call_id": "c1", "content": "rain"}]
     assert isinstance(chat(messages=history, max_tokens=8), str)
     r = httpx.post(live.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                             "logprobs": True})
-    assert r.status_code == 400 and "logprobs" in r.json()["error"]["message"]
+                                                             "n": 2})
+    assert r.status_code == 400 and "n is not supported" in r.json()["error"]["message"]
     r = httpx.post(live.url + "/v1/completions", json={"prompt": ["hi"], "max_tokens": 4, "temperature": 0})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == httpx.post(
         live.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4, "temperature": 0}).json()["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.9, "seed": 4}])
+def test_logprobs_are_the_targets_own(live, decoder, tok, target, sampling):
+    """Chat logprobs/top_logprobs and completion logprobs over HTTP equal what target-only decoding reports
+    (speculation changes none of them: each row of a verify pass is a one-token step), warped as the request
+    samples; a greedy request reports the unwarped distribution."""
+    from specdec import SpecDecoder
+    plain = SpecDecoder.from_models(target, tok, draft="none")
+    ref = plain.generate("hi", max_new_tokens=10, logprobs=3, **sampling)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10, "logprobs": True, "top_logprobs": 3,
+            **sampling}
+    r = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    kept = [lp for t, lp in zip(ref.token_ids, ref.logprobs) if t != 2]
+    assert [c["logprob"] for c in content] == [lp for lp, _ in kept]
+    assert [[a["logprob"] for a in c["top_logprobs"]] for c in content] == [[v for _, v in alts] for _, alts in kept]
+    assert "".join(c["token"] for c in content) == r.json()["choices"][0]["message"]["content"]
+    assert all(c["top_logprobs"][0]["logprob"] >= c["logprob"] for c in content)
+    if not sampling.get("temperature"):
+        assert all(c["token"] == c["top_logprobs"][0]["token"] for c in content)  # greedy picks the top one
+    r = httpx.post(live.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 6, "logprobs": 2, **sampling})
+    lp = r.json()["choices"][0]["logprobs"]
+    assert r.status_code == 200 and len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"])
+    assert all(len(alts) <= 2 for alts in lp["top_logprobs"])

@@ -143,7 +143,7 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
         job = worker.submit(dict(prompt=prompt, chat=chat, max_new_tokens=max_tokens, temperature=req.temperature,
                                  top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=req.stop,
                                  tau=req.tau, policy=req.policy, prompt_ids=prompt_ids,
-                                 response_format=req.response_format))
+                                 response_format=req.response_format, logprobs=req.logprob_count))
         if job is None:
             raise APIError(429, "server busy: request queue is full, retry later", "rate_limit_error",
                            "queue_full")
@@ -176,8 +176,10 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
         finally:
             job.cancel()  # a no-op once the job has ended
         text, finish = "".join(text), result.finish_reason
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
-                  if kind == "chat" else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
+        lp = _logprobs(result, kind)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                   "finish_reason": finish}
+                  if kind == "chat" else {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish})
         return {**meta, "object": "chat.completion" if kind == "chat" else "text_completion", "choices": [choice],
                 "usage": _usage(result), "specdec": _spec_stats(result)}
 
@@ -227,6 +229,26 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
             yield "data: [DONE]\n\n"
         finally:
             job.cancel()
+
+    def _logprobs(result, kind: str):
+        """OpenAI's logprobs object for the generated tokens (an EOS, which adds no text, left out), or None."""
+        if result.logprobs is None:
+            return None
+        eos = decoder.engine.eos_ids
+        with decoder.tokenizer_lock:
+            piece = lambda t: decoder.tokenizer.decode([t])  # noqa: E731
+            rows = [(piece(t), lp, [(piece(a), alp) for a, alp in alts])
+                    for t, (lp, alts) in zip(result.token_ids, result.logprobs) if t not in eos]
+        if kind == "chat":
+            entry = lambda tok, lp: {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8", "replace"))}  # noqa: E731
+            return {"content": [{**entry(tok, lp), "top_logprobs": [entry(a, alp) for a, alp in alts]}
+                                for tok, lp, alts in rows]}
+        offsets, at = [], 0
+        for tok, _, _ in rows:
+            offsets.append(at)
+            at += len(tok)
+        return {"tokens": [tok for tok, _, _ in rows], "token_logprobs": [lp for _, lp, _ in rows],
+                "top_logprobs": [dict(alts) for _, _, alts in rows], "text_offset": offsets}
 
     def overdue(job) -> APIError | None:
         """The worker enforces timeouts; should it stop answering, the handler does: 503 at once for a dead worker,

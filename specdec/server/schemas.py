@@ -45,8 +45,8 @@ class _Request(BaseModel):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     # would change the output and are not served yet: each refused by name (_unsupported)
-    logprobs: Any = None
-    top_logprobs: Any = None
+    logprobs: bool | int | None = None  # chat: a bool (with top_logprobs); completions: the alternatives wanted
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     logit_bias: Any = None
     response_format: dict | None = None  # text, json_object, json_schema (constraints.py)
     tools: Any = None
@@ -67,8 +67,7 @@ class _Request(BaseModel):
     def _unsupported(self):
         refuse = {
             "n": self.n > 1,
-            "logprobs": self.logprobs not in (None, False, 0),
-            "top_logprobs": self.top_logprobs not in (None, 0),
+            "logprobs with stream": self.stream and self.logprob_count is not None,
             "logit_bias": bool(self.logit_bias),
             "tools": bool(self.tools),
             "functions": bool(self.functions),
@@ -86,6 +85,13 @@ class _Request(BaseModel):
         if self.max_tokens and self.max_completion_tokens and self.max_tokens != self.max_completion_tokens:
             raise ValueError("max_tokens and max_completion_tokens disagree; send one")
         return self
+
+    @property
+    def logprob_count(self) -> int | None:
+        """Alternatives per token to report, or None: no logprobs."""
+        if isinstance(self, ChatRequest):
+            return (self.top_logprobs or 0) if self.logprobs else None
+        return None if self.logprobs is None or self.logprobs is False else int(self.logprobs)
 
     @property
     def token_limit(self) -> int | None:
@@ -152,6 +158,14 @@ def _tool_call(call: dict) -> dict:
 class ChatRequest(_Request):
     messages: list[Message] = Field(min_length=1)
 
+    @model_validator(mode="after")
+    def _chat_logprobs(self):
+        if self.logprobs is not None and not isinstance(self.logprobs, bool):
+            raise ValueError("logprobs must be true or false (top_logprobs: how many alternatives)")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
 
 class CompletionRequest(_Request):
     prompt: str | list[str] = Field(min_length=1)
@@ -173,6 +187,10 @@ class CompletionRequest(_Request):
 
     @model_validator(mode="after")
     def _completion_only(self):
+        if self.top_logprobs is not None:
+            raise ValueError("top_logprobs is a chat field; completions take logprobs: N")
+        if isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool) and not 0 <= self.logprobs <= 20:
+            raise ValueError("logprobs must be an integer in [0, 20]")
         for name, bad in {"echo": self.echo, "best_of": self.best_of not in (None, 1), "suffix": bool(self.suffix)
                           }.items():
             if bad:
