@@ -165,7 +165,6 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": -0.5}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}, 400),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "stream": True},
@@ -185,7 +184,10 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}, 404),
     ("/v1/completions", {"prompt": ""}, 400),
     ("/v1/completions", {"prompt": "x" * 400}, 400),
-    ("/v1/completions", {"prompt": ["a", "b"]}, 400),
+    ("/v1/completions", {"prompt": ["a", "b"], "stream": True}, 400),
+    ("/v1/completions", {"prompt": ["a"] * 17}, 400),
+    ("/v1/completions", {"prompt": ["a", ""]}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2, "stream": True}, 400),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400),
     ("/v1/completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400),  # OpenAI allows 4
     ("/v1/completions", {"prompt": "hi", "stop": ["x" * 100_000]}, 400),  # held the worker for the whole timeout
@@ -350,8 +352,8 @@ def test_what_openai_clients_send_is_served_as_its_plain_equivalent(live):
                {"role": "tool", "tool_call_id": "c1", "content": "rain"}]
     assert isinstance(chat(messages=history, max_tokens=8), str)
     r = httpx.post(live.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                             "n": 2})
-    assert r.status_code == 400 and "n is not supported" in r.json()["error"]["message"]
+                                                             "tools": [{"type": "function", "function": {"name": "f"}}]})
+    assert r.status_code == 400 and "tools is not supported" in r.json()["error"]["message"]
     r = httpx.post(live.url + "/v1/completions", json={"prompt": ["hi"], "max_tokens": 4, "temperature": 0})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == httpx.post(
         live.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4, "temperature": 0}).json()["choices"][0]["text"]
@@ -381,3 +383,22 @@ def test_logprobs_are_the_targets_own(live, decoder, tok, target, sampling):
     lp = r.json()["choices"][0]["logprobs"]
     assert r.status_code == 200 and len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"])
     assert all(len(alts) <= 2 for alts in lp["top_logprobs"])
+
+
+def test_n_choices_and_prompt_lists_are_separate_sequences(live, tok, target):
+    """n choices of a seeded request are the texts seeds seed, seed+1, ... give alone; a list of prompts answers
+    each prompt as its own request would, in order, usage summed."""
+    from specdec import SpecDecoder
+    plain = SpecDecoder.from_models(target, tok, draft="none")
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 1.0, "seed": 11, "n": 3}
+    r = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    texts = [c["message"]["content"] for c in r.json()["choices"]]
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1, 2]
+    assert texts == [plain.generate("hi", max_new_tokens=8, temperature=1.0, seed=11 + i).text for i in range(3)]
+    r = httpx.post(live.url + "/v1/completions", json={"prompt": ["ab", "Hello"], "max_tokens": 5, "temperature": 0},
+                   timeout=60)
+    got = r.json()
+    assert [c["text"] for c in got["choices"]] == [plain.generate(p, max_new_tokens=5, chat=False).text
+                                                    for p in ("ab", "Hello")]
+    assert got["usage"]["prompt_tokens"] == len(tok("ab").input_ids) + len(tok("Hello").input_ids)

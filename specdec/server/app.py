@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import models
 from ..drafters.base import save as save_drafter
 from ..errors import InvalidRequest, SpecDecError
+from ..sampling import SEED_RANGE
 from .metrics import Metrics
 from .schemas import ChatRequest, CompletionRequest
 from .worker import BatchWorker, JobTimeout, Worker, WorkerDown
@@ -119,13 +120,15 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
         messages = [m.for_template() for m in req.messages]
-        return await _serve(req, request, messages, chat=True, kind="chat")
+        return await _serve(req, request, [messages], chat=True, kind="chat")
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         return await _serve(req, request, req.prompt, chat=False, kind="text")
 
-    async def _serve(req, request: Request, prompt, chat: bool, kind: str):
+    async def _serve(req, request: Request, prompts: list, chat: bool, kind: str):
+        """One job per (prompt, choice): separate sequences in the batch (the prefix cache shares a prompt's K/V
+        once the first has been prefilled); a seeded request's choice i gets seed + i."""
         if req.model is not None and req.model != model_name:
             raise APIError(404, f"model {req.model!r} does not exist; this server serves {model_name!r}",
                            code="model_not_found")
@@ -133,34 +136,61 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
             raise APIError(503, "the model worker is down; retry later", "server_error", "worker_down")
         # on a thread (the tokenizer releases the GIL), with its own copy of the tokenizer: neither the event loop
         # nor the model worker waits for a long prompt; raises InvalidRequest / PromptTooLong -> 400
-        prompt_ids = await asyncio.to_thread(decoder.encode, prompt, chat)
-        prompt_tokens = len(prompt_ids)
-        room = decoder.context_window - prompt_tokens
-        max_tokens = req.token_limit or min(max_tokens_default, room)
-        if max_tokens > room:
-            raise APIError(400, f"max_tokens {max_tokens} + prompt {prompt_tokens} tokens exceed the context "
-                                f"window of {decoder.context_window}", code="context_length_exceeded")
-        job = worker.submit(dict(prompt=prompt, chat=chat, max_new_tokens=max_tokens, temperature=req.temperature,
-                                 top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=req.stop,
-                                 tau=req.tau, policy=req.policy, prompt_ids=prompt_ids,
-                                 response_format=req.response_format, logprobs=req.logprob_count))
-        if job is None:
-            raise APIError(429, "server busy: request queue is full, retry later", "rate_limit_error",
-                           "queue_full")
-        meta = dict(id=("chatcmpl-" if kind == "chat" else "cmpl-") + job.id, created=int(time.time()),
+        encoded = [await asyncio.to_thread(decoder.encode, p, chat) for p in prompts]
+        limits = []
+        for prompt_ids in encoded:
+            room = decoder.context_window - len(prompt_ids)
+            limits.append(req.token_limit or min(max_tokens_default, room))
+            if limits[-1] > room:
+                raise APIError(400, f"max_tokens {limits[-1]} + prompt {len(prompt_ids)} tokens exceed the context "
+                                    f"window of {decoder.context_window}", code="context_length_exceeded")
+        jobs = []
+        for prompt, prompt_ids, max_tokens in zip(prompts, encoded, limits):
+            for c in range(req.n):
+                seed = None if req.seed is None else (req.seed + c if req.seed + c < SEED_RANGE else req.seed + c -
+                                                      SEED_RANGE)
+                job = worker.submit(dict(prompt=prompt, chat=chat, max_new_tokens=max_tokens,
+                                         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=seed,
+                                         stop=req.stop, tau=req.tau, policy=req.policy, prompt_ids=prompt_ids,
+                                         response_format=req.response_format, logprobs=req.logprob_count))
+                if job is None:
+                    for j in jobs:
+                        j.cancel()
+                    raise APIError(429, "server busy: request queue is full, retry later", "rate_limit_error",
+                                   "queue_full")
+                jobs.append(job)
+        meta = dict(id=("chatcmpl-" if kind == "chat" else "cmpl-") + jobs[0].id, created=int(time.time()),
                     model=model_name)
         if req.stream:
-            return StreamingResponse(_sse(job, meta, kind, req.include_usage), media_type="text/event-stream")
-        return await _collect(job, meta, kind, request)
+            return StreamingResponse(_sse(jobs[0], meta, kind, req.include_usage), media_type="text/event-stream")
+        try:
+            done = await asyncio.gather(*(_collect(job, request) for job in jobs))
+        finally:
+            for job in jobs:
+                job.cancel()  # a no-op once a job has ended
+        if any(d is None for d in done):
+            return Response(status_code=499)
+        choices = []
+        for i, (text, result) in enumerate(done):
+            lp, finish = _logprobs(result, kind), result.finish_reason
+            choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                            "finish_reason": finish} if kind == "chat" else
+                           {"index": i, "text": text, "logprobs": lp, "finish_reason": finish})
+        completion = sum(len(r.token_ids) for _, r in done)
+        prompt_tokens = sum(len(ids) for ids in encoded)
+        return {**meta, "object": "chat.completion" if kind == "chat" else "text_completion", "choices": choices,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                          "total_tokens": prompt_tokens + completion}, "specdec": _spec_stats(done[0][1])}
 
-    async def _collect(job, meta, kind, request: Request):
+    async def _collect(job, request: Request):
+        """A job's text and result; None when the client hung up."""
         text, result, checked = [], None, time.monotonic()
         try:
             while True:
                 if time.monotonic() - checked > 0.5:  # notice a client that hung up while it waits or runs
                     checked = time.monotonic()
                     if await request.is_disconnected():
-                        return Response(status_code=499)
+                        return None
                 try:
                     ev, payload = await asyncio.wait_for(job.events.get(), timeout=0.5)
                 except asyncio.TimeoutError:
@@ -175,13 +205,7 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
                 result = payload.result or result
         finally:
             job.cancel()  # a no-op once the job has ended
-        text, finish = "".join(text), result.finish_reason
-        lp = _logprobs(result, kind)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                   "finish_reason": finish}
-                  if kind == "chat" else {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish})
-        return {**meta, "object": "chat.completion" if kind == "chat" else "text_completion", "choices": [choice],
-                "usage": _usage(result), "specdec": _spec_stats(result)}
+        return "".join(text), result
 
     async def _sse(job, meta, kind, include_usage):
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"

@@ -16,6 +16,9 @@ IGNORED = ("store", "metadata", "service_tier", "user", "parallel_tool_calls", "
            "prompt_cache_key", "safety_identifier")
 
 
+MAX_PROMPTS = 16  # sequences one request may start (prompts x n): each takes a place in the queue
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -29,7 +32,7 @@ class _Request(BaseModel):
     policy: Literal["fixed", "heuristic", "adaptive"] | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=-SEED_RANGE // 2, lt=SEED_RANGE)
-    n: int = Field(default=1, ge=1, le=128)
+    n: int = Field(default=1, ge=1, le=MAX_PROMPTS)
     stream: bool = False
     stream_options: dict | None = None
     presence_penalty: Literal[0] = 0
@@ -66,7 +69,7 @@ class _Request(BaseModel):
     @model_validator(mode="after")
     def _unsupported(self):
         refuse = {
-            "n": self.n > 1,
+            "n > 1 with stream": self.n > 1 and self.stream,
             "logprobs with stream": self.stream and self.logprob_count is not None,
             "logit_bias": bool(self.logit_bias),
             "tools": bool(self.tools),
@@ -176,17 +179,19 @@ class CompletionRequest(_Request):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v):
-        if isinstance(v, list):
-            if len(v) != 1:
-                raise ValueError("a list of several prompts is not supported by this server yet")
-            v = v[0]
-        if not v:
-            raise ValueError("prompt must be a non-empty string")
-        return v
+    def _prompts(cls, v):
+        """-> a list of prompts, each a choice (or n) of its own."""
+        prompts = v if isinstance(v, list) else [v]
+        if not 1 <= len(prompts) <= MAX_PROMPTS or not all(prompts):
+            raise ValueError(f"prompt must be a non-empty string or a list of 1..{MAX_PROMPTS} of them")
+        return prompts
 
     @model_validator(mode="after")
     def _completion_only(self):
+        if len(self.prompt) > 1 and self.stream:
+            raise ValueError("a list of prompts with stream is not supported by this server yet")
+        if len(self.prompt) * self.n > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} choices (prompts x n) per request")
         if self.top_logprobs is not None:
             raise ValueError("top_logprobs is a chat field; completions take logprobs: N")
         if isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool) and not 0 <= self.logprobs <= 20:
