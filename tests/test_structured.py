@@ -82,7 +82,7 @@ def test_the_batch_engine_serves_grammars_beside_free_requests(decoders):
     engine.close()
 
 
-def test_response_format_over_http(decoders):
+def test_response_format_and_tools_over_http(decoders):
     from specdec.server import create_app
     from test_server import LiveServer
     base, spec = decoders
@@ -97,6 +97,30 @@ def test_response_format_over_http(decoders):
         valid(text)
         r = httpx.post(srv.url + "/v1/chat/completions", json={**body, "response_format": {"type": "yaml"}})
         assert r.status_code == 400 and "response_format" in r.json()["error"]["message"]
+        weather = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather",
+                    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                   "required": ["city"]}}},
+                   {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+        ask = {"messages": [{"role": "user", "content": "What is the weather in Oslo?"}], "temperature": 0,
+               "max_tokens": 40, "tools": weather}
+        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            r = httpx.post(srv.url + "/v1/chat/completions", json={**ask, "tool_choice": choice}, timeout=120)
+            c = r.json()["choices"][0]
+            assert r.status_code == 200 and c["finish_reason"] == "tool_calls" and c["message"]["content"] is None
+            call = c["message"]["tool_calls"][0]
+            assert call["type"] == "function" and call["id"].startswith("call_")
+            assert call["function"]["name"] in ("get_weather", "get_time")
+            args = json.loads(call["function"]["arguments"])  # a JSON string, as OpenAI sends it
+            if call["function"]["name"] == "get_weather":
+                assert set(args) == {"city"}  # closed to the declared parameters
+        r = httpx.post(srv.url + "/v1/chat/completions", json={**ask, "tool_choice": "auto"}, timeout=120)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")
+        no_tools = {k: v for k, v in ask.items() if k != "tools"}
+        for bad in ({**ask, "tools": [{"type": "function", "function": {}}]}, {**no_tools, "tool_choice": "required"},
+                    {**ask, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                    {**ask, "stream": True}, {**ask, "response_format": {"type": "json_object"}}):
+            r = httpx.post(srv.url + "/v1/chat/completions", json=bad)
+            assert r.status_code == 400 and r.json()["error"]["message"], bad
     finally:
         srv.stop()
 

@@ -22,6 +22,7 @@ from ..drafters.base import save as save_drafter
 from ..errors import InvalidRequest, SpecDecError
 from ..sampling import SEED_RANGE
 from .metrics import Metrics
+from . import tools
 from .schemas import ChatRequest, CompletionRequest
 from .worker import BatchWorker, JobTimeout, Worker, WorkerDown
 
@@ -120,6 +121,8 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
         messages = [m.for_template() for m in req.messages]
+        if req.tools and req.tool_choice != "none":  # described to the model; a call may be forced (tools.py)
+            messages = tools.with_tools(messages, req.tools)
         return await _serve(req, request, [messages], chat=True, kind="chat")
 
     @app.post("/v1/completions")
@@ -144,6 +147,8 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
             if limits[-1] > room:
                 raise APIError(400, f"max_tokens {limits[-1]} + prompt {len(prompt_ids)} tokens exceed the context "
                                     f"window of {decoder.context_window}", code="context_length_exceeded")
+        calling = kind == "chat" and bool(req.tools) and req.tool_choice != "none"
+        response_format = tools.call_format(req.tools, req.tool_choice) if calling else req.response_format
         jobs = []
         for prompt, prompt_ids, max_tokens in zip(prompts, encoded, limits):
             for c in range(req.n):
@@ -152,7 +157,7 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
                 job = worker.submit(dict(prompt=prompt, chat=chat, max_new_tokens=max_tokens,
                                          temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=seed,
                                          stop=req.stop, tau=req.tau, policy=req.policy, prompt_ids=prompt_ids,
-                                         response_format=req.response_format, logprobs=req.logprob_count))
+                                         response_format=response_format, logprobs=req.logprob_count))
                 if job is None:
                     for j in jobs:
                         j.cancel()
@@ -173,8 +178,11 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
         choices = []
         for i, (text, result) in enumerate(done):
             lp, finish = _logprobs(result, kind), result.finish_reason
-            choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                            "finish_reason": finish} if kind == "chat" else
+            calls = tools.parse_call(text, req.tools) if calling else None
+            message = ({"role": "assistant", "content": None, "tool_calls": calls} if calls else
+                       {"role": "assistant", "content": text})
+            choices.append({"index": i, "message": message, "logprobs": lp,
+                            "finish_reason": "tool_calls" if calls else finish} if kind == "chat" else
                            {"index": i, "text": text, "logprobs": lp, "finish_reason": finish})
         completion = sum(len(r.token_ids) for _, r in done)
         prompt_tokens = sum(len(ids) for ids in encoded)

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..api import MAX_STOP_CHARS, MAX_STOPS
+from . import tools
 from ..sampling import MAX_TEMPERATURE, SEED_RANGE
 
 
@@ -72,14 +73,18 @@ class _Request(BaseModel):
             "n > 1 with stream": self.n > 1 and self.stream,
             "logprobs with stream": self.stream and self.logprob_count is not None,
             "logit_bias": bool(self.logit_bias),
-            "tools": bool(self.tools),
+            "tools with stream": bool(self.tools) and self.stream and self.tool_choice != "none",
+            "tools with response_format": bool(self.tools) and self.response_format is not None,
             "functions": bool(self.functions),
-            "tool_choice": self.tool_choice not in (None, "none", "auto"),
             "function_call": self.function_call not in (None, "none", "auto"),
         }
         for name, bad in refuse.items():
             if bad:
                 raise ValueError(f"{name} is not supported by this server yet (send it unset)")
+        if self.tools is not None:
+            tools.check(self.tools, self.tool_choice)
+        elif self.tool_choice not in (None, "none", "auto"):
+            raise ValueError("tool_choice needs tools")
         rf = self.response_format
         if rf is not None and (rf.get("type") not in ("text", "json_object", "json_schema") or (
                 rf.get("type") == "json_schema" and not isinstance((rf.get("json_schema") or {}).get("schema"), dict))):
