@@ -55,6 +55,7 @@ class GenerationResult:
     stats: dict
     records: list[CycleRecord] = field(repr=False, default_factory=list)
     logprobs: list | None = field(repr=False, default=None)  # per token [logprob, [[token, logprob], ...]]
+    prompt_logprobs: list | None = field(repr=False, default=None)  # the same for prompt tokens 2..
 
 
 @dataclass
@@ -178,13 +179,16 @@ class SpecDecoder:
     def prepare(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                 top_k: int = 0, seed: int | None = None, stop: list[str] | str | None = None, chat: bool = True,
                 tau: int | None = None, policy: str | None = None, prompt_ids: list[int] | None = None,
-                response_format: dict | None = None, logprobs: int | None = None) -> Request:
+                response_format: dict | None = None, logprobs: int | None = None,
+                prompt_logprobs: int | None = None) -> Request:
         """Validate and encode one request (InvalidRequest / PromptTooLong on bad input). `prompt_ids`: the prompt
         already encoded (the server encodes it once, off the model worker). `response_format`: OpenAI's
         ({"type": "json_object"}, or "json_schema" with {"json_schema": {"schema": ...}}): the output follows the
         grammar (constraints.py). `logprobs` (0..20): the result carries each token's logprob under the target and
-        that many alternatives (sampling.token_logprobs)."""
-        _positive_int("max_new_tokens", max_new_tokens)
+        that many alternatives (sampling.token_logprobs); `prompt_logprobs` the same for the prompt's tokens (the
+        first has none), and max_new_tokens may then be 0: scoring only."""
+        if not (prompt_logprobs is not None and max_new_tokens == 0):
+            _positive_int("max_new_tokens", max_new_tokens)
         tau = self.tau if tau is None else _positive_int("tau", tau)
         key = (policy or self.policy, tau)
         if key not in self._policies:
@@ -196,17 +200,18 @@ class SpecDecoder:
                                  "characters")
         ids = self.encode(prompt, chat) if prompt_ids is None else prompt_ids
         req = Request(self, ids, max_new_tokens, params, stops, tau, self._policies[key])
-        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
-                                     or not 0 <= logprobs <= 20):
-            raise InvalidRequest(f"logprobs must be an integer in [0, 20], got {str(logprobs)[:40]}")
-        req.constraint, req.logprobs = self.grammars.constraint(response_format), logprobs
+        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 20):
+                raise InvalidRequest(f"{name} must be an integer in [0, 20], got {str(value)[:40]}")
+        req.constraint, req.logprobs, req.prompt_logprobs = (self.grammars.constraint(response_format), logprobs,
+                                                             prompt_logprobs)
         return req
 
     def stream_chunks(self, prompt, **kwargs) -> Iterator[Chunk]:
         """One Chunk per cycle (keyword arguments as prepare)."""
         req = self.prepare(prompt, **kwargs)
         for rec in self.engine.run(req.prompt_ids, req.max_new_tokens, req.params, req.policy, req.stop_check,
-                                   req.constraint, req.logprobs):
+                                   req.constraint, req.logprobs, req.prompt_logprobs):
             yield req.chunk(rec)
 
     def stream(self, prompt, **kwargs) -> Iterator[str]:
@@ -234,6 +239,8 @@ class Request:
         self.records: list[CycleRecord] = []
         self.logprobs: int | None = None  # alternatives asked for (prepare)
         self.token_logprobs: list = []  # per generated token, when asked for
+        self.prompt_logprobs: int | None = None
+        self.scored: list | None = None  # the prompt's logprobs, when asked for
         self.generated: list[int] = []
         self.sent = ""
         self.start = perf_counter()
@@ -243,6 +250,8 @@ class Request:
         self.generated.extend(rec.emitted)
         if rec.logprobs is not None:
             self.token_logprobs.extend(rec.logprobs)
+        if rec.prompt_logprobs is not None:
+            self.scored = rec.prompt_logprobs
         final = rec.finish_reason is not None
         visible = self.text.visible(self.generated, final=final)
         delta, self.sent = visible[len(self.sent):], visible
@@ -251,4 +260,5 @@ class Request:
         stats = summarize(self.records, perf_counter() - self.start, len(self.generated))
         return Chunk(delta, rec, GenerationResult(self.sent, self.generated, len(self.prompt_ids),
                                                   rec.finish_reason, stats, self.records,
-                                                  self.token_logprobs if self.logprobs is not None else None))
+                                                  self.token_logprobs if self.logprobs is not None else None,
+                                                  self.scored))

@@ -54,6 +54,7 @@ class Sequence:
     fixed_tau: bool = False  # a fixed-τ request drafts exactly max_tau whenever the budget allows
     constraint: object = None  # constraints.Constraint: a grammar the output follows (structured outputs)
     logprobs: int | None = None  # report the emitted tokens' logprobs and this many alternatives
+    prompt_logprobs: int | None = None  # report the prompt's too (every prefill row's logits; max_new_tokens may be 0)
     id: int = field(default_factory=itertools.count().__next__)
     finish_reason: str | None = None
 
@@ -63,6 +64,7 @@ class Sequence:
         self.cycle = 0
         self.idle = 0  # cycles in a row it could have drafted and got no rows
         self.generator = self.params.generator()
+        self.scored: list = []  # prompt logprobs so far
 
     @property
     def generated(self) -> list[int]:
@@ -149,7 +151,7 @@ class BatchEngine:
         slot = self.model.acquire_slot()
         try:
             self._state[seq.id] = (slot, fork(self.drafter), est)
-            if self.prefixes is not None:
+            if self.prefixes is not None and seq.prompt_logprobs is None:  # (scoring needs every prompt row)
                 seq.fed = self.prefixes.restore(seq.prompt, slot)
         except BaseException:  # nothing of a request that could not join stays behind
             self._state.pop(seq.id, None)
@@ -275,6 +277,8 @@ class BatchEngine:
             spans[s.id] = (start, len(new))
             if s.id in drafts:
                 logit_rows.extend(range(start, start + len(new)))
+            elif s.prompt_logprobs is not None:  # scoring the prompt: every row's logits
+                logit_rows.extend(range(start, start + len(new)))
             elif s.fed + len(new) == len(s.tokens):  # the prompt's last chunk: its last row gives the first token
                 logit_rows.append(start + len(new) - 1)
             tokens += new
@@ -307,7 +311,9 @@ class BatchEngine:
                 continue
             start, n_rows = spans[s.id]
             tau, draft, proposed = drafts.get(s.id, (0, None, []))
-            n_logits = len(proposed) + 1 if s.id in drafts else (1 if s.fed + n_rows == len(s.tokens) else 0)
+            last = s.fed + n_rows == len(s.tokens)
+            n_logits = len(proposed) + 1 if s.id in drafts else (
+                n_rows if s.prompt_logprobs is not None else 1 if last else 0)
             block = logits[row: row + n_logits] if n_logits else None
             row += n_logits
             try:
@@ -368,6 +374,10 @@ class BatchEngine:
                       t0) -> CycleRecord | None:
         """Verify, emit and roll back one request after the pass -> its record (None for a prompt chunk)."""
         fed_before = s.fed
+        if s.prompt_logprobs is not None and s.cycle == 0 and block is not None and not proposed:
+            targets = s.tokens[s.fed + 1: s.fed + n_rows + 1]  # row i predicts the token after it
+            s.scored += token_logprobs(block[: len(targets)], targets, SamplingParams(), s.prompt_logprobs)
+            block = block[-1:] if s.fed + n_rows == len(s.tokens) else None
         if block is None:  # a prompt chunk: nothing to emit yet
             s.fed += n_rows
             if hidden is not None:
@@ -401,7 +411,8 @@ class BatchEngine:
         tree = draft is not None and draft.is_tree and bool(proposed)
         rec = CycleRecord(s.cycle, tau, proposed, n, emitted, draft_ms=round(d_ms, 3), verify_ms=round(verify_ms, 3),
                           cycle_ms=round((perf_counter() - t0) * 1e3, 3), finish_reason=finish,
-                          parents=draft.parents if tree else None, path=nodes if tree else None)
+                          parents=draft.parents if tree else None, path=nodes if tree else None,
+                          prompt_logprobs=s.scored if s.prompt_logprobs is not None and s.cycle == 0 else None)
         if s.logprobs is not None:
             rec.logprobs = token_logprobs(choice_rows(block, nodes, tree and s.constraint is None, masked), emitted,
                                           s.params, s.logprobs)

@@ -26,10 +26,13 @@ class Engine:
         self.costs = PassCosts()  # the verify curve trees are sized by, measured here
 
     def run(self, prompt: list[int], max_new_tokens: int, params: SamplingParams, policy,
-            stop: StopCheck | None = None, constraint=None, logprobs: int | None = None) -> Iterator[CycleRecord]:
+            stop: StopCheck | None = None, constraint=None, logprobs: int | None = None,
+            prompt_logprobs: int | None = None) -> Iterator[CycleRecord]:
         """Yields one record per cycle; the last one carries finish_reason. `policy` picks τ each cycle
         (an int means a fixed τ). `constraint` (constraints.Constraint): a grammar the output follows. `logprobs`
-        (0..20): each record carries the emitted tokens' logprobs and that many alternatives (sampling.token_logprobs)."""
+        (0..20): each record carries the emitted tokens' logprobs and that many alternatives (sampling.token_logprobs).
+        `prompt_logprobs`: the first record also carries the prompt's (tokens 2.., unwarped), from the prefill pass;
+        max_new_tokens may then be 0 (scoring only)."""
         policy = FixedPolicy(policy) if isinstance(policy, int) else policy
         policy.start()
         self.target.reset()
@@ -39,6 +42,14 @@ class Engine:
                 constraint is not None or self.trees and getattr(self.drafter, "makes_trees", False)):
             gen = PositionNoise.fresh()  # trees and grammars verify by the race rule; unseeded requests draw a seed
         seq, n_prompt = list(prompt), len(prompt)
+        scored = None
+        if prompt_logprobs is not None:  # the prefill with every row's logits; the loop then finds it cached
+            rows = self.target.forward(seq, len(seq))
+            scored = token_logprobs(rows[:-1], seq[1:], SamplingParams(), prompt_logprobs)
+            self.target.rollback(len(seq) - 1)
+            if max_new_tokens == 0:
+                yield CycleRecord(0, 0, [], 0, [], 0.0, 0.0, 0.0, finish_reason="length", prompt_logprobs=scored)
+                return
         for cycle in range(max_new_tokens):  # >= 1 token per cycle
             t0 = perf_counter()
             tau = policy.next_tau()
@@ -92,6 +103,8 @@ class Engine:
                                  verify_ms=round((t2 - t1) * 1e3, 3), cycle_ms=round((perf_counter() - t0) * 1e3, 3),
                                  finish_reason=finish, parents=draft.parents if draft is not None else None,
                                  path=nodes if draft is not None and draft.is_tree else None, forced=forced)
+            if cycle == 0:
+                record.prompt_logprobs = scored
             if logprobs is not None:
                 tree = draft is not None and draft.is_tree and constraint is None
                 record.logprobs = token_logprobs(choice_rows(logits, nodes, tree, masked), emitted, params, logprobs)

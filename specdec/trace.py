@@ -20,6 +20,7 @@ class CycleRecord:
     path: list[int] | None = None  # a tree's accepted nodes, root to leaf
     forced: int = 0  # leading drafts the grammar forced (structured outputs: drafted for free)
     logprobs: list | None = None  # per emitted token [logprob, [[token, logprob], ...]] when asked for
+    prompt_logprobs: list | None = None  # the same for prompt tokens 2.. (first record; echo / scoring)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -182,3 +182,23 @@ def test_logprobs_in_the_batch_equal_the_request_alone(rt):
                              top_k=params.top_k, seed=params.seed, logprobs=2)
         assert s.generated == ref.token_ids and got[s.id] == [[lp, list(a)] for lp, a in ref.logprobs]
     engine.close()
+
+
+def test_prompt_logprobs_through_chunked_prefill_equal_one_pass(rt):
+    """A scored prompt (echo) prefilled in chunks beside other requests: its logprobs equal one pass over it; with
+    max_new_tokens 0 it ends after the prompt."""
+    model, tok = rt
+    plain = SpecDecoder.from_models(model, tok, draft="none")
+    ref = plain.generate(PROMPTS[2], max_new_tokens=0, chat=False, prompt_logprobs=2).prompt_logprobs
+    engine = BatchEngine(model, plain.engine.drafter, model.config.vocab_size, plain.engine.eos_ids, 128,
+                         max_batch_rows=8, prefill_chunk=4)
+    ids = tok(PROMPTS[2]).input_ids
+    engine.add(Sequence(tok(PROMPTS[0]).input_ids, 12, SamplingParams()))
+    scored = [engine.add(Sequence(ids, n, SamplingParams(), prompt_logprobs=2)) for n in (0, 6)]
+    got = {}
+    while engine.running:
+        for s, rec in engine.step():
+            if rec.prompt_logprobs is not None:
+                got[s.id] = rec.prompt_logprobs
+    assert len(ref) == len(ids) - 1 and all(got[s.id] == ref for s in scored)
+    assert scored[0].generated == [] and len(scored[1].generated) == 6

@@ -166,7 +166,7 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400),
+                              "tools": [{"type": "function", "function": {"parameters": {}}}]}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "stream": True},
      400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, 400),
@@ -180,7 +180,8 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
                               "max_completion_tokens": 6}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "frobnicate": 1}, 400),
-    ("/v1/completions", {"prompt": "hi", "echo": True}, 400),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400),
+    ("/v1/completions", {"prompt": "hi", "echo": True, "stream": True}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}, 404),
     ("/v1/completions", {"prompt": ""}, 400),
     ("/v1/completions", {"prompt": "x" * 400}, 400),
@@ -352,8 +353,8 @@ def test_what_openai_clients_send_is_served_as_its_plain_equivalent(live):
                {"role": "tool", "tool_call_id": "c1", "content": "rain"}]
     assert isinstance(chat(messages=history, max_tokens=8), str)
     r = httpx.post(live.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                             "tools": [{"type": "function", "function": {"name": "f"}}]})
-    assert r.status_code == 400 and "tools is not supported" in r.json()["error"]["message"]
+                                                             "functions": [{"name": "f"}]})
+    assert r.status_code == 400 and "functions is not supported" in r.json()["error"]["message"]
     r = httpx.post(live.url + "/v1/completions", json={"prompt": ["hi"], "max_tokens": 4, "temperature": 0})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == httpx.post(
         live.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4, "temperature": 0}).json()["choices"][0]["text"]
@@ -402,3 +403,24 @@ def test_n_choices_and_prompt_lists_are_separate_sequences(live, tok, target):
     assert [c["text"] for c in got["choices"]] == [plain.generate(p, max_new_tokens=5, chat=False).text
                                                     for p in ("ab", "Hello")]
     assert got["usage"]["prompt_tokens"] == len(tok("ab").input_ids) + len(tok("Hello").input_ids)
+
+
+def test_echo_scores_the_prompt_as_lm_eval_asks(live, tok, target):
+    """Completions echo + logprobs + max_tokens 0 (lm-evaluation-harness's loglikelihood): the prompt's tokens with
+    their logprobs under the target, the first one None; with max_tokens > 0 the completion follows."""
+    from specdec import SpecDecoder
+    plain = SpecDecoder.from_models(target, tok, draft="none")
+    ref = plain.generate("Hello there", max_new_tokens=0, chat=False, prompt_logprobs=1)
+    r = httpx.post(live.url + "/v1/completions", json={"prompt": "Hello there", "max_tokens": 0, "echo": True,
+                                                       "logprobs": 1, "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    lp = c["logprobs"]
+    assert c["text"] == "Hello there" and "".join(lp["tokens"]) == "Hello there"
+    assert lp["token_logprobs"] == [None] + [v for v, _ in ref.prompt_logprobs] and lp["top_logprobs"][0] is None
+    assert lp["text_offset"] == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]  # one character per token here
+    r = httpx.post(live.url + "/v1/completions", json={"prompt": "Hello there", "max_tokens": 4, "echo": True,
+                                                       "logprobs": 0, "temperature": 0}, timeout=60)
+    c = r.json()["choices"][0]
+    assert c["text"] == "Hello there" + plain.generate("Hello there", max_new_tokens=4, chat=False).text
+    assert len(c["logprobs"]["tokens"]) == 11 + 4

@@ -143,11 +143,12 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
         limits = []
         for prompt_ids in encoded:
             room = decoder.context_window - len(prompt_ids)
-            limits.append(req.token_limit or min(max_tokens_default, room))
+            limits.append(req.token_limit if req.token_limit is not None else min(max_tokens_default, room))
             if limits[-1] > room:
                 raise APIError(400, f"max_tokens {limits[-1]} + prompt {len(prompt_ids)} tokens exceed the context "
                                     f"window of {decoder.context_window}", code="context_length_exceeded")
         calling = kind == "chat" and bool(req.tools) and req.tool_choice != "none"
+        echo = kind == "text" and req.echo
         response_format = tools.call_format(req.tools, req.tool_choice) if calling else req.response_format
         jobs = []
         for prompt, prompt_ids, max_tokens in zip(prompts, encoded, limits):
@@ -157,7 +158,8 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
                 job = worker.submit(dict(prompt=prompt, chat=chat, max_new_tokens=max_tokens,
                                          temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=seed,
                                          stop=req.stop, tau=req.tau, policy=req.policy, prompt_ids=prompt_ids,
-                                         response_format=response_format, logprobs=req.logprob_count))
+                                         response_format=response_format, logprobs=req.logprob_count,
+                                         prompt_logprobs=req.logprob_count if echo else None))
                 if job is None:
                     for j in jobs:
                         j.cancel()
@@ -178,6 +180,9 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
         choices = []
         for i, (text, result) in enumerate(done):
             lp, finish = _logprobs(result, kind), result.finish_reason
+            if echo:  # the prompt, then the completion; prompt tokens lead the logprobs (the first has none)
+                text = prompts[i // req.n] + text
+                lp = _echo_logprobs(encoded[i // req.n], result, lp)
             calls = tools.parse_call(text, req.tools) if calling else None
             message = ({"role": "assistant", "content": None, "tool_calls": calls} if calls else
                        {"role": "assistant", "content": text})
@@ -281,6 +286,22 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
             at += len(tok)
         return {"tokens": [tok for tok, _, _ in rows], "token_logprobs": [lp for _, lp, _ in rows],
                 "top_logprobs": [dict(alts) for _, _, alts in rows], "text_offset": offsets}
+
+    def _echo_logprobs(prompt_ids, result, lp):
+        if result.prompt_logprobs is None:
+            return lp
+        with decoder.tokenizer_lock:
+            piece = lambda t: decoder.tokenizer.decode([t])  # noqa: E731
+            tokens = [piece(t) for t in prompt_ids]
+            tops = [None] + [{piece(a): alp for a, alp in alts} for _, alts in result.prompt_logprobs]
+        lps = [None] + [v for v, _ in result.prompt_logprobs]
+        gen = lp or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offsets, at = [], 0
+        for tok in tokens:
+            offsets.append(at)
+            at += len(tok)
+        return {"tokens": tokens + gen["tokens"], "token_logprobs": lps + gen["token_logprobs"],
+                "top_logprobs": tops + gen["top_logprobs"], "text_offset": offsets + [at + o for o in gen["text_offset"]]}
 
     def overdue(job) -> APIError | None:
         """The worker enforces timeouts; should it stop answering, the handler does: 503 at once for a dead worker,

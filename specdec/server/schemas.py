@@ -103,7 +103,7 @@ class _Request(BaseModel):
 
     @property
     def token_limit(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     @property
     def include_usage(self) -> bool:
@@ -177,7 +177,7 @@ class ChatRequest(_Request):
 
 class CompletionRequest(_Request):
     prompt: str | list[str] = Field(min_length=1)
-    max_tokens: int | None = Field(default=16, ge=1, lt=2**31)  # OpenAI's default for completions
+    max_tokens: int | None = Field(default=16, ge=0, lt=2**31)  # OpenAI's default; 0: score the prompt (echo)
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None
@@ -201,8 +201,10 @@ class CompletionRequest(_Request):
             raise ValueError("top_logprobs is a chat field; completions take logprobs: N")
         if isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool) and not 0 <= self.logprobs <= 20:
             raise ValueError("logprobs must be an integer in [0, 20]")
-        for name, bad in {"echo": self.echo, "best_of": self.best_of not in (None, 1), "suffix": bool(self.suffix)
-                          }.items():
+        if self.max_tokens == 0 and not (self.echo and self.logprob_count is not None):
+            raise ValueError("max_tokens 0 needs echo and logprobs (scoring the prompt)")
+        for name, bad in {"echo with stream": self.echo and self.stream, "best_of": self.best_of not in (None, 1),
+                          "suffix": bool(self.suffix)}.items():
             if bad:
                 raise ValueError(f"{name} is not supported by this server yet (send it unset)")
         return self
