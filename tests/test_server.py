@@ -424,3 +424,17 @@ def test_echo_scores_the_prompt_as_lm_eval_asks(live, tok, target):
     c = r.json()["choices"][0]
     assert c["text"] == "Hello there" + plain.generate("Hello there", max_new_tokens=4, chat=False).text
     assert len(c["logprobs"]["tokens"]) == 11 + 4
+
+
+def test_token_id_prompts(live, tok, target):
+    """Completions take token ids (lm-evaluation-harness's tokenized requests): the same answer as the text."""
+    ids = tok("Hello there").input_ids
+    for prompt in (ids, [ids, ids]):
+        r = httpx.post(live.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 4, "temperature": 0,
+                                                           "echo": True}, timeout=60)
+        text = httpx.post(live.url + "/v1/completions", json={"prompt": "Hello there", "max_tokens": 4,
+                                                              "temperature": 0, "echo": True}).json()
+        assert r.status_code == 200 and all(c["text"] == text["choices"][0]["text"] for c in r.json()["choices"])
+    for bad in ([10**6], [-1], [[1, 2], []]):
+        r = httpx.post(live.url + "/v1/completions", json={"prompt": bad})
+        assert r.status_code == 400 and r.json()["error"]["message"]

@@ -139,7 +139,11 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
             raise APIError(503, "the model worker is down; retry later", "server_error", "worker_down")
         # on a thread (the tokenizer releases the GIL), with its own copy of the tokenizer: neither the event loop
         # nor the model worker waits for a long prompt; raises InvalidRequest / PromptTooLong -> 400
-        encoded = [await asyncio.to_thread(decoder.encode, p, chat) for p in prompts]
+        encoded = [await asyncio.to_thread(decoder.encode, p, chat) if chat or isinstance(p, str)
+                   else _token_prompt(p) for p in prompts]
+        if not chat:  # token-id prompts travel as their text (echo, the job's prompt) and their ids
+            with decoder.tokenizer_lock:
+                prompts = [p if isinstance(p, str) else decoder.tokenizer.decode(p) for p in prompts]
         limits = []
         for prompt_ids in encoded:
             room = decoder.context_window - len(prompt_ids)
@@ -286,6 +290,15 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
             at += len(tok)
         return {"tokens": [tok for tok, _, _ in rows], "token_logprobs": [lp for _, lp, _ in rows],
                 "top_logprobs": [dict(alts) for _, _, alts in rows], "text_offset": offsets}
+
+    def _token_prompt(ids: list[int]) -> list[int]:
+        vocab = decoder.model.config.vocab_size
+        if not all(0 <= t < vocab for t in ids):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})")
+        if len(ids) >= decoder.context_window:
+            raise APIError(400, f"prompt of {len(ids)} tokens does not fit the context window of "
+                                f"{decoder.context_window}", code="context_length_exceeded")
+        return list(ids)
 
     def _echo_logprobs(prompt_ids, result, lp):
         if result.prompt_logprobs is None:

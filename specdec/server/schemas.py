@@ -176,7 +176,7 @@ class ChatRequest(_Request):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str] = Field(min_length=1)
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(min_length=1)  # text or token ids
     max_tokens: int | None = Field(default=16, ge=0, lt=2**31)  # OpenAI's default; 0: score the prompt (echo)
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1)
@@ -185,8 +185,9 @@ class CompletionRequest(_Request):
     @field_validator("prompt")
     @classmethod
     def _prompts(cls, v):
-        """-> a list of prompts, each a choice (or n) of its own."""
-        prompts = v if isinstance(v, list) else [v]
+        """-> a list of prompts (text, or token ids as lm-evaluation-harness sends them), each a choice (or n) of
+        its own."""
+        prompts = [v] if isinstance(v, str) or (v and all(isinstance(t, int) for t in v)) else v
         if not 1 <= len(prompts) <= MAX_PROMPTS or not all(prompts):
             raise ValueError(f"prompt must be a non-empty string or a list of 1..{MAX_PROMPTS} of them")
         return prompts
