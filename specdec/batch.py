@@ -65,6 +65,7 @@ class Sequence:
         self.idle = 0  # cycles in a row it could have drafted and got no rows
         self.generator = self.params.generator()
         self.scored: list = []  # prompt logprobs so far
+        self.after: int | None = None  # waits for this request's prefill of the same prompt, then copies its K/V
 
     @property
     def generated(self) -> list[int]:
@@ -153,6 +154,11 @@ class BatchEngine:
             self._state[seq.id] = (slot, fork(self.drafter), est)
             if self.prefixes is not None and seq.prompt_logprobs is None:  # (scoring needs every prompt row)
                 seq.fed = self.prefixes.restore(seq.prompt, slot)
+                if seq.fed < len(seq.prompt) - 1 and len(seq.prompt) >= self.prefixes.min_tokens:
+                    # the same prompt being prefilled already (n choices, a retry): copy it when it is done
+                    twin = next((r for r in self.running if r.prompt == seq.prompt and r.prefilling
+                                 and r.after is None and r.prompt_logprobs is None), None)
+                    seq.after = twin.id if twin is not None else None
         except BaseException:  # nothing of a request that could not join stays behind
             self._state.pop(seq.id, None)
             self.model.release_slot(slot)
@@ -195,6 +201,7 @@ class BatchEngine:
         or verification raised (listed in `self.failed` with their errors): one request never fails the others."""
         t0 = perf_counter()
         self.last, self.failed = {}, []
+        self._release_twins()
         free = getattr(self.drafter, "free", False)
         early, draft_ms = {}, {}  # request id -> its draft, its drafting ms
         caps = {}
@@ -226,7 +233,7 @@ class BatchEngine:
         rows_left = self.max_batch_rows - len(decoding)
         chunks = {}  # prefilling request id -> rows this pass
         for s in self.running:
-            if s.prefilling and rows_left > 0:
+            if s.prefilling and s.after is None and rows_left > 0:
                 chunks[s.id] = min(len(s.tokens) - s.fed, self.prefill_chunk, rows_left)
                 rows_left -= chunks[s.id]
         base = self.max_batch_rows - rows_left
@@ -327,6 +334,16 @@ class BatchEngine:
         self.last = {"rows": len(tokens), "taus": [drafts[s.id][0] for s in decoding if s.id in drafts],
                      "verify_ms": verify_ms}
         return results
+
+    def _release_twins(self) -> None:
+        """Requests waiting for a twin's prefill copy its K/V (the prefix cache) once it is done, or prefill
+        themselves should the twin have left."""
+        ids = {r.id: r for r in self.running}
+        for s in self.running:
+            twin = ids.get(s.after) if s.after is not None else None
+            if s.after is not None and (twin is None or not twin.prefilling):
+                s.after = None
+                s.fed = self.prefixes.restore(s.prompt, self._state[s.id][0])
 
     def _constrained_draft(self, s: Sequence, room: int, cap: int, free: bool) -> Draft:
         """What the grammar forces (drafted for free, unless the request runs without a drafter), then a model-free

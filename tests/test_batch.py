@@ -202,3 +202,24 @@ def test_prompt_logprobs_through_chunked_prefill_equal_one_pass(rt):
                 got[s.id] = rec.prompt_logprobs
     assert len(ref) == len(ids) - 1 and all(got[s.id] == ref for s in scored)
     assert scored[0].generated == [] and len(scored[1].generated) == 6
+
+
+def test_a_prompt_prefilled_once_for_its_twins(rt):
+    """n choices of one prompt join together: one prefills, the others wait for it and copy its K/V (bitwise the
+    same), so the prompt's rows are computed once; each choice gets what it gets alone."""
+    model, tok = rt
+    plain = SpecDecoder.from_models(model, tok, draft="none")
+    engine = BatchEngine(model, plain.engine.drafter, model.config.vocab_size, plain.engine.eos_ids, 128,
+                         max_batch_rows=16, prefill_chunk=8)
+    ids = tok(PROMPTS[2]).input_ids
+    params = [SamplingParams(1.0, 1.0, 0, 40 + i) for i in range(3)]
+    seqs = [engine.add(Sequence(ids, 8, p)) for p in params]
+    rows = 0
+    while engine.running:
+        engine.step()
+        rows += engine.last.get("rows", 0)
+    for s, p in zip(seqs, params):
+        assert s.generated == alone(rt, PROMPTS[2], p, 8)
+    assert rows < len(ids) + 3 * 8 + 4  # the prompt once, then about one row per token per choice
+    assert engine.prefixes.hits == 2
+    engine.close()
