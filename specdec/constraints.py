@@ -1,7 +1,7 @@
 """Structured outputs: a grammar (any JSON value, or a JSON schema) decides which tokens may come next, and the
-target chooses among those only. llguidance computes the token mask (about 0.05 ms a token on the default model's
-49k vocabulary here) and needs nothing beside it; xgrammar, the other engine made for this, pulls in triton (1 GB)
-on a CPU-only install.
+target chooses among those only. llguidance computes the token mask (0.013 ms, and 0.044 ms to apply it to a row of
+the default model's 49k logits, here) and needs nothing beside it; xgrammar, the other engine made for this, pulls
+in triton (1 GB) on a CPU-only install.
 
 With speculation (verification.verify_constrained):
 - each verify row is masked with the grammar's state after the draft tokens before it, so the output is exactly the

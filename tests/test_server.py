@@ -167,8 +167,6 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "tools": [{"type": "function", "function": {"parameters": {}}}]}, 400),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "stream": True},
-     400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": 3}, 400),
     ("/v1/completions", {"prompt": "hi", "logprobs": 50}, 400),
@@ -438,3 +436,17 @@ def test_token_id_prompts(live, tok, target):
     for bad in ([10**6], [-1], [[1, 2], []]):
         r = httpx.post(live.url + "/v1/completions", json={"prompt": bad})
         assert r.status_code == 400 and r.json()["error"]["message"]
+
+
+def test_streamed_logprobs_equal_the_collected_ones(live):
+    """stream with logprobs: each chunk carries its cycle's tokens; together they are the non-streamed logprobs."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10, "temperature": 0, "logprobs": True,
+            "top_logprobs": 2}
+    whole = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["logprobs"]
+    streamed = []
+    with httpx.stream("POST", live.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                lp = json.loads(line[6:])["choices"][0].get("logprobs")
+                streamed += lp["content"] if lp else []
+    assert streamed == whole["content"] and len(streamed) > 0

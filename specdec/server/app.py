@@ -10,6 +10,7 @@ import logging
 import os
 import threading
 import time
+from types import SimpleNamespace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -227,14 +228,16 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
     async def _sse(job, meta, kind, include_usage):
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
-        def event(delta_text, finish=None, first=False):
+        def event(delta_text, finish=None, first=False, record=None):
+            lp = None if record is None or record.logprobs is None else _logprobs(
+                SimpleNamespace(token_ids=record.emitted, logprobs=record.logprobs), kind)  # this cycle's tokens
             if kind == "chat":
                 delta = {"role": "assistant", "content": delta_text} if first else {"content": delta_text}
                 if finish:
                     delta = {}
-                choice = {"index": 0, "delta": delta, "finish_reason": finish}
+                choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": delta_text, "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "text": delta_text, "logprobs": lp, "finish_reason": finish}
             return f"data: {json.dumps({**meta, 'object': obj, 'choices': [choice]})}\n\n"
 
         async def events():  # the job's events; an error event of our own should the worker never answer
@@ -259,8 +262,8 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
                     err = _as_api_error(payload)
                     yield f"data: {json.dumps(error_body(err.message, err.type, err.code))}\n\n"
                     break
-                if payload.text:
-                    yield event(payload.text)
+                if payload.text or payload.record.logprobs:
+                    yield event(payload.text, record=payload.record)
                 if payload.result is not None:
                     yield event("", finish=payload.result.finish_reason)
                     if include_usage:

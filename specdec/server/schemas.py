@@ -71,7 +71,6 @@ class _Request(BaseModel):
     def _unsupported(self):
         refuse = {
             "n > 1 with stream": self.n > 1 and self.stream,
-            "logprobs with stream": self.stream and self.logprob_count is not None,
             "logit_bias": bool(self.logit_bias),
             "tools with stream": bool(self.tools) and self.stream and self.tool_choice != "none",
             "tools with response_format": bool(self.tools) and self.response_format is not None,
