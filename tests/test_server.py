@@ -183,10 +183,8 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}, 404),
     ("/v1/completions", {"prompt": ""}, 400),
     ("/v1/completions", {"prompt": "x" * 400}, 400),
-    ("/v1/completions", {"prompt": ["a", "b"], "stream": True}, 400),
     ("/v1/completions", {"prompt": ["a"] * 17}, 400),
     ("/v1/completions", {"prompt": ["a", ""]}, 400),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2, "stream": True}, 400),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400),
     ("/v1/completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400),  # OpenAI allows 4
     ("/v1/completions", {"prompt": "hi", "stop": ["x" * 100_000]}, 400),  # held the worker for the whole timeout
@@ -450,3 +448,31 @@ def test_streamed_logprobs_equal_the_collected_ones(live):
                 lp = json.loads(line[6:])["choices"][0].get("logprobs")
                 streamed += lp["content"] if lp else []
     assert streamed == whole["content"] and len(streamed) > 0
+
+
+def test_streamed_choices_carry_their_index(live):
+    """n = 3 streamed: each choice's chunks carry its index and concatenate to the non-streamed choice; a list of
+    prompts streams the same way; usage covers every choice."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 1.0, "seed": 2, "n": 3}
+    full = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=60).json()
+    whole = [c["message"]["content"] for c in full["choices"]]
+    texts, usage = ["", "", ""], None
+    with httpx.stream("POST", live.url + "/v1/chat/completions", timeout=60,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                for c in chunk["choices"]:
+                    texts[c["index"]] += c["delta"].get("content") or ""
+                usage = chunk.get("usage") or usage
+    assert texts == whole and usage == full["usage"]
+    got = {}
+    with httpx.stream("POST", live.url + "/v1/completions", timeout=60,
+                      json={"prompt": ["ab", "Hello"], "max_tokens": 5, "temperature": 0, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    got[c["index"]] = got.get(c["index"], "") + c["text"]
+    plain = httpx.post(live.url + "/v1/completions", json={"prompt": ["ab", "Hello"], "max_tokens": 5,
+                                                           "temperature": 0}).json()["choices"]
+    assert [got[0], got[1]] == [c["text"] for c in plain]

@@ -174,7 +174,8 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
         meta = dict(id=("chatcmpl-" if kind == "chat" else "cmpl-") + jobs[0].id, created=int(time.time()),
                     model=model_name)
         if req.stream:
-            return StreamingResponse(_sse(jobs[0], meta, kind, req.include_usage), media_type="text/event-stream")
+            return StreamingResponse(_sse(jobs, meta, kind, req.include_usage, sum(len(ids) for ids in encoded)),
+                                     media_type="text/event-stream")
         try:
             done = await asyncio.gather(*(_collect(job, request) for job in jobs))
         finally:
@@ -225,54 +226,69 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
             job.cancel()  # a no-op once the job has ended
         return "".join(text), result
 
-    async def _sse(job, meta, kind, include_usage):
+    async def _sse(jobs, meta, kind, include_usage, prompt_tokens: int):
+        """Server-sent events of one or several jobs (n choices, prompt lists), each chunk with its choice's index."""
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
-        def event(delta_text, finish=None, first=False, record=None):
+        def event(i, delta_text, finish=None, first=False, record=None):
             lp = None if record is None or record.logprobs is None else _logprobs(
                 SimpleNamespace(token_ids=record.emitted, logprobs=record.logprobs), kind)  # this cycle's tokens
             if kind == "chat":
                 delta = {"role": "assistant", "content": delta_text} if first else {"content": delta_text}
                 if finish:
                     delta = {}
-                choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+                choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": delta_text, "logprobs": lp, "finish_reason": finish}
+                choice = {"index": i, "text": delta_text, "logprobs": lp, "finish_reason": finish}
             return f"data: {json.dumps({**meta, 'object': obj, 'choices': [choice]})}\n\n"
 
-        async def events():  # the job's events; an error event of our own should the worker never answer
+        async def pump(i, job, out):  # one job's events, then None; an error of our own should its worker not answer
             while True:
                 try:
                     item = await asyncio.wait_for(job.events.get(), timeout=0.5)
                 except asyncio.TimeoutError:
                     if overdue(job):
-                        yield "error", overdue(job)
+                        await out.put((i, ("error", overdue(job))))
                         return
                     continue
+                await out.put((i, None if item[0] == "end" else item))
                 if item[0] == "end":
                     return
-                yield item
 
-        try:  # a client that hangs up cancels this generator; the finally stops its generation
+        out: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.create_task(pump(i, job, out)) for i, job in enumerate(jobs)]
+        results, open_jobs = {}, len(jobs)
+        try:  # a client that hangs up cancels this generator; the finally stops every generation
             if kind == "chat":
-                yield event("", first=True)
-            async for item in events():
+                for i in range(len(jobs)):
+                    yield event(i, "", first=True)
+            while open_jobs:
+                i, item = await out.get()
+                if item is None:
+                    open_jobs -= 1
+                    continue
                 ev, payload = item
                 if ev == "error":
                     err = _as_api_error(payload)
                     yield f"data: {json.dumps(error_body(err.message, err.type, err.code))}\n\n"
                     break
                 if payload.text or payload.record.logprobs:
-                    yield event(payload.text, record=payload.record)
+                    yield event(i, payload.text, record=payload.record)
                 if payload.result is not None:
-                    yield event("", finish=payload.result.finish_reason)
-                    if include_usage:
-                        usage = {**meta, "object": obj, "choices": [], "usage": _usage(payload.result),
-                                 "specdec": _spec_stats(payload.result)}
-                        yield f"data: {json.dumps(usage)}\n\n"
+                    results[i] = payload.result
+                    yield event(i, "", finish=payload.result.finish_reason)
+            if include_usage and len(results) == len(jobs):
+                completion = sum(len(r.token_ids) for r in results.values())
+                usage = {**meta, "object": obj, "choices": [], "usage": {
+                    "prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                    "total_tokens": prompt_tokens + completion}, "specdec": _spec_stats(results[0])}
+                yield f"data: {json.dumps(usage)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            job.cancel()
+            for t in tasks:
+                t.cancel()
+            for job in jobs:
+                job.cancel()
 
     def _logprobs(result, kind: str):
         """OpenAI's logprobs object for the generated tokens (an EOS, which adds no text, left out), or None."""

@@ -70,7 +70,6 @@ class _Request(BaseModel):
     @model_validator(mode="after")
     def _unsupported(self):
         refuse = {
-            "n > 1 with stream": self.n > 1 and self.stream,
             "logit_bias": bool(self.logit_bias),
             "tools with stream": bool(self.tools) and self.stream and self.tool_choice != "none",
             "tools with response_format": bool(self.tools) and self.response_format is not None,
@@ -193,8 +192,6 @@ class CompletionRequest(_Request):
 
     @model_validator(mode="after")
     def _completion_only(self):
-        if len(self.prompt) > 1 and self.stream:
-            raise ValueError("a list of prompts with stream is not supported by this server yet")
         if len(self.prompt) * self.n > MAX_PROMPTS:
             raise ValueError(f"at most {MAX_PROMPTS} choices (prompts x n) per request")
         if self.top_logprobs is not None:
