@@ -179,7 +179,6 @@ BAD = [
                               "max_completion_tokens": 6}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "frobnicate": 1}, 400),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400),
-    ("/v1/completions", {"prompt": "hi", "echo": True, "stream": True}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}, 404),
     ("/v1/completions", {"prompt": ""}, 400),
     ("/v1/completions", {"prompt": "x" * 400}, 400),
@@ -476,3 +475,10 @@ def test_streamed_choices_carry_their_index(live):
     plain = httpx.post(live.url + "/v1/completions", json={"prompt": ["ab", "Hello"], "max_tokens": 5,
                                                            "temperature": 0}).json()["choices"]
     assert [got[0], got[1]] == [c["text"] for c in plain]
+    echoed = ""
+    with httpx.stream("POST", live.url + "/v1/completions", timeout=60,
+                      json={"prompt": "ab", "max_tokens": 5, "temperature": 0, "stream": True, "echo": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                echoed += json.loads(line[6:])["choices"][0]["text"]
+    assert echoed == "ab" + plain[0]["text"]

@@ -113,12 +113,22 @@ def test_response_format_and_tools_over_http(decoders):
             args = json.loads(call["function"]["arguments"])  # a JSON string, as OpenAI sends it
             if call["function"]["name"] == "get_weather":
                 assert set(args) == {"city"}  # closed to the declared parameters
+        calls, finish = [], None  # streamed: the call arrives whole, as a tool_calls delta
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=120,
+                          json={**ask, "tool_choice": "required", "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    c = json.loads(line[6:])["choices"][0]
+                    calls += c["delta"].get("tool_calls") or []
+                    finish = c["finish_reason"] or finish
+        assert len(calls) == 1 and json.loads(calls[0]["function"]["arguments"]) is not None
+        assert finish == "tool_calls"
         r = httpx.post(srv.url + "/v1/chat/completions", json={**ask, "tool_choice": "auto"}, timeout=120)
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")
         no_tools = {k: v for k, v in ask.items() if k != "tools"}
         for bad in ({**ask, "tools": [{"type": "function", "function": {}}]}, {**no_tools, "tool_choice": "required"},
                     {**ask, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-                    {**ask, "stream": True}, {**ask, "response_format": {"type": "json_object"}}):
+                    {**ask, "response_format": {"type": "json_object"}}):
             r = httpx.post(srv.url + "/v1/chat/completions", json=bad)
             assert r.status_code == 400 and r.json()["error"]["message"], bad
     finally:

@@ -174,7 +174,9 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
         meta = dict(id=("chatcmpl-" if kind == "chat" else "cmpl-") + jobs[0].id, created=int(time.time()),
                     model=model_name)
         if req.stream:
-            return StreamingResponse(_sse(jobs, meta, kind, req.include_usage, sum(len(ids) for ids in encoded)),
+            return StreamingResponse(_sse(jobs, meta, kind, req.include_usage, sum(len(ids) for ids in encoded),
+                                          req.tools if calling else None,
+                                          [prompts[i // req.n] for i in range(len(jobs))] if echo else None),
                                      media_type="text/event-stream")
         try:
             done = await asyncio.gather(*(_collect(job, request) for job in jobs))
@@ -226,8 +228,10 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
             job.cancel()  # a no-op once the job has ended
         return "".join(text), result
 
-    async def _sse(jobs, meta, kind, include_usage, prompt_tokens: int):
-        """Server-sent events of one or several jobs (n choices, prompt lists), each chunk with its choice's index."""
+    async def _sse(jobs, meta, kind, include_usage, prompt_tokens: int, tool_list=None, echoed=None):
+        """Server-sent events of one or several jobs (n choices, prompt lists), each chunk with its choice's index.
+        With tools (`tool_list`) a choice's text is held to its end, then sent as tool_calls or as content; with echo
+        (`echoed`: each choice's prompt text) the prompt comes first."""
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
         def event(i, delta_text, finish=None, first=False, record=None):
@@ -259,9 +263,12 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
         tasks = [asyncio.create_task(pump(i, job, out)) for i, job in enumerate(jobs)]
         results, open_jobs = {}, len(jobs)
         try:  # a client that hangs up cancels this generator; the finally stops every generation
+            held = {i: [] for i in range(len(jobs))}
             if kind == "chat":
                 for i in range(len(jobs)):
                     yield event(i, "", first=True)
+            for i, text in enumerate(echoed or []):
+                yield event(i, text)
             while open_jobs:
                 i, item = await out.get()
                 if item is None:
@@ -272,11 +279,24 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
                     err = _as_api_error(payload)
                     yield f"data: {json.dumps(error_body(err.message, err.type, err.code))}\n\n"
                     break
-                if payload.text or payload.record.logprobs:
+                if tool_list:
+                    held[i].append(payload.text)
+                elif payload.text or payload.record.logprobs:
                     yield event(i, payload.text, record=payload.record)
                 if payload.result is not None:
                     results[i] = payload.result
-                    yield event(i, "", finish=payload.result.finish_reason)
+                    finish = payload.result.finish_reason
+                    if tool_list:
+                        text = "".join(held[i])
+                        calls = tools.parse_call(text, tool_list)
+                        if calls:
+                            finish = "tool_calls"
+                            delta = {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
+                            choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
+                            yield f"data: {json.dumps({**meta, 'object': obj, 'choices': [choice]})}\n\n"
+                        elif text:
+                            yield event(i, text)
+                    yield event(i, "", finish=finish)
             if include_usage and len(results) == len(jobs):
                 completion = sum(len(r.token_ids) for r in results.values())
                 usage = {**meta, "object": obj, "choices": [], "usage": {

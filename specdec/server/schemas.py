@@ -71,7 +71,6 @@ class _Request(BaseModel):
     def _unsupported(self):
         refuse = {
             "logit_bias": bool(self.logit_bias),
-            "tools with stream": bool(self.tools) and self.stream and self.tool_choice != "none",
             "tools with response_format": bool(self.tools) and self.response_format is not None,
             "functions": bool(self.functions),
             "function_call": self.function_call not in (None, "none", "auto"),
@@ -200,7 +199,7 @@ class CompletionRequest(_Request):
             raise ValueError("logprobs must be an integer in [0, 20]")
         if self.max_tokens == 0 and not (self.echo and self.logprob_count is not None):
             raise ValueError("max_tokens 0 needs echo and logprobs (scoring the prompt)")
-        for name, bad in {"echo with stream": self.echo and self.stream, "best_of": self.best_of not in (None, 1),
+        for name, bad in {"best_of": self.best_of not in (None, 1),
                           "suffix": bool(self.suffix)}.items():
             if bad:
                 raise ValueError(f"{name} is not supported by this server yet (send it unset)")
