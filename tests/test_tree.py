@@ -381,3 +381,15 @@ def test_datastore_branches_and_chains_merge_into_one_tree():
     m = chain.propose([2, 3, 4], 3, SamplingParams(), None)
     assert m.tokens[:4] == [5, 6, 8, 7] and 11 in m.tokens
     assert m.parents[m.tokens.index(11)] == 0  # under the shared first node 5, not a second copy of it
+
+
+def test_ngram_branches_follow_every_earlier_occurrence():
+    """`ngram` as a tree member: each distinct continuation of the matching n-gram is a branch, valued by the share
+    of occurrences agreeing with it; its majority path is the chain propose() gives when the most recent agrees."""
+    from specdec.drafters.ngram import NgramDrafter
+    ctx = [1, 2, 3, 9, 1, 2, 3, 8, 8, 1, 2, 3, 9, 7, 5, 1, 2, 3]
+    t = NgramDrafter().propose_tree(ctx, 3, None, None)
+    assert (t.tokens, t.parents) == ([9, 8, 7, 8, 5, 1], [-1, -1, 0, 1, 2, 3])
+    assert t.values == pytest.approx([2 / 3, 1 / 3, 1 / 3, 1 / 3, 1 / 3, 1 / 3])
+    assert NgramDrafter().propose(ctx, 3, None, None).tokens == [9, 7, 5]
+    assert NgramDrafter().propose_tree([1, 2, 3, 4], 3, None, None).tokens == []

@@ -28,5 +28,34 @@ class NgramDrafter:
                 return Draft(context[start:start + k])
         return Draft()
 
+    def propose_tree(self, context, k, params, generator, branches: int = 3) -> Draft:
+        """The continuations of every earlier occurrence of the longest matching n-gram as one tree (the most
+        recent first), each node valued by the share of occurrences that agree with its path."""
+        ctx = torch.tensor(context)
+        for n in range(min(self.max_ngram, len(context) - 1), self.min_ngram - 1, -1):
+            hits = (ctx[:-1].unfold(0, n, 1) == ctx[-n:]).all(-1).nonzero().flatten().tolist()
+            if not hits:
+                continue
+            starts = [h + n for h in reversed(hits)]  # most recent first
+            tokens, parents, values = [], [], []
+            frontier = [(-1, starts, 1.0, 0)]  # (node, occurrences still agreeing, value, depth)
+            while frontier:
+                node, group, value, depth = frontier.pop(0)
+                if depth >= k:
+                    continue
+                following: dict[int, list[int]] = {}
+                for st in group:
+                    if st + depth < len(context):
+                        following.setdefault(context[st + depth], []).append(st)
+                width = branches if node < 0 else 1  # branches at the first token, then each one's majority
+                for token, agree in sorted(following.items(), key=lambda kv: -len(kv[1]))[:width]:
+                    tokens.append(token), parents.append(node), values.append(value * len(agree) / len(group))
+                    frontier.append((len(tokens) - 1, agree, values[-1], depth + 1))
+            order = sorted(range(len(tokens)), key=lambda i: -values[i])  # best first (parents before children)
+            where = {old: new for new, old in enumerate(order)}
+            return Draft([tokens[i] for i in order], parents=[-1 if parents[i] < 0 else where[parents[i]]
+                                                             for i in order], values=[values[i] for i in order])
+        return Draft()
+
     def reset(self) -> None:
         pass
