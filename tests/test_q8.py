@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from specdec import SpecDecoder, kernels
+from specdec import kernels
 from specdec.runtime.load import load_gguf
-from test_runtime import gguf_pair  # noqa: F401 - the tiny quantized GGUF (a fixture)
+from test_runtime import assert_speculation_equals_target_only, gguf_pair  # noqa: F401 - gguf_pair: a fixture
 
 T = gguf.GGMLQuantizationType
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no AVX2/AVX-512 CPU or no C++ compiler")
@@ -166,10 +166,4 @@ def test_q8_whole_pass_is_row_invariant(q8_model):
 
 @needs_kernel
 def test_q8_speculation_is_token_identical_to_q8_target_only(q8_model, tok):
-    prompt = "Hello there, general"
-    base = SpecDecoder.from_models(q8_model, tok, "none").generate(prompt, max_new_tokens=40, chat=False)
-    for draft in ["ngram", "target"]:
-        for tau in range(1, 9):
-            out = SpecDecoder.from_models(q8_model, tok, draft, tau=tau).generate(prompt, max_new_tokens=40,
-                                                                                 chat=False)
-            assert out.token_ids == base.token_ids, (draft, tau)
+    assert_speculation_equals_target_only(q8_model, tok)

@@ -252,14 +252,20 @@ def _logits(rt):
 def test_greedy_speculation_on_the_runtime_is_token_identical(runtime_model, tok):
     """Every drafter x tau 1..8 on the runtime equals the runtime's target-only output, token by token (rows 2-9
     per verify pass: the kernel's 8-row tiles and the row-count switch are crossed)."""
+    out = assert_speculation_equals_target_only(runtime_model, tok)
+    assert out.stats["accepted"] > 0  # the target drafting for itself is always right
+
+
+def assert_speculation_equals_target_only(model, tok):
+    """ngram and the target as its own draft, tau 1..8, against the same model's target-only output -> the last
+    speculative result."""
     prompt = "Hello there, general"
-    base = SpecDecoder.from_models(runtime_model, tok, "none").generate(prompt, max_new_tokens=40, chat=False)
+    base = SpecDecoder.from_models(model, tok, "none").generate(prompt, max_new_tokens=40, chat=False)
     for draft in ["ngram", "target"]:
         for tau in range(1, 9):
-            out = SpecDecoder.from_models(runtime_model, tok, draft, tau=tau).generate(prompt, max_new_tokens=40,
-                                                                                      chat=False)
+            out = SpecDecoder.from_models(model, tok, draft, tau=tau).generate(prompt, max_new_tokens=40, chat=False)
             assert out.token_ids == base.token_ids, (draft, tau)
-    assert out.stats["accepted"] > 0  # the target drafting for itself is always right
+    return out
 
 
 # ---- what the runtime refuses ----------------------------------------------------------------------------------------

@@ -461,11 +461,6 @@ def _as_api_error(exc) -> APIError:
     return APIError(500, f"internal error in this request: {type(exc).__name__}", "server_error", "internal_error")
 
 
-def _usage(result) -> dict:
-    n = len(result.token_ids)
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": n, "total_tokens": result.prompt_tokens + n}
-
-
 def _spec_stats(result) -> dict:
     s = result.stats
     return {k: s[k] for k in ("acceptance_rate", "mean_accepted_len", "target_passes", "proposed", "accepted",
