@@ -16,15 +16,6 @@ F32 = np.float32
 BLOCK = {kernels.Q4_0: 18, kernels.Q4_1: 20, kernels.Q8_0: 34}
 
 
-def vsum(lanes: np.ndarray) -> np.float32:
-    """rows.cpp's vsum: 8+8, 4+4, then pairs (2, 3, 0, 1) and (1, 0, 3, 2)."""
-    s8 = lanes[8:] + lanes[:8]
-    s4 = s8[4:] + s8[:4]
-    s2 = s4 + s4[[2, 3, 0, 1]]
-    s1 = s2 + s2[[1, 0, 3, 2]]
-    return s1[0]
-
-
 def fma32(a, b, c) -> np.ndarray:
     """fp32 fused multiply-add, rounded once: a·b is exact in float64, TwoSum gives s + lo == a·b + c exactly, and
     fp32(s) is the correctly rounded result unless s is exactly halfway between two fp32 values (float64 holds every
@@ -69,38 +60,24 @@ def weights_of(fmt, data: np.ndarray, n: int, k: int):
 
 
 def q8_reference(fmt, x: np.ndarray, data: np.ndarray, n: int, k: int, bias=None) -> np.ndarray:
-    """The q8 linear in numpy, operation for operation as rows.cpp does it (fp32; the lane accumulation fused)."""
+    """The q8 linear in numpy, operation for operation as rows.cpp does it: per block an exact integer dot product,
+    then one fp32 chain per output over the blocks in order, acc = fma(isum, d·s, acc) (Q4_1: then
+    acc = fma(m, s·Σq, acc)), + bias."""
     qw, dw, mw = weights_of(fmt, data, n, k)
     nb = k // 32
-    pairs = (nb + 1) // 2
-    out = np.zeros((len(x), n), dtype=F32)
-    for r, row in enumerate(x.astype(F32)):
-        xb = row.reshape(nb, 32)
-        amax = np.abs(xb).max(1)
-        s = amax / F32(127)
-        inv = np.where(amax > 0, F32(127) / np.where(amax > 0, amax, F32(1)), F32(0)).astype(F32)
-        q = np.rint(xb * inv[:, None]).astype(np.int64)
-        sq = s * q.sum(1).astype(F32)
-        for j in range(n):
-            lanes = (qw[j].reshape(nb, 8, 4) * q.reshape(nb, 8, 4)).sum(-1)  # [nb, 8] int32 lanes
-            lanes = np.concatenate([lanes, np.zeros((2 * pairs - nb, 8), np.int64)]).reshape(pairs, 16)
-            scale = np.repeat(np.concatenate([dw[j] * s, np.zeros(2 * pairs - nb, F32)]).astype(F32), 8)
-            scale = scale.reshape(pairs, 16)
-            acc = np.zeros(16, F32)
-            for p in range(pairs):
-                acc = fma32(lanes[p].astype(F32), scale[p], acc)
-            y = vsum(acc)
-            if mw is not None:
-                am = np.zeros(16, F32)
-                for b0 in range(0, nb, 16):
-                    mv, sv = np.zeros(16, F32), np.zeros(16, F32)
-                    mv[: min(16, nb - b0)], sv[: min(16, nb - b0)] = mw[j, b0:b0 + 16], sq[b0:b0 + 16]
-                    am = am + mv * sv
-                y = y + vsum(am)
-            if bias is not None:
-                y = y + F32(bias[j])
-            out[r, j] = y
-    return out
+    xb = x.astype(F32).reshape(len(x), nb, 32)
+    amax = np.abs(xb).max(2)
+    s = (amax / F32(127)).astype(F32)
+    inv = np.where(amax > 0, F32(127) / np.where(amax > 0, amax, F32(1)), F32(0)).astype(F32)
+    q = np.rint(xb * inv[..., None]).astype(np.int64)  # [R, nb, 32]; rint: half to even, as the kernel rounds
+    sq = (s * q.sum(2).astype(F32)).astype(F32)
+    isum = np.einsum("rbi,nbi->rnb", q, qw.reshape(n, nb, 32))  # [R, n, nb], exact in int64
+    acc = np.zeros((len(x), n), F32)
+    for b in range(nb):
+        acc = fma32(isum[..., b].astype(F32), (dw[None, :, b] * s[:, None, b]).astype(F32), acc)
+        if mw is not None:
+            acc = fma32(np.broadcast_to(mw[None, :, b], acc.shape), np.broadcast_to(sq[:, None, b], acc.shape), acc)
+    return acc if bias is None else (acc + bias.astype(F32)[None]).astype(F32)
 
 
 def quantized(fmt, n, k, seed):
@@ -111,10 +88,10 @@ def quantized(fmt, n, k, seed):
 
 @needs_kernel
 @pytest.mark.parametrize("fmt", [kernels.Q4_0, kernels.Q4_1, kernels.Q8_0])
-@pytest.mark.parametrize("k", [32, 96, 544])  # odd block counts: a padded pair; 544 = 17 blocks, a 16-block tail
-def test_q8_kernel_equals_numpy_bitwise_on_every_isa(fmt, k):
-    n = 11  # not a multiple of the 4-row weight tiles
-    data = quantized(fmt, n, k, seed=k + fmt)
+@pytest.mark.parametrize("k", [32, 96, 544])  # 1, 3 and 17 blocks
+@pytest.mark.parametrize("n", [11, 37])  # not multiples of the 16-row groups: one partial group, two whole and one
+def test_q8_kernel_equals_numpy_bitwise_on_every_isa(fmt, k, n):
+    data = quantized(fmt, n, k, seed=k + fmt + n)
     bias = np.random.default_rng(1).standard_normal(n).astype(F32)
     x = np.random.default_rng(k).standard_normal((29, k)).astype(F32)
     x[3, :32] = 0  # an all-zero block: scale 0
@@ -126,6 +103,8 @@ def test_q8_kernel_equals_numpy_bitwise_on_every_isa(fmt, k):
             got = kernels.linear(fmt, torch.from_numpy(x[:rows]), torch.from_numpy(data), n, torch.from_numpy(bias),
                                  lib=lib, q8=True)
             assert np.array_equal(got.numpy(), want[:rows]), (lib.isa, rows)
+    packed = kernels.repack(fmt, torch.from_numpy(data), n, k)
+    assert packed.numel() == -(-n // 16) * 16 * data.shape[1]  # the file's bytes, rows padded to 16
 
 
 @needs_kernel

@@ -82,7 +82,11 @@ class Library:
         lib, p, i, f, lng = ctypes.CDLL(str(path)), ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
         self.isa = isa
         self.rows_linear = lib.rows_linear
-        self.rows_linear.argtypes, self.rows_linear.restype = [i, p, i, i, p, i, p, p, i, i], i
+        self.rows_linear.argtypes, self.rows_linear.restype = [i, p, i, i, p, p, i, p, p, i], i
+        self.rows_repack = lib.rows_repack
+        self.rows_repack.argtypes, self.rows_repack.restype = [i, p, i, i, p, i], i
+        self.rows_repacked_bytes = lib.rows_repacked_bytes
+        self.rows_repacked_bytes.argtypes, self.rows_repacked_bytes.restype = [i, i, i], lng
         self.row_bytes = lib.row_bytes
         self.row_bytes.argtypes, self.row_bytes.restype = [i, i], lng
         self.rows_rmsnorm = lib.rows_rmsnorm
@@ -130,11 +134,29 @@ def path_name() -> str:
     return f"kernels ({lib.isa})" if lib is not None else "torch fallback (one row at a time)"
 
 
+def q8_format(fmt: int) -> bool:
+    """Weight formats the q8 mode runs in integers (int8 activations); float weights keep the exact path."""
+    return fmt in (Q4_0, Q4_1, Q8_0)
+
+
+def repack(fmt: int, weight: torch.Tensor, n: int, k: int, lib: Library | None = None) -> torch.Tensor:
+    """`n` rows of GGUF blocks -> the q8 kernel's layout (rows.cpp `rows_repack`: groups of 16 rows, their quants
+    interleaved 4 columns at a time): the same bytes, rows padded to a multiple of 16."""
+    lib = lib or library()
+    size = lib.rows_repacked_bytes(fmt, n, k)
+    if size < 0 or tuple(weight.shape) != (n, lib.row_bytes(fmt, k)) or not weight.is_contiguous():
+        raise ValueError(f"cannot repack {tuple(weight.shape)} as {n} rows of {FORMATS.get(fmt, fmt)} with {k} columns")
+    out = torch.empty(size, dtype=torch.uint8)
+    lib.rows_repack(fmt, weight.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
 def linear(fmt: int, x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | None = None,
-           lib: Library | None = None, q8: bool = False) -> torch.Tensor:
+           lib: Library | None = None, q8: bool = False, packed: torch.Tensor | None = None) -> torch.Tensor:
     """y = x·Wᵀ (+ b) for W given as `n` rows in format `fmt` (a uint8 block tensor, or a float tensor) and x
-    [..., K] fp32 CPU, any number of rows; q8: int8 activations for Q4_0/Q4_1/Q8_0 weights (rows.cpp, the q8 mode). Shapes and dtypes are checked here: a pointer never reaches C++ with a
-    size that does not match its tensor."""
+    [..., K] fp32 CPU, any number of rows. q8: int8 activations for Q4_0/Q4_1/Q8_0 weights (rows.cpp, the q8 mode),
+    on `packed` (repack()'s layout of W) or on a repack made for this call. Shapes and dtypes are checked here: a
+    pointer never reaches C++ with a size that does not match its tensor."""
     lib = lib or library()
     k = x.shape[-1] if x.dim() else 0
     if x.dtype != torch.float32 or not x.is_cpu:
@@ -146,12 +168,20 @@ def linear(fmt: int, x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.
                          f"({FORMATS.get(fmt, fmt)} with {k} columns)")
     if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (n,) or not bias.is_contiguous()):
         raise ValueError(f"kernel linear: bias must be fp32 [{n}]")
+    if q8 and q8_format(fmt):
+        if packed is None:
+            packed = repack(fmt, weight, n, k, lib)
+        elif packed.dtype != torch.uint8 or packed.numel() != lib.rows_repacked_bytes(fmt, n, k):
+            raise ValueError("kernel linear: `packed` is not this weight's repack")
+    else:
+        packed = None
     x2 = x.reshape(-1, k)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     y = x.new_empty((*x.shape[:-1], n))
-    rc = lib.rows_linear(fmt, x2.data_ptr(), x2.shape[0], k, weight.data_ptr(), n, y.data_ptr(),
-                         None if bias is None else bias.data_ptr(), torch.get_num_threads(), int(q8))
+    rc = lib.rows_linear(fmt, x2.data_ptr(), x2.shape[0], k, weight.data_ptr(),
+                         None if packed is None else packed.data_ptr(), n, y.data_ptr(),
+                         None if bias is None else bias.data_ptr(), torch.get_num_threads())
     if rc:
         raise ValueError(f"kernel cannot serve format {FORMATS.get(fmt, fmt)} with {k} columns")
     return y
@@ -184,8 +214,8 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if not x.is_contiguous():
         x = x.contiguous()
     y = x.new_empty((*x.shape[:-1], weight.shape[0]))
-    lib.rows_linear(F32, x.data_ptr(), rows, k, weight.data_ptr(), weight.shape[0], y.data_ptr(),
-                    None if bias is None else bias.data_ptr(), torch.get_num_threads(), 0)
+    lib.rows_linear(F32, x.data_ptr(), rows, k, weight.data_ptr(), None, weight.shape[0], y.data_ptr(),
+                    None if bias is None else bias.data_ptr(), torch.get_num_threads())
     return y
 
 

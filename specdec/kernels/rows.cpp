@@ -399,97 +399,129 @@ extern "C" long row_bytes(int fmt, int K) {
 }
 
 // ---- q8: int8 activations x integer weights (the `q8` numerics mode) ---------------------------------------------
-// Each activation row is quantized by itself in 32-element blocks (as ggml's Q8_0): s = max|x| / 127,
-// q = round-half-even(x * (127 / max|x|)), an all-zero block has s = 0 and q = 0. Rows are padded with zero blocks to
-// an even count. Weight blocks (Q4_0, Q4_1, Q8_0) meet them in integers: per pair of blocks (A, B) 16 int32 lanes,
-// lane j summing the 4 products of weights 4j..4j+3 (lanes 0-7 block A, 8-15 block B), exact in any instruction
-// order: VNNI `vpdpbusd` (u8 x s8; Q8_0 weights offset by +128, the offset taken back in integers) or AVX2
-// `maddubs`+`madd` (Q8_0 by the sign trick; no 16-bit saturation: |w| <= 128, |q| <= 127). Then per lane
-// acc = fma(float(isum), d_w * s_x, acc), pairs in order, and y = the lanes summed in vsum's tree (+ for Q4_1
-// Σ_b m_b * (s_b * Σq_b) in 16-lane steps, a multiply then an add, also summed by vsum). Tests rebuild it in numpy
-// bit for bit (the fused multiply-add emulated with exact rounding). Nothing depends on other rows, so every row is a one-token step's (row-invariant).
+// Activations: each row quantized by itself in 32-element blocks (as ggml's Q8_0): s = max|x| / 127,
+// q = round-half-even(x * (127 / max|x|)); an all-zero block has s = 0 and q = 0.
+// Weights: Q4_0, Q4_1 and Q8_0 repacked once (rows_repack) into groups of 16 rows: per block of 32 columns, the 16
+// rows' fp16 d (and m), then their quants interleaved 4 columns at a time, so one 64-byte load holds 4 columns of
+// all 16 rows and one dot-product instruction gives each row's lane its 4 products (Q4 bytes hold columns c and
+// c + 16 in their low and high nibbles, as in the file). Same bytes as the file.
+// Per (x row m, weight row n, block b): isum = Σ_i w_q[i] x_q[i], an exact integer (Q4_0's -8 and Q8_0's u8 offset
+// taken back in integers) whatever the instructions (VNNI `vpdpbusd`, or AVX2 `maddubs` + `madd`). Then one float
+// chain per output over the blocks in order: acc = fma(float(isum), d_b * s_b, acc), and for Q4_1 also
+// acc = fma(m_b, s_b * Σq_b, acc); y = acc (+ bias). No lane tree: 16 weight rows are 16 lanes. Nothing depends on
+// other rows, so every row is a one-token step's (row-invariant); tests rebuild it in numpy bit for bit.
 struct QX {            // R rows of K columns, quantized
-    int8_t* q;         // [R][KP], KP = 64 * pairs (zero padded)
-    float* s16;        // [R][pairs * 16]: lane scales, s_A x 8 then s_B x 8
-    float* sq;         // [R][NB16]: s_b * Σq_b per block, zero padded to a multiple of 16 (Q4_1's offset term)
-    int32_t* sum4;     // [R][KP / 4]: Σ of each 4 consecutive q (Q4_0's -8 and VNNI Q8_0's +128 offsets)
-    int K, KP, pairs, NB16;
+    int8_t* q;         // [R][K]
+    float* s;          // [R][nb]: block scales
+    float* sq;         // [R][nb]: s_b * Σq_b (Q4_1's offset term)
+    int32_t* o4;       // [R][nb]: -8 Σq_b (Q4_0's offset)
+    int32_t* o8;       // [R][nb]: -128 Σq_b (Q8_0 weights offset by +128 for vpdpbusd's unsigned operand)
+    int K, nb;
 };
 
-static inline int q8_pairs(int K) { return (K / 32 + 1) / 2; }
-static inline int q8_nb16(int K) { return (K / 32 + 15) / 16 * 16; }
-
-static void q8_quantize_row(const float* x, int K, const QX& Q, int r) {
-    int8_t* q = Q.q + (long)r * Q.KP;
-    float* s16 = Q.s16 + (long)r * Q.pairs * 16;
-    float* sq = Q.sq + (long)r * Q.NB16;
-    int32_t* sum4 = Q.sum4 + (long)r * (Q.KP / 4);
-    const int nb = K / 32;
-    for (int b = 0; b < 2 * Q.pairs; b++) {
-        float s = 0.0f;
+static void q8_quantize_row(const float* x, const QX& Q, int r) {
+    const int nb = Q.nb;
+    int8_t* q = Q.q + (long)r * Q.K;
+    for (int b = 0; b < nb; b++) {
+        const float* xb = x + 32 * b;
+        float amax = 0.0f;
+        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        const float s = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
         int total = 0;
-        if (b < nb) {
-            const float* xb = x + 32 * b;
-            float amax = 0.0f;
-            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
-            s = amax / 127.0f;
-            const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-            for (int i = 0; i < 32; i++) {
-                const int v = _mm_cvtss_si32(_mm_set_ss(xb[i] * id));  // round half to even (MXCSR's default)
-                q[32 * b + i] = (int8_t)v;
-                total += v;
-            }
-            sq[b] = s * (float)total;
-        } else {
-            memset(q + 32 * b, 0, 32);
+        for (int i = 0; i < 32; i++) {
+            const int v = _mm_cvtss_si32(_mm_set_ss(xb[i] * id));  // round half to even (MXCSR's default)
+            q[32 * b + i] = (int8_t)v;
+            total += v;
         }
-        for (int l = 0; l < 8; l++) s16[16 * (b / 2) + 8 * (b % 2) + l] = s;
-        for (int j = 0; j < 8; j++) {
-            const int8_t* g = q + 32 * b + 4 * j;
-            sum4[8 * b + j] = g[0] + g[1] + g[2] + g[3];
-        }
+        const long at = (long)r * nb + b;
+        Q.s[at] = s;
+        Q.sq[at] = s * (float)total;
+        Q.o4[at] = -8 * total;
+        Q.o8[at] = -128 * total;
     }
-    for (int b = nb; b < Q.NB16; b++) sq[b] = 0.0f;
 }
 
-static void q8_quantize(const float* x, int R, int K, const QX& Q) {
+static void q8_quantize(const float* x, int R, const QX& Q) {
 #pragma omp for schedule(static)
-    for (int r = 0; r < R; r++) q8_quantize_row(x + (long)r * K, K, Q, r);
+    for (int r = 0; r < R; r++) q8_quantize_row(x + (long)r * Q.K, Q, r);
 }
 
-// 16 int32 lanes of one pair of blocks: the exact integer dot products of weights (one row) and x (one row).
+static inline bool q8_format(int fmt) { return fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0; }
+template <int FMT> struct Q8W;  // a file block's bytes and where its quants start; a repacked block's scale bytes
+template <> struct Q8W<Q4_0> { static const int BLOCK = 18, QS = 2, SCALES = 32, CHUNKS = 4; };
+template <> struct Q8W<Q4_1> { static const int BLOCK = 20, QS = 4, SCALES = 64, CHUNKS = 4; };
+template <> struct Q8W<Q8_0> { static const int BLOCK = 34, QS = 2, SCALES = 32, CHUNKS = 8; };
+
+// Repack N rows of K columns (file blocks) into ceil(N / 16) groups of 16 rows (rows past N are zero). Per group and
+// block: d[16] fp16, (Q4_1: m[16] fp16), then 64-byte chunks: chunk c, bytes 4j..4j+3 = row j's quant bytes 4c..4c+3.
+template <int FMT>
+static void repack(const uint8_t* W, int N, int K, uint8_t* out) {
+    typedef Q8W<FMT> F;
+    const int nb = K / 32, G = (N + 15) / 16;
+    const long rb = (long)F::BLOCK * nb, bb = 16L * F::BLOCK;
+    static const uint8_t ZERO[34] = {0};
+#pragma omp for schedule(static)
+    for (int g = 0; g < G; g++)
+        for (int b = 0; b < nb; b++) {
+            uint8_t* o = out + (long)g * nb * bb + b * bb;
+            for (int j = 0; j < 16; j++) {
+                const int n = 16 * g + j;
+                const uint8_t* src = n < N ? W + n * rb + (long)b * F::BLOCK : ZERO;
+                memcpy(o + 2 * j, src, 2);                               // d
+                if (FMT == Q4_1) memcpy(o + 32 + 2 * j, src + 2, 2);     // m
+                for (int c = 0; c < F::CHUNKS; c++) memcpy(o + F::SCALES + 64 * c + 4 * j, src + F::QS + 4 * c, 4);
+            }
+        }
+}
+
+extern "C" long rows_repacked_bytes(int fmt, int N, int K) {
+    if (!q8_format(fmt) || K % 32 || N < 0) return -1;
+    return (N + 15) / 16 * 16L * row_bytes(fmt, K);
+}
+
+extern "C" int rows_repack(int fmt, const uint8_t* W, int N, int K, uint8_t* out, int threads) {
+    if (rows_repacked_bytes(fmt, N, K) < 0) return -1;
+#pragma omp parallel num_threads(threads)
+    switch (fmt) {
+        case Q4_0: repack<Q4_0>(W, N, K, out); break;
+        case Q4_1: repack<Q4_1>(W, N, K, out); break;
+        default: repack<Q8_0>(W, N, K, out); break;
+    }
+    return 0;
+}
+
+// One block's isum for 16 weight rows (lanes) and one x row: the 8 groups of 4 columns (Q4: chunk c's low nibbles
+// are columns 4c.., its high nibbles 16 + 4c..; Q8_0: chunk c is columns 4c..). Two integer chains, added: exact.
 #if defined(__AVX512VNNI__)
 struct I16 { __m512i v; };
 static inline V16 i16_to_f(I16 a) { return vfrom_i32(a.v); }
-// Q4: the 16 packed bytes of block A and of block B -> 64 u8 weights in x's order (A 0..31, B 0..31)
-static inline __m512i q4_unpack(const uint8_t* a, const uint8_t* b) {
-    const __m256i pk = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)a)),
-                                               _mm_loadu_si128((const __m128i*)b), 1);
-    const __m256i m = _mm256_set1_epi8(15);
-    const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(pk, m)),
-                                         _mm256_and_si256(_mm256_srli_epi16(pk, 4), m), 1);  // Alo Blo Ahi Bhi
-    return _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));                             // Alo Ahi Blo Bhi
-}
-struct WQ { __m512i w; };  // a pair of weight blocks as the u8 operand of vpdpbusd
+struct WB { __m512i g[8]; };  // a block's 8 column groups as vpdpbusd's unsigned operand
 template <int FMT>
-static inline WQ q8_unpack(const uint8_t* wa, const uint8_t* wb) {
-    if (FMT == Q8_0) {  // s8 -> u8 by +128 (taken back in the dot's initial value)
-        const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)wa)),
-                                             _mm256_loadu_si256((const __m256i*)wb), 1);
-        return {_mm512_xor_si512(w, _mm512_set1_epi8((char)0x80))};
+static inline void q8_unpack(const uint8_t* qs, WB* w) {
+    if (FMT == Q8_0) {  // s8 -> u8 by +128, taken back by the -128 Σq start
+        for (int c = 0; c < 8; c++) w->g[c] = _mm512_xor_si512(_mm512_loadu_si512(qs + 64 * c), _mm512_set1_epi8((char)0x80));
+        return;
     }
-    return {q4_unpack(wa, wb)};
+    const __m512i m = _mm512_set1_epi8(15);
+    for (int c = 0; c < 4; c++) {
+        const __m512i v = _mm512_loadu_si512(qs + 64 * c);
+        w->g[c] = _mm512_and_si512(v, m);
+        w->g[4 + c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m);
+    }
 }
+static inline __m512i xb4(const int8_t* x) { int32_t v; memcpy(&v, x, 4); return _mm512_set1_epi32(v); }
 template <int FMT>
-static inline I16 q8_dot(WQ w, const int8_t* xq, const int32_t* s4) {
-    const __m512i x = _mm512_loadu_si512(xq);
-    const int shift = FMT == Q8_0 ? 7 : 3;  // Q8_0: (w + 128).x - 128 Σx; Q4_0: q.x - 8 Σx
-    const __m512i init = FMT == Q4_1 ? _mm512_setzero_si512()
-                                     : _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(_mm512_loadu_si512(s4), shift));
-    return {_mm512_dpbusd_epi32(init, w.w, x)};
+static inline I16 q8_dot(const WB& w, const int8_t* xq, int32_t start) {
+    __m512i a = _mm512_set1_epi32(start), b = _mm512_setzero_si512();
+    for (int c = 0; c < 4; c++) a = _mm512_dpbusd_epi32(a, w.g[c], xb4(xq + 4 * c));
+    for (int c = 4; c < 8; c++) b = _mm512_dpbusd_epi32(b, w.g[c], xb4(xq + 4 * c));
+    return {_mm512_add_epi32(a, b)};
+}
+template <int FMT> static inline int32_t q8_start(const QX& Q, long at) {
+    return FMT == Q4_0 ? Q.o4[at] : FMT == Q8_0 ? Q.o8[at] : 0;
 }
 #else
-struct I16 { __m256i lo, hi; };
+struct I16 { __m256i lo, hi; };  // rows 0-7, 8-15
 static inline V16 i16_to_f(I16 a) {
 #if defined(__AVX512F__)
     return vfrom_i32(_mm512_inserti64x4(_mm512_castsi256_si512(a.lo), a.hi, 1));
@@ -497,150 +529,122 @@ static inline V16 i16_to_f(I16 a) {
     return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)};
 #endif
 }
-struct WQ { __m256i a, b; };  // a pair of weight blocks: Q8_0 as stored (s8), Q4 as unpacked nibbles (u8)
-static inline __m256i q4_nibbles32(const uint8_t* w) {
-    const __m128i pk = _mm_loadu_si128((const __m128i*)w), m = _mm_set1_epi8(15);
-    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(pk, m)), _mm_and_si128(_mm_srli_epi16(pk, 4), m), 1);
-}
+struct WB { __m256i lo[8], hi[8]; };  // Q8_0 as stored (s8), Q4 as nibbles (u8)
 template <int FMT>
-static inline WQ q8_unpack(const uint8_t* wa, const uint8_t* wb) {
-    if (FMT == Q8_0) return {_mm256_loadu_si256((const __m256i*)wa), _mm256_loadu_si256((const __m256i*)wb)};
-    return {q4_nibbles32(wa), q4_nibbles32(wb)};
+static inline void q8_unpack(const uint8_t* qs, WB* w) {
+    if (FMT == Q8_0) {
+        for (int c = 0; c < 8; c++) {
+            w->lo[c] = _mm256_loadu_si256((const __m256i*)(qs + 64 * c));
+            w->hi[c] = _mm256_loadu_si256((const __m256i*)(qs + 64 * c + 32));
+        }
+        return;
+    }
+    const __m256i m = _mm256_set1_epi8(15);
+    for (int c = 0; c < 4; c++) {
+        const __m256i a = _mm256_loadu_si256((const __m256i*)(qs + 64 * c)), b = _mm256_loadu_si256((const __m256i*)(qs + 64 * c + 32));
+        w->lo[c] = _mm256_and_si256(a, m);
+        w->hi[c] = _mm256_and_si256(b, m);
+        w->lo[4 + c] = _mm256_and_si256(_mm256_srli_epi16(a, 4), m);
+        w->hi[4 + c] = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+    }
 }
+static inline __m256i xb4(const int8_t* x) { int32_t v; memcpy(&v, x, 4); return _mm256_set1_epi32(v); }
 template <int FMT>
-static inline __m256i q8_block_dot(__m256i w, const int8_t* xq, const int32_t* s4) {
-    const __m256i x = _mm256_loadu_si256((const __m256i*)xq), ones = _mm256_set1_epi16(1);
-    if (FMT == Q8_0)  // the sign trick: |w| . (x signed like w)
+static inline __m256i q8_dot8(__m256i w, __m256i x) {  // 8 lanes, each the exact sum of 4 products
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (FMT == Q8_0)  // the sign trick: |w| . (x signed like w); |w| <= 128, |x| <= 127: no 16-bit saturation
         return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), ones);
-    const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
-    return FMT == Q4_0 ? _mm256_sub_epi32(d, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)s4), 3)) : d;
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
 }
 template <int FMT>
-static inline I16 q8_dot(WQ w, const int8_t* xq, const int32_t* s4) {
-    return {q8_block_dot<FMT>(w.a, xq, s4), q8_block_dot<FMT>(w.b, xq + 32, s4 + 8)};
+static inline I16 q8_dot(const WB& w, const int8_t* xq, int32_t start) {
+    __m256i lo = _mm256_set1_epi32(start), hi = lo;
+    for (int c = 0; c < 8; c++) {
+        const __m256i x = xb4(xq + 4 * c);
+        lo = _mm256_add_epi32(lo, q8_dot8<FMT>(w.lo[c], x));
+        hi = _mm256_add_epi32(hi, q8_dot8<FMT>(w.hi[c], x));
+    }
+    return {lo, hi};
 }
+template <int FMT> static inline int32_t q8_start(const QX& Q, long at) { return FMT == Q4_0 ? Q.o4[at] : 0; }
 #endif
 
-static inline V16 lanes_8_8(float a, float b) {  // a in lanes 0-7, b in 8-15
-#if defined(__AVX512F__)
-    return {_mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(a)), _mm256_castps_pd(_mm256_set1_ps(b)), 1))};
-#else
-    return {_mm256_set1_ps(a), _mm256_set1_ps(b)};
-#endif
-}
-
-template <int FMT> struct Q8W;  // block bytes, where the quants start, and whether there is an offset m
-template <> struct Q8W<Q4_0> { static const int BLOCK = 18, QS = 2, SPR = 1; };
-template <> struct Q8W<Q4_1> { static const int BLOCK = 20, QS = 4, SPR = 2; };
-template <> struct Q8W<Q8_0> { static const int BLOCK = 34, QS = 2, SPR = 1; };
-
-// Most rows of x per tile: their accumulators stay in registers beside NR's (AVX-512: 4 x 4 of 32 zmm; AVX2 holds
-// half as many 16-lane values).
+// Most rows of x per tile: their accumulators and the block's unpacked weights stay in registers.
 #if defined(__AVX512F__)
 #define Q8_M 4
 #else
 #define Q8_M 2
 #endif
 
-// NR weight rows, unpacked once per tile into a per-thread buffer (pair p of row r: its u8/s8 operand and its lane
-// scales d_w), then every group of up to Q8_M rows of x runs on them. Per (x row, weight row, pair):
-// acc = fma(float(isum), d_w * s_x, acc). A (row, weight row) result: the same lanes, the same pair order, whatever NR,
-// the group size or the number of rows.
-template <int FMT, int M, int NR>
-static inline void q8_tile(const QX& Q, int m0, const WQ* WB, const V16* DW, const float* MR, int nb, float* y,
-                           long ldy, const float* b, bool acc_out) {
-    const int pairs = Q.pairs;
-    V16 acc[NR][M];
-    for (int r = 0; r < NR; r++)
-        for (int m = 0; m < M; m++) acc[r][m] = vzero();
-    for (int p = 0; p < pairs; p++) {
+// One group of 16 weight rows (cols of them real, the rest padding) against M rows of x from m0: each block is
+// unpacked once for the M rows. y, b: at the group's first output column.
+template <int FMT, int M>
+static inline void q8_tile(const QX& Q, int m0, const uint8_t* G, float* y, long ldy, const float* b, int cols,
+                           bool acc_out) {
+    typedef Q8W<FMT> F;
+    const int nb = Q.nb;
+    const long bb = 16L * F::BLOCK;
+    V16 acc[M];
+    for (int m = 0; m < M; m++) acc[m] = vzero();
+    for (int bl = 0; bl < nb; bl++) {
+        const uint8_t* blk = G + bl * bb;
+        if (PREFETCH) _mm_prefetch((const char*)blk + PREFETCH * 64, _MM_HINT_T0);
+        const V16 d = f16_to_f((const uint16_t*)blk);
+        WB w;
+        q8_unpack<FMT>(blk + F::SCALES, &w);
         for (int m = 0; m < M; m++) {
-            const long xr = (long)(m0 + m);
-            const int8_t* xq = Q.q + xr * Q.KP + 64 * p;
-            const int32_t* s4 = Q.sum4 + xr * (Q.KP / 4) + 16 * p;
-            const V16 sx = vload(Q.s16 + xr * pairs * 16 + 16 * p);
-            for (int r = 0; r < NR; r++) {
-                const I16 isum = q8_dot<FMT>(WB[r * pairs + p], xq, s4);
-                acc[r][m] = vfma(i16_to_f(isum), vmul(DW[r * pairs + p], sx), acc[r][m]);
+            const long at = (long)(m0 + m) * nb + bl;
+            const I16 isum = q8_dot<FMT>(w, Q.q + (long)(m0 + m) * Q.K + 32 * bl, q8_start<FMT>(Q, at));
+            acc[m] = vfma(i16_to_f(isum), vmul(d, vset1(Q.s[at])), acc[m]);
+            if (FMT == Q4_1) acc[m] = vfma(f16_to_f((const uint16_t*)blk + 16), vset1(Q.sq[at]), acc[m]);
+        }
+    }
+    for (int m = 0; m < M; m++) {
+        float* out = y + (long)(m0 + m) * ldy;
+        if (cols == 16) {
+            V16 v = acc[m];
+            if (b) v = vadd(v, vload(b));
+            vstore(out, acc_out ? vadd(vload(out), v) : v);
+        } else {
+            alignas(64) float t[16];
+            vstore(t, acc[m]);
+            for (int j = 0; j < cols; j++) {
+                float s = t[j];
+                if (b) s = s + b[j];
+                out[j] = acc_out ? out[j] + s : s;
             }
         }
     }
-    for (int r = 0; r < NR; r++)
-        for (int m = 0; m < M; m++) {
-            float s = vsum(acc[r][m]);
-            if (FMT == Q4_1) {  // Σ_b m_b * (s_b Σq_b), 16 blocks at a time
-                const float* mr = MR + r * Q.NB16;  // this weight row's m, contiguous, zero padded
-                const float* sq = Q.sq + (long)(m0 + m) * Q.NB16;
-                V16 am = vzero();
-                for (int b0 = 0; b0 < nb; b0 += 16) am = vadd(am, vmul(vload(mr + b0), vload(sq + b0)));
-                s = s + vsum(am);
-            }
-            if (b) s = s + b[r];
-            float* out = y + (long)m * ldy + r;
-            *out = acc_out ? *out + s : s;
-        }
 }
 
-template <int FMT, int NR>
-static void q8_weight_rows(const QX& Q, int R, int K, const uint8_t* W, long rb, int n0, float* y, long ldy,
-                           const float* b, bool acc_out) {
-    typedef Q8W<FMT> F;
-    const int nb = K / 32, pairs = Q.pairs, ns = F::SPR * 2 * pairs;
-    static thread_local std::vector<float> S;       // block scales (d, or d and m) of the tile's rows, then m rows
-    static thread_local std::vector<WQ> WB;          // unpacked weight pairs
-    static thread_local std::vector<V16> DW;         // lane scales d_w per pair
-    if (S.size() < (size_t)NR * (ns + Q.NB16)) S.resize((size_t)NR * (ns + Q.NB16));
-    if (WB.size() < (size_t)NR * pairs) { WB.resize((size_t)NR * pairs); DW.resize((size_t)NR * pairs); }
-    static const uint8_t ZERO[34] = {0};
-    const uint8_t* Wn = W + (long)n0 * rb;
-    float* MR = S.data() + NR * ns;
-    for (int r = 0; r < NR; r++) {
-        const uint8_t* row = Wn + r * rb;
-        float* sr = S.data() + r * ns;
-        block_scales<F::SPR>(row, nb, F::BLOCK, sr);
-        for (int j = F::SPR * nb; j < ns; j++) sr[j] = 0.0f;  // the padding block: no weights
-        if (FMT == Q4_1)
-            for (int bl = 0; bl < Q.NB16; bl++) MR[r * Q.NB16 + bl] = bl < nb ? sr[2 * bl + 1] : 0.0f;
-        for (int p = 0; p < pairs; p++) {
-            const int ba = 2 * p, bb = 2 * p + 1;
-            if (PREFETCH) _mm_prefetch((const char*)row + (long)ba * F::BLOCK + PREFETCH * rb, _MM_HINT_T0);
-            WB[r * pairs + p] = q8_unpack<FMT>(row + (long)ba * F::BLOCK + F::QS,
-                                               bb < nb ? row + (long)bb * F::BLOCK + F::QS : ZERO);
-            DW[r * pairs + p] = lanes_8_8(sr[F::SPR * ba], sr[F::SPR * bb]);
-        }
-    }
+// Group g (16 weight rows of a repacked matrix) against all R rows of x, Q8_M rows at a time.
+template <int FMT>
+static void q8_group(const QX& Q, int R, const uint8_t* Wq, int g, int N, float* y, long ldy, const float* b,
+                     bool acc_out) {
+    const uint8_t* G = Wq + (long)g * Q.nb * 16 * Q8W<FMT>::BLOCK;
+    const int n0 = 16 * g, cols = N - n0 < 16 ? N - n0 : 16;
+    float* yn = y + n0;
     const float* bn = b ? b + n0 : nullptr;
     for (int m0 = 0; m0 < R; m0 += Q8_M) {
-        float* ym = y + (long)m0 * ldy + n0;
         switch (R - m0 < Q8_M ? R - m0 : Q8_M) {
-            case 1: q8_tile<FMT, 1, NR>(Q, m0, WB.data(), DW.data(), MR, nb, ym, ldy, bn, acc_out); break;
+            case 1: q8_tile<FMT, 1>(Q, m0, G, yn, ldy, bn, cols, acc_out); break;
 #if Q8_M >= 3
-            case 2: q8_tile<FMT, 2, NR>(Q, m0, WB.data(), DW.data(), MR, nb, ym, ldy, bn, acc_out); break;
-            case 3: q8_tile<FMT, 3, NR>(Q, m0, WB.data(), DW.data(), MR, nb, ym, ldy, bn, acc_out); break;
+            case 2: q8_tile<FMT, 2>(Q, m0, G, yn, ldy, bn, cols, acc_out); break;
+            case 3: q8_tile<FMT, 3>(Q, m0, G, yn, ldy, bn, cols, acc_out); break;
 #endif
-            default: q8_tile<FMT, Q8_M, NR>(Q, m0, WB.data(), DW.data(), MR, nb, ym, ldy, bn, acc_out); break;
+            default: q8_tile<FMT, Q8_M>(Q, m0, G, yn, ldy, bn, cols, acc_out); break;
         }
     }
 }
 
-static inline bool q8_format(int fmt) { return fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0; }
-
-// A linear whose output columns come from up to 3 weight matrices (fused q/k/v, gate/up), each in its own format.
-struct Seg { const uint8_t* w; const float* bias; int fmt, n; };
+// A linear whose output columns come from up to 3 weight matrices (fused q/k/v, gate/up), each in its own format;
+// wq: the matrix repacked for q8 (rows_repack), or null.
+struct Seg { const uint8_t* w; const uint8_t* wq; const float* bias; int fmt, n; };
 struct Lin { Seg seg[3]; int count; };
 
 template <int NR>
-static inline void rows_of(const Seg& s, const float* x, int R, int K, int n0, float* y, long ldy, bool acc_out,
-                           const QX* Q) {
+static inline void rows_of(const Seg& s, const float* x, int R, int K, int n0, float* y, long ldy, bool acc_out) {
     const long rb = row_bytes(s.fmt, K);
-    if (Q && q8_format(s.fmt)) {
-        switch (s.fmt) {
-            case Q4_0: q8_weight_rows<Q4_0, NR>(*Q, R, K, s.w, rb, n0, y, ldy, s.bias, acc_out); break;
-            case Q4_1: q8_weight_rows<Q4_1, NR>(*Q, R, K, s.w, rb, n0, y, ldy, s.bias, acc_out); break;
-            default: q8_weight_rows<Q8_0, NR>(*Q, R, K, s.w, rb, n0, y, ldy, s.bias, acc_out); break;
-        }
-        return;
-    }
     switch (s.fmt) {
         case F32: weight_rows<FmtF32, NR>(x, K, R, K, s.w, rb, n0, y, ldy, s.bias, acc_out); break;
         case F16: weight_rows<FmtF16, NR>(x, K, R, K, s.w, rb, n0, y, ldy, s.bias, acc_out); break;
@@ -661,50 +665,59 @@ static bool servable(const Lin* L, int K) {
 
 // y[R, Σn] (+)= x[R, K]·[W_0; W_1; ...]ᵀ (+ biases). Work-shares over the calling parallel region (an orphaned
 // `omp for`: called outside one, the calling thread does it all); ends with the for's barrier. With Q (x quantized,
-// the q8 mode) integer weight formats run the q8 kernel; float weights always take x itself.
+// the q8 mode) a segment with a repacked matrix runs the q8 kernel, 16 weight rows per work item; float weights
+// always take x itself, 4 rows per item.
 static void linear(const Lin* L, const float* x, int R, int K, float* y, bool acc_out, const QX* Q = nullptr) {
     const int NR = 4;
-    int groups = 0, ldy = 0, starts[4] = {0}, cols[4] = {0};
+    int groups = 0, ldy = 0, starts[4] = {0}, cols[4] = {0}, per[3];
     for (int i = 0; i < L->count; i++) {
         cols[i] = ldy;
         ldy += L->seg[i].n;
-        starts[i + 1] = groups += (L->seg[i].n + NR - 1) / NR;
+        per[i] = Q && L->seg[i].wq && q8_format(L->seg[i].fmt) ? 16 : NR;
+        starts[i + 1] = groups += (L->seg[i].n + per[i] - 1) / per[i];
     }
 #pragma omp for schedule(static)
     for (int g = 0; g < groups; g++) {
         int i = 0;
         while (g >= starts[i + 1]) i++;
         const Seg& s = L->seg[i];
-        const int n0 = (g - starts[i]) * NR;
         float* ys = y + cols[i];  // weight row n of this segment is output column cols[i] + n
-        if (n0 + NR <= s.n) rows_of<NR>(s, x, R, K, n0, ys, ldy, acc_out, Q);
-        else for (int n = n0; n < s.n; n++) rows_of<1>(s, x, R, K, n, ys, ldy, acc_out, Q);
+        if (per[i] == 16) {
+            switch (s.fmt) {
+                case Q4_0: q8_group<Q4_0>(*Q, R, s.wq, g - starts[i], s.n, ys, ldy, s.bias, acc_out); break;
+                case Q4_1: q8_group<Q4_1>(*Q, R, s.wq, g - starts[i], s.n, ys, ldy, s.bias, acc_out); break;
+                default: q8_group<Q8_0>(*Q, R, s.wq, g - starts[i], s.n, ys, ldy, s.bias, acc_out); break;
+            }
+            continue;
+        }
+        const int n0 = (g - starts[i]) * NR;
+        if (n0 + NR <= s.n) rows_of<NR>(s, x, R, K, n0, ys, ldy, acc_out);
+        else for (int n = n0; n < s.n; n++) rows_of<1>(s, x, R, K, n, ys, ldy, acc_out);
     }
 }
 
-// x: [R, K] row-major fp32; W: N rows of `fmt`; y: [R, N]; b: [N] or null.
-// Returns 0, or -1 if fmt/K unsupported.
 // QX buffers for R rows of up to K columns, owned by the caller's vectors.
 struct QXBuf {
-    std::vector<int8_t> q; std::vector<float> s16, sq; std::vector<int32_t> sum4;
-    QXBuf(int R, int K) : q((size_t)R * 64 * q8_pairs(K)), s16((size_t)R * 16 * q8_pairs(K)),
-                          sq((size_t)R * q8_nb16(K)), sum4((size_t)R * 16 * q8_pairs(K)) {}
+    std::vector<int8_t> q; std::vector<float> s, sq; std::vector<int32_t> o4, o8;
+    QXBuf(int R, int K) : q((size_t)R * K), s((size_t)R * (K / 32)), sq(s.size()), o4(s.size()), o8(s.size()) {}
     QX view(int K) {  // the layout for rows of K columns (K <= the size it was made for)
-        return {q.data(), s16.data(), sq.data(), sum4.data(), K, 64 * q8_pairs(K), q8_pairs(K), q8_nb16(K)};
+        return {q.data(), s.data(), sq.data(), o4.data(), o8.data(), K, K / 32};
     }
 };
 
-// q8: 0 = exact (fp32 on dequantized weights), 1 = int8 activations for Q4_0/Q4_1/Q8_0 weights.
-extern "C" int rows_linear(int fmt, const float* x, int R, int K, const uint8_t* W, int N, float* y, const float* b,
-                           int threads, int q8) {
-    Lin L = {{{W, b, fmt, N}}, 1};
+// x: [R, K] row-major fp32; W: N rows of `fmt`; y: [R, N]; b: [N] or null. Wq: W repacked (rows_repack) for the q8
+// mode (int8 activations against Q4_0/Q4_1/Q8_0 weights), or null: exact (fp32 on the dequantized weights).
+// Returns 0, or -1 if fmt/K unsupported.
+extern "C" int rows_linear(int fmt, const float* x, int R, int K, const uint8_t* W, const uint8_t* Wq, int N, float* y,
+                           const float* b, int threads) {
+    Lin L = {{{W, Wq, b, fmt, N}}, 1};
     if (!servable(&L, K) || R < 0) return -1;
-    const bool quant = q8 && q8_format(fmt) && R > 0;
+    const bool quant = Wq && q8_format(fmt) && R > 0;
     QXBuf buf(quant ? R : 0, quant ? K : 32);
     const QX Q = buf.view(K);
 #pragma omp parallel num_threads(threads)
     {
-        if (quant) q8_quantize(x, R, K, Q);
+        if (quant) q8_quantize(x, R, Q);
         linear(&L, x, R, K, y, false, quant ? &Q : nullptr);
     }
     return 0;
@@ -885,7 +898,7 @@ struct Scratch { float *h, *qkv, *att, *gu, *act, *p; int plen; QXBuf* xq; };
 static const QX* q8_input(const Dims* d, const Scratch& s, const float* x, int R, int K, QX* view) {
     if (!d->q8) return nullptr;
     *view = s.xq->view(K);
-    q8_quantize(x, R, K, *view);
+    q8_quantize(x, R, *view);
     return view;
 }
 

@@ -27,7 +27,7 @@ _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
 class _Seg(ctypes.Structure):
-    _fields_ = [("w", _p), ("bias", _p), ("fmt", _i), ("n", _i)]
+    _fields_ = [("w", _p), ("wq", _p), ("bias", _p), ("fmt", _i), ("n", _i)]
 
 
 class _Lin(ctypes.Structure):
@@ -60,10 +60,13 @@ class LayerWeights:
     v_bias: torch.Tensor | None = None
 
 
-def _lin(parts) -> _Lin:
+def _lin(parts, q8: bool) -> _Lin:
+    """A fused linear's segments; in the q8 mode each integer-format weight also names its repacked blocks."""
     lin = _Lin()
     for j, (w, b) in enumerate(parts):
-        lin.seg[j] = _Seg(w.data.data_ptr(), None if b is None else b.data_ptr(), w.fmt, w.n)
+        packed = w.packed() if q8 else None
+        lin.seg[j] = _Seg(w.data.data_ptr(), None if packed is None else packed.data_ptr(),
+                          None if b is None else b.data_ptr(), w.fmt, w.n)
     lin.count = len(parts)
     return lin
 
@@ -272,9 +275,10 @@ class Llama:
 
     # ---- ctypes descriptions -----------------------------------------------------------------------------------
     def _layer_struct(self, w: LayerWeights) -> _Layer:
-        return _Layer(None if w.attn_norm is None else w.attn_norm.data_ptr(), _lin([(w.q, w.q_bias), (w.k, w.k_bias), (w.v, w.v_bias)]),
-                      _lin([(w.o, None)]), w.ffn_norm.data_ptr(), _lin([(w.gate, None), (w.up, None)]),
-                      _lin([(w.down, None)]))
+        q8 = self.q8
+        return _Layer(None if w.attn_norm is None else w.attn_norm.data_ptr(),
+                      _lin([(w.q, w.q_bias), (w.k, w.k_bias), (w.v, w.v_bias)], q8), _lin([(w.o, None)], q8),
+                      w.ffn_norm.data_ptr(), _lin([(w.gate, None), (w.up, None)], q8), _lin([(w.down, None)], q8))
 
     @property
     def q8(self) -> bool:
@@ -288,6 +292,7 @@ class Llama:
         self.numerics = numerics if self._lib is not None else "exact"
         if self._lib is not None:
             self._dims = self._make_dims()
+            self._structs = None  # rebuilt at the next pass, naming the repacked blocks in q8
 
     def _make_dims(self) -> _Dims:
         c = self.config

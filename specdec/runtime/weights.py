@@ -30,6 +30,7 @@ class QTensor:
     n: int
     k: int
     _dense: torch.Tensor | None = field(default=None, repr=False)
+    _packed: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
     def from_float(cls, w: torch.Tensor) -> QTensor:
@@ -51,6 +52,13 @@ class QTensor:
     def rows(self, idx) -> torch.Tensor:
         """Rows `idx` dequantized to fp32 [len(idx), k] (embedding lookups)."""
         return _dequantize(self.fmt, self.data[torch.as_tensor(idx, dtype=torch.long)], self.k)
+
+    def packed(self) -> torch.Tensor | None:
+        """The blocks repacked for the q8 kernel (kernels.repack; made once, the same bytes again), or None for
+        formats the q8 mode runs exactly (float weights)."""
+        if self._packed is None and kernels.q8_format(self.fmt):
+            self._packed = kernels.repack(self.fmt, self.data, self.n, self.k)
+        return self._packed
 
     def dequantize(self) -> torch.Tensor:
         """All rows in fp32, exactly as gguf's reference dequantizes them (cached: torch fallback and tests)."""
@@ -92,7 +100,7 @@ def qlinear(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None, q8: b
     if x.shape[-1] != w.k:
         raise ValueError(f"a linear of {w.k} columns got rows of {x.shape[-1]}")
     if kernels.library() is not None:
-        return kernels.linear(w.fmt, x, w.data, w.n, bias, q8=q8)
+        return kernels.linear(w.fmt, x, w.data, w.n, bias, q8=q8, packed=w.packed() if q8 else None)
     rows, dense = x.reshape(-1, w.k), w.dequantize()
     out = [F.linear(rows[r:r + 1].clone(), dense, bias) for r in range(rows.shape[0])]
     return (torch.cat(out) if out else x.new_empty(0, w.n)).reshape(*x.shape[:-1], w.n)
