@@ -33,7 +33,7 @@ DEFAULT_DRAFT = None  # resolved per target by default_draft()
 # for the whole request timeout)
 MAX_STOPS, MAX_STOP_CHARS = 4, 256
 DEFAULT_TAU, DEFAULT_POLICY = 3, "fixed"  # the fastest measured setup on the runtime (docs/benchmarks.md)
-DEFAULT_NUMERICS = "exact"  # q8 is not yet faster on the machines measured (docs/numerics.md)
+DEFAULT_NUMERICS = "auto"  # q8 where the runtime's kernels run: faster, perplexity within 0.3% (docs/numerics.md)
 
 
 def default_draft(target: str) -> str:
@@ -128,8 +128,9 @@ class SpecDecoder:
     def __init__(self, target: str = models.DEFAULT_MODEL, draft: str | None = DEFAULT_DRAFT, tau: int = DEFAULT_TAU,
                  policy: str = DEFAULT_POLICY, backend: str = "auto", numerics: str = DEFAULT_NUMERICS):
         """`backend`: auto (specdec's runtime where it runs the model, else transformers), runtime, transformers.
-        `numerics`: the runtime's arithmetic, exact (bitwise transformers' fp32 on the dequantized weights) or q8
-        (int8 activations, close to exact; speculation stays token-identical to q8 target-only)."""
+        `numerics`: the runtime's arithmetic, exact (bitwise transformers' fp32 on the dequantized weights), q8
+        (int8 activations, close to exact; speculation stays token-identical to q8 target-only), or auto (q8 where
+        the runtime's kernels run, else exact)."""
         draft = draft or default_draft(target)
         model, tok = models.load(target, backend=backend, numerics=numerics)
         drafter = build_drafter(draft, model, tok, target, backend=backend)

@@ -51,7 +51,7 @@ class Bench:
 
     def __init__(self, target: str, drafts: list[str], taus: list[int], max_new_tokens: int, compare_hf: bool,
                  policies: list[str] | None = None, loaded=None, configs=None, backend: str = "auto",
-                 compare_llamacpp: bool = False, sampling: SamplingParams | None = None, numerics: str = "exact"):
+                 compare_llamacpp: bool = False, sampling: SamplingParams | None = None, numerics: str = "auto"):
         """`sampling`: sampled decoding for every row (None: greedy); the output is then not compared token by
         token (a speculative run draws its randomness differently from target-only, the same distribution)."""
         self.sampling = sampling if sampling is not None and not sampling.greedy else None

@@ -1,7 +1,8 @@
 """`specdec check`: the "fast but wrong" guard.
 
 greedy   — speculative output vs the target alone (transformers' own generate with its stock layers on the same
-           weights — for specdec's runtime, the fp32-dequantized model — an independent reference), token by token;
+           weights — for specdec's runtime in exact numerics, the fp32-dequantized model — an independent reference;
+           in q8 numerics, which transformers does not have, the runtime's own one-token steps), token by token;
            every differing prompt is reported with the first divergent position and both continuations.
 sampling — for every member of the draft chain, at a prefix where that member drafts (the prompt plus part of the
            target's own greedy continuation), the joint distribution of the next two tokens under speculation vs
@@ -57,11 +58,25 @@ def reference_greedy(model, ids: list[int], n: int, eos: set[int]) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
+@torch.inference_mode()
+def stepwise_greedy(model, ids: list[int], n: int, eos: set[int]) -> list[int]:
+    """The runtime alone, one token per pass: the reference for the q8 mode."""
+    cache, out = model.new_cache(), []
+    try:
+        while len(out) < n and not (out and out[-1] in eos):
+            out.append(int(cache.forward(ids + out)[-1].argmax()))  # the slot holds ids + out[:-1]: one new row
+    finally:
+        cache.close()
+    return out
+
+
 def reference_model(model):
     """transformers' model of the same weights: the model itself, or for specdec's runtime the fp32-dequantized
-    model transformers makes of its file."""
+    model transformers makes of its file; None for the runtime in q8 numerics (its reference is stepwise_greedy)."""
     if not models.is_runtime(model):
         return model
+    if getattr(model, "numerics", "exact") != "exact":
+        return None
     return models.load(model.source, backend="transformers")[0]
 
 
@@ -72,8 +87,11 @@ def check_greedy(decoder, prompts: list[dict], max_new_tokens: int) -> list[dict
     results = []
     for p in prompts:
         ids = decoder.encode(p["prompt"], p["chat"])
-        with stock_linears(ref):  # transformers as its users run it: specdec's kernels must not be the reference
-            want = reference_greedy(ref, ids, max_new_tokens, eos)
+        if ref is None:
+            want = stepwise_greedy(decoder.model, ids, max_new_tokens, eos)
+        else:
+            with stock_linears(ref):  # transformers as its users run it: specdec's kernels must not be the reference
+                want = reference_greedy(ref, ids, max_new_tokens, eos)
         got = decoder.generate(p["prompt"], max_new_tokens=max_new_tokens, chat=p["chat"]).token_ids
         entry = {"prompt": p["prompt"][:60], "ok": got == want}
         if got != want:
@@ -283,8 +301,9 @@ def cmd_check(args) -> int:
             print(f"runtime: {rows['path']}; a {rows['rows']}-row pass "
                   + ("equals the one-token steps bitwise (row-invariant)" if rows["bitwise"] else
                      f"DIFFERS from the one-token steps by up to {rows['max_abs_diff']:.3g} (not row-invariant)"))
+        alone = "transformers' fp32" if report["numerics"] == "exact" else f"its one-token steps in {report['numerics']}"
         print(f"greedy: {len(report['greedy']) - len(bad_greedy)}/{len(report['greedy'])} prompts token-identical "
-              f"to the target alone")
+              f"to the target alone ({alone})")
         for r in bad_greedy:
             print(f"  DIFFERS at token {r['first_divergence']} of {r['prompt']!r}\n"
                   f"    speculative: {r['speculative'][:80]!r}\n    target:      {r['target'][:80]!r}")

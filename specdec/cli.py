@@ -28,9 +28,10 @@ def backend_arg(p):
     from .api import DEFAULT_NUMERICS
     p.add_argument("--backend", default="auto", choices=["auto", "runtime", "transformers"],
                    help="what runs the models: specdec's runtime (auto: where it supports the model) or transformers")
-    p.add_argument("--numerics", default=DEFAULT_NUMERICS, choices=["exact", "q8"],
-                   help="the runtime's arithmetic: exact (bitwise transformers' fp32 on the dequantized weights) or q8 "
-                        f"(int8 activations, close to exact; default {DEFAULT_NUMERICS})")
+    p.add_argument("--numerics", default=DEFAULT_NUMERICS, choices=["auto", "exact", "q8"],
+                   help="the runtime's arithmetic: exact (bitwise transformers' fp32 on the dequantized weights), q8 "
+                        "(int8 activations, close to exact, faster), or auto (default: q8 where the runtime's kernels "
+                        "run, else exact)")
 
 
 def _sampling_args(p):

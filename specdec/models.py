@@ -24,6 +24,7 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 import torch  # noqa: E402
 
+from . import kernels  # noqa: E402
 from .errors import IncompatibleDraft, ModelLoadError  # noqa: E402
 
 
@@ -90,23 +91,24 @@ def _gguf_to_dir(path: Path) -> Path:
 BACKENDS = ("auto", "runtime", "transformers")
 
 
-def load(spec: str, dtype: torch.dtype = torch.float32, backend: str = "auto", numerics: str = "exact"):
+def load(spec: str, dtype: torch.dtype = torch.float32, backend: str = "auto", numerics: str = "auto"):
     """-> (model, tokenizer). `spec` is `default`, a .gguf file, or a Hugging Face model directory. `backend`:
     auto (the runtime where it runs the file, else transformers with one stderr line), runtime (an error where it
-    cannot) or transformers. `numerics` (the runtime's): exact, or q8 (int8 activations; runtime only)."""
+    cannot) or transformers. `numerics` (the runtime's): exact, q8 (int8 activations; runtime only), or auto: q8
+    where the runtime's kernels run, else exact (docs/numerics.md)."""
     if backend not in BACKENDS:
         raise ModelLoadError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
     if numerics not in NUMERICS:
         raise ModelLoadError(f"unknown numerics {numerics!r} (choose from {', '.join(NUMERICS)})")
     model, tok = _load(spec, dtype, backend)
     if is_runtime(model):
-        model.set_numerics(numerics)
-    elif numerics != "exact":
+        model.set_numerics(numerics if numerics != "auto" else "q8" if kernels.available() else "exact")
+    elif numerics == "q8":
         raise ModelLoadError(f"--numerics {numerics} runs on specdec's runtime only; {spec} runs on transformers")
     return model, tok
 
 
-NUMERICS = ("exact", "q8")
+NUMERICS = ("auto", "exact", "q8")
 
 
 def _load(spec: str, dtype: torch.dtype, backend: str):

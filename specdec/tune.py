@@ -61,7 +61,7 @@ def reason(best: dict, drafts: dict, t_target: float, confirmed: list[dict]) -> 
 
 
 def tune(target: str, drafts: list[str], max_tau: int, prompts: list[dict], max_new_tokens: int, confirm: int,
-         loaded=None, backend: str = "auto", numerics: str = "exact") -> dict:
+         loaded=None, backend: str = "auto", numerics: str = "auto") -> dict:
     if max_tau < 1 or confirm < 1 or max_new_tokens < 2:
         raise InvalidRequest("--max-tau and --confirm must be >= 1, --max-new-tokens >= 2")
     bench = Bench(target, drafts, [max_tau], max_new_tokens, compare_hf=False, loaded=loaded, backend=backend,

@@ -12,7 +12,7 @@ import json
 
 from ..errors import InvalidRequest
 
-DEFAULTS = dict(target="default", draft=None, tau=None, policy=None, backend="auto", numerics="exact", model_name="specdec",
+DEFAULTS = dict(target="default", draft=None, tau=None, policy=None, backend="auto", numerics="auto", model_name="specdec",
                 api_key=None, max_queue=16, timeout=300.0, trace_dir=None, batch=True, max_batch_rows=None,
                 prefill_chunk=32, max_tau=8, replicas=1, autoscaling=None, cpus_per_replica=1.0)
 
