@@ -6,6 +6,8 @@ RSS. Greedy outputs served under load are compared with the same requests served
     python benchmarks/load.py --spawn --levels 1,4,16,32 --duration 60 --temperatures 0,0.7 --out docs/load.json
     python benchmarks/load.py --spawn --levels 1 --duration 20 --rounds 3 --baseline "--max-queue 64 --no-batch"
         # the same level against a second server (one request at a time), windows alternating between the two
+    git worktree add /tmp/prev <previous release> && python benchmarks/load.py --spawn --levels 1,16 --rounds 2 \
+        --baseline "--max-queue 64" --baseline-src /tmp/prev   # the previous release's code as the baseline
     python benchmarks/load.py --url http://127.0.0.1:8000 --pid SERVER_PID
 """
 from __future__ import annotations
@@ -176,12 +178,13 @@ async def main_async(args, pid, baseline=None):
             "health_after": health, "rss_mb_after_burst": rss_mb(pid)}
 
 
-def spawn(serve_args: str):
+def spawn(serve_args: str, src: str | None = None):
+    """`specdec serve` on a free loopback port; src: a checkout whose specdec it runs (the baseline's code)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--port", str(port), *serve_args.split()],
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                            env={**os.environ, "HF_HUB_OFFLINE": "1", **({"PYTHONPATH": src} if src else {})}, cwd=src)
     url = f"http://127.0.0.1:{port}"
     for _ in range(1200):
         try:
@@ -208,6 +211,7 @@ def main():
                     help="skip serving each greedy prompt alone after its level")
     ap.add_argument("--out", default=None, help="also write the JSON report here")
     ap.add_argument("--baseline", default=None, help="serve args of a second spawned server measured alternately")
+    ap.add_argument("--baseline-src", default=None, help="a checkout (git worktree) whose code the baseline runs")
     ap.add_argument("--rounds", type=int, default=1, help="windows per level (alternating with --baseline)")
     args = ap.parse_args()
     args.levels = [int(x) for x in args.levels.split(",")]
@@ -220,11 +224,12 @@ def main():
         ap.error("give --url or --spawn")
     base = None
     if args.baseline:
-        base = spawn(args.baseline)
+        base = spawn(args.baseline, args.baseline_src)
     try:
         report = asyncio.run(main_async(args, args.pid, (base[1], base[0].pid) if base else None))
         report["serve_args"] = args.serve_args if args.spawn else None
         report["baseline_args"] = args.baseline
+        report["baseline_src"] = args.baseline_src
         for t in args.temperatures:
             for c in args.levels:
                 mine = [r["tokens_per_s"] for r in report["levels"] if r["server"] == "main" and r["concurrency"] == c

@@ -1,10 +1,11 @@
-"""exact vs q8 on the default model, in ONE interleaved run: the pass curve (1..16 rows, decoding rows of separate
-slots after a 64-token context, as a batch of requests), the one-row pass against the weights' streaming time at the
-measured read bandwidth, and greedy tokens/s over the shipped prompts for target-only and the default draft, both
-modes alternating prompt by prompt (and each speculative output checked token for token against target-only in
-its own mode).
+"""exact vs q8 on the default model, in ONE interleaved run: the verify curve (a pass over 1..16 new tokens of one
+sequence after a cached prompt, logits for every row), with llama.cpp's (llama-cpp-python, `--llamacpp`) beside them;
+the one-row pass against the weights' streaming time at the measured read bandwidth; and greedy tokens/s over the
+shipped prompts for target-only and the default draft, both modes alternating prompt by prompt (each speculative
+output checked token for token against target-only in its own mode). Each round measures every system's whole curve
+in turn (a system's passes back to back, as decoding runs them), rounds alternate systems, medians over rounds.
 
-    python benchmarks/numerics.py [--reps 7] [--max-new-tokens 64] [--json out.json]
+    python benchmarks/numerics.py [--reps 7] [--max-new-tokens 64] [--llamacpp] [--json out.json]
 """
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import os
 import statistics
 import time
 
+import numpy as np
 import torch
 
-from specdec import SpecDecoder, models
+from specdec import SpecDecoder, llamacpp, models
 from specdec.prompts import load_prompts
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -34,33 +36,52 @@ def read_bandwidth_gbs(mb: int = 256, reps: int = 10) -> float:
 
 
 @torch.inference_mode()
-def pass_curves(model, reps: int) -> dict:
-    slots = [model.acquire_slot() for _ in range(max(SIZES))]
-    for s in slots:
-        model.forward(list(range(1, 65)), [s] * 64, list(range(64)), [])
-    times = {(m, n): [] for m in ("exact", "q8") for n in SIZES}
-    for _ in range(reps + 1):  # round 0 warms up
-        for n in SIZES:
-            for mode in ("exact", "q8"):
-                model.set_numerics(mode)
+def pass_curves(model, prompt: list[int], reps: int, llm=None) -> dict:
+    extra = torch.randint(0, 49152, (max(SIZES),), generator=torch.Generator().manual_seed(0)).tolist()
+    cache = model.new_cache()
+    cache.forward(prompt)
+
+    def specdec_pass(mode):
+        def run(n):
+            cache.rollback(len(prompt))
+            return cache.forward(prompt + extra[:n], n)
+        return mode, run
+
+    def llama_pass(n):
+        llm.n_tokens = len(prompt)  # llama-cpp-python drops the KV cache past n_tokens before evaluating
+        llm.eval(extra[:n])
+        return np.array(llm.scores[len(prompt): len(prompt) + n])
+
+    systems = [specdec_pass("exact"), specdec_pass("q8")] + ([("llama.cpp", llama_pass)] if llm else [])
+    if llm:
+        llm.reset()
+        llm.eval(prompt)
+    times = {name: {n: [] for n in SIZES} for name, _ in systems}
+    for r in range(reps + 1):  # round 0 warms up
+        for name, run in systems:
+            if name != "llama.cpp":
+                model.set_numerics(name)
+            for n in SIZES:
                 t = time.perf_counter()
-                model.forward([1] * n, slots[:n], [64] * n)
-                times[(mode, n)].append((time.perf_counter() - t) * 1e3)
-    for s in slots:
-        model.release_slot(s)
-    return {m: {n: round(statistics.median(times[(m, n)][1:]), 3) for n in SIZES} for m in ("exact", "q8")}
+                run(n)
+                times[name][n].append((time.perf_counter() - t) * 1e3)
+    cache.close()
+    return {name: {n: round(statistics.median(v[1:]), 3) for n, v in t.items()} for name, t in times.items()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--llamacpp", action="store_true", help="llama.cpp's curve too (needs llama-cpp-python)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     path = models.resolve("default")
     model, tok = models.load("default")  # one set of weights: one mode switch serves every configuration
     sd = {d: SpecDecoder.from_models(model, tok, draft=d, tau=3) for d in ("none", "datastore+ngram")}
-    curves = pass_curves(model, args.reps)
+    first = load_prompts(None)[0]["prompt"]
+    prompt = tok.apply_chat_template([{"role": "user", "content": first}], tokenize=True, add_generation_prompt=True)
+    curves = pass_curves(model, prompt, args.reps, llamacpp.load(path, logits_all=True) if args.llamacpp else None)
     gbs = read_bandwidth_gbs()
     stream_ms = os.path.getsize(path) / gbs / 1e6
     tokens = {(m, d): 0 for m in ("exact", "q8") for d in sd}
