@@ -3,7 +3,8 @@ sequence after a cached prompt, logits for every row), with llama.cpp's (llama-c
 the one-row pass against the weights' streaming time at the measured read bandwidth; and greedy tokens/s over the
 shipped prompts for target-only and the default draft, both modes alternating prompt by prompt (each speculative
 output checked token for token against target-only in its own mode). Each round measures every system's whole curve
-in turn (a system's passes back to back, as decoding runs them), rounds alternate systems, medians over rounds.
+in turn (a system's passes back to back, as decoding runs them, after one untimed pass), rounds alternate systems,
+medians over rounds.
 
     python benchmarks/numerics.py [--reps 7] [--max-new-tokens 64] [--llamacpp] [--json out.json]
 """
@@ -61,6 +62,7 @@ def pass_curves(model, prompt: list[int], reps: int, llm=None) -> dict:
         for name, run in systems:
             if name != "llama.cpp":
                 model.set_numerics(name)
+            run(1)  # untimed: the system's weights back in cache after the others ran
             for n in SIZES:
                 t = time.perf_counter()
                 run(n)

@@ -569,6 +569,9 @@ static inline I16 q8_dot(const WB& w, const int8_t* xq, int32_t start) {
 template <int FMT> static inline int32_t q8_start(const QX& Q, long at) { return FMT == Q4_0 ? Q.o4[at] : 0; }
 #endif
 
+#ifndef Q8_AHEAD
+#define Q8_AHEAD 4096
+#endif
 // Most rows of x per tile: their accumulators and the block's unpacked weights stay in registers.
 #if defined(__AVX512F__)
 #define Q8_M 4
@@ -588,7 +591,7 @@ static inline void q8_tile(const QX& Q, int m0, const uint8_t* G, float* y, long
     for (int m = 0; m < M; m++) acc[m] = vzero();
     for (int bl = 0; bl < nb; bl++) {
         const uint8_t* blk = G + bl * bb;
-        if (PREFETCH) _mm_prefetch((const char*)blk + PREFETCH * 64, _MM_HINT_T0);
+        for (int o = 0; o < (int)bb; o += 64) _mm_prefetch((const char*)blk + Q8_AHEAD + o, _MM_HINT_T0);
         const V16 d = f16_to_f((const uint16_t*)blk);
         WB w;
         q8_unpack<FMT>(blk + F::SCALES, &w);
