@@ -286,6 +286,19 @@ def test_recycle_table_round_trip_corrupt_and_foreign_files(tmp_path):
     assert len(said) == 2
 
 
+def test_saving_a_chain_persists_recycle_beside_a_datastore(tmp_path):
+    """The server's shutdown save walks the chain: the datastore (which learns nothing) is passed over, the recycle
+    table is written (a datastore's `save` is its builder, which once made every shutdown fail)."""
+    from specdec.drafters.base import save
+    from specdec.drafters.chain import ChainDrafter
+    from specdec.drafters.datastore import DatastoreDrafter
+    DatastoreDrafter.save([[1, 2, 3, 4]], tmp_path)
+    table = tmp_path / "table.safetensors"
+    chain = ChainDrafter([DatastoreDrafter.load(tmp_path, 50), RecycleDrafter(RecycleTable(50), table)])
+    save(chain)
+    assert table.exists()
+
+
 def test_recycle_drafts_from_the_successors_it_saw():
     t = RecycleTable(30)
     logits = torch.full((2, 30), -9.0)

@@ -54,10 +54,11 @@ def fork(drafter):
 
 
 def save(drafter) -> None:
-    """Write what a drafter learned to keep (recycle's table) where it came from; chains save every member."""
+    """Write what a drafter learned to keep (recycle's table) where it came from; chains save every member. Only
+    drafters with `persist()` learn anything (a datastore's `save` builds a new one from sequences)."""
     for member in getattr(drafter, "members", [drafter]):
-        if hasattr(member, "save"):
-            member.save()
+        if hasattr(member, "persist"):
+            member.persist()
 
 
 def close(drafter) -> None:

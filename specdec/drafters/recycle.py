@@ -158,7 +158,8 @@ class RecycleDrafter:
                 t.offered[m, b] += 1
                 t.accepted[m, b] += i in ok
 
-    def save(self) -> None:
+    def persist(self) -> None:
+        """Write the table back to the file it came from (drafters.base.save, the server at shutdown)."""
         if self.path is not None:
             self.table.save(self.path)
 
