@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .kernels import argmax as row_argmax
 from .sampling import PositionNoise, SamplingParams, warp
 
 
@@ -22,9 +23,15 @@ def choice_rows(logits: torch.Tensor, nodes: list[int], tree: bool, masked: list
 def greedy_verify(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
     """Accept while the draft token equals the target's argmax; the target's argmax at the first
     mismatch (or after the block) is the correction / bonus token."""
-    choice = target_logits.argmax(-1)
-    n = int(torch.cumprod((draft == choice[: len(draft)]).long(), 0).sum()) if len(draft) else 0
-    return n, int(choice[n])
+    return greedy_accept(draft.tolist(), row_argmax(target_logits))
+
+
+def greedy_accept(draft: list[int], choice: list[int]) -> tuple[int, int]:
+    """greedy_verify given the target's choice at each row of the block (a batch takes every row's argmax at once)."""
+    n = 0
+    while n < len(draft) and draft[n] == choice[n]:
+        n += 1
+    return n, choice[n]
 
 
 def acceptance_prob(p_tok: torch.Tensor, q_tok: torch.Tensor) -> torch.Tensor:
@@ -61,12 +68,12 @@ def sample_verify(draft: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor,
 
 
 def verify_block(draft: list[int], q: torch.Tensor | None, logits: torch.Tensor, params: SamplingParams,
-                 generator, position: int) -> tuple[int, int]:
+                 generator, position: int, argmax: list[int] | None = None) -> tuple[int, int]:
     """The rule for this request: greedy, seeded (race) or rejection sampling. `position` is the sequence position
-    of the block's first row (the first draft token's)."""
-    tokens = torch.tensor(draft, dtype=torch.long)
+    of the block's first row (the first draft token's); `argmax`: the block's rows' argmax, when already taken."""
     if params.greedy:
-        return greedy_verify(tokens, logits)
+        return greedy_accept(draft, argmax if argmax is not None else row_argmax(logits))
+    tokens = torch.tensor(draft, dtype=torch.long)
     p = warp(logits, params)
     if isinstance(generator, PositionNoise):  # each row's token is argmax p/E: accept drafts while they equal it
         return greedy_verify(tokens, generator.race(p, position))
@@ -83,10 +90,10 @@ def verify_tree(tokens: list[int], parents: list[int], logits: torch.Tensor, par
     them)."""
     from .drafters.tree import depths
     if params.greedy:
-        choice = logits.argmax(-1)
+        choice = row_argmax(logits)
     elif isinstance(generator, PositionNoise):
         at = [position] + [position + d for d in depths(parents)]
-        choice = generator.race_at(warp(logits, params), at).argmax(-1)
+        choice = row_argmax(generator.race_at(warp(logits, params), at))
     else:
         raise ValueError("sampled tree verification needs seeded noise (PositionNoise)")
     children: dict[int, list[int]] = {}
@@ -94,7 +101,7 @@ def verify_tree(tokens: list[int], parents: list[int], logits: torch.Tensor, par
         children.setdefault(p, []).append(i)
     accepted, node = [], -1
     while True:
-        want = int(choice[node + 1])
+        want = choice[node + 1]
         nxt = next((c for c in children.get(node, []) if tokens[c] == want), None)
         if nxt is None:
             return accepted, want

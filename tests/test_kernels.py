@@ -77,3 +77,19 @@ def test_a_failed_build_falls_back_with_one_line(monkeypatch, tmp_path, capsys):
         assert "CPU kernel unavailable" in err and "this compiler is broken" in err and "\n" not in err
     finally:
         kernels.library.cache_clear()
+
+
+@needs_kernel
+def test_argmax_kernel_equals_torch_on_both_builds_ties_tails_and_non_finite_rows():
+    g = torch.Generator().manual_seed(5)
+    for vocab in (1, 15, 16, 17, 49152 + 7):
+        x = torch.randn(9, vocab, generator=g) * 5
+        x[1, vocab // 3] = x[1, vocab - 1] = 100.0  # a tie: the first index wins, as torch's
+        x[2] = -3.0  # all equal
+        x[3, vocab // 2] = float("nan")
+        x[4, 0] = float("-inf")
+        x[5] = float("-inf")
+        x[6, vocab - 1] = float("inf")
+        for isa in {kernels.library().isa, "avx2"}:
+            assert kernels.argmax(x, kernels.library(isa)) == x.argmax(-1).tolist(), (vocab, isa)
+    assert kernels.argmax(x.double()) == x.double().argmax(-1).tolist()  # other dtypes: torch's

@@ -95,6 +95,8 @@ class Library:
         self.decoder_layers.argtypes, self.decoder_layers.restype = [p, p, i, p, i, p, p, p, i], i
         self.rows_topk = lib.rows_topk
         self.rows_topk.argtypes, self.rows_topk.restype = [p, i, i, i, p, p, p, i], None
+        self.rows_argmax = lib.rows_argmax
+        self.rows_argmax.argtypes, self.rows_argmax.restype = [p, i, i, p, i], None
 
 
 @cache
@@ -200,6 +202,18 @@ def topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     lib.rows_topk(x.data_ptr(), R, x.shape[1], k, idx.data_ptr(), val.data_ptr(), lse.data_ptr(),
                   min(torch.get_num_threads(), R))
     return idx, (val - lse).exp()
+
+
+def argmax(logits: torch.Tensor, lib: Library | None = None) -> list[int]:
+    """Each row's argmax as a list, torch.argmax(-1)'s, in one kernel call where the kernels serve (several times
+    faster than torch's on a 49k vocabulary; other dtypes, and rows with a NaN or an infinity, go to torch)."""
+    lib = lib or library()
+    if lib is None or logits.dtype != torch.float32 or logits.dim() != 2 or logits.shape[1] == 0:
+        return logits.argmax(-1).tolist()
+    x = logits.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    lib.rows_argmax(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), min(torch.get_num_threads(), x.shape[0]))
+    return [a if a >= 0 else int(row.argmax()) for a, row in zip(out.tolist(), x)]  # -1: NaN or inf, torch's rule
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:

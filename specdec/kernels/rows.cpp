@@ -1001,6 +1001,44 @@ extern "C" void rows_topk(const float* x, int R, int V, int k, int* idx, float* 
     }
 }
 
+static inline bool vany_eq(V16 a, float m) {  // some lane equals m
+#if defined(__AVX512F__)
+    return _mm512_cmp_ps_mask(a.v, _mm512_set1_ps(m), _CMP_EQ_OQ) != 0;
+#else
+    const __m256 mm = _mm256_set1_ps(m);
+    return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(a.lo, mm, _CMP_EQ_OQ), _mm256_cmp_ps(a.hi, mm, _CMP_EQ_OQ)));
+#endif
+}
+
+// Each row's argmax, the first index of its maximum as torch.argmax gives it: one vector pass for the maximum,
+// then a scan for its first occurrence. -1 for a row holding a NaN or an infinity (the caller asks torch).
+// torch's argmax takes ~45 µs a row of a 49k vocabulary here.
+extern "C" void rows_argmax(const float* x, int R, int V, long* out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int r = 0; r < R; r++) {
+        const float* row = x + (long)r * V;
+        float m = -INFINITY, lanes[16];
+        bool finite = true;
+        int i = 0;
+        if (V >= 16) {
+            V16 mv = vload(row), bad = vmul(mv, vzero());  // 0·x: NaN exactly where x is NaN or ±inf
+            for (i = 16; i + 16 <= V; i += 16) {
+                const V16 v = vload(row + i);
+                mv = vmax(mv, v), bad = vadd(bad, vmul(v, vzero()));
+            }
+            finite = vsum(bad) == 0.0f;
+            vstore(lanes, mv);
+            for (int l = 0; l < 16; l++) m = lanes[l] > m ? lanes[l] : m;
+        }
+        for (; i < V; i++) finite &= std::isfinite(row[i]), m = row[i] > m ? row[i] : m;
+        if (!finite) { out[r] = -1; continue; }
+        long at = 0;
+        while (at + 16 <= V && !vany_eq(vload(row + at), m)) at += 16;
+        while (row[at] != m) at++;
+        out[r] = at;
+    }
+}
+
 // All decoder layers of one pass in one parallel region (thread start-up costs more than a whole small linear).
 // `tree` is null for a plain pass, else [store R | kbase R | moff R | map...] (Tree above; model.py checks it).
 extern "C" int decoder_layers(const Dims* d, const Layer* layers, int n_layers, float* x, int R, const int* slot,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import argmax as row_argmax
 from ..sampling import SamplingParams, warp
 from .model import Llama
 
@@ -50,7 +51,7 @@ def generate_batch(model: Llama, prompts: list[list[int]], max_new_tokens: int, 
 
 def _pick(logits: torch.Tensor, params, generator) -> list[int]:
     if params is None or params.greedy:
-        return logits.argmax(-1).tolist()
+        return row_argmax(logits)
     return torch.multinomial(warp(logits, params), 1, generator=generator)[:, 0].tolist()
 
 
