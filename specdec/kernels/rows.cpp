@@ -419,20 +419,43 @@ struct QX {            // R rows of K columns, quantized
     int K, nb;
 };
 
+// One 32-column block: q[i] = round-half-even(x[i]·127/amax) (MXCSR's default, as _mm_cvtss_si32), and Σq. The
+// maximum is exact in any order and the conversions are per element, so the vector forms equal the scalar one.
+static inline int q8_block(const float* xb, float amax_out[1], int8_t* q) {
+#if defined(__AVX512F__)
+    const __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const __m512 id = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    const __m512i ia = _mm512_cvtps_epi32(_mm512_mul_ps(a, id)), ib = _mm512_cvtps_epi32(_mm512_mul_ps(b, id));
+    _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8(ia));
+    _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtepi32_epi8(ib));
+    amax_out[0] = amax;
+    return _mm512_reduce_add_epi32(_mm512_add_epi32(ia, ib));
+#else
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int c = 0; c < 4; c++) v[c] = _mm256_loadu_ps(xb + 8 * c), m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[c]));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, m);
+    float amax = 0.0f;
+    for (int i = 0; i < 8; i++) amax = lanes[i] > amax ? lanes[i] : amax;
+    const __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    int32_t t[32];
+    for (int c = 0; c < 4; c++) _mm256_storeu_si256((__m256i*)(t + 8 * c), _mm256_cvtps_epi32(_mm256_mul_ps(v[c], id)));
+    int total = 0;
+    for (int i = 0; i < 32; i++) q[i] = (int8_t)t[i], total += t[i];
+    amax_out[0] = amax;
+    return total;
+#endif
+}
+
 static void q8_quantize_row(const float* x, const QX& Q, int r) {
     const int nb = Q.nb;
     int8_t* q = Q.q + (long)r * Q.K;
     for (int b = 0; b < nb; b++) {
-        const float* xb = x + 32 * b;
-        float amax = 0.0f;
-        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
-        const float s = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int total = 0;
-        for (int i = 0; i < 32; i++) {
-            const int v = _mm_cvtss_si32(_mm_set_ss(xb[i] * id));  // round half to even (MXCSR's default)
-            q[32 * b + i] = (int8_t)v;
-            total += v;
-        }
+        float amax;
+        const int total = q8_block(x + 32 * b, &amax, q + 32 * b);
+        const float s = amax / 127.0f;
         const long at = (long)r * nb + b;
         Q.s[at] = s;
         Q.sq[at] = s * (float)total;
@@ -801,7 +824,7 @@ static inline float* cache_at(const Dims* d, float* const* slots, int slot, int 
 // keys in order. The heads go together so each key and value is read once for all of them (grouped-query attention
 // is memory-bound: a batch of sequences reads every slot's whole cache each pass). Keys are stored in transposed
 // blocks of 16 positions: 16 keys' scores come from hd broadcast multiply-adds, no horizontal sums. Each score is
-// one multiply-add chain over the dimensions in order (a key past the last whole block by fmaf, as a lane does it);
+// one multiply-add chain over the dimensions in order (a tree row's mapped keys by fmaf, as a lane does it);
 // each output is one chain over the keys in order. Nothing depends on other rows or heads.
 //
 // A tree row (Keys.map) sees logical positions 0..kbase-1 where they are stored and kbase..pos at the storage
@@ -814,6 +837,35 @@ struct Keys {
     inline int at(int j) const { return j < kbase ? j : map[j - kbase]; }
 };
 
+#ifndef V_AHEAD
+#define V_AHEAD 8
+#endif
+// Output columns 16·c0 .. 16·(c0 + CN) of NH heads: Σ_j p_j v_j over the keys in order, then / Σ p. CN is a constant
+// so the NH × CN chains stay in registers.
+template <int NH, int CN>
+static inline void attend_values(const float* Vc, const Keys& keys, int L, int hd, int c0, const float* p, int L16,
+                                 const float* sum, float* out) {
+    V16 o[NH][CN];
+    for (int h = 0; h < NH; h++)
+        for (int c = 0; c < CN; c++) o[h][c] = vzero();
+    for (int j = 0; j < L; j++) {
+        const float* vj = Vc + (long)keys.at(j) * hd + 16 * c0;
+        V16 v[CN];
+        for (int c = 0; c < CN; c++) {
+            _mm_prefetch((const char*)(vj + 16 * c + V_AHEAD * hd), _MM_HINT_T0);  // the same columns, keys ahead
+            v[c] = vload(vj + 16 * c);
+        }
+        for (int h = 0; h < NH; h++) {
+            const V16 pj = vset1(p[h * L16 + j]);
+            for (int c = 0; c < CN; c++) o[h][c] = vfma(pj, v[c], o[h][c]);
+        }
+    }
+    for (int h = 0; h < NH; h++) {
+        const V16 inv = vset1(1.0f / sum[h]);
+        for (int c = 0; c < CN; c++) vstore(out + h * hd + 16 * (c0 + c), vmul(o[h][c], inv));
+    }
+}
+
 template <int NH>
 static void attend(const Dims* d, int layer, int slot, int pos, const Keys& keys, int g, const float* q, float* out,
                    float* p) {
@@ -823,11 +875,14 @@ static void attend(const Dims* d, int layer, int slot, int pos, const Keys& keys
     const float* Kt = d->kslot[slot] + ((long)layer * d->kv_heads + g) * hd * (long)d->max_len;  // block b: + 16*hd*b
     const float* Vc = cache_at(d, d->vslot, slot, layer, g, 0);
     int j = 0;
-    for (; j + 16 <= Lplain; j += 16) {
+    // whole blocks, and the partial block of plain keys as lanes too (a lane's chain is the scalar fmaf chain; lanes
+    // past L are padding, set to -inf below)
+    for (; j < Lplain && (j + 16 <= Lplain || Lplain == L); j += 16) {
         V16 acc[NH];
         for (int h = 0; h < NH; h++) acc[h] = vzero();
         const float* blk = Kt + (long)j * hd;
-        for (int c = 0; c < hd; c++) {
+        for (int c = 0; c < hd; c++) {  // (a block is a 4 KB page, where the hardware prefetcher stops: fetch the next)
+            _mm_prefetch((const char*)(blk + 16 * hd + 16 * c), _MM_HINT_T0);
             const V16 k = vload(blk + 16 * c);
             for (int h = 0; h < NH; h++) acc[h] = vfma(vset1(q[h * hd + c]), k, acc[h]);
         }
@@ -858,24 +913,12 @@ static void attend(const Dims* d, int layer, int slot, int pos, const Keys& keys
         for (j = L / 16 * 16; j < L; j++) sum[h] += ph[j];
     }
     const int nc = hd / 16;
-    for (int c0 = 0; c0 < nc; c0 += 4) {  // 4 columns of 16 at a time: NH x 4 chains stay in registers
-        const int cn = nc - c0 < 4 ? nc - c0 : 4;
-        V16 o[NH][4];
-        for (int h = 0; h < NH; h++)
-            for (int c = 0; c < 4; c++) o[h][c] = vzero();
-        for (j = 0; j < L; j++) {
-            const float* vj = Vc + (long)keys.at(j) * hd + 16 * c0;
-            V16 v[4];
-            for (int c = 0; c < cn; c++) v[c] = vload(vj + 16 * c);
-            for (int h = 0; h < NH; h++) {
-                const V16 pj = vset1(p[h * L16 + j]);
-                for (int c = 0; c < cn; c++) o[h][c] = vfma(pj, v[c], o[h][c]);
-            }
-        }
-        for (int h = 0; h < NH; h++) {
-            const V16 inv = vset1(1.0f / sum[h]);
-            for (int c = 0; c < cn; c++) vstore(out + h * hd + 16 * (c0 + c), vmul(o[h][c], inv));
-        }
+    int c0 = 0;
+    for (; c0 + 4 <= nc; c0 += 4) attend_values<NH, 4>(Vc, keys, L, hd, c0, p, L16, sum, out);
+    switch (nc - c0) {
+        case 3: attend_values<NH, 3>(Vc, keys, L, hd, c0, p, L16, sum, out); break;
+        case 2: attend_values<NH, 2>(Vc, keys, L, hd, c0, p, L16, sum, out); break;
+        case 1: attend_values<NH, 1>(Vc, keys, L, hd, c0, p, L16, sum, out); break;
     }
 }
 
