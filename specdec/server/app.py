@@ -212,12 +212,12 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
                     checked = time.monotonic()
                     if await request.is_disconnected():
                         return None
-                try:
-                    ev, payload = await asyncio.wait_for(job.events.get(), timeout=0.5)
-                except asyncio.TimeoutError:
+                item = await job.next(timeout=0.5)
+                if item is None:
                     if overdue(job):
                         raise overdue(job)
                     continue
+                ev, payload = item
                 if ev == "end":
                     break
                 if ev == "error":
@@ -248,9 +248,8 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
 
         async def pump(i, job, out):  # one job's events, then None; an error of our own should its worker not answer
             while True:
-                try:
-                    item = await asyncio.wait_for(job.events.get(), timeout=0.5)
-                except asyncio.TimeoutError:
+                item = await job.next(timeout=0.5)
+                if item is None:
                     if overdue(job):
                         await out.put((i, ("error", overdue(job))))
                         return
@@ -260,7 +259,18 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
                     return
 
         out: asyncio.Queue = asyncio.Queue()
-        tasks = [asyncio.create_task(pump(i, job, out)) for i, job in enumerate(jobs)]
+        tasks = [asyncio.create_task(pump(i, job, out)) for i, job in enumerate(jobs)] if len(jobs) > 1 else []
+
+        async def take():  # the next (choice, event or None at its end): one job is read directly, no relay task
+            if tasks:
+                return await out.get()
+            while True:
+                item = await jobs[0].next(timeout=0.5)
+                if item is not None:
+                    return 0, None if item[0] == "end" else item
+                if overdue(jobs[0]):
+                    return 0, ("error", overdue(jobs[0]))
+
         results, open_jobs = {}, len(jobs)
         try:  # a client that hangs up cancels this generator; the finally stops every generation
             held = {i: [] for i in range(len(jobs))}
@@ -270,7 +280,7 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
             for i, text in enumerate(echoed or []):
                 yield event(i, text)
             while open_jobs:
-                i, item = await out.get()
+                i, item = await take()
                 if item is None:
                     open_jobs -= 1
                     continue

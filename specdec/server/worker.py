@@ -38,23 +38,66 @@ RESTART_WINDOW_S = 60.0
 
 
 class Job:
+    """One request's place in the worker: the worker thread puts its events (chunk, error, end); the request handler,
+    on the event loop, awaits them with next()."""
     _ids = itertools.count()
 
     def __init__(self, kwargs: dict, loop: asyncio.AbstractEventLoop, timeout_s: float):
         self.id = f"{int(time.time())}-{next(self._ids)}"
         self.kwargs, self.loop = kwargs, loop
-        self.events: asyncio.Queue = asyncio.Queue()
+        self._events: collections.deque = collections.deque()
+        self._waiter: asyncio.Future | None = None
         self.cancelled = threading.Event()
         self.deadline = time.monotonic() + timeout_s
         self.ended = False
 
     def put(self, kind: str, payload=None) -> None:
-        if self.loop.is_closed():
-            return
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        deliver([(self, (kind, payload))])
+
+    def _push(self, event) -> None:  # on the event loop
+        self._events.append(event)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def next(self, timeout: float):
+        """The next event (kind, payload), or None after `timeout` s without one. A future and a timer: cheaper than
+        wait_for's task per event, which a stream awaits once per chunk."""
+        if not self._events:
+            self._waiter = self.loop.create_future()
+            timer = self.loop.call_later(timeout, _wake, self._waiter)
+            try:
+                await self._waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
+        return self._events.popleft() if self._events else None
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+def deliver(events: list) -> None:
+    """(job, event) pairs, in order, in one wakeup of each event loop they go to: a batch step's chunks for every
+    stream cost the loop one callback, not one each (on 2 cores the loop's work competes with the pass's threads)."""
+    by_loop: dict = {}
+    for job, event in events:
+        by_loop.setdefault(job.loop, []).append((job, event))
+    for loop, group in by_loop.items():
+        if not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(_push_all, group)
+            except RuntimeError:  # the loop closed meanwhile (shutdown)
+                pass
+
+
+def _push_all(group: list) -> None:
+    for job, event in group:
+        job._push(event)
 
 
 class Worker:
@@ -340,6 +383,7 @@ class BatchWorker(Worker):
         if self.engine.last:
             self.metrics.batch_rows.observe(self.engine.last["rows"])
             self.metrics.observe_pass(self.engine.last["verify_ms"])
+        outbox, done = [], []
         for seq, rec in results:
             if seq.id not in self.active:
                 continue
@@ -351,8 +395,11 @@ class BatchWorker(Worker):
                 self._drop(seq)
                 self._report(job, e)
                 continue
-            job.put("chunk", chunk)
+            outbox.append((job, ("chunk", chunk)))
             if chunk.result is not None:
                 del self.active[seq.id]
-                self._finished(job, chunk.result)
-                self._end(job)
+                done.append((job, chunk.result))
+        deliver(outbox)  # every stream's chunk of this step at once; the ends after them
+        for job, result in done:
+            self._finished(job, result)
+            self._end(job)
