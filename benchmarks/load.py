@@ -1,7 +1,8 @@
 """Load test for `specdec serve` on loopback: N concurrent streaming clients for a bounded time per level, then a
 burst of malformed requests. Per level: requests/s, aggregate tokens/s, p50/p95 time to first token and inter-token
 latency, mean rows per target pass and mean τ (from /metrics), errors by status, hung connections and the server's
-RSS. Greedy outputs served under load are compared with the same requests served alone afterwards.
+RSS. Outputs served under load (greedy, and seeded sampling: each prompt has its seed) are compared with the same
+requests served alone afterwards.
 
     python benchmarks/load.py --spawn --levels 1,4,16,32 --duration 60 --temperatures 0,0.7 --out docs/load.json
     python benchmarks/load.py --spawn --levels 1 --duration 20 --rounds 3 --baseline "--max-queue 64 --no-batch"
@@ -81,11 +82,18 @@ async def one_request(hc, url, prompt, max_tokens, temperature, seed=None) -> di
     return out
 
 
+def seed_of(prompt: str, temperature: float) -> int | None:
+    """Sampled requests carry a seed fixed by their prompt, so that each text served under load can be compared with
+    the same request served alone (seeded sampling must not depend on the batch)."""
+    return None if temperature == 0 else 1000 + PROMPTS.index(prompt)
+
+
 async def stream_client(hc, url, stop_at, args, temperature, out, rng):
     while time.monotonic() < stop_at:
         prompt = rng.choice(PROMPTS)
+        seed = seed_of(prompt, temperature)
         try:
-            r = await one_request(hc, url, prompt, args.max_tokens, temperature)
+            r = await one_request(hc, url, prompt, args.max_tokens, temperature, seed)
         except httpx.TimeoutException:
             out["hung"] += 1
             continue
@@ -101,8 +109,7 @@ async def stream_client(hc, url, stop_at, args, temperature, out, rng):
         out["gaps"].extend(r["gaps"])
         out["tokens"] += r["tokens"]
         out["done"] += 1
-        if temperature == 0:
-            out["greedy"][prompt].add(r["text"])
+        out["texts"][prompt].add(r["text"])
 
 
 async def malformed_burst(hc, url: str, n: int) -> Counter:
@@ -127,7 +134,7 @@ async def scrape(hc, url) -> dict:
 
 async def level(hc, args, pid, concurrency, temperature) -> dict:
     out = {"status": Counter(), "latency": [], "ttft": [], "gaps": [], "tokens": 0, "done": 0, "hung": 0,
-           "errors": Counter(), "greedy": defaultdict(set)}
+           "errors": Counter(), "texts": defaultdict(set)}
     m0, rss0 = await scrape(hc, args.url), rss_mb(pid)
     t0 = time.monotonic()
     rngs = [random.Random(f"{concurrency}-{temperature}-{i}") for i in range(concurrency)]
@@ -148,13 +155,14 @@ async def level(hc, args, pid, concurrency, temperature) -> dict:
            if delta("specdec_tau_count") else None,
            "stream_status": dict(out["status"]), "stream_5xx": sum(v for k, v in out["status"].items() if k >= 500),
            "hung": out["hung"], "client_errors": dict(out["errors"]), "rss_mb_start": rss0, "rss_mb_end": rss1}
-    if temperature == 0 and args.check_identity:  # every greedy text served under load vs the request alone
+    if args.check_identity:  # every text served under load (greedy, or seeded sampling) vs the request alone
         mismatched, checked = 0, 0
-        for prompt, texts in out["greedy"].items():
-            alone = (await one_request(hc, args.url, prompt, args.max_tokens, 0))["text"]
+        for prompt, texts in out["texts"].items():
+            alone = (await one_request(hc, args.url, prompt, args.max_tokens, temperature,
+                                       seed_of(prompt, temperature)))["text"]
             checked += 1
             mismatched += any(t != alone for t in texts)
-        row["greedy_prompts_checked"], row["greedy_prompts_differing"] = checked, mismatched
+        row["prompts_checked"], row["prompts_differing"] = checked, mismatched
     return row
 
 
@@ -208,7 +216,7 @@ def main():
     ap.add_argument("--malformed", type=int, default=500)
     ap.add_argument("--request-timeout", type=float, default=600)
     ap.add_argument("--no-identity", dest="check_identity", action="store_false",
-                    help="skip serving each greedy prompt alone after its level")
+                    help="skip serving each prompt alone after its level")
     ap.add_argument("--out", default=None, help="also write the JSON report here")
     ap.add_argument("--baseline", default=None, help="serve args of a second spawned server measured alternately")
     ap.add_argument("--baseline-src", default=None, help="a checkout (git worktree) whose code the baseline runs")
