@@ -146,3 +146,24 @@ def test_q8_whole_pass_is_row_invariant(q8_model):
 @needs_kernel
 def test_q8_speculation_is_token_identical_to_q8_target_only(q8_model, tok):
     assert_speculation_equals_target_only(q8_model, tok)
+
+
+@needs_kernel
+def test_q8_stores_kv_in_fp16_and_exact_in_fp32(gguf_pair):  # noqa: F811
+    """q8 keeps K/V as fp16 (half the bytes attention reads), close to exact's fp32 ones; a pass over several rows still
+    equals one-token steps bitwise; switching modes re-makes the slots in the mode's dtype."""
+    model = load_gguf(gguf_pair[0])
+    ids = [5, 9, 14, 3, 7]
+    e = model.acquire_slot()
+    model.forward(ids, [e] * 5, list(range(5)))
+    exact_values = model._slots[e][1][:, :, :5].clone()
+    model.set_numerics("q8")
+    s, t = model.acquire_slot(), model.acquire_slot()
+    assert model._slots[s][0].dtype == model._slots[s][1].dtype == torch.float16
+    out = model.forward(ids, [s] * 5, list(range(5)))
+    q8_values = model._slots[s][1][:, :, :5].float()
+    assert (q8_values - exact_values).abs().max() < 0.05 * exact_values.abs().max()
+    steps = torch.cat([model.forward([x], [t], [i]) for i, x in enumerate(ids)])
+    assert torch.equal(steps, out)
+    model.set_numerics("exact")
+    assert all(k.dtype == v.dtype == torch.float32 for k, v in model._slots)

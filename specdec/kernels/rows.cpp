@@ -803,10 +803,11 @@ struct Dims {
     float eps;
     const float* cos;  // [max_len, head_dim]
     const float* sin;
-    float* const* kslot;  // per KV slot: [layers, kv_heads, max_len / 16, head_dim, 16]: keys in blocks of 16
-                          // positions, each block transposed (max_len a multiple of 16)
-    float* const* vslot;  // per KV slot: [layers, kv_heads, max_len, head_dim]
+    void* const* kslot;  // per KV slot: [layers, kv_heads, max_len / 16, head_dim, 16]: keys in blocks of 16
+                         // positions, each block transposed (max_len a multiple of 16)
+    void* const* vslot;  // per KV slot: [layers, kv_heads, max_len, head_dim]
     int q8;  // the numerics mode: 0 exact, 1 int8 activations for integer weight formats
+    int kv16;  // K/V stored as fp16 (rounded to nearest even when written; the q8 mode), else fp32
 };
 
 struct Layer {
@@ -816,8 +817,28 @@ struct Layer {
     Lin gate_up, down;
 };
 
-static inline float* cache_at(const Dims* d, float* const* slots, int slot, int layer, int g, int pos) {
-    return slots[slot] + (((long)layer * d->kv_heads + g) * d->max_len + pos) * d->head_dim;
+// Element offset of (layer, group, position) in a slot: a value row; for keys, pos a multiple of 16 gives its block.
+static inline long cache_at(const Dims* d, int layer, int g, int pos) {
+    return (((long)layer * d->kv_heads + g) * d->max_len + pos) * d->head_dim;
+}
+
+// K/V elements as stored: fp32, or fp16 (F16C: both builds)
+static inline V16 kv_load(const float* p) { return vload(p); }
+static inline V16 kv_load(const uint16_t* p) { return f16_to_f(p); }
+static inline float kv_get(const float* p) { return *p; }
+static inline float kv_get(const uint16_t* p) { return _cvtsh_ss(*p); }
+static inline void kv_put(float* p, float v) { *p = v; }
+static inline void kv_put(uint16_t* p, float v) { *p = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT); }
+static inline void kv_put_row(float* p, const float* x, int n) { memcpy(p, x, 4L * n); }
+static inline void kv_put_row(uint16_t* p, const float* x, int n) {  // n a multiple of 16; the same rounding
+    for (int i = 0; i < n; i += 16) {
+#if defined(__AVX512F__)
+        _mm256_storeu_si256((__m256i*)(p + i), _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+#else
+        _mm_storeu_si128((__m128i*)(p + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+        _mm_storeu_si128((__m128i*)(p + i + 8), _mm256_cvtps_ph(_mm256_loadu_ps(x + i + 8), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    }
 }
 
 // NH query heads of one row that share KV head g, over keys 0..pos of its slot: per head softmax(q.k / sqrt(hd)) . v,
@@ -842,18 +863,18 @@ struct Keys {
 #endif
 // Output columns 16·c0 .. 16·(c0 + CN) of NH heads: Σ_j p_j v_j over the keys in order, then / Σ p. CN is a constant
 // so the NH × CN chains stay in registers.
-template <int NH, int CN>
-static inline void attend_values(const float* Vc, const Keys& keys, int L, int hd, int c0, const float* p, int L16,
+template <int NH, int CN, typename T>
+static inline void attend_values(const T* Vc, const Keys& keys, int L, int hd, int c0, const float* p, int L16,
                                  const float* sum, float* out) {
     V16 o[NH][CN];
     for (int h = 0; h < NH; h++)
         for (int c = 0; c < CN; c++) o[h][c] = vzero();
     for (int j = 0; j < L; j++) {
-        const float* vj = Vc + (long)keys.at(j) * hd + 16 * c0;
+        const T* vj = Vc + (long)keys.at(j) * hd + 16 * c0;
         V16 v[CN];
         for (int c = 0; c < CN; c++) {
             _mm_prefetch((const char*)(vj + 16 * c + V_AHEAD * hd), _MM_HINT_T0);  // the same columns, keys ahead
-            v[c] = vload(vj + 16 * c);
+            v[c] = kv_load(vj + 16 * c);
         }
         for (int h = 0; h < NH; h++) {
             const V16 pj = vset1(p[h * L16 + j]);
@@ -866,34 +887,34 @@ static inline void attend_values(const float* Vc, const Keys& keys, int L, int h
     }
 }
 
-template <int NH>
+template <int NH, typename T>
 static void attend(const Dims* d, int layer, int slot, int pos, const Keys& keys, int g, const float* q, float* out,
                    float* p) {
     const int hd = d->head_dim, L = pos + 1, L16 = (L + 15) / 16 * 16;
     const int Lplain = L < keys.kbase ? L : keys.kbase;  // keys stored at their own position
     const float scale = 1.0f / sqrtf((float)hd);
-    const float* Kt = d->kslot[slot] + ((long)layer * d->kv_heads + g) * hd * (long)d->max_len;  // block b: + 16*hd*b
-    const float* Vc = cache_at(d, d->vslot, slot, layer, g, 0);
+    const T* Kt = (const T*)d->kslot[slot] + cache_at(d, layer, g, 0);  // block b: + 16*hd*b
+    const T* Vc = (const T*)d->vslot[slot] + cache_at(d, layer, g, 0);
     int j = 0;
     // whole blocks, and the partial block of plain keys as lanes too (a lane's chain is the scalar fmaf chain; lanes
     // past L are padding, set to -inf below)
     for (; j < Lplain && (j + 16 <= Lplain || Lplain == L); j += 16) {
         V16 acc[NH];
         for (int h = 0; h < NH; h++) acc[h] = vzero();
-        const float* blk = Kt + (long)j * hd;
-        for (int c = 0; c < hd; c++) {  // (a block is a 4 KB page, where the hardware prefetcher stops: fetch the next)
+        const T* blk = Kt + (long)j * hd;
+        for (int c = 0; c < hd; c++) {  // (fp32: a block is a 4 KB page, where the hardware prefetcher stops)
             _mm_prefetch((const char*)(blk + 16 * hd + 16 * c), _MM_HINT_T0);
-            const V16 k = vload(blk + 16 * c);
+            const V16 k = kv_load(blk + 16 * c);
             for (int h = 0; h < NH; h++) acc[h] = vfma(vset1(q[h * hd + c]), k, acc[h]);
         }
         for (int h = 0; h < NH; h++) vstore(p + h * L16 + j, vmul(acc[h], vset1(scale)));
     }
     for (; j < L; j++) {
         const int sj = keys.at(j);
-        const float* blk = Kt + (long)(sj / 16 * 16) * hd + sj % 16;
+        const T* blk = Kt + (long)(sj / 16 * 16) * hd + sj % 16;
         for (int h = 0; h < NH; h++) {
             float acc = 0.0f;
-            for (int c = 0; c < hd; c++) acc = fmaf(q[h * hd + c], blk[16 * c], acc);
+            for (int c = 0; c < hd; c++) acc = fmaf(q[h * hd + c], kv_get(blk + 16 * c), acc);
             p[h * L16 + j] = acc * scale;
         }
     }
@@ -914,28 +935,35 @@ static void attend(const Dims* d, int layer, int slot, int pos, const Keys& keys
     }
     const int nc = hd / 16;
     int c0 = 0;
-    for (; c0 + 4 <= nc; c0 += 4) attend_values<NH, 4>(Vc, keys, L, hd, c0, p, L16, sum, out);
+    for (; c0 + 4 <= nc; c0 += 4) attend_values<NH, 4, T>(Vc, keys, L, hd, c0, p, L16, sum, out);
     switch (nc - c0) {
-        case 3: attend_values<NH, 3>(Vc, keys, L, hd, c0, p, L16, sum, out); break;
-        case 2: attend_values<NH, 2>(Vc, keys, L, hd, c0, p, L16, sum, out); break;
-        case 1: attend_values<NH, 1>(Vc, keys, L, hd, c0, p, L16, sum, out); break;
+        case 3: attend_values<NH, 3, T>(Vc, keys, L, hd, c0, p, L16, sum, out); break;
+        case 2: attend_values<NH, 2, T>(Vc, keys, L, hd, c0, p, L16, sum, out); break;
+        case 1: attend_values<NH, 1, T>(Vc, keys, L, hd, c0, p, L16, sum, out); break;
     }
 }
 
-// Heads of group g, up to 4 at a time (registers).
-static void attend_group(const Dims* d, int layer, int slot, int pos, const Keys& keys, int g, const float* q,
+// Heads of group g, up to 4 at a time (registers), on K/V stored as T.
+template <typename T>
+static void attend_heads(const Dims* d, int layer, int slot, int pos, const Keys& keys, int g, const float* q,
                          float* out, float* p) {
     const int rep = d->heads / d->kv_heads, hd = d->head_dim;
     for (int h = 0; h < rep; h += 4) {
         const float* qh = q + (long)h * hd;
         float* oh = out + (long)h * hd;
         switch (rep - h < 4 ? rep - h : 4) {
-            case 1: attend<1>(d, layer, slot, pos, keys, g, qh, oh, p); break;
-            case 2: attend<2>(d, layer, slot, pos, keys, g, qh, oh, p); break;
-            case 3: attend<3>(d, layer, slot, pos, keys, g, qh, oh, p); break;
-            default: attend<4>(d, layer, slot, pos, keys, g, qh, oh, p); break;
+            case 1: attend<1, T>(d, layer, slot, pos, keys, g, qh, oh, p); break;
+            case 2: attend<2, T>(d, layer, slot, pos, keys, g, qh, oh, p); break;
+            case 3: attend<3, T>(d, layer, slot, pos, keys, g, qh, oh, p); break;
+            default: attend<4, T>(d, layer, slot, pos, keys, g, qh, oh, p); break;
         }
     }
+}
+
+static void attend_group(const Dims* d, int layer, int slot, int pos, const Keys& keys, int g, const float* q,
+                         float* out, float* p) {
+    if (d->kv16) attend_heads<uint16_t>(d, layer, slot, pos, keys, g, q, out, p);
+    else attend_heads<float>(d, layer, slot, pos, keys, g, q, out, p);
 }
 
 struct Scratch { float *h, *qkv, *att, *gu, *act, *p; int plen; QXBuf* xq; };
@@ -979,10 +1007,15 @@ static void layer_body(const Dims* d, const Layer* L, int layer, float* x, int R
         rope_row(row + nq, G, hd, cs, sn, d->interleaved);
         const int st = tree.stored(pos, r);
         for (int g = 0; g < G; g++) {
-            float* kt = d->kslot[slot[r]] + ((long)layer * G + g) * hd * (long)d->max_len + (long)(st / 16 * 16) * hd +
-                        st % 16;
-            for (int c = 0; c < hd; c++) kt[16 * c] = row[nq + g * hd + c];
-            memcpy(cache_at(d, d->vslot, slot[r], layer, g, st), row + nq + nkv + g * hd, 4L * hd);
+            const long kt = cache_at(d, layer, g, st / 16 * 16) + st % 16, vt = cache_at(d, layer, g, st);
+            const float *k = row + nq + g * hd, *v = row + nq + nkv + g * hd;
+            if (d->kv16) {
+                for (int c = 0; c < hd; c++) kv_put((uint16_t*)d->kslot[slot[r]] + kt + 16 * c, k[c]);
+                kv_put_row((uint16_t*)d->vslot[slot[r]] + vt, v, hd);
+            } else {
+                for (int c = 0; c < hd; c++) kv_put((float*)d->kslot[slot[r]] + kt + 16 * c, k[c]);
+                kv_put_row((float*)d->vslot[slot[r]] + vt, v, hd);
+            }
         }
     }
     float* p = s.p + (long)omp_get_thread_num() * s.plen;

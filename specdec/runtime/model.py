@@ -41,7 +41,7 @@ class _Layer(ctypes.Structure):
 class _Dims(ctypes.Structure):
     _fields_ = [("hidden", _i), ("heads", _i), ("kv_heads", _i), ("head_dim", _i), ("inter", _i), ("layers", _i),
                 ("max_len", _i), ("interleaved", _i), ("eps", _f), ("cos", _p), ("sin", _p), ("kslot", _p),
-                ("vslot", _p), ("q8", _i)]
+                ("vslot", _p), ("q8", _i), ("kv16", _i)]
 
 
 @dataclass
@@ -128,11 +128,18 @@ class Llama:
         self._pointers()
         return len(self._slots) - 1
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """How K/V are stored: fp16 in the q8 mode (half the bytes attention reads per position; every row reads the
+        same rounded values, so passes stay row-invariant), fp32 in exact (bitwise transformers' fp32)."""
+        return torch.float16 if self.q8 else torch.float32
+
     def _empty_slot(self) -> tuple[torch.Tensor, torch.Tensor]:
         layers = self.config.num_hidden_layers
         keys = (layers, self.kv_heads, self.max_len // 16, self.hd, 16)
         values = (layers, self.kv_heads, self.max_len, self.hd)
-        return torch.empty(keys), torch.empty(values)  # untouched pages cost no memory
+        dtype = self.kv_dtype
+        return torch.empty(keys, dtype=dtype), torch.empty(values, dtype=dtype)  # untouched pages cost no memory
 
     def _pointers(self) -> None:
         if self._lib is not None:
@@ -289,7 +296,11 @@ class Llama:
     def set_numerics(self, numerics: str) -> None:
         if numerics not in kernels.NUMERICS:
             raise ValueError(f"numerics must be one of {', '.join(kernels.NUMERICS)}, got {numerics!r}")
+        before = self.kv_dtype
         self.numerics = numerics if self._lib is not None else "exact"
+        if self.kv_dtype != before:  # slots keep their ids; what they held was computed in the other mode
+            self._slots = [self._empty_slot() for _ in self._slots]
+            self._pointers()
         if self._lib is not None:
             self._dims = self._make_dims()
             self._structs = None  # rebuilt at the next pass, naming the repacked blocks in q8
@@ -299,7 +310,7 @@ class Llama:
         return _Dims(c.hidden_size, self.heads, self.kv_heads, self.hd, c.intermediate_size, c.num_hidden_layers,
                      self.max_len, int(self.interleaved), self.eps, self.cos.data_ptr(), self.sin.data_ptr(),
                      ctypes.cast(self._kptr, ctypes.c_void_p), ctypes.cast(self._vptr, ctypes.c_void_p),
-                     int(self.q8))
+                     int(self.q8), int(self.kv_dtype == torch.float16))
 
 
 def _rmsnorm(x, w, eps):
