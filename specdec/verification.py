@@ -20,14 +20,13 @@ def choice_rows(logits: torch.Tensor, nodes: list[int], tree: bool, masked: list
     return logits[[0] + [1 + j for j in nodes]] if tree else logits[: len(nodes) + 1]
 
 
-def greedy_verify(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
+def greedy_verify(draft: torch.Tensor, target_logits: torch.Tensor, argmax: list[int] | None = None
+                  ) -> tuple[int, int]:
     """Accept while the draft token equals the target's argmax; the target's argmax at the first
-    mismatch (or after the block) is the correction / bonus token."""
-    return greedy_accept(draft.tolist(), row_argmax(target_logits))
-
-
-def greedy_accept(draft: list[int], choice: list[int]) -> tuple[int, int]:
-    """greedy_verify given the target's choice at each row of the block (a batch takes every row's argmax at once)."""
+    mismatch (or after the block) is the correction / bonus token. `argmax`: each row's, when already taken (a batch
+    takes every row's at once)."""
+    choice = argmax if argmax is not None else row_argmax(target_logits)
+    draft = draft.tolist() if isinstance(draft, torch.Tensor) else draft
     n = 0
     while n < len(draft) and draft[n] == choice[n]:
         n += 1
@@ -72,7 +71,7 @@ def verify_block(draft: list[int], q: torch.Tensor | None, logits: torch.Tensor,
     """The rule for this request: greedy, seeded (race) or rejection sampling. `position` is the sequence position
     of the block's first row (the first draft token's); `argmax`: the block's rows' argmax, when already taken."""
     if params.greedy:
-        return greedy_accept(draft, argmax if argmax is not None else row_argmax(logits))
+        return greedy_verify(draft, logits, argmax)
     tokens = torch.tensor(draft, dtype=torch.long)
     p = warp(logits, params)
     if isinstance(generator, PositionNoise):  # each row's token is argmax p/E: accept drafts while they equal it

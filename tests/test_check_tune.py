@@ -35,7 +35,7 @@ def test_check_passes_on_correct_engine(capsys, tiny_dirs, prompts_file, draft):
 
 
 def test_check_catches_top2_greedy_acceptance(capsys, tiny_dirs, prompts_file, monkeypatch):
-    def top2_verify(draft, logits):  # BUG: accept whenever the draft token is in the target's top 2
+    def top2_verify(draft, logits, argmax=None):  # BUG: accept whenever the draft token is in the target's top 2
         top2 = logits.topk(2, -1).indices
         n = 0
         while n < len(draft) and int(draft[n]) in top2[n].tolist():

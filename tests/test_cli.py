@@ -110,8 +110,8 @@ def test_perplexity_both_modes_and_its_bad_input(capsys, tiny_dirs, tmp_path):
     assert code == 0, err
     rep = json.loads(out)
     assert rep["exact"]["scored"] == rep["q8"]["scored"] > 0 and rep["exact"]["perplexity"] > 1
-    # the tiny model's weights are fp32: no integer form, so q8 runs them exactly as exact does
-    assert rep["q8_vs_exact"] == 0 and rep["greedy_agreement"] == 1
+    # the tiny model's weights are fp32: no integer form, so q8 differs from exact only by its fp16 K/V
+    assert rep["q8_vs_exact"] != 0 and abs(rep["q8_vs_exact"]) < 0.01 and rep["greedy_agreement"] >= 0.9
     for args, message in [([str(tmp_path / "none.txt")], "cannot read"),
                           ([str(text), "--context", "2"], "--context must be"),
                           ([str(text), "--context", "250", "--max-tokens", "100"], "needs at least")]:
