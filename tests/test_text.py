@@ -76,3 +76,17 @@ def test_real_tokenizer_multibyte_and_spaces():
         text = StopText(tok, stops)
         keep = next(k for k in range(1, len(ids) + 1) if text.stop_check(ids[:k]) is not None)
         assert keep == brute_force_keep(tok, ids, stops), stops
+
+
+@pytest.mark.real
+def test_runtime_tokenizer_copies_after_its_chat_template_was_used():
+    """A second decoder on the same tokenizer (bench and tune build one per draft) deep-copies it after chat prompts
+    were rendered: the compiled template is not copied but rebuilt, and the copy renders the same text."""
+    import copy
+    from specdec import SpecDecoder
+    model, tok = models.load("default")
+    messages = [{"role": "user", "content": "hi"}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert copy.deepcopy(tok).apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == text
+    sd = SpecDecoder.from_models(model, tok, "ngram", tau=2)
+    assert sd.generate("hi", max_new_tokens=3).token_ids

@@ -28,6 +28,15 @@ class Tokenizer:
             setattr(self, f"{k}_id", None if v is None else self._tok.token_to_id(v))
         self._template = None
 
+    def __deepcopy__(self, memo) -> Tokenizer:
+        """An independent copy (the server encodes on request threads with one); its chat template is compiled again
+        at first use (a compiled jinja Template cannot be copied)."""
+        import copy
+        new = object.__new__(Tokenizer)
+        for k, v in vars(self).items():
+            setattr(new, k, None if k == "_template" else copy.deepcopy(v, memo))
+        return new
+
     def __call__(self, text: str, add_special_tokens: bool = True) -> Encoding:
         # encode_batch releases the GIL while it works (encode holds it: a long prompt stalled every other thread)
         return Encoding(self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
