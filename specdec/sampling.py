@@ -6,7 +6,7 @@ The speculative-sampling guarantee only holds when p and q are warped identicall
 Randomness:
 - no seed: a private torch.Generator, consumed in order; speculation verifies by rejection sampling
   (verification.sample_verify, min(1, p/q) then norm(max(0, p-q))).
-- a seed: PositionNoise, one exponential race per sequence position, E_t(v) ~ Exp(1) drawn from (seed, t). The
+- a seed: PositionNoise, one exponential race per sequence position, E_t(v) ~ Exp(1) drawn from (seed, t, v). The
   token at position t is argmax_v p_t(v) / E_t(v), an exact sample from p_t (the exponential-race form of the
   Gumbel-max trick), independent of everything before t. A draft is accepted when it equals that token, and a
   sampling draft races on the same E_t (Gumbel coupling). The text is then a function of (seed, prompt) alone: the
@@ -60,41 +60,56 @@ class SamplingParams:
         return g
 
 
-class PositionNoise:
-    """Exp(1) noise per (seed, sequence position): the randomness of seeded sampling."""
+GOLDEN, MIX1, MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's constants
 
-    KEEP = 16  # positions whose noise is kept: a tree's drafter and its verification race on the same ones
+
+class PositionNoise:
+    """Exp(1) noise per (seed, sequence position, token): E = -log u, u = splitmix64(key(seed, position) + (token + 1)
+    · golden) as a float in (0, 1). A counter-based generator: any token's noise is computed on its own, so the race
+    winner is found with a handful of logarithms (kernels.race) instead of one draw per vocabulary entry."""
+
+    KEEP = 64  # positions whose keys are kept
 
     def __init__(self, seed: int):
         self.seed = seed
-        self._noise: dict[tuple[int, int], torch.Tensor] = {}
+        self._keys: dict[int, int] = {}
 
     @classmethod
     def fresh(cls) -> PositionNoise:
         """Noise under a seed drawn from torch's global RNG (unseeded requests that verify trees)."""
         return cls(int(torch.randint(0, 2**62, (1,)).item()))
 
-    def exponentials(self, position: int, vocab: int) -> torch.Tensor:
-        hit = self._noise.get((position, vocab))
-        if hit is not None:
-            return hit
-        key = hashlib.blake2b(f"{self.seed}:{position}".encode(), digest_size=8).digest()
-        g = torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
-        e = torch.empty(vocab, dtype=torch.float64).exponential_(generator=g)
-        e.clamp_(min=torch.finfo(torch.float64).tiny)  # p/E: a zero-probability token never wins
-        if len(self._noise) >= self.KEEP:
-            self._noise.pop(next(iter(self._noise)))
-        self._noise[(position, vocab)] = e
-        return e
+    def key(self, position: int) -> int:
+        """The position's 64-bit key (unsigned), from the seed and the position alone."""
+        hit = self._keys.get(position)
+        if hit is None:
+            hit = int.from_bytes(hashlib.blake2b(f"{self.seed}:{position}".encode(), digest_size=8).digest(), "little")
+            if len(self._keys) >= self.KEEP:
+                self._keys.pop(next(iter(self._keys)))
+            self._keys[position] = hit
+        return hit
 
-    def race(self, probs: torch.Tensor, start: int) -> torch.Tensor:
-        """probs [n, V] for positions start..start+n-1 -> scores whose argmax is each position's sampled token."""
-        return self.race_at(probs, range(start, start + len(probs)))
+    def exponentials(self, position: int, tokens: torch.Tensor) -> torch.Tensor:
+        """E for the given token ids at `position` (float64)."""
+        return -torch.log(uniforms(self.key(position), tokens))
 
-    def race_at(self, probs: torch.Tensor, positions) -> torch.Tensor:
-        """probs [n, V], one row per position in `positions` (repeats allowed: sibling nodes of a tree)."""
-        noise = torch.stack([self.exponentials(t, probs.shape[-1]) for t in positions])
-        return probs.double() / noise
+    def pick(self, probs: torch.Tensor, positions) -> list[int]:
+        """probs [n, V], one row per position in `positions` (repeats allowed: sibling nodes of a tree) -> each row's
+        race winner argmax_v p(v) / E(v): an exact sample from the row, fixed by the seed and the position alone."""
+        from .kernels import race
+        return race(probs, [self.key(t) for t in positions])
+
+
+def uniforms(key: int, tokens: torch.Tensor) -> torch.Tensor:
+    """splitmix64 of key + (token + 1)·golden, as ((z >> 11) + 1/2) / 2^53 in (0, 1): torch's int64 arithmetic wraps
+    as uint64's does; right shifts are made logical with a mask. The kernels compute the same bits (rows.cpp)."""
+    signed = lambda c: c - (1 << 64) if c >= 1 << 63 else c  # noqa: E731
+    srl = lambda z, k: (z >> k) & ((1 << (64 - k)) - 1)  # noqa: E731
+    z = (tokens.long() + 1) * signed(GOLDEN) + signed(key)
+    z = (z ^ srl(z, 30)) * signed(MIX1)
+    z = (z ^ srl(z, 27)) * signed(MIX2)
+    z = z ^ srl(z, 31)
+    return (srl(z, 11).double() + 0.5) * 2.0 ** -53
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], params: SamplingParams, top: int) -> list:
@@ -116,7 +131,7 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], params: SamplingPara
 def draw(probs: torch.Tensor, generator, position: int) -> int:
     """One token from probs [V] for sequence position `position` (the position matters to PositionNoise only)."""
     if isinstance(generator, PositionNoise):
-        return int(generator.race(probs[None], position).argmax())
+        return generator.pick(probs[None], [position])[0]
     return int(torch.multinomial(probs, 1, generator=generator))
 
 

@@ -75,7 +75,7 @@ def verify_block(draft: list[int], q: torch.Tensor | None, logits: torch.Tensor,
     tokens = torch.tensor(draft, dtype=torch.long)
     p = warp(logits, params)
     if isinstance(generator, PositionNoise):  # each row's token is argmax p/E: accept drafts while they equal it
-        return greedy_verify(tokens, generator.race(p, position))
+        return greedy_verify(tokens, p, generator.pick(p, range(position, position + len(p))))
     return sample_verify(tokens, None if q is None else q[: len(draft)], p, generator)
 
 
@@ -92,7 +92,7 @@ def verify_tree(tokens: list[int], parents: list[int], logits: torch.Tensor, par
         choice = row_argmax(logits)
     elif isinstance(generator, PositionNoise):
         at = [position] + [position + d for d in depths(parents)]
-        choice = row_argmax(generator.race_at(warp(logits, params), at))
+        choice = generator.pick(warp(logits, params), at)
     else:
         raise ValueError("sampled tree verification needs seeded noise (PositionNoise)")
     children: dict[int, list[int]] = {}
@@ -122,7 +122,7 @@ def verify_constrained(draft: list[int], logits: torch.Tensor, params: SamplingP
         if params.greedy:
             token = int(row.argmax())
         elif isinstance(generator, PositionNoise):
-            token = int(generator.race_at(warp(row[None], params), [position + n]).argmax())
+            token = generator.pick(warp(row[None], params), [position + n])[0]
         else:
             raise ValueError("sampled constrained verification needs seeded noise (PositionNoise)")
         constraint.accept(token)

@@ -115,8 +115,7 @@ def test_verify_tree_races_on_each_nodes_own_position():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, V, generator=g)
     p = warp(logits, sp)
-    w0 = int(noise.race_at(p[:1], [40]).argmax())
-    w1 = int(noise.race_at(p[1:2], [41]).argmax())
+    w0, w1 = noise.pick(p[:1], [40])[0], noise.pick(p[1:2], [41])[0]
     nodes, token = verify_tree([w0, (w0 + 1) % V], [-1, -1], logits, sp, noise, 40)
     assert nodes == [0] and token == w1
 
@@ -219,7 +218,7 @@ def _planted(tokens, parents, logits, params, generator, position):
         kids = [i for i, q in enumerate(parents) if q == node and p[node + 1, tokens[i]] > 0]
         if not kids:
             return accepted, verify_tree(tokens, parents, logits, params, generator, position)[1] if not accepted \
-                else int(generator.race_at(p[node + 1:node + 2], [position + len(accepted)]).argmax())
+                else generator.pick(p[node + 1:node + 2], [position + len(accepted)])[0]
         accepted.append(kids[0])
         node = kids[0]
 
@@ -245,11 +244,13 @@ def test_sampling_with_trees_matches_the_target_alone(gguf_pair, tok, seeded, mo
 def test_seeded_tree_text_equals_target_only(gguf_pair, tok):  # noqa: F811
     sd, _ = tree_spec(gguf_pair[0], tok, TopTree)
     plain = SpecDecoder.from_models(load_gguf(gguf_pair[0]), tok, "none")
+    accepted = 0
     for seed in range(4):
         kw = dict(max_new_tokens=24, chat=False, temperature=0.9, seed=seed)
         out = sd.generate("Hello there", **kw)
         assert out.token_ids == plain.generate("Hello there", **kw).token_ids
-        assert any(r.parents and r.accepted for r in out.records)
+        accepted += sum(r.accepted for r in out.records if r.parents)
+    assert accepted >= 4  # tree nodes were accepted, not only verified
 
 
 def test_greedy_recycle_is_token_identical_and_learns(gguf_pair, tok, tmp_path):  # noqa: F811

@@ -160,3 +160,28 @@ def test_warped_rule_keeps_exactness():
         a = torch.where(q > 0, acceptance_prob(p, q.clamp(min=1e-300)), torch.zeros_like(q))
         out = q * a + (1 - (q * a).sum()) * residual(p, q)
         assert torch.allclose(out, p, atol=1e-12)
+
+
+def test_seeded_race_kernel_equals_the_full_race_and_samples_exactly():
+    """PositionNoise.pick: the kernel's few-logarithm race (both builds) picks argmax p/E of the full race torch
+    computes over every token, at every temperature; and over seeds, the winner is distributed exactly as p."""
+    from specdec import kernels
+    from specdec.sampling import PositionNoise, SamplingParams, uniforms, warp
+    g = torch.Generator().manual_seed(1)
+    noise = PositionNoise(11)
+    keys = [noise.key(t) for t in range(24)]
+    for temperature in (0.2, 0.7, 1.5):
+        p = warp(torch.randn(24, 3001, generator=g) * 3, SamplingParams(temperature=temperature))
+        p[3, :] = 0.0
+        p[3, 17] = 1.0  # one token certain
+        full = [int((row / -torch.log(uniforms(k, torch.arange(p.shape[1])))).argmax()) for row, k in zip(p, keys)]
+        libs = [kernels.library(), kernels.library("avx2")] if kernels.available() else [None]
+        for lib in libs:
+            assert kernels.race(p, keys, lib) == full
+        assert full[3] == 17
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05, 0.0]], dtype=torch.float64)
+    n = 40000
+    counts = torch.bincount(torch.tensor([PositionNoise(s).pick(probs, [9])[0] for s in range(n)]), minlength=5)
+    expected = probs[0] * n
+    chi2 = float(((counts[:4] - expected[:4]) ** 2 / expected[:4]).sum())
+    assert counts[4] == 0 and chi2 < 16.3  # 3 degrees of freedom: p-value 0.001

@@ -126,8 +126,9 @@ class RecycleDrafter:
             succ, prob = succ_rows[token].tolist(), prob_rows[token].tolist()
             pairs = [(s, p) for s, p in zip(succ, prob) if s >= 0]
             if noise is not None and pairs:  # race order on this position's noise: the likeliest winner first
-                e = noise.exponentials(len(context) + depth - 1, t.vocab)
-                pairs.sort(key=lambda sp: -(sp[1] ** (1.0 / params.temperature)) / float(e[sp[0]]))
+                e = noise.exponentials(len(context) + depth - 1, torch.tensor([tok for tok, _ in pairs])).tolist()
+                order = sorted(range(len(pairs)), key=lambda i: -(pairs[i][1] ** (1.0 / params.temperature)) / e[i])
+                pairs = [pairs[i] for i in order]
             out = []
             for tok, p in pairs:
                 b = min(int(p * BUCKETS), BUCKETS - 1)

@@ -23,7 +23,7 @@ import torch
 SOURCE = Path(__file__).with_name("rows.cpp")
 COMMON = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]  # no fused multiply-add unless written
 # avx512 includes VNNI (vpdpbusd, the q8 mode's integer dot products); an AVX-512 CPU without it runs the avx2 build
-ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vnni", "-mfma", "-mf16c"],
+ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vnni", "-mfma", "-mf16c"],
              "avx2": ["-mavx2", "-mfma", "-mf16c"]}
 NUMERICS = ("exact", "q8")
 MAX_ROWS = 8  # few_rows_linear serves up to this many rows (kv.rows_linear decides which row counts it asks for)
@@ -97,6 +97,8 @@ class Library:
         self.rows_topk.argtypes, self.rows_topk.restype = [p, i, i, i, p, p, p, i], None
         self.rows_argmax = lib.rows_argmax
         self.rows_argmax.argtypes, self.rows_argmax.restype = [p, i, i, p, i], None
+        self.rows_race = lib.rows_race
+        self.rows_race.argtypes, self.rows_race.restype = [p, i, i, p, p, i], None
 
 
 @cache
@@ -214,6 +216,24 @@ def argmax(logits: torch.Tensor, lib: Library | None = None) -> list[int]:
     out = torch.empty(x.shape[0], dtype=torch.long)
     lib.rows_argmax(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), min(torch.get_num_threads(), x.shape[0]))
     return [a if a >= 0 else int(row.argmax()) for a, row in zip(out.tolist(), x)]  # -1: NaN or inf, torch's rule
+
+
+def race(probs: torch.Tensor, keys: list[int], lib: Library | None = None) -> list[int]:
+    """Seeded sampling's exponential race (sampling.PositionNoise): per row r of probs [n, V], argmax_v p(v) / E(v)
+    with E = -log u, u the counter-based uniforms of keys[r]. The kernel takes a handful of logarithms a row; torch
+    (no kernels, or a row without a positive entry) takes them all."""
+    from ..sampling import uniforms
+    lib = lib or library()
+    p = probs.double().contiguous()
+    out = [-1] * len(p)
+    if lib is not None and p.dim() == 2 and p.shape[1] > 0:
+        keyed = torch.tensor([k - (1 << 64) if k >= 1 << 63 else k for k in keys], dtype=torch.long)
+        got = torch.empty(len(p), dtype=torch.long)
+        lib.rows_race(p.data_ptr(), len(p), p.shape[1], keyed.data_ptr(), got.data_ptr(),
+                      min(torch.get_num_threads(), len(p)))
+        out = got.tolist()
+    tokens = torch.arange(p.shape[-1])
+    return [w if w >= 0 else int((row / -torch.log(uniforms(k, tokens))).argmax()) for w, row, k in zip(out, p, keys)]
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -1115,6 +1115,49 @@ extern "C" void rows_argmax(const float* x, int R, int V, long* out, int threads
     }
 }
 
+// Seeded sampling's noise (sampling.PositionNoise): u = splitmix64(key + (token + 1)·golden) as ((z >> 11) + 1/2)/2^53.
+static inline double noise_uniform(uint64_t key, long token) {
+    uint64_t z = key + (uint64_t)(token + 1) * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return ((double)(int64_t)(z >> 11) + 0.5) * 0x1p-53;
+}
+
+// Each row's race winner argmax_v p_v / E_v, E_v = -log u_v (the first on ties), with few logarithms:
+// 1 - u <= -log u <= (1 - u) / u, so L = max_v p_v u_v / (1 - u_v) is at most the best score, and only a token whose
+// bound p_v / (1 - u_v) reaches L (less a margin for rounding) can win; those get their exact score. Both passes over
+// the vocabulary are branch-free loops the compiler vectorizes. -1: no p_v > 0.
+extern "C" void rows_race(const double* p, int R, int V, const uint64_t* keys, long* out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int r = 0; r < R; r++) {
+        const double* pr = p + (long)r * V;
+        const uint64_t key = keys[r];
+        std::vector<double> slack(V);  // 1 - u_v
+        double L = 0.0;
+        for (long v = 0; v < V; v++) {
+            const double u = noise_uniform(key, v), lb = pr[v] * u / (1.0 - u);
+            slack[v] = 1.0 - u;
+            L = lb > L ? lb : L;
+        }
+        const double cut = L * (1.0 - 1e-9);
+        long best = -1;
+        double top = 0.0;
+        for (long v0 = 0; v0 < V; v0 += 64) {
+            const long v1 = v0 + 64 < V ? v0 + 64 : V;
+            bool any = false;
+            for (long v = v0; v < v1; v++) any |= pr[v] > 0.0 && pr[v] >= cut * slack[v];
+            if (!any) continue;
+            for (long v = v0; v < v1; v++) {
+                if (!(pr[v] > 0.0 && pr[v] >= cut * slack[v])) continue;
+                const double score = pr[v] / -log(noise_uniform(key, v));
+                if (score > top) top = score, best = v;
+            }
+        }
+        out[r] = best;
+    }
+}
+
 // All decoder layers of one pass in one parallel region (thread start-up costs more than a whole small linear).
 // `tree` is null for a plain pass, else [store R | kbase R | moff R | map...] (Tree above; model.py checks it).
 extern "C" int decoder_layers(const Dims* d, const Layer* layers, int n_layers, float* x, int R, const int* slot,
