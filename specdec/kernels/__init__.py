@@ -232,8 +232,8 @@ def race(probs: torch.Tensor, keys: list[int], lib: Library | None = None) -> li
         lib.rows_race(p.data_ptr(), len(p), p.shape[1], keyed.data_ptr(), got.data_ptr(),
                       min(torch.get_num_threads(), len(p)))
         out = got.tolist()
-    tokens = torch.arange(p.shape[-1])
-    return [w if w >= 0 else int((row / -torch.log(uniforms(k, tokens))).argmax()) for w, row, k in zip(out, p, keys)]
+    return [w if w >= 0 else int((row / -torch.log(uniforms(k, torch.arange(len(row))))).argmax())
+            for w, row, k in zip(out, p, keys)]
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
