@@ -50,7 +50,7 @@ def main() -> None:
     warm = SpecDecoder.from_models(model, tok, f"recycle:{table}", tau=args.tau)
     for p in load_prompts(HERE / "distill.jsonl")[: args.warm]:
         warm.generate(p["prompt"], max_new_tokens=args.max_new_tokens, chat=p["chat"])
-    warm.engine.drafter.save()
+    warm.engine.drafter.persist()
     drafts = [d.replace("recycle", f"recycle:{table}") for d in args.drafts.split(",")]
     decoders = {"none": base} | {d: SpecDecoder.from_models(model, tok, d, tau=args.tau) for d in drafts}
     results = {}
