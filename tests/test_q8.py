@@ -167,3 +167,31 @@ def test_q8_stores_kv_in_fp16_and_exact_in_fp32(gguf_pair):  # noqa: F811
     assert torch.equal(steps, out)
     model.set_numerics("exact")
     assert all(k.dtype == v.dtype == torch.float32 for k, v in model._slots)
+
+
+@needs_kernel
+def test_repacking_drops_the_file_pages_and_the_file_bytes_stay_readable(gguf_pair):  # noqa: F811
+    """q8 reads its repacked copy, so a GGUF tensor's file pages leave the resident set once repacked (madvise); the
+    file's bytes read back unchanged, and in-memory tensors (which the call would zero) are never released."""
+    from specdec.runtime.weights import QTensor
+    model = load_gguf(gguf_pair[0])
+    w = next(l.gate for l in model.layers if kernels.q8_format(l.gate.fmt))
+    before = w.data.clone()  # (reads every page: resident now)
+    assert w.mapped and not QTensor.from_float(torch.randn(4, 32)).mapped
+    assert resident_pages(w.data) > 0
+    w.packed()
+    assert resident_pages(w.data) == 0
+    assert torch.equal(w.data, before)
+
+
+def resident_pages(t: torch.Tensor) -> int:
+    """How many pages of t this process has mapped in (/proc/self/pagemap: bit 63 = present)."""
+    import mmap
+    import struct
+    page = mmap.PAGESIZE
+    start = t.data_ptr()
+    first, last = start // page, -(-(start + t.numel() * t.element_size()) // page)
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        entries = f.read(8 * max(0, last - first))
+    return sum(struct.unpack_from("<Q", entries, 8 * i)[0] >> 63 for i in range(len(entries) // 8))

@@ -31,6 +31,7 @@ class QTensor:
     k: int
     _dense: torch.Tensor | None = field(default=None, repr=False)
     _packed: torch.Tensor | None = field(default=None, repr=False)
+    mapped: bool = False  # `data` is a read-only memory map of a file (GGUF): its pages can be dropped and re-read
 
     @classmethod
     def from_float(cls, w: torch.Tensor) -> QTensor:
@@ -58,6 +59,8 @@ class QTensor:
         formats the q8 mode runs exactly (float weights)."""
         if self._packed is None and kernels.q8_format(self.fmt):
             self._packed = kernels.repack(self.fmt, self.data, self.n, self.k)
+            if self.mapped:  # q8 reads the copy: the file's pages leave the resident set (re-read if ever needed)
+                release_pages(self.data)
         return self._packed
 
     def dequantize(self) -> torch.Tensor:
@@ -65,6 +68,19 @@ class QTensor:
         if self._dense is None:
             self._dense = _dequantize(self.fmt, self.data, self.k)
         return self._dense
+
+
+def release_pages(t: torch.Tensor) -> None:
+    """Drop the pages of a file-mapped tensor from this process's memory (madvise MADV_DONTNEED; the pages it shares
+    with its neighbours too): the bytes stay in the file, and a later read faults them back in. Only for read-only
+    file maps: on anonymous memory the same call would zero the data."""
+    import ctypes
+    import mmap
+    page = mmap.PAGESIZE
+    start = t.data_ptr()
+    first, last = start // page * page, -(-(start + t.numel() * t.element_size()) // page) * page
+    if last > first and hasattr(mmap, "MADV_DONTNEED"):
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)
 
 
 def scales_of(fmt: int, data: torch.Tensor) -> torch.Tensor:
@@ -181,7 +197,7 @@ class GGUFFile:
         k, n = int(dims[0]), int(dims[1])
         check_format(name, fmt, k)
         rb = k * FLOAT_BYTES[fmt] if fmt in FLOAT_BYTES else k // GGML_BLOCK[fmt][0] * GGML_BLOCK[fmt][1]
-        return QTensor(fmt, self._bytes(name, n, rb), n, k)
+        return QTensor(fmt, self._bytes(name, n, rb), n, k, mapped=True)
 
     def vector(self, name: str) -> torch.Tensor:
         dims, fmt, _ = self.tensors[name]
