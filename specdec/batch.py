@@ -84,10 +84,12 @@ class PrefixCache:
         self.model, self.entries, self.min_tokens = model, entries, min_tokens
         self.cached: list[tuple[list[int], int]] = []  # (prompt tokens, slot), most recent last
         self.hits = self.reused = 0  # requests served from the cache, positions copied instead of computed
+        self.queried = 0  # positions looked up (all of a prompt but its last token)
 
     def restore(self, tokens: list[int], slot: int) -> int:
         """Copy the longest cached prefix of `tokens` (all but the last token at most) into `slot` -> its length."""
         best, at = 0, None
+        self.queried += max(0, len(tokens) - 1)
         for i, (cached, _) in enumerate(self.cached):
             n = min(common_prefix_len(cached, tokens), len(tokens) - 1)
             if n > best:
@@ -105,13 +107,17 @@ class PrefixCache:
         if len(tokens) < self.min_tokens or any(common_prefix_len(c, tokens) == len(tokens) for c, _ in self.cached):
             return
         if len(self.cached) >= self.entries:
-            self.model.release_slot(self.cached.pop(0)[1])
+            old, slot = self.cached.pop(0)
+            self.model.release_slot(slot)
+            if len(old) > TRIM_AFTER:
+                self.model.trim([slot])
         mine = self.model.acquire_slot()
         self.model.copy_prefix(slot, mine, len(tokens))
         self.cached.append((list(tokens), mine))
 
 
 PROBE_EVERY = 8  # a request denied draft rows this many cycles in a row gets one, to re-measure its acceptance
+TRIM_AFTER = 1024  # a slot that held more positions is given fresh memory when freed (RSS falls after long prompts)
 
 
 class BatchEngine:
@@ -140,6 +146,13 @@ class BatchEngine:
     @property
     def free_rows(self) -> int:
         return self.max_batch_rows - len(self.running)
+
+    def kv_bytes(self) -> int:
+        """K/V bytes the running requests and the prefix cache hold (positions written, at the slots' dtype)."""
+        positions = sum(len(s.tokens) for s in self.running)
+        if self.prefixes is not None:
+            positions += sum(len(tokens) for tokens, _ in self.prefixes.cached)
+        return positions * self.model.kv_bytes_per_position
 
     def add(self, seq: Sequence) -> Sequence:
         if len(self.running) >= self.max_batch_rows:
@@ -172,6 +185,8 @@ class BatchEngine:
         if seq.id in self._state:
             slot, drafter, _ = self._state.pop(seq.id)
             self.model.release_slot(slot)
+            if len(seq.tokens) > TRIM_AFTER:  # a long context's pages go back to the system, not to the next request
+                self.model.trim([slot])
             close(drafter)
             self.running.remove(seq)
 

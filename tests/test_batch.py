@@ -136,6 +136,34 @@ def test_prefix_cache_copies_a_shared_prompt_prefix_and_changes_nothing(rt):
         assert seq.generated == alone(rt, p, SamplingParams(), 12)
     assert rows[0] == len(tok(prompts[0]).input_ids) and max(rows[1:]) < rows[0] // 2
     assert engine.prefixes.hits == 2 and engine.prefixes.reused >= 2 * len(tok(system).input_ids) - 2
+    assert engine.prefixes.queried == sum(len(tok(p).input_ids) - 1 for p in prompts)
+    engine.close()
+
+
+def test_kv_bytes_count_what_is_held_and_long_contexts_give_their_memory_back(rt, monkeypatch):
+    """kv_bytes: the positions of running requests and cached prompts, at the slots' bytes per position. A slot that
+    held more than TRIM_AFTER positions gets fresh (untouched) tensors when freed; a short one keeps its memory for
+    the next request."""
+    import specdec.batch as batch
+    model, tok = rt
+    monkeypatch.setattr(batch, "TRIM_AFTER", 12)
+    engine = BatchEngine(model, build_drafter("ngram", model, tok), model.config.vocab_size, {2}, 128,
+                         max_batch_rows=16, prefill_chunk=8, prefix_cache=0)
+    per = model.kv_bytes_per_position
+    size = torch.empty(0, dtype=model.kv_dtype).element_size()
+    assert per == 2 * model.config.num_hidden_layers * model.kv_heads * model.hd * size
+    short = engine.add(Sequence(tok("Hi").input_ids, 3, SamplingParams()))
+    long = engine.add(Sequence(tok("Once upon a time there was a cat").input_ids, 8, SamplingParams()))
+    engine.step()
+    assert engine.kv_bytes() == (len(short.tokens) + len(long.tokens)) * per
+    slots = {short.id: engine._state[short.id][0], long.id: engine._state[long.id][0]}
+    tensors = {i: model._slots[s][0] for i, s in slots.items()}
+    while engine.running:
+        engine.step()
+    assert len(short.tokens) <= 12 < len(long.tokens)
+    assert model._slots[slots[short.id]][0] is tensors[short.id]  # kept
+    assert model._slots[slots[long.id]][0] is not tensors[long.id]  # handed back
+    assert engine.kv_bytes() == 0
     engine.close()
 
 

@@ -68,6 +68,8 @@ def test_concurrent_streams_equal_each_request_served_alone(batched, rt_decoder)
     assert rows / passes > 1.5  # requests shared passes
     assert m[("vllm:num_requests_running", ())] == m[("specdec_requests_running", ())] == 0
     assert ("vllm:num_requests_waiting", ()) in m
+    assert m[("specdec_kv_cache_bytes", ())] > 0  # the prefix cache's prompts (nothing is running)
+    assert m[("vllm:prefix_cache_queries_total", ())] >= m[("vllm:prefix_cache_hits_total", ())] > 0  # repeats
 
 
 def test_disconnect_mid_batch_frees_its_slot_and_others_finish(rt_decoder):

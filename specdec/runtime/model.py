@@ -148,11 +148,17 @@ class Llama:
             self._vptr = (ctypes.c_void_p * n)(*[v.data_ptr() for _, v in self._slots])
             self._dims = self._make_dims()
 
-    def trim(self) -> None:
-        """Hand the memory of free slots back (fresh, untouched tensors in their place)."""
-        for i in self._free:
+    def trim(self, slots: list[int] | None = None) -> None:
+        """Hand the memory of free slots back (fresh, untouched tensors in their place): all, or those named."""
+        for i in self._free if slots is None else [i for i in slots if i in self._free]:
             self._slots[i] = self._empty_slot()
         self._pointers()
+
+    @property
+    def kv_bytes_per_position(self) -> int:
+        """What one position of one slot holds: keys and values of every layer and KV head."""
+        size = torch.empty(0, dtype=self.kv_dtype).element_size()
+        return 2 * self.config.num_hidden_layers * self.kv_heads * self.hd * size
 
     def release_slot(self, slot: int) -> None:
         if not 0 <= slot < len(self._slots) or slot in self._free:

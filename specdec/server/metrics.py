@@ -33,6 +33,23 @@ class Metrics:
         # the same two figures under the names inference gateways and routers scrape (vLLM's)
         self.running_alias = Gauge("vllm:num_requests_running", "Alias of specdec_requests_running", registry=r)
         self.waiting_alias = Gauge("vllm:num_requests_waiting", "Alias of specdec_requests_waiting", registry=r)
+        self.kv_bytes = Gauge("specdec_kv_cache_bytes", "K/V bytes held by running requests and the prefix cache",
+                              registry=r)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (copied, not "
+                                   "computed)", registry=r)
+        self._prefix_seen = (0, 0)
+
+    def observe_engine(self, engine) -> None:
+        """The batch engine's memory and prefix-cache figures, after a step."""
+        self.kv_bytes.set(engine.kv_bytes())
+        cache = engine.prefixes
+        if cache is not None:
+            queried, reused = cache.queried, cache.reused
+            self.prefix_queries.inc(queried - self._prefix_seen[0])
+            self.prefix_hits.inc(reused - self._prefix_seen[1])
+            self._prefix_seen = (queried, reused)
 
     def set_load(self, running: int, waiting: int) -> None:
         for g, v in ((self.running, running), (self.running_alias, running), (self.waiting, waiting),

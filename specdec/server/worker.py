@@ -313,6 +313,7 @@ class BatchWorker(Worker):
             if self.active:
                 self._step()
             self.metrics.set_load(len(self.active), len(self.waiting))
+            self.metrics.observe_engine(self.engine)
 
     def _take_jobs(self) -> bool:
         """Move new jobs to the waiting line, blocking only when there is nothing to run -> False on stop."""
