@@ -100,14 +100,18 @@ class PositionNoise:
         return race(probs, [self.key(t) for t in positions])
 
 
+def as_int64(u: int) -> int:
+    """A uint64 as the int64 with the same bits (torch and ctypes take int64)."""
+    return u - (1 << 64) if u >= 1 << 63 else u
+
+
 def uniforms(key: int, tokens: torch.Tensor) -> torch.Tensor:
     """splitmix64 of key + (token + 1)·golden, as ((z >> 11) + 1/2) / 2^53 in (0, 1): torch's int64 arithmetic wraps
     as uint64's does; right shifts are made logical with a mask. The kernels compute the same bits (rows.cpp)."""
-    signed = lambda c: c - (1 << 64) if c >= 1 << 63 else c  # noqa: E731
     srl = lambda z, k: (z >> k) & ((1 << (64 - k)) - 1)  # noqa: E731
-    z = (tokens.long() + 1) * signed(GOLDEN) + signed(key)
-    z = (z ^ srl(z, 30)) * signed(MIX1)
-    z = (z ^ srl(z, 27)) * signed(MIX2)
+    z = (tokens.long() + 1) * as_int64(GOLDEN) + as_int64(key)
+    z = (z ^ srl(z, 30)) * as_int64(MIX1)
+    z = (z ^ srl(z, 27)) * as_int64(MIX2)
     z = z ^ srl(z, 31)
     return (srl(z, 11).double() + 0.5) * 2.0 ** -53
 

@@ -222,12 +222,12 @@ def race(probs: torch.Tensor, keys: list[int], lib: Library | None = None) -> li
     """Seeded sampling's exponential race (sampling.PositionNoise): per row r of probs [n, V], argmax_v p(v) / E(v)
     with E = -log u, u the counter-based uniforms of keys[r]. The kernel takes a handful of logarithms a row; torch
     (no kernels, or a row without a positive entry) takes them all."""
-    from ..sampling import uniforms
+    from ..sampling import as_int64, uniforms
     lib = lib or library()
     p = probs.double().contiguous()
     out = [-1] * len(p)
     if lib is not None and p.dim() == 2 and p.shape[1] > 0:
-        keyed = torch.tensor([k - (1 << 64) if k >= 1 << 63 else k for k in keys], dtype=torch.long)
+        keyed = torch.tensor([as_int64(k) for k in keys], dtype=torch.long)
         got = torch.empty(len(p), dtype=torch.long)
         lib.rows_race(p.data_ptr(), len(p), p.shape[1], keyed.data_ptr(), got.data_ptr(),
                       min(torch.get_num_threads(), len(p)))
