@@ -221,10 +221,12 @@ def test_kv_slot_rollback_and_independence(runtime_model):
 
 def test_torch_fallback_and_avx2_build(gguf_pair, monkeypatch):
     """Without kernels the torch layer serves the same model (fp32 rounding apart); the AVX2 build (forced here)
-    gives the AVX-512 build's logits bit for bit."""
+    gives the AVX-512 build's logits bit for bit, in exact and in q8."""
     path, _ = gguf_pair
     ref_rt = load_gguf(path)
     ref = _logits(ref_rt)
+    ref_rt.set_numerics("q8")
+    ref_q8 = _logits(ref_rt) if ref_rt.q8 else None
     monkeypatch.setenv("SPECDEC_CPU_KERNEL", "0")
     kernels.library.cache_clear()
     try:
@@ -236,6 +238,11 @@ def test_torch_fallback_and_avx2_build(gguf_pair, monkeypatch):
             kernels.library.cache_clear()
             avx2 = load_gguf(path)
             assert avx2._lib.isa == "avx2" and torch.equal(_logits(avx2), ref)
+            avx2.set_numerics("q8")  # q8 (integer sums, fp16 K/V): the same bits, and a pass equals one-token steps
+            assert torch.equal(_logits(avx2), ref_q8)
+            s = avx2.acquire_slot()
+            steps = torch.cat([avx2.forward([t], [s], [i]) for i, t in enumerate(PROMPT)])
+            assert torch.equal(steps, ref_q8)
     finally:
         monkeypatch.delenv("SPECDEC_CPU_KERNEL")
         kernels.library.cache_clear()
