@@ -124,15 +124,33 @@ def _positive_int(name, value):
     return value
 
 
+def set_kv_memory(model, gib: float | None) -> None:
+    """Size the runtime's KV pool to `gib` GiB (None: its default); a budget that cannot hold one whole context, or a
+    budget for a model on transformers, is refused."""
+    if gib is not None and (isinstance(gib, bool) or not isinstance(gib, (int, float)) or not gib > 0):
+        raise InvalidRequest(f"kv_memory must be a number of GiB > 0, got {gib!r}")
+    if not models.is_runtime(model):
+        if gib is not None:
+            raise InvalidRequest("kv_memory sizes specdec's runtime KV cache; this model runs on transformers")
+        return
+    try:
+        model.set_kv_memory(None if gib is None else int(gib * 2**30))
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from None
+
+
 class SpecDecoder:
     def __init__(self, target: str = models.DEFAULT_MODEL, draft: str | None = DEFAULT_DRAFT, tau: int = DEFAULT_TAU,
-                 policy: str = DEFAULT_POLICY, backend: str = "auto", numerics: str = DEFAULT_NUMERICS):
+                 policy: str = DEFAULT_POLICY, backend: str = "auto", numerics: str = DEFAULT_NUMERICS,
+                 kv_memory: float | None = None):
         """`backend`: auto (specdec's runtime where it runs the model, else transformers), runtime, transformers.
         `numerics`: the runtime's arithmetic, exact (bitwise transformers' fp32 on the dequantized weights), q8
         (int8 activations, close to exact; speculation stays token-identical to q8 target-only), or auto (q8 where
-        the runtime's kernels run, else exact)."""
+        the runtime's kernels run, else exact). `kv_memory`: GiB for every sequence's K/V together on the runtime
+        (default: half the available memory, at most 64 whole contexts; runtime/blocks.py)."""
         draft = draft or default_draft(target)
         model, tok = models.load(target, backend=backend, numerics=numerics)
+        set_kv_memory(model, kv_memory)
         drafter = build_drafter(draft, model, tok, target, backend=backend)
         models.release_free_memory()  # loading's temporaries, before the first pass touches the weights
         self._setup(model, tok, drafter, tau, getattr(drafter, "name", draft), policy)

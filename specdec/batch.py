@@ -37,7 +37,9 @@ from .drafters.tree import best_chain, depths, path, prune
 from .engine import StopCheck, cut
 from .kernels import argmax as row_argmax
 from .policy import AdaptivePolicy, _Ema
-from .runtime.model import Llama, common_prefix_len, fit_vocab
+from .errors import InvalidRequest
+from .runtime.blocks import BLOCK, OutOfBlocks, prefix_hashes
+from .runtime.model import Llama, fit_vocab
 from .sampling import PositionNoise, SamplingParams, token_logprobs
 from .scheduler import Demand, plan
 from .trace import CycleRecord
@@ -67,6 +69,7 @@ class Sequence:
         self.generator = self.params.generator()
         self.scored: list = []  # prompt logprobs so far
         self.after: int | None = None  # waits for this request's prefill of the same prompt, then copies its K/V
+        self.preempted = False  # its blocks were taken back: it waits for memory, then recomputes its tokens
 
     @property
     def generated(self) -> list[int]:
@@ -74,67 +77,64 @@ class Sequence:
 
     @property
     def prefilling(self) -> bool:
-        return len(self.tokens) - self.fed > 1
+        return len(self.tokens) - self.fed > 1 and not self.preempted
 
 
 class PrefixCache:
-    """The K/V of the last `entries` prompts, each in a slot of its own, least recently used evicted first."""
+    """Prompts' K/V shared by block (runtime/blocks.py, as vLLM's prefix caching): once a prompt is in its slot, its
+    full blocks are named by their prefix hashes; a joining request whose prompt starts with named blocks holds them
+    instead of computing them (bitwise the same keys and values). Blocks nobody holds stay named until the pool needs
+    them, least recently used first: the cache lives within the KV budget."""
 
-    def __init__(self, model: Llama, entries: int = 8, min_tokens: int = 8):
-        self.model, self.entries, self.min_tokens = model, entries, min_tokens
-        self.cached: list[tuple[list[int], int]] = []  # (prompt tokens, slot), most recent last
-        self.hits = self.reused = 0  # requests served from the cache, positions copied instead of computed
+    def __init__(self, model: Llama):
+        self.model = model
+        self.hits = self.reused = 0  # requests served from the cache, positions shared instead of computed
         self.queried = 0  # positions looked up (all of a prompt but its last token)
 
     def restore(self, tokens: list[int], slot: int) -> int:
-        """Copy the longest cached prefix of `tokens` (all but the last token at most) into `slot` -> its length."""
-        best, at = 0, None
+        """Share the longest cached prefix of `tokens` into the empty `slot` -> the positions it covers (all but the
+        last token at most: that row's logits are needed; writing it copies its block first)."""
+        pool = self.model.pool
         self.queried += max(0, len(tokens) - 1)
-        for i, (cached, _) in enumerate(self.cached):
-            n = min(common_prefix_len(cached, tokens), len(tokens) - 1)
-            if n > best:
-                best, at = n, i
-        if at is None or best < self.min_tokens:
+        found = []
+        for digest in prefix_hashes(tokens, len(tokens) // BLOCK):
+            block = pool.by_hash.get(digest)
+            if block is None:
+                break
+            found.append(block)
+        if not found:
             return 0
-        entry = self.cached.pop(at)
-        self.cached.append(entry)
-        self.model.copy_prefix(entry[1], slot, best)
-        self.hits, self.reused = self.hits + 1, self.reused + best
-        return best
+        self.model.share(slot, found)
+        n = min(len(found) * BLOCK, len(tokens) - 1)
+        self.hits, self.reused = self.hits + 1, self.reused + n
+        return n
 
     def store(self, tokens: list[int], slot: int) -> None:
-        """Keep a just-prefilled prompt (computed in `slot`) unless a cached one already covers it."""
-        if len(tokens) < self.min_tokens or any(common_prefix_len(c, tokens) == len(tokens) for c, _ in self.cached):
-            return
-        if len(self.cached) >= self.entries:
-            old, slot = self.cached.pop(0)
-            self.model.release_slot(slot)
-            if len(old) > TRIM_AFTER:
-                self.model.trim([slot])
-        mine = self.model.acquire_slot()
-        self.model.copy_prefix(slot, mine, len(tokens))
-        self.cached.append((list(tokens), mine))
+        """Name the full blocks of a prompt just computed in `slot`."""
+        pool = self.model.pool
+        for digest, block in zip(prefix_hashes(tokens, len(tokens) // BLOCK), self.model.blocks_of(slot)):
+            pool.register(block, digest)
 
 
 PROBE_EVERY = 8  # a request denied draft rows this many cycles in a row gets one, to re-measure its acceptance
-TRIM_AFTER = 1024  # a slot that held more positions is given fresh memory when freed (RSS falls after long prompts)
 
 
 class BatchEngine:
     def __init__(self, model: Llama, drafter, vocab_size: int, eos_ids: set[int], context_window: int,
                  max_batch_rows: int = 64, prefill_chunk: int = 32, pass_curve: dict[int, float] | None = None,
-                 prefix_cache: int = 8):
+                 prefix_cache: bool = True):
         """`drafter` is the template each request's drafter is forked from (drafters.base.fork); `pass_curve`
-        the measured ms of a pass by rows (measure_pass_curve), refined online; `prefix_cache` the prompts whose
-        K/V are kept for reuse (0: none; none either for a drafter that reads the target's hidden states, which a
-        copied prefix does not give it)."""
+        the measured ms of a pass by rows (measure_pass_curve), refined online; `prefix_cache` whether prompts'
+        K/V blocks are kept for reuse (never for a drafter that reads the target's hidden states, which a shared
+        prefix does not give it). Memory is the model's KV pool (Llama.set_kv_memory)."""
         if max_batch_rows < 1 or prefill_chunk < 1:
             raise ValueError("max_batch_rows and prefill_chunk must be >= 1")
         self.model, self.drafter, self.vocab_size = model, drafter, vocab_size
         self.eos_ids, self.context_window = set(eos_ids), context_window
         self.max_batch_rows, self.prefill_chunk = max_batch_rows, prefill_chunk
         self.wants_hidden = getattr(drafter, "wants_target_hidden", False)
-        self.prefixes = PrefixCache(model, prefix_cache) if prefix_cache and not self.wants_hidden else None
+        self.prefixes = PrefixCache(model) if prefix_cache and not self.wants_hidden else None
+        self.preemptions = 0
         self.running: list[Sequence] = []
         self._state: dict[int, tuple] = {}  # id -> (slot, drafter, acceptance estimates)
         self._pass = {n: _Ema(ms, weight=2.0, decay=0.9) for n, ms in (pass_curve or {1: 10.0}).items()}
@@ -148,11 +148,31 @@ class BatchEngine:
         return self.max_batch_rows - len(self.running)
 
     def kv_bytes(self) -> int:
-        """K/V bytes the running requests and the prefix cache hold (positions written, at the slots' dtype)."""
-        positions = sum(len(s.tokens) for s in self.running)
+        """K/V bytes in use: blocks held by running requests or kept by the prefix cache."""
+        return self.model.kv_bytes()
+
+    def kv_usage(self) -> float:
+        """The share of the KV pool in use, 0..1 (vllm:kv_cache_usage_perc)."""
+        pool = self.model.pool
+        return pool.used / max(1, pool.blocks)
+
+    def check_fits(self, prompt: list[int]) -> None:
+        """A prompt the whole KV budget cannot hold (with its first generated token) is refused."""
+        need = -(-(len(prompt) + 1) // BLOCK)
+        if need > self.model.pool.blocks:
+            raise InvalidRequest(f"the prompt's {len(prompt)} tokens need {need * BLOCK} KV positions; this server's KV "
+                                 f"memory holds {self.model.pool.blocks * BLOCK}")
+
+    def can_start(self, prompt: list[int]) -> bool:
+        """Whether a request with this prompt could join now: its uncached blocks are free (or evictable)."""
+        need = -(-(len(prompt) + 1) // BLOCK)
         if self.prefixes is not None:
-            positions += sum(len(tokens) for tokens, _ in self.prefixes.cached)
-        return positions * self.model.kv_bytes_per_position
+            pool = self.model.pool
+            for digest in prefix_hashes(prompt, len(prompt) // BLOCK):
+                if digest not in pool.by_hash:
+                    break
+                need -= 1
+        return need <= self.model.pool.available
 
     def add(self, seq: Sequence) -> Sequence:
         if len(self.running) >= self.max_batch_rows:
@@ -163,16 +183,17 @@ class BatchEngine:
         if not seq.params.greedy and not isinstance(seq.generator, PositionNoise) and (
                 seq.constraint is not None or getattr(self.drafter, "makes_trees", False)):
             seq.generator = PositionNoise.fresh()  # trees and grammars verify by the race rule
+        self.check_fits(seq.prompt)
         slot = self.model.acquire_slot()
         try:
             self._state[seq.id] = (slot, fork(self.drafter), est)
-            if self.prefixes is not None and seq.prompt_logprobs is None:  # (scoring needs every prompt row)
-                seq.fed = self.prefixes.restore(seq.prompt, slot)
-                if seq.fed < len(seq.prompt) - 1 and len(seq.prompt) >= self.prefixes.min_tokens:
-                    # the same prompt being prefilled already (n choices, a retry): copy it when it is done
-                    twin = next((r for r in self.running if r.prompt == seq.prompt and r.prefilling
-                                 and r.after is None and r.prompt_logprobs is None), None)
-                    seq.after = twin.id if twin is not None else None
+            self._load(seq)
+            if self.prefixes is not None and seq.prompt_logprobs is None and seq.fed < len(seq.prompt) - 1 \
+                    and len(seq.prompt) > BLOCK:
+                # the same prompt being prefilled already (n choices, a retry): share its blocks when it is done
+                twin = next((r for r in self.running if r.prompt == seq.prompt and r.prefilling
+                             and r.after is None and r.prompt_logprobs is None), None)
+                seq.after = twin.id if twin is not None else None
         except BaseException:  # nothing of a request that could not join stays behind
             self._state.pop(seq.id, None)
             self.model.release_slot(slot)
@@ -180,13 +201,43 @@ class BatchEngine:
         self.running.append(seq)
         return seq
 
+    def _load(self, seq: Sequence) -> None:
+        """Put a request's tokens in its empty slot's blocks: the cached prefix shared, the rest reserved (its prefill
+        then needs no more memory). Raises blocks.OutOfBlocks, holding nothing, when they do not fit."""
+        slot = self._state[seq.id][0]
+        seq.fed = 0
+        if self.prefixes is not None and (seq.prompt_logprobs is None or seq.cycle > 0):  # (scoring: every row)
+            seq.fed = self.prefixes.restore(seq.tokens, slot)
+        try:
+            self.model.reserve(slot, len(seq.tokens))
+            if seq.fed % BLOCK:  # the prefill goes on inside the last shared block: a private copy of it now
+                self.model.own(slot, seq.fed // BLOCK)
+        except OutOfBlocks:
+            self.model.truncate(slot, 0)
+            seq.fed = 0
+            raise
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a running request's blocks; it waits, and is recomputed from its tokens when memory allows (its
+        output stays what it would have been: a position's K/V depend on the tokens alone)."""
+        self.model.truncate(self._state[seq.id][0], 0)
+        seq.fed, seq.after, seq.preempted = 0, None, True
+        self.preemptions += 1
+
+    def _resume(self) -> None:
+        """Preempted requests come back, oldest first, while their tokens fit."""
+        for s in sorted((s for s in self.running if s.preempted), key=lambda s: s.id):
+            try:
+                self._load(s)
+            except OutOfBlocks:
+                return
+            s.preempted = False
+
     def remove(self, seq: Sequence) -> None:
         """A finished, cancelled or timed-out request leaves: its slot and drafter state are freed."""
         if seq.id in self._state:
             slot, drafter, _ = self._state.pop(seq.id)
             self.model.release_slot(slot)
-            if len(seq.tokens) > TRIM_AFTER:  # a long context's pages go back to the system, not to the next request
-                self.model.trim([slot])
             close(drafter)
             self.running.remove(seq)
 
@@ -197,13 +248,10 @@ class BatchEngine:
         self.remove(seq)
 
     def close(self) -> None:
-        """Give back every slot: the running requests' and the prefix cache's."""
+        """Give back every slot, and forget the cached prefixes."""
         for seq in list(self.running):
             self.remove(seq)
-        if self.prefixes is not None:
-            for _, slot in self.prefixes.cached:
-                self.model.release_slot(slot)
-            self.prefixes.cached = []
+        self.model.pool.clear_hashes()
 
     # ---- the cycle --------------------------------------------------------------------------------------------
     def pass_ms(self, rows: int) -> float:
@@ -217,11 +265,12 @@ class BatchEngine:
         or verification raised (listed in `self.failed` with their errors): one request never fails the others."""
         t0 = perf_counter()
         self.last, self.failed = {}, []
+        self._resume()
         self._release_twins()
         free = getattr(self.drafter, "free", False)
         early, draft_ms = {}, {}  # request id -> its draft, its drafting ms
         caps = {}
-        for s in [s for s in self.running if not s.prefilling]:
+        for s in [s for s in self.running if not s.prefilling and not s.preempted]:
             room = min(s.max_new_tokens - len(s.generated), self.context_window - len(s.tokens))
             caps[s.id] = max(0, min(s.max_tau, room - 1))  # never draft more than can be emitted
             if s.constraint is not None:  # the grammar's forced tokens, then a free drafter's guess: one chain
@@ -245,7 +294,7 @@ class BatchEngine:
                     caps[s.id] = min(len(early[s.id].tokens), self.context_window - len(s.tokens) - 1)
                 else:
                     caps[s.id] = min(caps[s.id], len(early[s.id].tokens))
-        decoding = [s for s in self.running if not s.prefilling]
+        decoding = [s for s in self.running if not s.prefilling and not s.preempted]
         rows_left = self.max_batch_rows - len(decoding)
         chunks = {}  # prefilling request id -> rows this pass
         for s in self.running:
@@ -286,6 +335,7 @@ class BatchEngine:
                 if d is not None and d.is_tree:
                     d = prune(d, tau)
                 drafts[s.id] = (tau, d, d.tokens[:tau] if d is not None else [])
+        self._fit_memory(drafts, chunks)
         t1 = perf_counter()
 
         tokens, slots, positions, logit_rows, spans, paths = [], [], [], [], {}, []
@@ -300,7 +350,7 @@ class BatchEngine:
             spans[s.id] = (start, len(new))
             if s.id in drafts:
                 logit_rows.extend(range(start, start + len(new)))
-            elif s.prompt_logprobs is not None:  # scoring the prompt: every row's logits
+            elif s.prompt_logprobs is not None and s.cycle == 0:  # scoring the prompt: every row's logits
                 logit_rows.extend(range(start, start + len(new)))
             elif s.fed + len(new) == len(s.tokens):  # the prompt's last chunk: its last row gives the first token
                 logit_rows.append(start + len(new) - 1)
@@ -339,7 +389,7 @@ class BatchEngine:
             tau, draft, proposed = drafts.get(s.id, (0, None, []))
             last = s.fed + n_rows == len(s.tokens)
             n_logits = len(proposed) + 1 if s.id in drafts else (
-                n_rows if s.prompt_logprobs is not None else 1 if last else 0)
+                n_rows if s.prompt_logprobs is not None and s.cycle == 0 else 1 if last else 0)
             block = logits[row: row + n_logits] if n_logits else None
             choice = argmax[row: row + n_logits] if argmax is not None and s.id in drafts else None
             row += n_logits
@@ -355,6 +405,28 @@ class BatchEngine:
                      "verify_ms": verify_ms}
         return results
 
+    def _fit_memory(self, drafts: dict, chunks: dict) -> None:
+        """Blocks for every row of the pass (prompts have theirs since they joined). When the pool is short, draft
+        rows go first, then the newest requests are preempted until the oldest ones' committed rows fit."""
+        pool, slot = self.model.pool, lambda s: self._state[s.id][0]  # noqa: E731
+        verifying = [s for s in self.running if s.id in drafts]
+
+        def need(drafted: bool) -> int:
+            return sum(self.model.blocks_needed(slot(s), len(s.tokens) + (len(drafts[s.id][2]) if drafted else 0))
+                       for s in verifying if s.id in drafts)
+        if need(True) > pool.available:
+            for s in verifying:
+                drafts[s.id] = (0, None, [])
+            while need(False) > pool.available:
+                victim = max((s for s in self.running if not s.preempted), key=lambda s: s.id, default=None)
+                if victim is None:
+                    raise OutOfBlocks("the KV memory cannot hold the oldest request's next token")
+                self._preempt(victim)
+                drafts.pop(victim.id, None), chunks.pop(victim.id, None)
+        for s in verifying:
+            if s.id in drafts:
+                self.model.reserve(slot(s), len(s.tokens) + len(drafts[s.id][2]))
+
     def _release_twins(self) -> None:
         """Requests waiting for a twin's prefill copy its K/V (the prefix cache) once it is done, or prefill
         themselves should the twin have left."""
@@ -363,7 +435,11 @@ class BatchEngine:
             twin = ids.get(s.after) if s.after is not None else None
             if s.after is not None and (twin is None or not twin.prefilling):
                 s.after = None
-                s.fed = self.prefixes.restore(s.prompt, self._state[s.id][0])
+                self.model.truncate(self._state[s.id][0], 0)
+                try:
+                    self._load(s)  # its own blocks back, the twin's shared
+                except OutOfBlocks:
+                    self._preempt(s)
 
     def _constrained_draft(self, s: Sequence, room: int, cap: int, free: bool) -> Draft:
         """What the grammar forces (drafted for free, unless the request runs without a drafter), then a model-free
@@ -445,6 +521,7 @@ class BatchEngine:
                               s.max_new_tokens, self.eos_ids, self.context_window)
         s.tokens.extend(emitted)
         s.fed = len(s.tokens) - 1  # the committed prefix stays; the newest token is fed next cycle
+        self.model.truncate(self._state[s.id][0], len(s.tokens))  # rejected drafts' blocks back to the pool
         tree = draft is not None and draft.is_tree and bool(proposed)
         rec = CycleRecord(s.cycle, tau, proposed, n, emitted, draft_ms=round(d_ms, 3), verify_ms=round(verify_ms, 3),
                           cycle_ms=round((perf_counter() - t0) * 1e3, 3), finish_reason=finish,
@@ -466,8 +543,11 @@ class BatchEngine:
 def measure_pass_curve(model: Llama, sizes=(1, 2, 4, 8, 16, 32, 64), context: int = 64, reps: int = 3
                        ) -> dict[int, float]:
     """Median ms of one pass over n rows, one row per slot up to the largest size (as a batch of decoding
-    requests), each slot holding `context` positions. Sizes are interleaved so machine drift hits all alike."""
-    slots = [model.acquire_slot() for _ in range(max(sizes))]
+    requests), each slot holding `context` positions; slots the KV budget cannot hold share, a row each at the next
+    positions. Sizes are interleaved so machine drift hits all alike."""
+    per_slot = -(-(context + max(sizes)) // BLOCK)
+    slots = [model.acquire_slot() for _ in range(max(1, min(max(sizes), model.pool.blocks // per_slot)))]
+    k = len(slots)
     try:
         with torch.inference_mode():
             for s in slots:
@@ -476,7 +556,7 @@ def measure_pass_curve(model: Llama, sizes=(1, 2, 4, 8, 16, 32, 64), context: in
             for _ in range(reps + 1):  # the first round warms up
                 for n in sizes:
                     t = perf_counter()
-                    model.forward([1] * n, slots[:n], [context] * n)
+                    model.forward([1] * n, [slots[j % k] for j in range(n)], [context + j // k for j in range(n)])
                     times[n].append((perf_counter() - t) * 1e3)
         return {n: median(t[1:]) for n, t in times.items()}
     finally:

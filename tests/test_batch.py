@@ -6,6 +6,7 @@ import torch
 from specdec import SpecDecoder, models
 from specdec.api import build_drafter
 from specdec.batch import BatchEngine, Sequence, default_budget, measure_pass_curve
+from specdec.runtime.blocks import BLOCK
 from specdec.sampling import SamplingParams
 
 PROMPTS = ["Hello there, general", "abcabcabcabc", "The cat sat on the mat. The cat", "xyz", "Once upon a time"]
@@ -52,7 +53,7 @@ def test_requests_joining_and_leaving_get_what_they_get_alone(rt, tiny_dirs, dra
         drafter = build_drafter(tiny_dirs["draft"] if draft == "draft" else draft, model, tok, backend="runtime")
     engine = BatchEngine(model, drafter, model.config.vocab_size, models.eos_ids(model, tok), 128,
                          max_batch_rows=9, prefill_chunk=4)  # prompts take several chunks; rows are scarce
-    held = len(model._slots) - len(model._free)  # by the template drafter ("target" drafts in a slot of its own)
+    held = model.held_slots  # by the template drafter ("target" drafts in a slot of its own)
     seqs = [Sequence(tok(p).input_ids, 24 + 3 * i, params, max_tau=4 + i % 3)
             for i, (p, params) in enumerate(zip(PROMPTS, PARAMS))]
     joins = {0: [0, 1], 2: [2], 5: [3, 4]}  # step -> requests joining then
@@ -82,10 +83,11 @@ def test_requests_joining_and_leaving_get_what_they_get_alone(rt, tiny_dirs, dra
         assert trees > 0
     if "feature" in draft:
         assert proposed > 0  # the batched feature drafting ran
-    cached = len(engine.prefixes.cached) if engine.prefixes else 0  # (off for drafters reading target features)
-    assert (cached or "feature" in draft) and len(model._slots) - len(model._free) == held + cached
+    # the prompts' blocks stay named for later requests (no cache for drafters reading target features)
+    assert (len(model.pool.by_hash) > 0) == (engine.prefixes is not None) == ("feature" not in draft)
+    assert model.held_slots == held
     engine.close()
-    assert len(model._slots) - len(model._free) == held
+    assert model.held_slots == held
 
 
 def test_one_request_alone_in_the_batch_engine_equals_the_engine(rt):
@@ -134,36 +136,11 @@ def test_prefix_cache_copies_a_shared_prompt_prefix_and_changes_nothing(rt):
         while engine.running:
             engine.step()
         assert seq.generated == alone(rt, p, SamplingParams(), 12)
-    assert rows[0] == len(tok(prompts[0]).input_ids) and max(rows[1:]) < rows[0] // 2
-    assert engine.prefixes.hits == 2 and engine.prefixes.reused >= 2 * len(tok(system).input_ids) - 2
+    shared = len(tok(system).input_ids) // BLOCK * BLOCK  # whole blocks of the common prefix
+    assert shared >= 2 * BLOCK and rows[0] == len(tok(prompts[0]).input_ids)
+    assert all(r == len(tok(p).input_ids) - shared for r, p in zip(rows[1:], prompts[1:]))
+    assert engine.prefixes.hits == 2 and engine.prefixes.reused == 2 * shared
     assert engine.prefixes.queried == sum(len(tok(p).input_ids) - 1 for p in prompts)
-    engine.close()
-
-
-def test_kv_bytes_count_what_is_held_and_long_contexts_give_their_memory_back(rt, monkeypatch):
-    """kv_bytes: the positions of running requests and cached prompts, at the slots' bytes per position. A slot that
-    held more than TRIM_AFTER positions gets fresh (untouched) tensors when freed; a short one keeps its memory for
-    the next request."""
-    import specdec.batch as batch
-    model, tok = rt
-    monkeypatch.setattr(batch, "TRIM_AFTER", 12)
-    engine = BatchEngine(model, build_drafter("ngram", model, tok), model.config.vocab_size, {2}, 128,
-                         max_batch_rows=16, prefill_chunk=8, prefix_cache=0)
-    per = model.kv_bytes_per_position
-    size = torch.empty(0, dtype=model.kv_dtype).element_size()
-    assert per == 2 * model.config.num_hidden_layers * model.kv_heads * model.hd * size
-    short = engine.add(Sequence(tok("Hi").input_ids, 3, SamplingParams()))
-    long = engine.add(Sequence(tok("Once upon a time there was a cat").input_ids, 8, SamplingParams()))
-    engine.step()
-    assert engine.kv_bytes() == (len(short.tokens) + len(long.tokens)) * per
-    slots = {short.id: engine._state[short.id][0], long.id: engine._state[long.id][0]}
-    tensors = {i: model._slots[s][0] for i, s in slots.items()}
-    while engine.running:
-        engine.step()
-    assert len(short.tokens) <= 12 < len(long.tokens)
-    assert model._slots[slots[short.id]][0] is tensors[short.id]  # kept
-    assert model._slots[slots[long.id]][0] is not tensors[long.id]  # handed back
-    assert engine.kv_bytes() == 0
     engine.close()
 
 

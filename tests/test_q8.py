@@ -156,17 +156,18 @@ def test_q8_stores_kv_in_fp16_and_exact_in_fp32(gguf_pair):  # noqa: F811
     ids = [5, 9, 14, 3, 7]
     e = model.acquire_slot()
     model.forward(ids, [e] * 5, list(range(5)))
-    exact_values = model._slots[e][1][:, :, :5].clone()
+    exact_values = model.slot_kv(e, 5)[1].clone()
     model.set_numerics("q8")
     s, t = model.acquire_slot(), model.acquire_slot()
-    assert model._slots[s][0].dtype == model._slots[s][1].dtype == torch.float16
+    assert model._kpool.dtype == model._vpool.dtype == torch.float16
     out = model.forward(ids, [s] * 5, list(range(5)))
-    q8_values = model._slots[s][1][:, :, :5].float()
+    q8_values = model.slot_kv(s, 5)[1].float()
     assert (q8_values - exact_values).abs().max() < 0.05 * exact_values.abs().max()
     steps = torch.cat([model.forward([x], [t], [i]) for i, x in enumerate(ids)])
     assert torch.equal(steps, out)
     model.set_numerics("exact")
-    assert all(k.dtype == v.dtype == torch.float32 for k, v in model._slots)
+    model.forward(ids[:1], [s], [0])
+    assert model._kpool.dtype == model._vpool.dtype == torch.float32
 
 
 @needs_kernel

@@ -307,7 +307,7 @@ def test_positions_beyond_the_slots_are_refused(runtime_model):
     with pytest.raises(ValueError, match="position outside"):
         runtime_model.forward([1], [s], [runtime_model.max_len])
     with pytest.raises(ValueError, match="never acquired"):  # the kernel must never index past its slots
-        runtime_model.forward([1], [len(runtime_model._slots)], [0])
+        runtime_model.forward([1], [len(runtime_model._tables)], [0])
     runtime_model.release_slot(s)
 
 

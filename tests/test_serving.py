@@ -80,7 +80,7 @@ def test_disconnect_mid_batch_frees_its_slot_and_others_finish(rt_decoder):
     srv = LiveServer(create_app(slow, model_name="tiny", max_queue=4, max_batch_rows=8))
     gate = slow.engine.drafter.gate
     try:
-        held = len(model._slots) - len(model._free)
+        held = model.held_slots
         gate.clear()
 
         async def scenario():
@@ -98,7 +98,7 @@ def test_disconnect_mid_batch_frees_its_slot_and_others_finish(rt_decoder):
         texts = asyncio.run(scenario())
         wait_for(lambda: queue_depth(srv) == 0, "every job leaves")
         cached = len(srv.app.state.worker.engine.prefixes.cached)  # prompts kept for prefix caching
-        assert len(model._slots) - len(model._free) == held + cached  # the dropped request's slot is free again
+        assert model.held_slots == held + cached  # the dropped request's slot is free again
         others = sum(len(tok(t, add_special_tokens=False).input_ids) for t in texts)
         # the dropped request made its first token and at most the one cycle (tau=2: 3 tokens) it was held in
         assert srv.metrics()[("specdec_generated_tokens_total", ())] - others <= 1 + 3

@@ -803,9 +803,12 @@ struct Dims {
     float eps;
     const float* cos;  // [max_len, head_dim]
     const float* sin;
-    void* const* kslot;  // per KV slot: [layers, kv_heads, max_len / 16, head_dim, 16]: keys in blocks of 16
-                         // positions, each block transposed (max_len a multiple of 16)
-    void* const* vslot;  // per KV slot: [layers, kv_heads, max_len, head_dim]
+    // The KV cache is one pool of blocks of 16 positions (runtime/blocks.py). Block b holds, for every layer and KV
+    // head, 16 keys transposed [head_dim, 16] (the kernel scores 16 keys per vector) and 16 values [16, head_dim].
+    void* kpool;  // [blocks, layers, kv_heads, head_dim, 16]
+    void* vpool;  // [blocks, layers, kv_heads, 16, head_dim]
+    const int* const* tables;  // per KV slot: the block holding its positions 16i..16i+15 (max_len / 16 entries)
+    int blocks;
     int q8;  // the numerics mode: 0 exact, 1 int8 activations for integer weight formats
     int kv16;  // K/V stored as fp16 (rounded to nearest even when written; the q8 mode), else fp32
 };
@@ -817,10 +820,21 @@ struct Layer {
     Lin gate_up, down;
 };
 
-// Element offset of (layer, group, position) in a slot: a value row; for keys, pos a multiple of 16 gives its block.
-static inline long cache_at(const Dims* d, int layer, int g, int pos) {
-    return (((long)layer * d->kv_heads + g) * d->max_len + pos) * d->head_dim;
-}
+// Where one slot's K/V of one layer and KV head live: the element offset of position p's block (its 16 keys at
+// + 16 * column + p % 16, its value row at + (p % 16) * head_dim). Rows of any pass read blocks only through this, so a
+// position's keys and values are the same numbers whichever block holds them.
+template <typename T>
+struct Pages {
+    T* base;
+    const int* table;
+    long bstride, lg;  // elements per block; offset of (layer, group) inside a block
+    Pages(const Dims* d, void* pool, int slot, int layer, int g)
+        : base((T*)pool), table(d->tables[slot]), bstride(16L * d->head_dim * d->kv_heads * d->layers),
+          lg(16L * d->head_dim * ((long)layer * d->kv_heads + g)) {}
+    inline T* block(int p) const { return base + table[p >> 4] * bstride + lg; }
+    inline T* key(int p) const { return block(p) + (p & 15); }  // column c at + 16 * c
+    inline T* value(int p, int hd) const { return block(p) + (long)(p & 15) * hd; }
+};
 
 // K/V elements as stored: fp32, or fp16 (F16C: both builds)
 static inline V16 kv_load(const float* p) { return vload(p); }
@@ -864,16 +878,17 @@ struct Keys {
 // Output columns 16·c0 .. 16·(c0 + CN) of NH heads: Σ_j p_j v_j over the keys in order, then / Σ p. CN is a constant
 // so the NH × CN chains stay in registers.
 template <int NH, int CN, typename T>
-static inline void attend_values(const T* Vc, const Keys& keys, int L, int hd, int c0, const float* p, int L16,
-                                 const float* sum, float* out) {
+static inline void attend_values(const Pages<const T>& V, const Keys& keys, int L, int hd, int c0, const float* p,
+                                 int L16, const float* sum, float* out) {
     V16 o[NH][CN];
     for (int h = 0; h < NH; h++)
         for (int c = 0; c < CN; c++) o[h][c] = vzero();
     for (int j = 0; j < L; j++) {
-        const T* vj = Vc + (long)keys.at(j) * hd + 16 * c0;
+        const T* vj = V.value(keys.at(j), hd) + 16 * c0;
+        const T* ahead = j + V_AHEAD < L ? V.value(keys.at(j + V_AHEAD), hd) + 16 * c0 : vj;  // the same columns
         V16 v[CN];
         for (int c = 0; c < CN; c++) {
-            _mm_prefetch((const char*)(vj + 16 * c + V_AHEAD * hd), _MM_HINT_T0);  // the same columns, keys ahead
+            _mm_prefetch((const char*)(ahead + 16 * c), _MM_HINT_T0);
             v[c] = kv_load(vj + 16 * c);
         }
         for (int h = 0; h < NH; h++) {
@@ -893,17 +908,17 @@ static void attend(const Dims* d, int layer, int slot, int pos, const Keys& keys
     const int hd = d->head_dim, L = pos + 1, L16 = (L + 15) / 16 * 16;
     const int Lplain = L < keys.kbase ? L : keys.kbase;  // keys stored at their own position
     const float scale = 1.0f / sqrtf((float)hd);
-    const T* Kt = (const T*)d->kslot[slot] + cache_at(d, layer, g, 0);  // block b: + 16*hd*b
-    const T* Vc = (const T*)d->vslot[slot] + cache_at(d, layer, g, 0);
+    const Pages<const T> K(d, d->kpool, slot, layer, g), V(d, d->vpool, slot, layer, g);
     int j = 0;
     // whole blocks, and the partial block of plain keys as lanes too (a lane's chain is the scalar fmaf chain; lanes
     // past L are padding, set to -inf below)
     for (; j < Lplain && (j + 16 <= Lplain || Lplain == L); j += 16) {
         V16 acc[NH];
         for (int h = 0; h < NH; h++) acc[h] = vzero();
-        const T* blk = Kt + (long)j * hd;
-        for (int c = 0; c < hd; c++) {  // (fp32: a block is a 4 KB page, where the hardware prefetcher stops)
-            _mm_prefetch((const char*)(blk + 16 * hd + 16 * c), _MM_HINT_T0);
+        const T* blk = K.block(j);
+        const T* next = j + 16 < Lplain ? K.block(j + 16) : blk;  // blocks are apart: no hardware prefetch across
+        for (int c = 0; c < hd; c++) {
+            _mm_prefetch((const char*)(next + 16 * c), _MM_HINT_T0);
             const V16 k = kv_load(blk + 16 * c);
             for (int h = 0; h < NH; h++) acc[h] = vfma(vset1(q[h * hd + c]), k, acc[h]);
         }
@@ -911,7 +926,7 @@ static void attend(const Dims* d, int layer, int slot, int pos, const Keys& keys
     }
     for (; j < L; j++) {
         const int sj = keys.at(j);
-        const T* blk = Kt + (long)(sj / 16 * 16) * hd + sj % 16;
+        const T* blk = K.key(sj);
         for (int h = 0; h < NH; h++) {
             float acc = 0.0f;
             for (int c = 0; c < hd; c++) acc = fmaf(q[h * hd + c], kv_get(blk + 16 * c), acc);
@@ -935,11 +950,11 @@ static void attend(const Dims* d, int layer, int slot, int pos, const Keys& keys
     }
     const int nc = hd / 16;
     int c0 = 0;
-    for (; c0 + 4 <= nc; c0 += 4) attend_values<NH, 4, T>(Vc, keys, L, hd, c0, p, L16, sum, out);
+    for (; c0 + 4 <= nc; c0 += 4) attend_values<NH, 4, T>(V, keys, L, hd, c0, p, L16, sum, out);
     switch (nc - c0) {
-        case 3: attend_values<NH, 3, T>(Vc, keys, L, hd, c0, p, L16, sum, out); break;
-        case 2: attend_values<NH, 2, T>(Vc, keys, L, hd, c0, p, L16, sum, out); break;
-        case 1: attend_values<NH, 1, T>(Vc, keys, L, hd, c0, p, L16, sum, out); break;
+        case 3: attend_values<NH, 3, T>(V, keys, L, hd, c0, p, L16, sum, out); break;
+        case 2: attend_values<NH, 2, T>(V, keys, L, hd, c0, p, L16, sum, out); break;
+        case 1: attend_values<NH, 1, T>(V, keys, L, hd, c0, p, L16, sum, out); break;
     }
 }
 
@@ -964,6 +979,15 @@ static void attend_group(const Dims* d, int layer, int slot, int pos, const Keys
                          float* out, float* p) {
     if (d->kv16) attend_heads<uint16_t>(d, layer, slot, pos, keys, g, q, out, p);
     else attend_heads<float>(d, layer, slot, pos, keys, g, q, out, p);
+}
+
+// A row's key and value at storage position st of its slot, in the slot's block for st.
+template <typename T>
+static inline void store_kv(const Dims* d, int slot, int layer, int g, int st, const float* k, const float* v) {
+    const int hd = d->head_dim;
+    T* kb = Pages<T>(d, d->kpool, slot, layer, g).key(st);
+    for (int c = 0; c < hd; c++) kv_put(kb + 16 * c, k[c]);
+    kv_put_row(Pages<T>(d, d->vpool, slot, layer, g).value(st, hd), v, hd);
 }
 
 struct Scratch { float *h, *qkv, *att, *gu, *act, *p; int plen; QXBuf* xq; };
@@ -1007,15 +1031,9 @@ static void layer_body(const Dims* d, const Layer* L, int layer, float* x, int R
         rope_row(row + nq, G, hd, cs, sn, d->interleaved);
         const int st = tree.stored(pos, r);
         for (int g = 0; g < G; g++) {
-            const long kt = cache_at(d, layer, g, st / 16 * 16) + st % 16, vt = cache_at(d, layer, g, st);
             const float *k = row + nq + g * hd, *v = row + nq + nkv + g * hd;
-            if (d->kv16) {
-                for (int c = 0; c < hd; c++) kv_put((uint16_t*)d->kslot[slot[r]] + kt + 16 * c, k[c]);
-                kv_put_row((uint16_t*)d->vslot[slot[r]] + vt, v, hd);
-            } else {
-                for (int c = 0; c < hd; c++) kv_put((float*)d->kslot[slot[r]] + kt + 16 * c, k[c]);
-                kv_put_row((float*)d->vslot[slot[r]] + vt, v, hd);
-            }
+            if (d->kv16) store_kv<uint16_t>(d, slot[r], layer, g, st, k, v);
+            else store_kv<float>(d, slot[r], layer, g, st, k, v);
         }
     }
     float* p = s.p + (long)omp_get_thread_num() * s.plen;
@@ -1172,6 +1190,12 @@ extern "C" int decoder_layers(const Dims* d, const Layer* layers, int n_layers, 
         const int st = tree.stored(pos, r);
         if (st < 0 || st >= d->max_len) return -1;
         maxpos = pos[r] > maxpos ? pos[r] : maxpos;
+        int last = st > pos[r] ? st : pos[r];  // the furthest position the row writes or reads
+        if (tree.store)
+            for (int j = 0; j <= pos[r] - tree.kbase[r]; j++) last = tree.map[tree.moff[r] + j] > last ? tree.map[tree.moff[r] + j] : last;
+        const int* table = d->tables[slot[r]];  // every block it touches is one of the pool's
+        for (int b = 0; b <= last >> 4; b++)
+            if (table[b] < 0 || table[b] >= d->blocks) return -1;
     }
     for (int l = 0; l < n_layers; l++) {
         const Layer* L = layers + l;

@@ -17,10 +17,12 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch.nn import functional as F
 
 from .. import kernels
+from .blocks import BLOCK, BlockPool, default_kv_memory, drop_pages
 from .weights import QTensor, qlinear
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -40,8 +42,8 @@ class _Layer(ctypes.Structure):
 
 class _Dims(ctypes.Structure):
     _fields_ = [("hidden", _i), ("heads", _i), ("kv_heads", _i), ("head_dim", _i), ("inter", _i), ("layers", _i),
-                ("max_len", _i), ("interleaved", _i), ("eps", _f), ("cos", _p), ("sin", _p), ("kslot", _p),
-                ("vslot", _p), ("q8", _i), ("kv16", _i)]
+                ("max_len", _i), ("interleaved", _i), ("eps", _f), ("cos", _p), ("sin", _p), ("kpool", _p),
+                ("vpool", _p), ("tables", _p), ("blocks", _i), ("q8", _i), ("kv16", _i)]
 
 
 @dataclass
@@ -106,8 +108,10 @@ class Llama:
         self.interleaved = bool(getattr(config, "rope_interleaved", False))  # llama.cpp's Q/K row order
         self.max_len = -(-int(max_len or config.max_position_embeddings) // 16) * 16  # whole key blocks
         self.cos, self.sin = rope_tables(config, self.max_len)
-        self._slots: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._tables: list[np.ndarray] = []  # per slot: block id of positions 16i..16i+15, -1 none (blocks.py)
+        self._held: list[list[int]] = []  # per slot: its blocks in order (the table's filled entries)
         self._free: list[int] = []
+        self._pool, self._kv_memory = None, None
         self._lib = kernels.library()
         if numerics not in kernels.NUMERICS:
             raise ValueError(f"numerics must be one of {', '.join(kernels.NUMERICS)}, got {numerics!r}")
@@ -117,42 +121,15 @@ class Llama:
             self.numerics = "exact"
         self._structs = None  # the kernels' description of the layers, made at the first pass
         if self._lib is not None:
-            self._kptr, self._vptr = (ctypes.c_void_p * 0)(), (ctypes.c_void_p * 0)()
-            self._dims = self._make_dims()
+            self._tptr = (ctypes.c_void_p * 1)()
+            self._dims = None  # made with the pool
 
-    # ---- KV slots -------------------------------------------------------------------------------------------
-    def acquire_slot(self) -> int:
-        if self._free:
-            return self._free.pop()
-        self._slots.append(self._empty_slot())
-        self._pointers()
-        return len(self._slots) - 1
-
+    # ---- KV slots: tables of blocks from one pool (blocks.py) --------------------------------------------------
     @property
     def kv_dtype(self) -> torch.dtype:
         """How K/V are stored: fp16 in the q8 mode (half the bytes attention reads per position; every row reads the
         same rounded values, so passes stay row-invariant), fp32 in exact (bitwise transformers' fp32)."""
         return torch.float16 if self.q8 else torch.float32
-
-    def _empty_slot(self) -> tuple[torch.Tensor, torch.Tensor]:
-        layers = self.config.num_hidden_layers
-        keys = (layers, self.kv_heads, self.max_len // 16, self.hd, 16)
-        values = (layers, self.kv_heads, self.max_len, self.hd)
-        dtype = self.kv_dtype
-        return torch.empty(keys, dtype=dtype), torch.empty(values, dtype=dtype)  # untouched pages cost no memory
-
-    def _pointers(self) -> None:
-        if self._lib is not None:
-            n = len(self._slots)
-            self._kptr = (ctypes.c_void_p * n)(*[k.data_ptr() for k, _ in self._slots])
-            self._vptr = (ctypes.c_void_p * n)(*[v.data_ptr() for _, v in self._slots])
-            self._dims = self._make_dims()
-
-    def trim(self, slots: list[int] | None = None) -> None:
-        """Hand the memory of free slots back (fresh, untouched tensors in their place): all, or those named."""
-        for i in self._free if slots is None else [i for i in slots if i in self._free]:
-            self._slots[i] = self._empty_slot()
-        self._pointers()
 
     @property
     def kv_bytes_per_position(self) -> int:
@@ -160,20 +137,140 @@ class Llama:
         size = torch.empty(0, dtype=self.kv_dtype).element_size()
         return 2 * self.config.num_hidden_layers * self.kv_heads * self.hd * size
 
+    @property
+    def kv_budget(self) -> int:
+        """Bytes the K/V of every slot may take together (set_kv_memory; by default a share of available memory)."""
+        if self._kv_memory is not None:
+            return self._kv_memory
+        return default_kv_memory(self.kv_bytes_per_position * self.max_len)
+
+    def set_kv_memory(self, nbytes: int | None) -> None:
+        """Size the KV pool to `nbytes` (None: the default). It must hold the model's whole context (one sequence
+        of max_len positions); held slots keep their ids and lose what they held."""
+        per_context = self.kv_bytes_per_position * self.max_len
+        if nbytes is not None and nbytes < per_context:
+            raise ValueError(f"a KV memory budget of {nbytes / 2**30:.3g} GiB holds "
+                             f"{max(0, nbytes // (self.kv_bytes_per_position * BLOCK)) * BLOCK} positions; this model's "
+                             f"context of {self.max_len} needs {per_context / 2**30:.3g} GiB")
+        self._kv_memory = None if nbytes is None else int(nbytes)
+        self._remake_pool()
+
+    def _remake_pool(self) -> None:
+        self._pool = None
+        self._tables = [np.full(self.max_len // BLOCK, -1, np.int32) for _ in self._tables]
+        self._held = [[] for _ in self._tables]
+
+    def _ensure_pool(self) -> BlockPool:
+        if self._pool is None:
+            c, G, dtype = self.config, self.kv_heads, self.kv_dtype
+            blocks = self.kv_budget // (self.kv_bytes_per_position * BLOCK)
+            self._pool = BlockPool(blocks)
+            # untouched pages cost no memory: resident K/V grow with the blocks used, up to the budget
+            self._kpool = torch.empty((blocks, c.num_hidden_layers, G, self.hd, BLOCK), dtype=dtype)
+            self._vpool = torch.empty((blocks, c.num_hidden_layers, G, BLOCK, self.hd), dtype=dtype)
+            self._pointers()
+        return self._pool
+
+    @property
+    def pool(self) -> BlockPool:
+        return self._ensure_pool()
+
+    def acquire_slot(self) -> int:
+        self._ensure_pool()
+        if self._free:
+            return self._free.pop()
+        self._tables.append(np.full(self.max_len // BLOCK, -1, np.int32))
+        self._held.append([])
+        self._pointers()
+        return len(self._tables) - 1
+
     def release_slot(self, slot: int) -> None:
-        if not 0 <= slot < len(self._slots) or slot in self._free:
+        if not 0 <= slot < len(self._tables) or slot in self._free:
             raise ValueError(f"KV slot {slot} is not held (released twice, or never acquired)")
+        self.truncate(slot, 0)
         self._free.append(slot)
 
-    @torch.inference_mode()
-    def copy_prefix(self, src: int, dst: int, n: int) -> None:
-        """Positions 0..n-1 of slot `src` into slot `dst`, keys and values: bitwise what running those tokens in dst
-        would write (a position's key and value depend only on the tokens up to it). Whole key blocks are copied;
-        positions past n in dst are rewritten by the pass that reaches them before anything reads them."""
-        (ks, vs), (kd, vd) = self._slots[src], self._slots[dst]
-        blocks = -(-n // 16)
-        kd[:, :, :blocks].copy_(ks[:, :, :blocks])
-        vd[:, :, :n].copy_(vs[:, :, :n])
+    @property
+    def held_slots(self) -> int:
+        return len(self._tables) - len(self._free)
+
+    def _pointers(self) -> None:
+        if self._lib is not None and self._pool is not None:
+            self._tptr = (ctypes.c_void_p * max(1, len(self._tables)))(*[t.ctypes.data for t in self._tables])
+            self._dims = self._make_dims()
+
+    def blocks_of(self, slot: int) -> list[int]:
+        """The pool blocks slot `slot` holds, in position order."""
+        return list(self._held[slot])
+
+    def reserve(self, slot: int, positions: int) -> None:
+        """Back positions 0..positions-1 of `slot` with blocks (raises blocks.OutOfBlocks when the budget is full;
+        the blocks taken before stay with the slot)."""
+        pool, held, table = self._ensure_pool(), self._held[slot], self._tables[slot]
+        while len(held) * BLOCK < positions:
+            table[len(held)] = block = pool.allocate()
+            held.append(block)
+
+    def blocks_needed(self, slot: int, positions: int) -> int:
+        return max(0, -(-positions // BLOCK) - len(self._held[slot]))
+
+    def truncate(self, slot: int, positions: int) -> None:
+        """Keep positions 0..positions-1 of `slot`: the blocks past them go back to the pool."""
+        held, table, keep = self._held[slot], self._tables[slot], -(-positions // BLOCK)
+        while len(held) > keep:
+            table[len(held) - 1] = -1
+            self._pool.release(held.pop())
+
+    def own(self, slot: int, index: int) -> None:
+        """Before writing into block `index` of `slot`: a block others may read is copied first (copy on write)."""
+        pool, block = self._pool, self._held[slot][index]
+        if pool.shared(block):
+            mine = pool.allocate()
+            self._kpool[mine], self._vpool[mine] = self._kpool[block], self._vpool[block]
+            pool.release(block)
+            self._held[slot][index] = self._tables[slot][index] = mine
+
+    def share(self, slot: int, blocks: list[int]) -> None:
+        """Start an empty slot with `blocks` (a cached prefix; positions 0..16·len(blocks)-1), held by reference."""
+        if self._held[slot]:
+            raise ValueError("blocks are shared into an empty slot only")
+        for i, block in enumerate(blocks):
+            self._pool.hold(block)
+            self._held[slot].append(block)
+            self._tables[slot][i] = block
+
+    def trim(self) -> None:
+        """Hand the pages of free blocks back to the system (they are zero-filled when next touched)."""
+        if self._pool is not None:
+            for t in (self._kpool, self._vpool):
+                for first, last in _runs(sorted(self._pool.free)):
+                    drop_pages(t[first:last + 1])
+
+    def kv_bytes(self) -> int:
+        """K/V bytes in use: the blocks held by slots or kept by the prefix cache."""
+        return 0 if self._pool is None else self._pool.used * self.kv_bytes_per_position * BLOCK
+
+    def slot_kv(self, slot: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions 0..n-1 of `slot` as stored, [layers, kv_heads, n, head_dim] each."""
+        at = torch.arange(n)
+        blocks = torch.from_numpy(self._tables[slot]).long()[at // BLOCK]
+        keys, values = self._kpool[blocks, :, :, :, at % BLOCK], self._vpool[blocks, :, :, at % BLOCK]  # [n, L, G, hd]
+        return keys.permute(1, 2, 0, 3), values.permute(1, 2, 0, 3)
+
+    def _back(self, slots: list[int], positions: list[int], paths) -> None:
+        """Before a pass: blocks behind every position a row reads or writes, and private copies of the blocks
+        rows write into."""
+        last, written = {}, {}
+        for r, (slot, pos) in enumerate(zip(slots, positions)):
+            path = paths[r] if paths is not None and paths[r] is not None else None
+            st = path[-1] if path is not None else pos
+            far = max(pos, max(path)) if path is not None else pos
+            last[slot] = max(last.get(slot, -1), far)
+            written.setdefault(slot, set()).add(st // BLOCK)
+        for slot, far in last.items():
+            self.reserve(slot, far + 1)
+            for index in written[slot]:
+                self.own(slot, index)
 
     def new_cache(self, vocab_size: int | None = None) -> SlotCache:
         return SlotCache(self, vocab_size or self.config.vocab_size)
@@ -201,9 +298,10 @@ class Llama:
             raise ValueError("rows, slots and positions must have the same non-zero length")
         if max(positions) >= self.max_len or min(positions) < 0:
             raise ValueError(f"position outside the KV slots' {self.max_len} positions")
-        if max(slots) >= len(self._slots) or min(slots) < 0:
+        if max(slots) >= len(self._tables) or min(slots) < 0:
             raise ValueError("a row names a KV slot that was never acquired")
         tree = self._tree_rows(positions, paths) if paths is not None else None
+        self._back(slots, positions, paths)
         x = x.float().contiguous().clone()  # the residual stream, updated in place
         if self._lib is not None:
             if self._structs is None:
@@ -248,11 +346,14 @@ class Llama:
     def move_positions(self, slot: int, moves: list[tuple[int, int]]) -> None:
         """Copy the keys and values at storage position src to dst for each (src, dst), in order: how a tree pass's
         accepted path is compacted to the positions its tokens hold in the sequence."""
-        kc, vc = self._slots[slot]
+        table = self._tables[slot]
         for src, dst in moves:
             if src != dst:
-                kc[:, :, dst // 16, :, dst % 16] = kc[:, :, src // 16, :, src % 16]
-                vc[:, :, dst] = vc[:, :, src]
+                self.own(slot, dst // BLOCK)
+                (bs, ls), (bd, ld) = divmod(src, BLOCK), divmod(dst, BLOCK)
+                bs, bd = int(table[bs]), int(table[bd])
+                self._kpool[bd, :, :, :, ld] = self._kpool[bs, :, :, :, ls]
+                self._vpool[bd, :, :, ld] = self._vpool[bs, :, :, ls]
 
     # ---- the same layer in torch (no kernels on this machine) --------------------------------------------------
     def _layer_torch(self, i, w: LayerWeights, x, slot: int, pos: int, path: list[int] | None = None):
@@ -267,17 +368,14 @@ class Llama:
         cos, sin = _pairs(self.cos[pos], self.interleaved), _pairs(self.sin[pos], self.interleaved)
         rot = _rotate_pairs if self.interleaved else _rotate_half
         q, k = q * cos + rot(q) * sin, k * cos + rot(k) * sin
-        kc, vc = self._slots[slot]
+        kc, vc, table = self._kpool, self._vpool, torch.from_numpy(self._tables[slot]).long()
         st = pos if path is None else path[-1]
-        kc[i, :, st // 16, :, st % 16], vc[i, :, st] = k, v
-        rep, blocks = self.heads // self.kv_heads, pos // 16 + 1
-        # only this row's key blocks, untransposed: [kv_heads, blocks * 16, hd] cut to the pos + 1 keys it attends to
-        keys = kc[i, :, :blocks].transpose(2, 3).reshape(self.kv_heads, blocks * 16, hd)[:, : pos + 1]
-        vals = vc[i, :, : pos + 1]
-        if path is not None:  # the logical key sequence: stored prefix, then the path (same shapes, same products)
-            at = torch.tensor(list(range(pos + 1 - len(path))) + list(path))
-            keys = kc[i][:, at // 16, :, at % 16].transpose(0, 1)  # [kv_heads, L, hd]
-            vals = vc[i, :, at]
+        kc[table[st // BLOCK], i, :, :, st % BLOCK], vc[table[st // BLOCK], i, :, st % BLOCK] = k, v
+        rep = self.heads // self.kv_heads
+        # the logical key sequence: positions 0..pos, a tree row's last ones at its path's storage positions
+        at = torch.tensor(list(range(pos + 1 - len(path))) + list(path)) if path is not None else torch.arange(pos + 1)
+        keys = kc[table[at // BLOCK], i, :, :, at % BLOCK].transpose(0, 1)  # [kv_heads, L, hd]
+        vals = vc[table[at // BLOCK], i, :, at % BLOCK].transpose(0, 1)
         keys, vals = keys.repeat_interleave(rep, 0), vals.repeat_interleave(rep, 0)
         p = torch.softmax((keys @ q[:, :, None])[..., 0] / hd ** 0.5, -1)  # [heads, L]
         att = (p[:, None] @ vals)[:, 0].reshape(1, -1)
@@ -305,18 +403,17 @@ class Llama:
         before = self.kv_dtype
         self.numerics = numerics if self._lib is not None else "exact"
         if self.kv_dtype != before:  # slots keep their ids; what they held was computed in the other mode
-            self._slots = [self._empty_slot() for _ in self._slots]
-            self._pointers()
+            self._remake_pool()
         if self._lib is not None:
-            self._dims = self._make_dims()
+            self._pointers()
             self._structs = None  # rebuilt at the next pass, naming the repacked blocks in q8
 
     def _make_dims(self) -> _Dims:
         c = self.config
         return _Dims(c.hidden_size, self.heads, self.kv_heads, self.hd, c.intermediate_size, c.num_hidden_layers,
                      self.max_len, int(self.interleaved), self.eps, self.cos.data_ptr(), self.sin.data_ptr(),
-                     ctypes.cast(self._kptr, ctypes.c_void_p), ctypes.cast(self._vptr, ctypes.c_void_p),
-                     int(self.q8), int(self.kv_dtype == torch.float16))
+                     self._kpool.data_ptr(), self._vpool.data_ptr(), ctypes.cast(self._tptr, ctypes.c_void_p),
+                     self._pool.blocks, int(self.q8), int(self.kv_dtype == torch.float16))
 
 
 def _rmsnorm(x, w, eps):
@@ -337,6 +434,20 @@ def _rotate_pairs(x):
 def _pairs(table, interleaved):
     """cos/sin laid out for the row order: (c0..c_{h-1}, c0..c_{h-1}) or (c0, c0, c1, c1, ...)."""
     return table[..., : table.shape[-1] // 2].repeat_interleave(2, -1) if interleaved else table
+
+
+def _runs(ids: list[int]):
+    """Sorted ids -> (first, last) of each run of consecutive ones."""
+    start = prev = None
+    for i in ids:
+        if prev is not None and i == prev + 1:
+            prev = i
+            continue
+        if start is not None:
+            yield start, prev
+        start = prev = i
+    if start is not None:
+        yield start, prev
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -361,6 +472,7 @@ class SlotCache:
 
     def rollback(self, length: int) -> None:
         del self.tokens[length:]  # the slot's length; the positions beyond are overwritten by the next pass
+        self.model.truncate(self.slot, length)  # and their blocks go back to the pool
 
     def forward(self, tokens: list[int], n_logits: int = 1, hidden: bool = False):
         self.rollback(min(common_prefix_len(self.tokens, tokens), len(tokens) - n_logits))
@@ -398,8 +510,9 @@ class SlotCache:
         base, tree, paths = self._tree
         if nodes:
             self.model.move_positions(self.slot, list(zip(paths[nodes[-1]], range(base, base + len(nodes)))))
-        self.rollback(base)
+        del self.tokens[base:]
         self.tokens.extend(tree[i] for i in nodes)
+        self.model.truncate(self.slot, len(self.tokens))  # the other nodes' blocks back to the pool
 
     def close(self) -> None:
         if self.slot is not None:

@@ -1,4 +1,6 @@
 """`specdec serve`: the OpenAI-compatible server."""
+import sys
+
 from .app import create_app
 
 __all__ = ["create_app", "register"]
@@ -10,12 +12,14 @@ def cmd_serve(args) -> int:
     from ..api import SpecDecoder
     from ..errors import InvalidRequest
 
-    if not 0 < args.port < 65536 or args.max_queue < 1 or args.timeout <= 0 or args.max_tau < 0:
-        raise InvalidRequest("--port must be 1-65535, --max-queue >= 1, --timeout > 0 and --max-tau >= 0")
+    if not 0 < args.port < 65536 or args.max_queue < 1 or args.timeout <= 0 or args.max_tau < 0 or (
+            args.kv_memory is not None and not args.kv_memory > 0):
+        raise InvalidRequest("--port must be 1-65535, --max-queue >= 1, --timeout > 0, --max-tau >= 0 and "
+                             "--kv-memory > 0")
     if args.ray:
         from .ray_serve import run
         run(dict(target=args.target, draft=args.draft, tau=args.tau, policy=args.policy, backend=args.backend,
-                 numerics=args.numerics,
+                 numerics=args.numerics, kv_memory=args.kv_memory,
                  model_name=args.model_name, api_key=args.api_key, max_queue=args.max_queue, timeout=args.timeout,
                  trace_dir=args.trace_dir, batch=not args.no_batch, max_batch_rows=args.max_batch_rows,
                  prefill_chunk=args.prefill_chunk, max_tau=args.max_tau, replicas=args.replicas,
@@ -25,12 +29,24 @@ def cmd_serve(args) -> int:
 
     def decoder():  # built on the model worker's thread (server/worker.py says why)
         return SpecDecoder(target=args.target, draft=args.draft, tau=args.tau, policy=args.policy,
-                           backend=args.backend, numerics=args.numerics)
+                           backend=args.backend, numerics=args.numerics, kv_memory=args.kv_memory)
     app = create_app(decoder, model_name=args.model_name, api_key=args.api_key, max_queue=args.max_queue,
                      timeout_s=args.timeout, trace_dir=args.trace_dir, batch=not args.no_batch,
                      max_batch_rows=args.max_batch_rows, prefill_chunk=args.prefill_chunk, max_tau=args.max_tau)
+    print(describe_kv(app.state.decoder.model), file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
+
+
+def describe_kv(model) -> str:
+    """The line `serve` prints at start: the KV budget and what it holds."""
+    from .. import models
+    if not models.is_runtime(model):
+        return "specdec: KV cache: transformers' (no budget)"
+    per, budget = model.kv_bytes_per_position, model.kv_budget
+    dtype = str(model.kv_dtype).removeprefix("torch.")
+    return (f"specdec: KV cache {budget / 2**30:.2f} GiB: {budget // per:,} positions at {per:,} bytes ({dtype}), "
+            f"{budget // per / model.max_len:.1f} whole contexts of {model.max_len}")
 
 
 def register(sub, model_args, sampling_args):
@@ -49,6 +65,9 @@ def register(sub, model_args, sampling_args):
     s.add_argument("--max-tau", type=int, default=8,
                    help="the most draft tokens the scheduler gives a request per cycle (a request's own tau, or "
                         "policy=fixed with tau, overrides it)")
+    s.add_argument("--kv-memory", type=float, default=None, metavar="GIB",
+                   help="GiB for every request's K/V together (default: half the available memory, at most 64 "
+                        "whole contexts); requests wait, or are preempted, when it is full")
     s.add_argument("--no-batch", action="store_true", help="serve one request at a time (no continuous batching)")
     r = s.add_argument_group("scale-out on Ray Serve (pip install 'specdec[ray]')")
     r.add_argument("--ray", action="store_true", help="serve N replicas behind Ray Serve's HTTP proxy")

@@ -25,7 +25,7 @@ from ..sampling import SEED_RANGE
 from .metrics import Metrics
 from . import tools
 from .schemas import ChatRequest, CompletionRequest
-from .worker import BatchWorker, JobTimeout, Worker, WorkerDown
+from .worker import BatchWorker, Busy, JobTimeout, Worker, WorkerDown
 
 log = logging.getLogger("specdec.server")
 
@@ -39,8 +39,9 @@ def _warm_grammars(decoder) -> None:
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None):
-        self.status, self.message, self.type, self.code = status, message, type_, code
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
+                 headers: dict | None = None):
+        self.status, self.message, self.type, self.code, self.headers = status, message, type_, code, headers
 
 
 def error_body(message: str, type_: str = "invalid_request_error", code: str | None = None) -> dict:
@@ -82,7 +83,7 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
-        return JSONResponse(error_body(exc.message, exc.type, exc.code), status_code=exc.status)
+        return JSONResponse(error_body(exc.message, exc.type, exc.code), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request, exc: RequestValidationError):
@@ -152,6 +153,11 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
             if limits[-1] > room:
                 raise APIError(400, f"max_tokens {limits[-1]} + prompt {len(prompt_ids)} tokens exceed the context "
                                     f"window of {decoder.context_window}", code="context_length_exceeded")
+            if getattr(worker, "engine", None) is not None:  # a prompt the whole KV memory cannot hold: 400 now
+                try:
+                    worker.engine.check_fits(prompt_ids)
+                except InvalidRequest as e:
+                    raise APIError(400, str(e), code="context_length_exceeded") from None
         calling = kind == "chat" and bool(req.tools) and req.tool_choice != "none"
         echo = kind == "text" and req.echo
         response_format = tools.call_format(req.tools, req.tool_choice) if calling else req.response_format
@@ -160,16 +166,17 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
             for c in range(req.n):
                 seed = None if req.seed is None else (req.seed + c if req.seed + c < SEED_RANGE else req.seed + c -
                                                       SEED_RANGE)
-                job = worker.submit(dict(prompt=prompt, chat=chat, max_new_tokens=max_tokens,
-                                         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=seed,
-                                         stop=req.stop, tau=req.tau, policy=req.policy, prompt_ids=prompt_ids,
-                                         response_format=response_format, logprobs=req.logprob_count,
-                                         prompt_logprobs=req.logprob_count if echo else None))
-                if job is None:
+                try:
+                    job = worker.submit(dict(prompt=prompt, chat=chat, max_new_tokens=max_tokens,
+                                             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                                             seed=seed, stop=req.stop, tau=req.tau, policy=req.policy,
+                                             prompt_ids=prompt_ids, response_format=response_format,
+                                             logprobs=req.logprob_count,
+                                             prompt_logprobs=req.logprob_count if echo else None))
+                except Busy as e:
                     for j in jobs:
                         j.cancel()
-                    raise APIError(429, "server busy: request queue is full, retry later", "rate_limit_error",
-                                   "queue_full")
+                    raise _as_api_error(e) from None
                 jobs.append(job)
         meta = dict(id=("chatcmpl-" if kind == "chat" else "cmpl-") + jobs[0].id, created=int(time.time()),
                     model=model_name)
@@ -463,6 +470,8 @@ def _as_api_error(exc) -> APIError:
         return exc
     if isinstance(exc, JobTimeout):
         return APIError(504, str(exc), "timeout_error", "timeout")
+    if isinstance(exc, Busy):
+        return APIError(429, str(exc), "rate_limit_error", "server_busy", {"Retry-After": str(exc.retry_after)})
     if isinstance(exc, SpecDecError):
         return APIError(400, str(exc))
     if isinstance(exc, WorkerDown):

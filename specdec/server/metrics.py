@@ -35,15 +35,32 @@ class Metrics:
         self.waiting_alias = Gauge("vllm:num_requests_waiting", "Alias of specdec_requests_waiting", registry=r)
         self.kv_bytes = Gauge("specdec_kv_cache_bytes", "K/V bytes held by running requests and the prefix cache",
                               registry=r)
+        self.kv_budget = Gauge("specdec_kv_cache_budget_bytes", "The KV pool's size (--kv-memory)", registry=r)
+        self.kv_usage = Gauge("specdec_kv_cache_usage", "Share of the KV pool in use, 0..1", registry=r)
+        self.kv_usage_alias = Gauge("vllm:kv_cache_usage_perc", "Alias of specdec_kv_cache_usage (0..1, as vLLM's)",
+                                    registry=r)
+        self.preemptions = Counter("vllm:num_preemptions", "Requests preempted for KV memory (recomputed later)",
+                                   registry=r)
+        self.refused = Counter("specdec_requests_refused", "Requests refused with 429 (queue full, or no start in time)",
+                               registry=r)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Time a request waited before it started",
+                                    buckets=(0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300), registry=r)
         self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                                       registry=r)
         self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (copied, not "
                                    "computed)", registry=r)
         self._prefix_seen = (0, 0)
+        self._preempted_seen = 0
 
     def observe_engine(self, engine) -> None:
         """The batch engine's memory and prefix-cache figures, after a step."""
         self.kv_bytes.set(engine.kv_bytes())
+        self.kv_budget.set(engine.model.kv_budget)
+        usage = engine.kv_usage()
+        self.kv_usage.set(usage)
+        self.kv_usage_alias.set(usage)
+        self.preemptions.inc(engine.preemptions - self._preempted_seen)
+        self._preempted_seen = engine.preemptions
         cache = engine.prefixes
         if cache is not None:
             queried, reused = cache.queried, cache.reused

@@ -12,7 +12,8 @@ import json
 
 from ..errors import InvalidRequest
 
-DEFAULTS = dict(target="default", draft=None, tau=None, policy=None, backend="auto", numerics="auto", model_name="specdec",
+DEFAULTS = dict(target="default", draft=None, tau=None, policy=None, backend="auto", numerics="auto", kv_memory=None,
+                model_name="specdec",
                 api_key=None, max_queue=16, timeout=300.0, trace_dir=None, batch=True, max_batch_rows=None,
                 prefill_chunk=32, max_tau=8, replicas=1, autoscaling=None, cpus_per_replica=1.0)
 
@@ -46,7 +47,8 @@ def build(args: dict | None = None):
         def decoder():
             return SpecDecoder(target=opts["target"], draft=opts["draft"], tau=int(opts["tau"] or DEFAULT_TAU),
                                policy=opts["policy"] or DEFAULT_POLICY, backend=opts["backend"],
-                               numerics=opts["numerics"])
+                               numerics=opts["numerics"],
+                               kv_memory=float(opts["kv_memory"]) if opts["kv_memory"] else None)
         return create_app(decoder, model_name=opts["model_name"], api_key=opts["api_key"],
                           max_queue=int(opts["max_queue"]), timeout_s=float(opts["timeout"]),
                           trace_dir=opts["trace_dir"], batch=str(opts["batch"]).lower() not in ("0", "false", "no"),

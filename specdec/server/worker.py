@@ -33,6 +33,17 @@ class WorkerDown(Exception):
     """The model worker stopped while this job was in it."""
 
 
+class Busy(Exception):
+    """The server cannot start this request in time (HTTP 429); retry after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: float):
+        super().__init__(message)
+        self.retry_after = max(1, int(retry_after + 0.999))
+
+
+START_SHARE = 0.5  # a request that cannot start within this share of its timeout is refused (429), not run to a 504
+
+
 MAX_RESTARTS = 5  # loop crashes within RESTART_WINDOW_S before the supervisor gives up (health: 503 for good)
 RESTART_WINDOW_S = 60.0
 
@@ -48,7 +59,9 @@ class Job:
         self._events: collections.deque = collections.deque()
         self._waiter: asyncio.Future | None = None
         self.cancelled = threading.Event()
-        self.deadline = time.monotonic() + timeout_s
+        self.queued = time.monotonic()
+        self.deadline = self.queued + timeout_s
+        self.start_by = self.queued + START_SHARE * timeout_s
         self.ended = False
 
     def put(self, kind: str, payload=None) -> None:
@@ -188,11 +201,21 @@ class Worker:
     def pending(self) -> int:
         return self._pending
 
-    def submit(self, kwargs: dict) -> Job | None:
-        """Queue a generation, or return None at once when the queue is full."""
+    def expected_wait(self) -> float | None:
+        """Seconds a request queued now is expected to wait before it starts (None: not known yet)."""
+        return None
+
+    def submit(self, kwargs: dict) -> Job:
+        """Queue a generation; raises Busy at once when the queue is full or the request could not start in time."""
+        wait = self.expected_wait()
+        if wait is not None and wait > START_SHARE * self.timeout_s:
+            self.metrics.refused.inc()
+            raise Busy(f"server busy: a request queued now would wait ~{wait:.0f} s to start; retry later",
+                       wait - START_SHARE * self.timeout_s)
         with self._lock:
             if self._pending >= self.max_queue:
-                return None
+                self.metrics.refused.inc()
+                raise Busy("server busy: request queue is full, retry later", wait or 1)
             self._pending += 1
             self.metrics.queue_depth.set(self._pending)
         job = Job(kwargs, asyncio.get_running_loop(), self.timeout_s)
@@ -284,6 +307,8 @@ class BatchWorker(Worker):
         self.make_engine, self.max_tau, self.engine = make_engine, max_tau, None
         self.waiting: collections.deque[Job] = collections.deque()
         self.active: dict[int, tuple] = {}  # sequence id -> (job, request, sequence)
+        self._interval: float | None = None  # seconds between request starts while some wait (EMA)
+        self._last_start = 0.0
         super().__init__(decoder, metrics, max_queue, timeout_s, trace_dir)
 
     def _setup(self) -> None:
@@ -330,23 +355,40 @@ class BatchWorker(Worker):
         except queue.Empty:
             return True
 
+    def expected_wait(self) -> float | None:
+        """Requests ahead x the measured interval between starts (known once requests have queued and started)."""
+        if self._interval is None or not self.waiting:
+            return None
+        return (len(self.waiting) + 1) * self._interval
+
     def _expire(self) -> None:
         now = time.monotonic()
         timeout = JobTimeout(f"request exceeded the {self.timeout_s:g} s timeout")
-        for job in [j for j in self.waiting if j.cancelled.is_set() or now > j.deadline]:
+        for job in [j for j in self.waiting if j.cancelled.is_set() or now > j.start_by]:
             self.waiting.remove(job)
-            self._end(job, None if job.cancelled.is_set() else "error", timeout)
+            if not job.cancelled.is_set():
+                self.metrics.refused.inc()
+            self._end(job, None if job.cancelled.is_set() else "error",
+                      Busy(f"server busy: the request could not start within {now - job.queued:.0f} s; retry later",
+                           self._interval or 1))
         for job, req, seq in list(self.active.values()):
             if job.cancelled.is_set() or now > job.deadline:
                 self._drop(seq)
                 self._end(job, None if job.cancelled.is_set() else "error", timeout)
 
     def _admit(self) -> None:
+        """Waiting requests join in order while there are rows and KV memory for their prompts."""
         from ..batch import Sequence
+        from ..runtime.blocks import OutOfBlocks
         while self.waiting and self.engine.free_rows > 0:
             job = self.waiting.popleft()
             try:
-                req = self.decoder.prepare(**job.kwargs)
+                req = job.req if hasattr(job, "req") else self.decoder.prepare(**job.kwargs)
+                job.req = req
+                self.engine.check_fits(req.prompt_ids)
+                if not self.engine.can_start(req.prompt_ids):
+                    self.waiting.appendleft(job)  # first in line: it starts when blocks free up
+                    return
                 policy = job.kwargs.get("policy")
                 if policy not in (None, "fixed", "adaptive"):
                     from ..errors import InvalidRequest
@@ -358,9 +400,18 @@ class BatchWorker(Worker):
                 seq = self.engine.add(Sequence(req.prompt_ids, req.max_new_tokens, req.params, req.stop_check,
                                                max_tau=cap, fixed_tau=fixed, constraint=req.constraint,
                                                logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs))
+            except OutOfBlocks:
+                self.waiting.appendleft(job)
+                return
             except Exception as e:  # noqa: BLE001 - bad input or a failed admission: this request alone
                 self._report(job, e)
                 continue
+            now = time.monotonic()
+            if self.waiting or now - job.queued > 0.05:  # it queued: the interval between starts measures the line
+                gap = now - max(self._last_start, job.queued)
+                self._interval = gap if self._interval is None else 0.8 * self._interval + 0.2 * gap
+            self._last_start = now
+            self.metrics.queue_time.observe(now - job.queued)
             req.start = time.perf_counter()
             self.active[seq.id] = (job, req, seq)
 

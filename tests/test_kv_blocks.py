@@ -1,0 +1,208 @@
+"""The KV cache as one pool of blocks (runtime/blocks.py): rows stay row-invariant wherever their positions' blocks
+lie; rollback, sharing, eviction and preemption return exactly what they should; a preempted request gets what it
+gets alone; budgets are checked at start; the server refuses what it cannot start in time with 429 Retry-After."""
+import asyncio
+import time
+
+import httpx
+import pytest
+import torch
+
+from specdec import SpecDecoder, models
+from specdec.api import build_drafter
+from specdec.batch import BatchEngine, Sequence
+from specdec.errors import InvalidRequest
+from specdec.runtime.blocks import BLOCK, BlockPool, OutOfBlocks, prefix_hashes
+from specdec.runtime.load import load_gguf
+from specdec.sampling import SamplingParams
+from specdec.server import create_app
+from test_runtime import gguf_pair  # noqa: F401
+from test_server import LiveServer
+
+
+def fresh(tiny_dirs, contexts: float | None = None):
+    """The tiny target on the runtime, its KV pool sized to `contexts` whole contexts."""
+    model, tok = models.load(tiny_dirs["target"], backend="runtime")
+    if contexts is not None:
+        model.set_kv_memory(int(contexts * model.max_len * model.kv_bytes_per_position))
+    return model, tok
+
+
+def alone(model, tok, prompt, params, n):
+    sd = SpecDecoder.from_models(model, tok, draft="none")
+    return sd.generate(prompt, max_new_tokens=n, chat=False, temperature=params.temperature, top_p=params.top_p,
+                       top_k=params.top_k, seed=params.seed).token_ids
+
+
+def test_block_pool_counts_shares_and_evicts_least_recently_used_first():
+    pool = BlockPool(4)
+    a, b, c = pool.allocate(), pool.allocate(), pool.allocate()
+    assert (a, b, c) == (0, 1, 2) and pool.available == 1 and pool.used == 3
+    pool.register(a, b"A"), pool.register(b, b"B")
+    pool.hold(a)  # a second reader
+    assert pool.shared(a) and pool.shared(b) and not pool.shared(c)  # hashed or held twice: copy before writing
+    for block in (a, a, b, c):
+        pool.release(block)
+    assert pool.available == 4 and pool.used == 2  # the hashed two stay cached, evictable
+    pool.hold(b), pool.release(b)  # b used again: a is now the least recently used
+    assert [pool.allocate() for _ in range(2)] == [c, 3]  # unhashed free blocks go first
+    assert pool.allocate() == a and b"A" not in pool.by_hash and pool.evictions == 1
+    assert pool.allocate() == b and pool.evictions == 2
+    with pytest.raises(OutOfBlocks):
+        pool.allocate()
+    h = prefix_hashes(list(range(40)), 2)
+    assert len(h) == 2 and h == prefix_hashes(list(range(32)) + [9] * 8, 2) != prefix_hashes([1] + list(range(39)), 2)
+
+
+def scatter(model, slots, n):
+    """Fill `slots` one position at a time, round robin, after the pool's free list was shuffled: every slot's
+    blocks end up apart and out of order."""
+    pool = model.pool
+    order = torch.randperm(len(pool.free), generator=torch.Generator().manual_seed(0)).tolist()
+    pool.free[:] = [pool.free[i] for i in order]
+    for pos in range(n):
+        for s in slots:
+            model.forward([3 + (pos * 7 + s) % 50], [s], [pos])
+
+
+@pytest.mark.parametrize("numerics", ["exact", "q8"])
+def test_rows_over_scattered_blocks_equal_one_token_steps_and_contiguous_blocks(gguf_pair, numerics):  # noqa: F811
+    model = load_gguf(gguf_pair[0])
+    model.set_numerics(numerics)
+    filler = [model.acquire_slot() for _ in range(3)]
+    scatter(model, filler, 37)
+    a, b = model.acquire_slot(), model.acquire_slot()
+    ids = [(5 * i + 1) % 60 + 3 for i in range(70)]
+    whole = model.forward(ids, [a] * len(ids), list(range(len(ids))))  # one pass over 70 rows
+    blocks = model.blocks_of(a)
+    assert len(blocks) == 5 and sorted(blocks) != blocks or max(blocks) - min(blocks) > 4  # not one run
+    steps = torch.cat([model.forward([t], [b], [i]) for i, t in enumerate(ids)])
+    assert torch.equal(whole, steps)
+    clean = load_gguf(gguf_pair[0])  # a fresh pool: blocks 0..4 in order
+    clean.set_numerics(numerics)
+    s = clean.acquire_slot()
+    assert clean.blocks_of(s) == [] and torch.equal(clean.forward(ids, [s] * len(ids), list(range(len(ids)))), whole)
+    assert clean.blocks_of(s) == [0, 1, 2, 3, 4]
+
+
+def test_rollback_and_release_return_blocks(tiny_dirs):
+    model, _ = fresh(tiny_dirs, contexts=2)
+    per_block = model.kv_bytes_per_position * BLOCK
+    c = model.new_cache()
+    c.forward(list(range(3, 43)))  # 40 positions: 3 blocks
+    assert model.kv_bytes() == 3 * per_block
+    c.forward(list(range(3, 13)) + [90, 91])  # a divergence at 10: rolled back to 10, then 2 more positions
+    assert model.kv_bytes() == 1 * per_block and len(c.tokens) == 12
+    c.close()
+    assert model.kv_bytes() == 0 and model.pool.available == model.pool.blocks
+
+
+def test_shared_prompt_blocks_are_copied_before_a_write(tiny_dirs):
+    """A prompt of exactly 2 blocks, twice: the second request shares both blocks, and its last prompt row (whose
+    logits it needs) writes into the second, which it copies first; both get what they get alone."""
+    model, tok = fresh(tiny_dirs, contexts=4)
+    engine = BatchEngine(model, build_drafter("ngram", model, tok), model.config.vocab_size, {2}, 128,
+                         max_batch_rows=16, prefill_chunk=8)
+    prompt = tok("abcdefghij klmnopqrstu vwxyz01234").input_ids[: 2 * BLOCK]
+    assert len(prompt) == 2 * BLOCK
+    first = engine.add(Sequence(prompt, 10, SamplingParams()))
+    while engine.running:
+        engine.step()
+    cached = [model.pool.by_hash[h] for h in prefix_hashes(prompt, 2)]
+    second = engine.add(Sequence(prompt, 10, SamplingParams()))
+    slot = engine._state[second.id][0]
+    assert second.fed == 2 * BLOCK - 1 and model.blocks_of(slot)[0] == cached[0] != cached[1]
+    assert model.blocks_of(slot)[1] != cached[1]  # its own copy of the block it writes into
+    while engine.running:
+        engine.step()
+    ref = alone(model, tok, tok.decode(prompt), SamplingParams(), 10)
+    assert first.generated == second.generated == ref[: len(first.generated)]
+    assert [model.pool.by_hash[h] for h in prefix_hashes(prompt, 2)] == cached  # the cached blocks unchanged
+    engine.close()
+
+
+def test_cached_prompts_live_within_the_budget_least_recently_used_evicted_first(tiny_dirs):
+    model, tok = fresh(tiny_dirs, contexts=1)  # 16 blocks
+    engine = BatchEngine(model, build_drafter("ngram", model, tok), model.config.vocab_size, {2}, 256,
+                         max_batch_rows=16, prefill_chunk=64)
+    texts = [f"{c * 60}" for c in "abcdefgh"]  # 60-token prompts: 3 full blocks cached each
+    for t in texts:
+        engine.add(Sequence(tok(t).input_ids, 4, SamplingParams()))
+        while engine.running:
+            engine.step()
+        assert model.pool.used <= model.pool.blocks
+    cached = lambda t: prefix_hashes(tok(t).input_ids, 3)[0] in model.pool.by_hash  # noqa: E731
+    assert model.pool.evictions > 0 and not cached(texts[0]) and cached(texts[-1])
+    hits = engine.prefixes.hits
+    seq = engine.add(Sequence(tok(texts[-1]).input_ids, 4, SamplingParams()))
+    assert engine.prefixes.hits == hits + 1 and seq.fed == 3 * BLOCK
+    engine.close()
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_preempted_requests_get_what_they_get_alone(tiny_dirs, seeded):
+    """Four requests whose contexts together outgrow a pool of 1.25 contexts: the newest are preempted, recomputed
+    later from their tokens, and every output is token-identical to the request alone (greedy, or seeded)."""
+    model, tok = fresh(tiny_dirs, contexts=1.25)  # 20 blocks; the four need 4 x 6
+    engine = BatchEngine(model, build_drafter("ngram", model, tok), model.config.vocab_size, set(), 256,
+                         max_batch_rows=16, prefill_chunk=16)
+    prompts = ["Hello there, general", "abcabcabcabc", "The cat sat on the mat", "Once upon a time"]
+    params = [SamplingParams(0.9, 1.0, 0, 5 + i) if seeded else SamplingParams() for i in range(4)]
+    seqs = [engine.add(Sequence(tok(p).input_ids, 90 - len(tok(p).input_ids), q)) for p, q in zip(prompts, params)]
+    peak = 0
+    while engine.running:
+        engine.step()
+        peak = max(peak, model.pool.used - len(model.pool.evictable))
+    assert engine.preemptions > 0 and peak <= model.pool.blocks
+    for s, p, q in zip(seqs, prompts, params):
+        assert s.generated == alone(model, tok, p, q, s.max_new_tokens), p
+    engine.close()
+
+
+def test_bad_budgets_are_refused_in_one_line(tiny_dirs):
+    model, tok = fresh(tiny_dirs)
+    with pytest.raises(ValueError, match="context of 256 needs"):
+        model.set_kv_memory(model.kv_bytes_per_position * BLOCK)  # one block
+    from specdec.api import set_kv_memory
+    for bad in (0, -1, True, "2"):
+        with pytest.raises(InvalidRequest, match="kv_memory"):
+            set_kv_memory(model, bad)
+    with pytest.raises(InvalidRequest, match=r"^a KV memory budget of .* GiB holds \d+ positions; this model"):
+        set_kv_memory(model, 1e-6)
+    from specdec.cli import main
+    assert main(["serve", "--target", tiny_dirs["target"], "--kv-memory", "0"]) != 0
+
+
+def test_a_request_that_cannot_start_in_time_gets_429_with_retry_after(tiny_dirs, monkeypatch):
+    """A pool of one context, held by a long request on a slowed model: the next one cannot get blocks before half
+    its timeout and gets 429 with Retry-After, not a 504 after the timeout; the gauges show the pool in use."""
+    model, tok = fresh(tiny_dirs, contexts=1)
+    sd = SpecDecoder.from_models(model, tok, draft="none")
+    srv = LiveServer(create_app(sd, model_name="tiny", timeout_s=6.0, max_batch_rows=64, prefill_chunk=64))
+    slow = model.forward
+
+    def slowed(*a, **kw):
+        time.sleep(0.45)
+        return slow(*a, **kw)
+    monkeypatch.setattr(model, "forward", slowed)  # the big request: 4 prompt passes and 5 steps, ~4 s
+    try:
+        async def both():
+            async with httpx.AsyncClient(timeout=30) as one, httpx.AsyncClient(timeout=30) as other:
+                big = asyncio.create_task(one.post(srv.url + "/v1/completions", json={  # 250 + 5: all 16 blocks
+                    "model": "tiny", "prompt": "x" * 250, "max_tokens": 5, "temperature": 0}))
+                await asyncio.sleep(0.5)
+                t = time.monotonic()
+                small = await other.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "hi",
+                                                                             "max_tokens": 4})
+                waited = time.monotonic() - t
+                return await big, small, waited
+        big, small, waited = asyncio.run(both())
+        assert small.status_code == 429 and int(small.headers["retry-after"]) >= 1, small.text
+        assert small.json()["error"]["code"] == "server_busy" and 3.0 <= waited < 4.0
+        assert big.status_code == 200
+        m = srv.metrics()
+        assert m[("specdec_requests_refused_total", ())] >= 1 and ("vllm:kv_cache_usage_perc", ()) in m
+        assert ("vllm:num_preemptions_total", ()) in m and m[("specdec_kv_cache_budget_bytes", ())] == model.kv_budget
+        assert m[("vllm:request_queue_time_seconds_count", ())] >= 1
+    finally:
+        srv.stop()
