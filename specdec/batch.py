@@ -435,11 +435,16 @@ class BatchEngine:
             twin = ids.get(s.after) if s.after is not None else None
             if s.after is not None and (twin is None or not twin.prefilling):
                 s.after = None
-                self.model.truncate(self._state[s.id][0], 0)
+                slot = self._state[s.id][0]
+                self.model.truncate(slot, 0)
                 try:
-                    self._load(s)  # its own blocks back, the twin's shared
+                    self._load(s)  # the twin's full blocks shared, its own reserved
                 except OutOfBlocks:
                     self._preempt(s)
+                    continue
+                if twin is not None and s.fed < len(s.prompt) - 1:  # and the twin's last, partial block copied
+                    self.model.copy_block(self._state[twin.id][0], slot, s.fed // BLOCK)
+                    s.fed = len(s.prompt) - 1
 
     def _constrained_draft(self, s: Sequence, room: int, cap: int, free: bool) -> Draft:
         """What the grammar forces (drafted for free, unless the request runs without a drafter), then a model-free

@@ -217,6 +217,7 @@ def test_a_prompt_prefilled_once_for_its_twins(rt):
     engine = BatchEngine(model, plain.engine.drafter, model.config.vocab_size, plain.engine.eos_ids, 128,
                          max_batch_rows=16, prefill_chunk=8)
     ids = tok(PROMPTS[2]).input_ids
+    model.pool.clear_hashes()  # nothing cached from earlier tests
     params = [SamplingParams(1.0, 1.0, 0, 40 + i) for i in range(3)]
     seqs = [engine.add(Sequence(ids, 8, p)) for p in params]
     rows = 0

@@ -186,22 +186,34 @@ def test_a_request_that_cannot_start_in_time_gets_429_with_retry_after(tiny_dirs
         return slow(*a, **kw)
     monkeypatch.setattr(model, "forward", slowed)  # the big request: 4 prompt passes and 5 steps, ~4 s
     try:
-        async def both():
-            async with httpx.AsyncClient(timeout=30) as one, httpx.AsyncClient(timeout=30) as other:
+        async def requests():
+            async with httpx.AsyncClient(timeout=30) as one, httpx.AsyncClient(timeout=30) as two, \
+                    httpx.AsyncClient(timeout=30) as three:
                 big = asyncio.create_task(one.post(srv.url + "/v1/completions", json={  # 250 + 5: all 16 blocks
                     "model": "tiny", "prompt": "x" * 250, "max_tokens": 5, "temperature": 0}))
                 await asyncio.sleep(0.5)
                 t = time.monotonic()
-                small = await other.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "hi",
+                small = asyncio.create_task(two.post(srv.url + "/v1/completions", json={
+                    "model": "tiny", "prompt": "hi", "max_tokens": 4}))
+                await asyncio.sleep(0.3)
+                srv.app.state.worker._interval = 100.0  # as measured: one request starts every 100 s
+                t2 = time.monotonic()
+                third = await three.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "yo",
                                                                              "max_tokens": 4})
+                third_s = time.monotonic() - t2
+                small = await small
                 waited = time.monotonic() - t
-                return await big, small, waited
-        big, small, waited = asyncio.run(both())
+                return await big, small, waited, third, third_s
+        big, small, waited, third, third_s = asyncio.run(requests())
+        # the first waiting request is refused once half its timeout passed without blocks for it
         assert small.status_code == 429 and int(small.headers["retry-after"]) >= 1, small.text
         assert small.json()["error"]["code"] == "server_busy" and 3.0 <= waited < 4.0
+        # one behind it, when the line moves that slowly, is refused at once
+        assert third.status_code == 429 and third_s < 1.0 and "would wait" in third.json()["error"]["message"]
+        assert int(third.headers["retry-after"]) >= 100
         assert big.status_code == 200
         m = srv.metrics()
-        assert m[("specdec_requests_refused_total", ())] >= 1 and ("vllm:kv_cache_usage_perc", ()) in m
+        assert m[("specdec_requests_refused_total", ())] == 2 and ("vllm:kv_cache_usage_perc", ()) in m
         assert ("vllm:num_preemptions_total", ()) in m and m[("specdec_kv_cache_budget_bytes", ())] == model.kv_budget
         assert m[("vllm:request_queue_time_seconds_count", ())] >= 1
     finally:

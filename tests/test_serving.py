@@ -14,7 +14,8 @@ from test_server import LiveServer, SlowDrafter, all_held_cancelled, queue_depth
 
 REQUESTS = [dict(prompt="Hello there", max_tokens=30, temperature=0),
             dict(prompt="abcabcabc", max_tokens=25, temperature=0.9, seed=4),
-            dict(prompt="The cat sat", max_tokens=35, temperature=0, stop=["zz"]),
+            dict(prompt="The cat sat on the mat, and the dog sat on the log.", max_tokens=35, temperature=0,
+                 stop=["zz"]),
             dict(prompt="xyz", max_tokens=20, temperature=1.0, top_k=5, seed=9),
             dict(prompt="Once upon", max_tokens=28, temperature=0, tau=2, policy="fixed"),
             dict(prompt="qqq", max_tokens=22, temperature=0.7, seed=1)]
@@ -68,7 +69,8 @@ def test_concurrent_streams_equal_each_request_served_alone(batched, rt_decoder)
     assert rows / passes > 1.5  # requests shared passes
     assert m[("vllm:num_requests_running", ())] == m[("specdec_requests_running", ())] == 0
     assert ("vllm:num_requests_waiting", ()) in m
-    assert m[("specdec_kv_cache_bytes", ())] > 0  # the prefix cache's prompts (nothing is running)
+    assert m[("specdec_kv_cache_bytes", ())] > 0  # the prefix cache's blocks (nothing is running)
+    assert 0 < m[("vllm:kv_cache_usage_perc", ())] < 1
     assert m[("vllm:prefix_cache_queries_total", ())] >= m[("vllm:prefix_cache_hits_total", ())] > 0  # repeats
 
 
@@ -97,8 +99,7 @@ def test_disconnect_mid_batch_frees_its_slot_and_others_finish(rt_decoder):
             return await asyncio.gather(*others)
         texts = asyncio.run(scenario())
         wait_for(lambda: queue_depth(srv) == 0, "every job leaves")
-        cached = len(srv.app.state.worker.engine.prefixes.cached)  # prompts kept for prefix caching
-        assert model.held_slots == held + cached  # the dropped request's slot is free again
+        assert model.held_slots == held  # the dropped request's slot is free again (cached prompts hold no slot)
         others = sum(len(tok(t, add_special_tokens=False).input_ids) for t in texts)
         # the dropped request made its first token and at most the one cycle (tau=2: 3 tokens) it was held in
         assert srv.metrics()[("specdec_generated_tokens_total", ())] - others <= 1 + 3
@@ -124,7 +125,7 @@ def test_full_queue_answers_429_at_once(rt_decoder):
                     hc.stream("POST", srv.url + "/v1/completions", json=body):
                 wait_for(lambda: queue_depth(srv) == 2, "both streams hold the queue")
                 busy = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
-                assert busy.status_code == 429 and busy.json()["error"]["code"] == "queue_full"
+                assert busy.status_code == 429 and busy.json()["error"]["code"] == "queue_full" and busy.headers["retry-after"]
                 assert srv.metrics()[("specdec_generated_tokens_total", ())] <= 2  # nobody got past the gate
             gate.set()
     finally:

@@ -111,7 +111,7 @@ class Llama:
         self._tables: list[np.ndarray] = []  # per slot: block id of positions 16i..16i+15, -1 none (blocks.py)
         self._held: list[list[int]] = []  # per slot: its blocks in order (the table's filled entries)
         self._free: list[int] = []
-        self._pool, self._kv_memory = None, None
+        self._pool, self._kv_memory, self._kv_fp32 = None, None, False
         self._lib = kernels.library()
         if numerics not in kernels.NUMERICS:
             raise ValueError(f"numerics must be one of {', '.join(kernels.NUMERICS)}, got {numerics!r}")
@@ -128,8 +128,22 @@ class Llama:
     @property
     def kv_dtype(self) -> torch.dtype:
         """How K/V are stored: fp16 in the q8 mode (half the bytes attention reads per position; every row reads the
-        same rounded values, so passes stay row-invariant), fp32 in exact (bitwise transformers' fp32)."""
+        same rounded values, so passes stay row-invariant), fp32 in exact (bitwise transformers' fp32). q8 may keep
+        fp32 too (set_kv_dtype: to measure what fp16 saves)."""
+        if self.q8 and self._kv_fp32:
+            return torch.float32
         return torch.float16 if self.q8 else torch.float32
+
+    def set_kv_dtype(self, dtype: torch.dtype | None) -> None:
+        """K/V storage for the q8 mode: torch.float16 (its default) or torch.float32; exact always keeps fp32.
+        Slots keep their ids and lose what they held."""
+        if dtype not in (None, torch.float16, torch.float32):
+            raise ValueError("K/V are stored as float16 or float32")
+        before = self.kv_dtype
+        self._kv_fp32 = dtype == torch.float32
+        if self.kv_dtype != before:
+            self._remake_pool()
+            self._pointers()
 
     @property
     def kv_bytes_per_position(self) -> int:
@@ -238,6 +252,15 @@ class Llama:
             self._pool.hold(block)
             self._held[slot].append(block)
             self._tables[slot][i] = block
+
+    @torch.inference_mode()
+    def copy_block(self, src: int, dst: int, index: int) -> None:
+        """Block `index` of slot `src` into `dst`'s own block there: bitwise the K/V running the same tokens in dst
+        writes (a position's K/V depend only on the tokens up to it); dst's positions past the ones it shares are
+        rewritten by the pass that reaches them before anything reads them."""
+        self.own(dst, index)
+        a, b = self._held[src][index], self._held[dst][index]
+        self._kpool[b], self._vpool[b] = self._kpool[a], self._vpool[a]
 
     def trim(self) -> None:
         """Hand the pages of free blocks back to the system (they are zero-filled when next touched)."""

@@ -471,7 +471,7 @@ def _as_api_error(exc) -> APIError:
     if isinstance(exc, JobTimeout):
         return APIError(504, str(exc), "timeout_error", "timeout")
     if isinstance(exc, Busy):
-        return APIError(429, str(exc), "rate_limit_error", "server_busy", {"Retry-After": str(exc.retry_after)})
+        return APIError(429, str(exc), "rate_limit_error", exc.code, {"Retry-After": str(exc.retry_after)})
     if isinstance(exc, SpecDecError):
         return APIError(400, str(exc))
     if isinstance(exc, WorkerDown):

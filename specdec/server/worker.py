@@ -36,9 +36,9 @@ class WorkerDown(Exception):
 class Busy(Exception):
     """The server cannot start this request in time (HTTP 429); retry after `retry_after` seconds."""
 
-    def __init__(self, message: str, retry_after: float):
+    def __init__(self, message: str, retry_after: float, code: str = "server_busy"):
         super().__init__(message)
-        self.retry_after = max(1, int(retry_after + 0.999))
+        self.retry_after, self.code = max(1, int(retry_after + 0.999)), code
 
 
 START_SHARE = 0.5  # a request that cannot start within this share of its timeout is refused (429), not run to a 504
@@ -215,7 +215,7 @@ class Worker:
         with self._lock:
             if self._pending >= self.max_queue:
                 self.metrics.refused.inc()
-                raise Busy("server busy: request queue is full, retry later", wait or 1)
+                raise Busy("server busy: request queue is full, retry later", wait or 1, "queue_full")
             self._pending += 1
             self.metrics.queue_depth.set(self._pending)
         job = Job(kwargs, asyncio.get_running_loop(), self.timeout_s)
@@ -357,9 +357,10 @@ class BatchWorker(Worker):
 
     def expected_wait(self) -> float | None:
         """Requests ahead x the measured interval between starts (known once requests have queued and started)."""
-        if self._interval is None or not self.waiting:
+        ahead = self._pending - len(self.active)  # queued, whether the loop has taken them yet or not
+        if self._interval is None or ahead < 1:
             return None
-        return (len(self.waiting) + 1) * self._interval
+        return (ahead + 1) * self._interval
 
     def _expire(self) -> None:
         now = time.monotonic()
