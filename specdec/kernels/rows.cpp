@@ -883,9 +883,7 @@ static inline void attend_values(const Pages<const T>& V, const Keys& keys, int 
     V16 o[NH][CN];
     for (int h = 0; h < NH; h++)
         for (int c = 0; c < CN; c++) o[h][c] = vzero();
-    for (int j = 0; j < L; j++) {
-        const T* vj = V.value(keys.at(j), hd) + 16 * c0;
-        const T* ahead = j + V_AHEAD < L ? V.value(keys.at(j + V_AHEAD), hd) + 16 * c0 : vj;  // the same columns
+    auto add = [&](int j, const T* vj, const T* ahead) {  // key j's value row (columns from c0) into the sums
         V16 v[CN];
         for (int c = 0; c < CN; c++) {
             _mm_prefetch((const char*)(ahead + 16 * c), _MM_HINT_T0);
@@ -895,6 +893,18 @@ static inline void attend_values(const Pages<const T>& V, const Keys& keys, int 
             const V16 pj = vset1(p[h * L16 + j]);
             for (int c = 0; c < CN; c++) o[h][c] = vfma(pj, v[c], o[h][c]);
         }
+    };
+    int j = 0;
+    const int whole = (L < keys.kbase ? L : keys.kbase) / 16 * 16;  // full blocks of plain keys: rows hd apart
+    for (; j < whole; j += 16) {
+        const T* vb = V.block(j) + 16 * c0;
+        const bool more = j + 16 < whole;  // prefetch 16 keys ahead: the next block's rows, else the next key's
+        const T* next = more ? V.block(j + 16) + 16 * c0 : j + 16 < L ? V.value(keys.at(j + 16), hd) + 16 * c0 : vb;
+        for (int i = 0; i < 16; i++) add(j + i, vb + (long)i * hd, more ? next + (long)i * hd : next);
+    }
+    for (; j < L; j++) {
+        const T* vj = V.value(keys.at(j), hd) + 16 * c0;
+        add(j, vj, j + V_AHEAD < L ? V.value(keys.at(j + V_AHEAD), hd) + 16 * c0 : vj);  // the same columns
     }
     for (int h = 0; h < NH; h++) {
         const V16 inv = vset1(1.0f / sum[h]);
