@@ -46,6 +46,16 @@ def memory(pid: int) -> tuple[int, int]:
     return int(fields["VmRSS"].split()[0]) // 1024, int(fields["VmHWM"].split()[0]) // 1024
 
 
+def wait_healthy(url: str, tries: int = 600) -> None:
+    """Until the server answers /health (it measures its pass curve at start)."""
+    for _ in range(tries):
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(1)
+
+
 def scrape(url: str) -> dict:
     want = ("vllm:kv_cache_usage_perc", "specdec_kv_cache_bytes", "vllm:num_preemptions_total",
             "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "specdec_requests_refused_total")
@@ -95,12 +105,7 @@ def main() -> None:
     server = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{args.port}"
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(1)
+        wait_healthy(url)
         rss, _ = memory(server.pid)
         rows = [{"step": "start", "rss_mb": rss, "peak_mb": rss}]
         print(rows[0], flush=True)

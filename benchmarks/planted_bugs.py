@@ -19,7 +19,7 @@ import torch
 
 import specdec.verification as verification
 from specdec.cli import main as cli
-from specdec.drafters import ChainDrafter, ModelDrafter, NgramDrafter
+from specdec.drafters import ModelDrafter, NgramDrafter
 from specdec.drafters.datastore import DatastoreDrafter
 from specdec.drafters.feature import FeatureDrafter
 

@@ -18,7 +18,7 @@ import time
 
 import httpx
 
-from memory_waves import scrape, texts
+from memory_waves import scrape, texts, wait_healthy
 
 QUESTIONS = ["Which word comes first?", "Which word comes last?", "How many times does river appear?",
              "Summarise the text in one line.", "Is the word copper in it?", "Name three words it uses.",
@@ -52,12 +52,7 @@ def main() -> None:
                               stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{args.port}"
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(1)
+        wait_healthy(url)
         ttft = [first_token_s(url, document, QUESTIONS[i % len(QUESTIONS)]) for i in range(args.requests)]
         m = scrape(url)
     finally:

@@ -148,7 +148,6 @@ def test_feature_drafts_batched_across_requests_equal_each_alone(rt):
     """propose_many over several forks (one layer pass per step for all) = each fork's propose, bitwise, greedy and
     sampled; the forks keep their own state."""
     from specdec.drafters.base import fork, propose_many
-    from specdec.runtime.model import fit_vocab
     model, tok = rt
     template = feature_drafter(model)
     contexts = [tok(p).input_ids for p in PROMPTS[:4]]

@@ -3,7 +3,6 @@ streams get what they get alone, a client that hangs up frees its place, a full 
 load gauges routers read are exported."""
 import asyncio
 import json
-import time
 
 import httpx
 import pytest
