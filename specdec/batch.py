@@ -152,9 +152,10 @@ class BatchEngine:
         return self.model.kv_bytes()
 
     def kv_usage(self) -> float:
-        """The share of the KV pool in use, 0..1 (vllm:kv_cache_usage_perc)."""
+        """The share of the KV pool held by requests, 0..1 (vllm:kv_cache_usage_perc; as vLLM's, cached blocks nobody
+        holds count as free: a new request may evict them)."""
         pool = self.model.pool
-        return pool.used / max(1, pool.blocks)
+        return 1 - pool.available / max(1, pool.blocks)
 
     def check_fits(self, prompt: list[int]) -> None:
         """A prompt the whole KV budget cannot hold (with its first generated token) is refused."""

@@ -69,7 +69,7 @@ def test_concurrent_streams_equal_each_request_served_alone(batched, rt_decoder)
     assert m[("vllm:num_requests_running", ())] == m[("specdec_requests_running", ())] == 0
     assert ("vllm:num_requests_waiting", ()) in m
     assert m[("specdec_kv_cache_bytes", ())] > 0  # the prefix cache's blocks (nothing is running)
-    assert 0 < m[("vllm:kv_cache_usage_perc", ())] < 1
+    assert m[("vllm:kv_cache_usage_perc", ())] == 0  # cached blocks nobody holds count as free, as in vLLM
     assert m[("vllm:prefix_cache_queries_total", ())] >= m[("vllm:prefix_cache_hits_total", ())] > 0  # repeats
 
 
