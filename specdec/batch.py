@@ -135,6 +135,11 @@ class BatchEngine:
         self.wants_hidden = getattr(drafter, "wants_target_hidden", False)
         self.prefixes = PrefixCache(model) if prefix_cache and not self.wants_hidden else None
         self.preemptions = 0
+        # the work of a row at position p: row_ms + key_ms·p (attention grows with the keys it reads), scaled by what
+        # passes measure (calibrate(), measure_row_cost); what admission predicts finishing times with
+        curve = pass_curve or {1: 10.0}
+        self.row_ms, self.key_ms, self._work_scale = curve[max(curve)] / max(curve), 0.0, _Ema(1.0, decay=0.9)
+        self._recent_pass = _Ema(min(curve.values()), decay=0.8)  # ms of the passes lately, whatever their rows
         self.running: list[Sequence] = []
         self._state: dict[int, tuple] = {}  # id -> (slot, drafter, acceptance estimates)
         self._pass = {n: _Ema(ms, weight=2.0, decay=0.9) for n, ms in (pass_curve or {1: 10.0}).items()}
@@ -253,6 +258,39 @@ class BatchEngine:
         for seq in list(self.running):
             self.remove(seq)
         self.model.pool.clear_hashes()
+
+    # ---- predicted work (admission) ----------------------------------------------------------------------------
+    def calibrate(self, row_ms: float, key_ms: float) -> None:
+        self.row_ms, self.key_ms = row_ms, key_ms
+
+    def rows_ms(self, start: int, end: int) -> float:
+        """Predicted ms of computing positions start..end-1 of one sequence (a prompt's prefill)."""
+        n = max(0, end - start)
+        return self._work_scale.value * (n * self.row_ms + self.key_ms * (start + end - 1) * n / 2)
+
+    def uncached(self, prompt: list[int]) -> int:
+        """Where the prefill of `prompt` would start: after the blocks the prefix cache holds for it."""
+        if self.prefixes is None:
+            return 0
+        pool, n = self.model.pool, 0
+        for digest in prefix_hashes(prompt, len(prompt) // BLOCK):
+            if pool.by_hash.get(digest) is None:
+                break
+            n += BLOCK
+        return min(n, max(0, len(prompt) - 1))
+
+    def work_ms(self, start: int, end: int, max_new_tokens: int) -> float:
+        """Predicted ms one request adds: prefill of positions start..end-1, then one pass per token, each as long
+        as the batch's passes are now (a request's steps share passes with the others' prompt chunks)."""
+        step = max(self.pass_ms(len(self.running) + 1), self._recent_pass.value)
+        return self.rows_ms(start, end) + max_new_tokens * step
+
+    def request_ms(self, prompt: list[int], max_new_tokens: int) -> float:
+        return self.work_ms(self.uncached(prompt), len(prompt), max_new_tokens)
+
+    def backlog_ms(self) -> float:
+        """Predicted ms of prefill the running requests still need (preempted ones: all their tokens again)."""
+        return sum(self.rows_ms(s.fed, len(s.tokens)) for s in list(self.running) if s.prefilling or s.preempted)
 
     # ---- the cycle --------------------------------------------------------------------------------------------
     def pass_ms(self, rows: int) -> float:
@@ -378,6 +416,10 @@ class BatchEngine:
         t2 = perf_counter()
         verify_ms = (t2 - t1) * 1e3
         self._pass.setdefault(len(tokens), _Ema(verify_ms, weight=0.0, decay=0.9)).update(verify_ms)
+        self._recent_pass.update(verify_ms)
+        if len(tokens) >= 16:  # a big pass's time is its rows' work: the prediction's scale follows it
+            predicted = len(tokens) * self.row_ms + self.key_ms * sum(positions)
+            self._work_scale.update(verify_ms / predicted if predicted > 0 else 1.0)
 
         # every greedy chain's choices in one argmax call over the logit rows (torch's costs ~45 µs a row)
         greedy = any(s.params.greedy and s.constraint is None for s in self.running if s.id in drafts)
@@ -569,6 +611,31 @@ def measure_pass_curve(model: Llama, sizes=(1, 2, 4, 8, 16, 32, 64), context: in
         for s in slots:
             model.release_slot(s)
         model.trim()
+
+
+def measure_row_cost(model: Llama, rows: int = 32, depths=(64, 1024), reps: int = 3) -> tuple[float, float]:
+    """(row_ms, key_ms): a prompt row at position p costs about row_ms + key_ms·p, from the median time of a chunk
+    of `rows` prompt rows of one sequence at two depths (attention reads every earlier key)."""
+    deep = max(2, min(depths[1], model.max_len - rows - 1))
+    shallow = max(1, min(depths[0], deep // 4))
+    slot = model.acquire_slot()
+    try:
+        with torch.inference_mode():
+            for start in range(0, deep, 256):
+                end = min(deep, start + 256)
+                model.forward([1] * (end - start), [slot] * (end - start), list(range(start, end)), [])
+            per_row = []
+            for at in (shallow, deep):
+                times = []
+                for _ in range(reps + 1):
+                    t = perf_counter()
+                    model.forward([1] * rows, [slot] * rows, list(range(at, at + rows)), [])
+                    times.append((perf_counter() - t) * 1e3 / rows)
+                per_row.append(median(times[1:]))
+    finally:
+        model.release_slot(slot)
+    key_ms = max(0.0, (per_row[1] - per_row[0]) / (deep - shallow))
+    return max(1e-6, per_row[0] - key_ms * (shallow + rows / 2)), key_ms
 
 
 def default_budget(curve: dict[int, float], share: float = 0.5) -> int:

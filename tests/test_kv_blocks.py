@@ -173,48 +173,68 @@ def test_bad_budgets_are_refused_in_one_line(tiny_dirs):
     assert main(["serve", "--target", tiny_dirs["target"], "--kv-memory", "0"]) != 0
 
 
-def test_a_request_that_cannot_start_in_time_gets_429_with_retry_after(tiny_dirs, monkeypatch):
-    """A pool of one context, held by a long request on a slowed model: the next one cannot get blocks before half
-    its timeout and gets 429 with Retry-After, not a 504 after the timeout; the gauges show the pool in use."""
+def test_a_request_that_cannot_finish_in_time_gets_429_with_retry_after(tiny_dirs, monkeypatch):
+    """A pool of one context, held by a long request on a slowed model: a request waiting for blocks gets 429 with
+    Retry-After once its predicted finish passes its deadline (not a 504 after the timeout); one whose own work alone
+    would outlast the timeout gets 429 at once; the gauges show the pool in use."""
     model, tok = fresh(tiny_dirs, contexts=1)
     sd = SpecDecoder.from_models(model, tok, draft="none")
-    srv = LiveServer(create_app(sd, model_name="tiny", timeout_s=6.0, max_batch_rows=64, prefill_chunk=64))
+    srv = LiveServer(create_app(sd, model_name="tiny", timeout_s=8.0, max_batch_rows=64, prefill_chunk=64))
     slow = model.forward
 
     def slowed(*a, **kw):
-        time.sleep(0.45)
+        time.sleep(0.7)
         return slow(*a, **kw)
-    monkeypatch.setattr(model, "forward", slowed)  # the big request: 4 prompt passes and 5 steps, ~4 s
+    monkeypatch.setattr(model, "forward", slowed)  # the big request: 4 prompt passes and 5 steps, ~6.3 s
     try:
         async def requests():
             async with httpx.AsyncClient(timeout=30) as one, httpx.AsyncClient(timeout=30) as two, \
                     httpx.AsyncClient(timeout=30) as three:
                 big = asyncio.create_task(one.post(srv.url + "/v1/completions", json={  # 250 + 5: all 16 blocks
                     "model": "tiny", "prompt": "x" * 250, "max_tokens": 5, "temperature": 0}))
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(1.5)  # (passes measured: the work model knows a pass takes ~0.7 s)
                 t = time.monotonic()
                 small = asyncio.create_task(two.post(srv.url + "/v1/completions", json={
-                    "model": "tiny", "prompt": "hi", "max_tokens": 4}))
-                await asyncio.sleep(0.3)
-                srv.app.state.worker._interval = 100.0  # as measured: one request starts every 100 s
+                    "model": "tiny", "prompt": "hi", "max_tokens": 6}))
+                await asyncio.sleep(0.1)
                 t2 = time.monotonic()
-                third = await three.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "yo",
-                                                                             "max_tokens": 4})
-                third_s = time.monotonic() - t2
+                long = await three.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "yo",
+                                                                            "max_tokens": 40})  # 40 passes: ~28 s
+                long_s = time.monotonic() - t2
                 small = await small
                 waited = time.monotonic() - t
-                return await big, small, waited, third, third_s
-        big, small, waited, third, third_s = asyncio.run(requests())
-        # the first waiting request is refused once half its timeout passed without blocks for it
-        assert small.status_code == 429 and int(small.headers["retry-after"]) >= 1, small.text
-        assert small.json()["error"]["code"] == "server_busy" and 3.0 <= waited < 4.0
-        # one behind it, when the line moves that slowly, is refused at once
-        assert third.status_code == 429 and third_s < 1.0 and "would wait" in third.json()["error"]["message"]
-        assert int(third.headers["retry-after"]) >= 100
+                return await big, small, waited, long, long_s
+        big, small, waited, long, long_s = asyncio.run(requests())
         assert big.status_code == 200
+        # waiting for blocks the big request holds, the small one is refused once it could no longer finish in time
+        assert small.status_code == 429 and int(small.headers["retry-after"]) >= 1, small.text
+        assert small.json()["error"]["code"] == "server_busy" and waited < 6.5  # its start_by: 4 s
+        # the long one's own steps outlast its timeout: refused at once
+        assert long.status_code == 429 and long_s < 1.0 and "would finish" in long.json()["error"]["message"]
+        assert int(long.headers["retry-after"]) >= 10
         m = srv.metrics()
         assert m[("specdec_requests_refused_total", ())] == 2 and ("vllm:kv_cache_usage_perc", ()) in m
         assert ("vllm:num_preemptions_total", ()) in m and m[("specdec_kv_cache_budget_bytes", ())] == model.kv_budget
         assert m[("vllm:request_queue_time_seconds_count", ())] >= 1
     finally:
         srv.stop()
+
+
+def test_work_model_predicts_prefill_from_two_depths(tiny_dirs):
+    """measure_row_cost: a row deeper in the sequence costs at least as much (it reads more keys); the engine's
+    prediction grows with the prompt and shrinks by what the prefix cache holds."""
+    from specdec.batch import measure_row_cost
+    model, tok = fresh(tiny_dirs, contexts=2)
+    row_ms, key_ms = measure_row_cost(model, rows=16, reps=1)
+    assert row_ms > 0 and key_ms >= 0
+    engine = BatchEngine(model, build_drafter("ngram", model, tok), model.config.vocab_size, {2}, 256)
+    engine.calibrate(1.0, 0.01)
+    assert engine.rows_ms(0, 100) == pytest.approx(100 + 0.01 * 99 * 100 / 2)
+    prompt = tok("y" * 100).input_ids
+    before = engine.request_ms(prompt, 0)
+    engine.add(Sequence(prompt, 2, SamplingParams()))
+    assert engine.backlog_ms() == pytest.approx(before)  # all of it still to prefill
+    while engine.running:
+        engine.step()
+    assert engine.backlog_ms() == 0 and engine.request_ms(prompt, 0) < before / 4  # 6 of 7 blocks are cached now
+    engine.close()

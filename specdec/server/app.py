@@ -390,14 +390,16 @@ TIMEOUT_GRACE_S = 5.0
 
 def batch_engine(decoder, max_batch_rows: int | None, prefill_chunk: int):
     """The BatchEngine for a decoder on specdec's runtime, else None (one request at a time)."""
-    from ..batch import BatchEngine, default_budget, measure_pass_curve
+    from ..batch import BatchEngine, default_budget, measure_pass_curve, measure_row_cost
     if not models.is_runtime(decoder.model):
         return None
     sizes = sorted({1, 2, 4, 8, 16, 32, 64, max_batch_rows or 1})
     curve = measure_pass_curve(decoder.model, sizes, context=min(64, decoder.context_window // 2))
-    return BatchEngine(decoder.model, decoder.engine.drafter, decoder.model.config.vocab_size,
-                       decoder.engine.eos_ids, decoder.context_window, max_batch_rows or default_budget(curve),
-                       prefill_chunk, curve)
+    engine = BatchEngine(decoder.model, decoder.engine.drafter, decoder.model.config.vocab_size,
+                         decoder.engine.eos_ids, decoder.context_window, max_batch_rows or default_budget(curve),
+                         prefill_chunk, curve)
+    engine.calibrate(*measure_row_cost(decoder.model, rows=min(32, prefill_chunk)))  # what admission predicts with
+    return engine
 
 
 KNOWN_PATHS = {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions"}

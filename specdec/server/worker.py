@@ -41,7 +41,8 @@ class Busy(Exception):
         self.retry_after, self.code = max(1, int(retry_after + 0.999)), code
 
 
-START_SHARE = 0.5  # a request that cannot start within this share of its timeout is refused (429), not run to a 504
+START_SHARE = 0.5  # a request that cannot start within this share of its timeout gets 429 (whatever is predicted)
+SAFETY = 1.2  # predicted finishing times are stretched by this much before they are held against a deadline
 
 
 MAX_RESTARTS = 5  # loop crashes within RESTART_WINDOW_S before the supervisor gives up (health: 503 for good)
@@ -201,24 +202,27 @@ class Worker:
     def pending(self) -> int:
         return self._pending
 
-    def expected_wait(self) -> float | None:
-        """Seconds a request queued now is expected to wait before it starts (None: not known yet)."""
+    def predict(self, kwargs: dict) -> tuple | None:
+        """(ms of work this request adds, seconds until it would finish if queued now, what the work is made of),
+        or None where the worker cannot tell."""
         return None
 
     def submit(self, kwargs: dict) -> Job:
-        """Queue a generation; raises Busy at once when the queue is full or the request could not start in time."""
-        wait = self.expected_wait()
-        if wait is not None and wait > START_SHARE * self.timeout_s:
+        """Queue a generation; raises Busy at once when the queue is full or the request is predicted to finish
+        past its timeout (429 now, not a 504 after it spent the cores)."""
+        work = self.predict(kwargs)
+        if work is not None and work[1] > self.timeout_s:
             self.metrics.refused.inc()
-            raise Busy(f"server busy: a request queued now would wait ~{wait:.0f} s to start; retry later",
-                       wait - START_SHARE * self.timeout_s)
+            raise Busy(f"server busy: a request queued now would finish in ~{work[1]:.0f} s, past the "
+                       f"{self.timeout_s:g} s timeout; retry later", work[1] - self.timeout_s)
         with self._lock:
             if self._pending >= self.max_queue:
                 self.metrics.refused.inc()
-                raise Busy("server busy: request queue is full, retry later", wait or 1, "queue_full")
+                raise Busy("server busy: request queue is full, retry later", 1, "queue_full")
             self._pending += 1
             self.metrics.queue_depth.set(self._pending)
         job = Job(kwargs, asyncio.get_running_loop(), self.timeout_s)
+        job.plan = work[2] if work is not None else None  # (prefill start, prompt length, max new tokens)
         self._jobs.put(job)
         return job
 
@@ -307,8 +311,6 @@ class BatchWorker(Worker):
         self.make_engine, self.max_tau, self.engine = make_engine, max_tau, None
         self.waiting: collections.deque[Job] = collections.deque()
         self.active: dict[int, tuple] = {}  # sequence id -> (job, request, sequence)
-        self._interval: float | None = None  # seconds between request starts while some wait (EMA)
-        self._last_start = 0.0
         super().__init__(decoder, metrics, max_queue, timeout_s, trace_dir)
 
     def _setup(self) -> None:
@@ -355,23 +357,39 @@ class BatchWorker(Worker):
         except queue.Empty:
             return True
 
-    def expected_wait(self) -> float | None:
-        """Requests ahead x the measured interval between starts (known once requests have queued and started)."""
-        ahead = self._pending - len(self.active)  # queued, whether the loop has taken them yet or not
-        if self._interval is None or ahead < 1:
+    def predict(self, kwargs: dict) -> tuple[float, float] | None:
+        """The engine's work model (batch.BatchEngine.request_ms): the running requests' prefill backlog, the
+        queued requests' work, then this one's, stretched by SAFETY."""
+        if self.engine is None or "prompt_ids" not in kwargs:
             return None
-        return (ahead + 1) * self._interval
+        ids, new = kwargs["prompt_ids"], kwargs.get("max_new_tokens") or 0
+        plan = (self.engine.uncached(ids), len(ids), new)  # where its prefill starts is looked up once
+        own = self.engine.work_ms(*plan)
+        queued = sum(self._work(j) for j in [*list(self.waiting), *list(self._jobs.queue)] if j)
+        return own, SAFETY * (self.engine.backlog_ms() + queued + own) / 1e3, plan
+
+    def _work(self, job: Job) -> float:
+        plan = getattr(job, "plan", None)
+        return self.engine.work_ms(*plan) if plan is not None else 0.0
 
     def _expire(self) -> None:
+        """Cancelled or timed-out requests leave; a waiting one predicted to finish past its deadline, or (with no
+        prediction) still waiting at half its timeout, gets 429."""
         now = time.monotonic()
         timeout = JobTimeout(f"request exceeded the {self.timeout_s:g} s timeout")
-        for job in [j for j in self.waiting if j.cancelled.is_set() or now > j.start_by]:
-            self.waiting.remove(job)
-            if not job.cancelled.is_set():
-                self.metrics.refused.inc()
-            self._end(job, None if job.cancelled.is_set() else "error",
-                      Busy(f"server busy: the request could not start within {now - job.queued:.0f} s; retry later",
-                           self._interval or 1))
+        ahead = self.engine.backlog_ms()
+        for job in list(self.waiting):
+            work = self._work(job)
+            finish = now + SAFETY * (ahead + work) / 1e3
+            if job.cancelled.is_set() or finish > job.deadline or now > job.start_by:
+                self.waiting.remove(job)
+                if not job.cancelled.is_set():
+                    self.metrics.refused.inc()
+                self._end(job, None if job.cancelled.is_set() else "error",
+                          Busy(f"server busy: the request cannot finish within the {self.timeout_s:g} s timeout "
+                               f"(waited {now - job.queued:.0f} s); retry later", finish - job.deadline))
+            else:
+                ahead += work
         for job, req, seq in list(self.active.values()):
             if job.cancelled.is_set() or now > job.deadline:
                 self._drop(seq)
@@ -407,12 +425,7 @@ class BatchWorker(Worker):
             except Exception as e:  # noqa: BLE001 - bad input or a failed admission: this request alone
                 self._report(job, e)
                 continue
-            now = time.monotonic()
-            if self.waiting or now - job.queued > 0.05:  # it queued: the interval between starts measures the line
-                gap = now - max(self._last_start, job.queued)
-                self._interval = gap if self._interval is None else 0.8 * self._interval + 0.2 * gap
-            self._last_start = now
-            self.metrics.queue_time.observe(now - job.queued)
+            self.metrics.queue_time.observe(time.monotonic() - job.queued)
             req.start = time.perf_counter()
             self.active[seq.id] = (job, req, seq)
 
