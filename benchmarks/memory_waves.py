@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import signal
 import subprocess
@@ -88,6 +89,7 @@ def main() -> None:
     ap.add_argument("--first", type=int, default=16)
     ap.add_argument("--waves", type=int, default=5)
     ap.add_argument("--port", type=int, default=8765)
+    ap.add_argument("--timeout", type=float, default=300.0, help="the server's request timeout (s)")
     ap.add_argument("--no-check", action="store_true", help="skip the comparison with requests served alone")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -99,10 +101,11 @@ def main() -> None:
     plan += [(f"wave {w + 1}", texts(tok, 100 + w, 4, args.tokens)) for w in range(args.waves)]
     del tok
 
-    cmd = [sys.executable, "-m", "specdec.cli", "serve", "--max-queue", "64", "--port", str(args.port)]
+    cmd = [sys.executable, "-m", "specdec.cli", "serve", "--max-queue", "64", "--port", str(args.port),
+           "--timeout", str(args.timeout)]
     if not args.no_kv_flag:
         cmd += ["--kv-memory", str(args.kv_memory)]
-    server = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(cmd, stderr=subprocess.PIPE if not os.environ.get("SHOW_SERVER") else None, text=True)
     url = f"http://127.0.0.1:{args.port}"
     try:
         wait_healthy(url)
@@ -125,6 +128,7 @@ def main() -> None:
         server.send_signal(signal.SIGINT)
         try:
             _, err = server.communicate(timeout=60)
+            err = err or ""
         except subprocess.TimeoutExpired:
             server.kill()
             _, err = server.communicate()

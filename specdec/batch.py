@@ -138,7 +138,8 @@ class BatchEngine:
         # the work of a row at position p: row_ms + key_ms·p (attention grows with the keys it reads), scaled by what
         # passes measure (calibrate(), measure_row_cost); what admission predicts finishing times with
         curve = pass_curve or {1: 10.0}
-        self.row_ms, self.key_ms, self._work_scale = curve[max(curve)] / max(curve), 0.0, _Ema(1.0, decay=0.9)
+        self.row_ms, self.key_ms = curve[max(curve)] / max(curve), 0.0
+        self._work_scale = _Ema(1.0, weight=8.0, decay=0.95)  # measured / predicted pass time; calibration = 8 passes
         self._recent_pass = _Ema(min(curve.values()), decay=0.8)  # ms of the passes lately, whatever their rows
         self.running: list[Sequence] = []
         self._state: dict[int, tuple] = {}  # id -> (slot, drafter, acceptance estimates)
@@ -151,6 +152,13 @@ class BatchEngine:
     @property
     def free_rows(self) -> int:
         return self.max_batch_rows - len(self.running)
+
+    @property
+    def prefill_full(self) -> bool:
+        """Whether as many prompts are being computed as a pass has chunks for (prompts are computed in order of
+        arrival; one admitted beyond these would only hold memory and wait)."""
+        busy = sum(1 for s in self.running if (s.prefilling and s.after is None) or s.preempted)
+        return busy >= max(1, self.max_batch_rows // self.prefill_chunk)
 
     def kv_bytes(self) -> int:
         """K/V bytes in use: blocks held by running requests or kept by the prefix cache."""
@@ -419,7 +427,8 @@ class BatchEngine:
         self._recent_pass.update(verify_ms)
         if len(tokens) >= 16:  # a big pass's time is its rows' work: the prediction's scale follows it
             predicted = len(tokens) * self.row_ms + self.key_ms * sum(positions)
-            self._work_scale.update(verify_ms / predicted if predicted > 0 else 1.0)
+            ratio = verify_ms / predicted if predicted > 0 else 1.0
+            self._work_scale.update(min(2.0, max(0.5, ratio)))  # (one pass slowed by the machine moves it a little)
 
         # every greedy chain's choices in one argmax call over the logit rows (torch's costs ~45 µs a row)
         greedy = any(s.params.greedy and s.constraint is None for s in self.running if s.id in drafts)

@@ -41,7 +41,7 @@ class Busy(Exception):
         self.retry_after, self.code = max(1, int(retry_after + 0.999)), code
 
 
-START_SHARE = 0.5  # a request that cannot start within this share of its timeout gets 429 (whatever is predicted)
+START_SHARE = 0.5  # with no prediction: a request that cannot start within this share of its timeout gets 429
 SAFETY = 1.2  # predicted finishing times are stretched by this much before they are held against a deadline
 
 
@@ -380,8 +380,9 @@ class BatchWorker(Worker):
         ahead = self.engine.backlog_ms()
         for job in list(self.waiting):
             work = self._work(job)
-            finish = now + SAFETY * (ahead + work) / 1e3
-            if job.cancelled.is_set() or finish > job.deadline or now > job.start_by:
+            finish = now + (ahead + work) / 1e3  # (no margin for one already waiting: only a sure miss is refused)
+            late = finish > job.deadline if getattr(job, "plan", None) else now > job.start_by
+            if job.cancelled.is_set() or late:
                 self.waiting.remove(job)
                 if not job.cancelled.is_set():
                     self.metrics.refused.inc()
@@ -396,10 +397,10 @@ class BatchWorker(Worker):
                 self._end(job, None if job.cancelled.is_set() else "error", timeout)
 
     def _admit(self) -> None:
-        """Waiting requests join in order while there are rows and KV memory for their prompts."""
+        """Waiting requests join in order while there are rows, a prompt chunk and KV memory for them."""
         from ..batch import Sequence
         from ..runtime.blocks import OutOfBlocks
-        while self.waiting and self.engine.free_rows > 0:
+        while self.waiting and self.engine.free_rows > 0 and not self.engine.prefill_full:
             job = self.waiting.popleft()
             try:
                 req = job.req if hasattr(job, "req") else self.decoder.prepare(**job.kwargs)
