@@ -3,7 +3,7 @@ request get either its answer or a quick 429?
 
 It starts `specdec serve --kv-memory GIB --max-queue 64` as a child process, then sends:
 1. `--first` concurrent completions (greedy) of ~`--tokens`-token prompts, `max_tokens` 16;
-2. 4 more with the same texts but a different last word (prefix-cache hits);
+2. 4 more with texts the first step answered, but a different last word (prefix-cache hits);
 3. `--waves` waves of 4, each with fresh texts.
 After each step: status codes, the slowest request, resident memory (now and peak, /proc), and the server's KV and
 prefix-cache figures from /metrics. Then the server stops, and every 200 answer is compared with the same request
@@ -97,7 +97,7 @@ def main() -> None:
     from specdec import SpecDecoder, models
     _, tok = models.load("default", backend="runtime")
     first = texts(tok, 1, args.first, args.tokens)
-    plan = [("first", first), ("same texts, new last word", [t + " finally" for t in first[:4]])]
+    plan = [("first", first), ("same texts, new last word", None)]  # (texts the first step answered)
     plan += [(f"wave {w + 1}", texts(tok, 100 + w, 4, args.tokens)) for w in range(args.waves)]
     del tok
 
@@ -114,6 +114,8 @@ def main() -> None:
         print(rows[0], flush=True)
         sent = []
         for name, prompts in plan:
+            if prompts is None:
+                prompts = [p + " finally" for p, g in sent if g["status"] == 200][:4]
             got = asyncio.run(step(url, prompts))
             rss, peak = memory(server.pid)
             codes = {}
