@@ -173,7 +173,7 @@ def test_bad_budgets_are_refused_in_one_line(tiny_dirs):
     assert main(["serve", "--target", tiny_dirs["target"], "--kv-memory", "0"]) != 0
     from specdec.server import describe_kv
     set_kv_memory(model, 2 * model.max_len * model.kv_bytes_per_position / 2**30)
-    assert describe_kv(model).endswith("512 positions at 512 bytes (float32), 2.0 whole contexts of 256")
+    assert describe_kv(model).endswith("512 positions at 256 bytes (float16), 2.0 whole contexts of 256")  # q8: fp16
 
 
 def test_a_request_that_cannot_finish_in_time_gets_429_with_retry_after(tiny_dirs, monkeypatch):
