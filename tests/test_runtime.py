@@ -11,18 +11,23 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specdec import kernels, models
 from specdec.api import SpecDecoder
 from specdec.runtime.load import load_gguf, load_hf_dir
-from specdec.runtime.weights import QTensor, Unsupported, qlinear, scales_of
+from specdec.runtime.quantize import quantize
+from specdec.runtime.weights import GGML_BLOCK, QTensor, Unsupported, qlinear, scales_of
 
 T = gguf.GGMLQuantizationType
 FORMATS = [(T.Q4_0, kernels.Q4_0), (T.Q4_1, kernels.Q4_1), (T.Q8_0, kernels.Q8_0), (T.F16, kernels.F16),
-           (T.BF16, kernels.BF16), (T.F32, kernels.F32)]
+           (T.BF16, kernels.BF16), (T.F32, kernels.F32), (T.Q5_0, kernels.Q5_0), (T.Q5_1, kernels.Q5_1),
+           (T.Q2_K, kernels.Q2_K), (T.Q3_K, kernels.Q3_K), (T.Q4_K, kernels.Q4_K), (T.Q5_K, kernels.Q5_K),
+           (T.Q6_K, kernels.Q6_K)]
+BLOCK_FORMATS = {kernels.Q4_0, kernels.Q4_1, kernels.Q8_0, kernels.Q5_0, kernels.Q5_1}
+K_FORMATS = {kernels.Q2_K, kernels.Q3_K, kernels.Q4_K, kernels.Q5_K, kernels.Q6_K}
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no AVX2/AVX-512 CPU or no C++ compiler")
 needs_avx512 = pytest.mark.skipif(kernels.best_isa() != "avx512", reason="needs an AVX-512 CPU")
 
 
 def quantized(w: np.ndarray, qtype) -> tuple[QTensor, torch.Tensor]:
     """w [n, k] in gguf format `qtype` -> (QTensor, gguf's reference dequantization in fp32)."""
-    blocks = np.ascontiguousarray(gguf.quants.quantize(w, qtype))
+    blocks = quantize(w, int(qtype)) if int(qtype) in K_FORMATS else np.ascontiguousarray(gguf.quants.quantize(w, qtype))
     ref = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32)).reshape(w.shape)
     return QTensor(int(qtype), torch.from_numpy(blocks).view(torch.uint8).reshape(w.shape[0], -1), *w.shape), ref
 
@@ -35,7 +40,7 @@ def test_quantized_linear_equals_gguf_dequantization_then_linear(qtype, fmt):
     formats, a bias: (1) bitwise the F32 kernel on gguf's dequantized weights, (2) F.linear within fp32 rounding,
     (3) each row as if alone."""
     rng = np.random.default_rng(int(qtype))
-    for k in ((64, 576) if fmt in (kernels.Q4_0, kernels.Q4_1, kernels.Q8_0) else (37, 576)):
+    for k in ((256, 768) if fmt in K_FORMATS else (64, 576) if fmt in BLOCK_FORMATS else (37, 576)):
         w = rng.standard_normal((67, k)).astype(np.float32)
         qt, ref = quantized(w, qtype)
         dense = QTensor.from_float(ref)
@@ -53,21 +58,40 @@ def test_quantized_linear_equals_gguf_dequantization_then_linear(qtype, fmt):
 @pytest.mark.parametrize("qtype,fmt", FORMATS, ids=[f[0].name for f in FORMATS])
 def test_avx2_build_gives_the_avx512_bits(qtype, fmt):
     """The AVX2 build (forced on this machine) computes the same 16-lane sums in the same order."""
-    w = np.random.default_rng(0).standard_normal((45, 576)).astype(np.float32)
+    k = 768 if fmt in K_FORMATS else 576
+    w = np.random.default_rng(0).standard_normal((45, k)).astype(np.float32)
     qt, _ = quantized(w, qtype)
     for rows in (1, 3, 8, 9, 13, 20):
-        x = torch.randn(rows, 576)
+        x = torch.randn(rows, k)
         a = kernels.linear(qt.fmt, x, qt.data, qt.n, None, kernels.library("avx512"))
         b = kernels.linear(qt.fmt, x, qt.data, qt.n, None, kernels.library("avx2"))
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [q for q, f in FORMATS if f in BLOCK_FORMATS | K_FORMATS], ids=lambda t: t.name)
 def test_torch_dequantization_is_gguf_reference_bitwise(qtype):
     """Embedding lookups and the torch fallback dequantize in torch: the same fp32 values as gguf's numpy reference."""
-    w = (np.random.default_rng(int(qtype)).standard_normal((33, 96)) * 3).astype(np.float32)
+    w = (np.random.default_rng(int(qtype)).standard_normal((33, 512 if int(qtype) in K_FORMATS else 96)) * 3
+         ).astype(np.float32)
     qt, ref = quantized(w, qtype)
     assert torch.equal(qt.dequantize(), ref) and torch.equal(qt.rows([3, 7, 7, 0]), ref[[3, 7, 7, 0]])
+
+
+@pytest.mark.parametrize("fmt", sorted(K_FORMATS), ids=lambda f: kernels.FORMATS[f])
+def test_our_k_quantizer_writes_blocks_gguf_reads_back(fmt):
+    """Our quantizer (synthetic files, tests): gguf's reference dequantization of its bytes is close to the input,
+    as close as the type's bits allow, and every sub-block's scale is used (no zeroed blocks)."""
+    rng = np.random.default_rng(fmt)
+    w = (rng.standard_normal((9, 512)) * rng.uniform(0.01, 3, (9, 1))).astype(np.float32)
+    w[0, :256] = 0  # an all-zero super-block stays zero
+    blocks = quantize(w, fmt)
+    assert blocks.shape == (9, 2 * GGML_BLOCK[fmt][1])
+    back = gguf.quants.dequantize(blocks, T(fmt)).reshape(w.shape)
+    rel = np.abs(back - w).mean() / np.abs(w).mean()
+    assert rel < {kernels.Q2_K: 0.4, kernels.Q3_K: 0.2, kernels.Q4_K: 0.1, kernels.Q5_K: 0.05, kernels.Q6_K: 0.03}[fmt]
+    assert not back[0, :256].any() and np.isfinite(back).all()
+    with pytest.raises(ValueError, match="multiple of 256"):
+        quantize(w[:, :100], fmt)
 
 
 def test_scales_are_the_blocks_fp16_values():

@@ -13,7 +13,9 @@ from torch.nn import functional as F
 
 from .. import kernels
 
-GGML_BLOCK = {kernels.Q4_0: (32, 18), kernels.Q4_1: (32, 20), kernels.Q8_0: (32, 34)}  # columns, bytes per block
+GGML_BLOCK = {kernels.Q4_0: (32, 18), kernels.Q4_1: (32, 20), kernels.Q5_0: (32, 22), kernels.Q5_1: (32, 24),
+              kernels.Q8_0: (32, 34), kernels.Q2_K: (256, 84), kernels.Q3_K: (256, 110), kernels.Q4_K: (256, 144),
+              kernels.Q5_K: (256, 176), kernels.Q6_K: (256, 210)}  # columns, bytes per block
 FLOAT_BYTES = {kernels.F32: 4, kernels.F16: 2, kernels.BF16: 2}
 FLOAT_DTYPE = {kernels.F32: torch.float32, kernels.F16: torch.float16, kernels.BF16: torch.bfloat16}
 
@@ -96,6 +98,10 @@ def _dequantize(fmt: int, data: torch.Tensor, k: int) -> torch.Tensor:
     fp32, a multiply then an add), in torch: an embedding lookup costs tens of microseconds, not a numpy pass."""
     if fmt in FLOAT_DTYPE:
         return data.contiguous().view(FLOAT_DTYPE[fmt]).reshape(-1, k).float()
+    if fmt not in (kernels.Q4_0, kernels.Q4_1, kernels.Q8_0):  # 5-bit and K-quant blocks: gguf's own reference
+        import gguf
+        rows = gguf.quants.dequantize(data.contiguous().numpy(), gguf.GGMLQuantizationType(fmt))
+        return torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32)).reshape(-1, k)
     cols, nbytes = GGML_BLOCK[fmt]
     n = data.shape[0]
     blocks = data.reshape(n, -1, nbytes)
@@ -131,7 +137,8 @@ def check_format(name: str, fmt: int, k: int) -> None:
             tname = gguf.GGMLQuantizationType(fmt).name
         except ValueError:
             tname = str(fmt)
-        raise Unsupported(f"tensor {name} is {tname}; the runtime runs F32, F16, BF16, Q4_0, Q4_1 and Q8_0")
+        raise Unsupported(f"tensor {name} is {tname}; the runtime runs "
+                          f"{', '.join(kernels.FORMATS[f] for f in sorted(FLOAT_BYTES.keys() | GGML_BLOCK.keys()))}")
     if k % GGML_BLOCK[fmt][0]:
         raise Unsupported(f"tensor {name} has {k} columns, not a whole number of blocks")
 
