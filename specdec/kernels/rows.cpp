@@ -965,11 +965,21 @@ static void rope_row(float* x, int heads, int hd, const float* cs, const float* 
     }
 }
 
-static inline float silu(float g) {  // the tail of a row whose width is not a multiple of 16, as vexp computes it
-    float t[16] = {-g}, e[16];
-    vstore(e, vexp(vload(t)));
-    return g / (1.0f + e[0]);
+// silu(g) = g / (1 + exp(-g)); gelu(g) = g/2 (1 + tanh(√(2/π) (g + 0.044715 g³))), tanh(u) = 1 - 2 / (1 + exp(2u))
+// (exp saturates: tanh is ±1 there), as torch's gelu(approximate="tanh") defines it.
+static inline V16 vsilu(V16 g) { return vdiv(g, vadd(vset1(1.0f), vexp(vsub(vzero(), g)))); }
+static inline V16 vgelu(V16 g) {
+    const V16 u = vmul(vset1(0.7978845608028654f), vadd(g, vmul(vset1(0.044715f), vmul(g, vmul(g, g)))));
+    const V16 t = vsub(vset1(1.0f), vdiv(vset1(2.0f), vadd(vset1(1.0f), vexp(vadd(u, u)))));
+    return vmul(vmul(vset1(0.5f), g), vadd(vset1(1.0f), t));
 }
+static inline float lane0(V16 (*f)(V16), float g) {  // the tail of a row whose width is not a multiple of 16
+    float t[16] = {g}, e[16];
+    vstore(e, f(vload(t)));
+    return e[0];
+}
+static inline float silu(float g) { return lane0(vsilu, g); }
+static inline float gelu(float g) { return lane0(vgelu, g); }
 
 struct Dims {
     int hidden, heads, kv_heads, head_dim, inter, layers, max_len;
@@ -985,6 +995,8 @@ struct Dims {
     int blocks;
     int q8;  // the numerics mode: 0 exact, 1 int8 activations for integer weight formats
     int kv16;  // K/V stored as fp16 (rounded to nearest even when written; the q8 mode), else fp32
+    int act;  // the MLP's gate activation: 0 silu (SwiGLU), 1 gelu with the tanh approximation (GeGLU: Gemma)
+    float attn_scale;  // scores are q.k times this; 0: 1/sqrt(head_dim)
 };
 
 struct Layer {
@@ -992,6 +1004,13 @@ struct Layer {
     Lin qkv, o;
     const float* ffn_norm;
     Lin gate_up, down;
+    const float* q_norm;          // [head_dim]: each query head RMS-normed before the rotation (Qwen3, Gemma 3), or null
+    const float* k_norm;          // the same for key heads
+    const float* post_attn_norm;  // [hidden]: the attention output RMS-normed before the residual add (Gemma), or null
+    const float* post_ffn_norm;   // the same for the MLP output
+    const float* cos;             // this layer's rotary tables [max_len, head_dim] (Gemma 3's local layers), or null:
+    const float* sin;             // the model's
+    int window;                   // sliding-window attention: a row sees its last `window` positions; 0: all of them
 };
 
 // Where one slot's K/V of one layer and KV head live: the element offset of position p's block (its 16 keys at
@@ -1052,8 +1071,8 @@ struct Keys {
 // Output columns 16·c0 .. 16·(c0 + CN) of NH heads: Σ_j p_j v_j over the keys in order, then / Σ p. CN is a constant
 // so the NH × CN chains stay in registers.
 template <int NH, int CN, typename T>
-static inline void attend_values(const Pages<const T>& V, const Keys& keys, int L, int hd, int c0, const float* p,
-                                 int L16, const float* sum, float* out) {
+static inline void attend_values(const Pages<const T>& V, const Keys& keys, int j0, int L, int hd, int c0,
+                                 const float* p, int L16, const float* sum, float* out) {
     V16 o[NH][CN];
     for (int h = 0; h < NH; h++)
         for (int c = 0; c < CN; c++) o[h][c] = vzero();
@@ -1068,7 +1087,7 @@ static inline void attend_values(const Pages<const T>& V, const Keys& keys, int 
             for (int c = 0; c < CN; c++) o[h][c] = vfma(pj, v[c], o[h][c]);
         }
     };
-    int j = 0;
+    int j = j0;
     const int whole = (L < keys.kbase ? L : keys.kbase) / 16 * 16;  // full blocks of plain keys: rows hd apart
     for (; j < whole; j += 16) {
         const T* vb = V.block(j) + 16 * c0;
@@ -1086,14 +1105,17 @@ static inline void attend_values(const Pages<const T>& V, const Keys& keys, int 
     }
 }
 
+// A sliding window (window > 0) hides logical keys before lo = L - window: scoring starts at lo's block j0, and the
+// keys j0..lo-1 get -inf, so they weigh exactly 0.
 template <int NH, typename T>
 static void attend(const Dims* d, int layer, int slot, int pos, const Keys& keys, int g, const float* q, float* out,
-                   float* p) {
+                   float* p, int window) {
     const int hd = d->head_dim, L = pos + 1, L16 = (L + 15) / 16 * 16;
+    const int lo = window > 0 && L > window ? L - window : 0, j0 = lo / 16 * 16;
     const int Lplain = L < keys.kbase ? L : keys.kbase;  // keys stored at their own position
-    const float scale = 1.0f / sqrtf((float)hd);
+    const float scale = d->attn_scale > 0.0f ? d->attn_scale : 1.0f / sqrtf((float)hd);
     const Pages<const T> K(d, d->kpool, slot, layer, g), V(d, d->vpool, slot, layer, g);
-    int j = 0;
+    int j = j0;
     // whole blocks, and the partial block of plain keys as lanes too (a lane's chain is the scalar fmaf chain; lanes
     // past L are padding, set to -inf below)
     for (; j < Lplain && (j + 16 <= Lplain || Lplain == L); j += 16) {
@@ -1121,10 +1143,11 @@ static void attend(const Dims* d, int layer, int slot, int pos, const Keys& keys
     for (int h = 0; h < NH; h++) {
         float* ph = p + h * L16;
         float mx = -INFINITY;
-        for (j = 0; j < L; j++) mx = ph[j] > mx ? ph[j] : mx;
+        for (j = j0; j < lo; j++) ph[j] = -INFINITY;  // outside the window
+        for (j = lo; j < L; j++) mx = ph[j] > mx ? ph[j] : mx;
         for (j = L; j < L16; j++) ph[j] = -INFINITY;  // padding lanes: exp gives ~0 and they are not summed
         V16 sums = vzero();
-        for (j = 0; j < L16; j += 16) {
+        for (j = j0; j < L16; j += 16) {
             V16 e = vexp(vsub(vload(ph + j), vset1(mx)));
             vstore(ph + j, e);
             if (j + 16 <= L) sums = vadd(sums, e);
@@ -1134,35 +1157,35 @@ static void attend(const Dims* d, int layer, int slot, int pos, const Keys& keys
     }
     const int nc = hd / 16;
     int c0 = 0;
-    for (; c0 + 4 <= nc; c0 += 4) attend_values<NH, 4, T>(V, keys, L, hd, c0, p, L16, sum, out);
+    for (; c0 + 4 <= nc; c0 += 4) attend_values<NH, 4, T>(V, keys, j0, L, hd, c0, p, L16, sum, out);
     switch (nc - c0) {
-        case 3: attend_values<NH, 3, T>(V, keys, L, hd, c0, p, L16, sum, out); break;
-        case 2: attend_values<NH, 2, T>(V, keys, L, hd, c0, p, L16, sum, out); break;
-        case 1: attend_values<NH, 1, T>(V, keys, L, hd, c0, p, L16, sum, out); break;
+        case 3: attend_values<NH, 3, T>(V, keys, j0, L, hd, c0, p, L16, sum, out); break;
+        case 2: attend_values<NH, 2, T>(V, keys, j0, L, hd, c0, p, L16, sum, out); break;
+        case 1: attend_values<NH, 1, T>(V, keys, j0, L, hd, c0, p, L16, sum, out); break;
     }
 }
 
 // Heads of group g, up to 4 at a time (registers), on K/V stored as T.
 template <typename T>
 static void attend_heads(const Dims* d, int layer, int slot, int pos, const Keys& keys, int g, const float* q,
-                         float* out, float* p) {
+                         float* out, float* p, int window) {
     const int rep = d->heads / d->kv_heads, hd = d->head_dim;
     for (int h = 0; h < rep; h += 4) {
         const float* qh = q + (long)h * hd;
         float* oh = out + (long)h * hd;
         switch (rep - h < 4 ? rep - h : 4) {
-            case 1: attend<1, T>(d, layer, slot, pos, keys, g, qh, oh, p); break;
-            case 2: attend<2, T>(d, layer, slot, pos, keys, g, qh, oh, p); break;
-            case 3: attend<3, T>(d, layer, slot, pos, keys, g, qh, oh, p); break;
-            default: attend<4, T>(d, layer, slot, pos, keys, g, qh, oh, p); break;
+            case 1: attend<1, T>(d, layer, slot, pos, keys, g, qh, oh, p, window); break;
+            case 2: attend<2, T>(d, layer, slot, pos, keys, g, qh, oh, p, window); break;
+            case 3: attend<3, T>(d, layer, slot, pos, keys, g, qh, oh, p, window); break;
+            default: attend<4, T>(d, layer, slot, pos, keys, g, qh, oh, p, window); break;
         }
     }
 }
 
 static void attend_group(const Dims* d, int layer, int slot, int pos, const Keys& keys, int g, const float* q,
-                         float* out, float* p) {
-    if (d->kv16) attend_heads<uint16_t>(d, layer, slot, pos, keys, g, q, out, p);
-    else attend_heads<float>(d, layer, slot, pos, keys, g, q, out, p);
+                         float* out, float* p, int window) {
+    if (d->kv16) attend_heads<uint16_t>(d, layer, slot, pos, keys, g, q, out, p, window);
+    else attend_heads<float>(d, layer, slot, pos, keys, g, q, out, p, window);
 }
 
 // A row's key and value at storage position st of its slot, in the slot's block for st.
@@ -1175,6 +1198,21 @@ static inline void store_kv(const Dims* d, int slot, int layer, int g, int st, c
 }
 
 struct Scratch { float *h, *qkv, *att, *gu, *act, *p; int plen; QXBuf* xq; };
+
+static const QX* q8_input(const Dims* d, const Scratch& s, const float* x, int R, int K, QX* view);
+// x += W·in, or with a post-norm (Gemma) x += norm(W·in): the product lands in s.h, is normed in place, then added.
+static void residual_add(const Lin& W, const float* post_norm, const Dims* d, const Scratch& s, const float* in, int R,
+                         int K, float* x, QX* view) {
+    if (!post_norm) {
+        linear(&W, in, R, K, x, true, q8_input(d, s, in, R, K, view));
+        return;
+    }
+    const int D = d->hidden;
+    linear(&W, in, R, K, s.h, false, q8_input(d, s, in, R, K, view));
+    rmsnorm(s.h, R, D, post_norm, d->eps, s.h);
+#pragma omp for schedule(static)
+    for (long i = 0; i < (long)R * D; i++) x[i] = x[i] + s.h[i];
+}
 
 // x quantized for the next linear (q8 mode), or null (exact)
 static const QX* q8_input(const Dims* d, const Scratch& s, const float* x, int R, int K, QX* view) {
@@ -1209,8 +1247,10 @@ static void layer_body(const Dims* d, const Layer* L, int layer, float* x, int R
 #pragma omp for schedule(static)
     for (int r = 0; r < R; r++) {
         float* row = s.qkv + (long)r * nqkv;
-        const float* cs = d->cos + (long)pos[r] * hd;
-        const float* sn = d->sin + (long)pos[r] * hd;
+        const float* cs = (L->cos ? L->cos : d->cos) + (long)pos[r] * hd;
+        const float* sn = (L->sin ? L->sin : d->sin) + (long)pos[r] * hd;
+        for (int h = 0; L->q_norm && h < H; h++) rmsnorm_row(row + h * hd, hd, L->q_norm, d->eps, row + h * hd);
+        for (int h = 0; L->k_norm && h < G; h++) rmsnorm_row(row + nq + h * hd, hd, L->k_norm, d->eps, row + nq + h * hd);
         rope_row(row, H, hd, cs, sn, d->interleaved);
         rope_row(row + nq, G, hd, cs, sn, d->interleaved);
         const int st = tree.stored(pos, r);
@@ -1224,23 +1264,21 @@ static void layer_body(const Dims* d, const Layer* L, int layer, float* x, int R
 #pragma omp for schedule(static)
     for (int rg = 0; rg < R * G; rg++) {  // query heads g*rep .. g*rep+rep-1 share KV head g
         const int r = rg / G, g = rg % G, h0 = g * (H / G);
-        attend_group(d, layer, slot[r], pos[r], tree.keys(pos, r), g, s.qkv + (long)r * nqkv + h0 * hd, s.att + (long)r * nq + h0 * hd, p);
+        attend_group(d, layer, slot[r], pos[r], tree.keys(pos, r), g, s.qkv + (long)r * nqkv + h0 * hd,
+                     s.att + (long)r * nq + h0 * hd, p, L->window);
     }
-    linear(&L->o, s.att, R, nq, x, true, q8_input(d, s, s.att, R, nq, &view));  // x += o(att)
+    residual_add(L->o, L->post_attn_norm, d, s, s.att, R, nq, x, &view);  // x += o(att)
     rmsnorm(x, R, D, L->ffn_norm, d->eps, s.h);
     linear(&L->gate_up, s.h, R, D, s.gu, false, q8_input(d, s, s.h, R, D, &view));
 #pragma omp for schedule(static)
-    for (int r = 0; r < R; r++) {  // act = silu(gate) * up = gate / (1 + exp(-gate)) * up, 16 lanes at a time
+    for (int r = 0; r < R; r++) {  // act = f(gate) * up, 16 lanes at a time
         const float* gate = s.gu + (long)r * 2 * I;
         float* a = s.act + (long)r * I;
         int i = 0;
-        for (; i + 16 <= I; i += 16) {
-            const V16 gv = vload(gate + i);
-            vstore(a + i, vmul(vdiv(gv, vadd(vset1(1.0f), vexp(vsub(vzero(), gv)))), vload(gate + I + i)));
-        }
-        for (; i < I; i++) a[i] = silu(gate[i]) * gate[I + i];
+        for (; i + 16 <= I; i += 16) vstore(a + i, vmul(d->act ? vgelu(vload(gate + i)) : vsilu(vload(gate + i)), vload(gate + I + i)));
+        for (; i < I; i++) a[i] = (d->act ? gelu : silu)(gate[i]) * gate[I + i];
     }
-    linear(&L->down, s.act, R, I, x, true, q8_input(d, s, s.act, R, I, &view));  // x += down(act)
+    residual_add(L->down, L->post_ffn_norm, d, s, s.act, R, I, x, &view);  // x += down(act)
 }
 
 // The k largest logits of each row (descending; ties keep the lower index) and each row's log-sum-exp: what

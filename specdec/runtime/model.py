@@ -37,13 +37,16 @@ class _Lin(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("attn_norm", _p), ("qkv", _Lin), ("o", _Lin), ("ffn_norm", _p), ("gate_up", _Lin), ("down", _Lin)]
+    _fields_ = [("attn_norm", _p), ("qkv", _Lin), ("o", _Lin), ("ffn_norm", _p), ("gate_up", _Lin), ("down", _Lin),
+                ("q_norm", _p), ("k_norm", _p), ("post_attn_norm", _p), ("post_ffn_norm", _p), ("cos", _p),
+                ("sin", _p), ("window", _i)]
 
 
 class _Dims(ctypes.Structure):
     _fields_ = [("hidden", _i), ("heads", _i), ("kv_heads", _i), ("head_dim", _i), ("inter", _i), ("layers", _i),
                 ("max_len", _i), ("interleaved", _i), ("eps", _f), ("cos", _p), ("sin", _p), ("kpool", _p),
-                ("vpool", _p), ("tables", _p), ("blocks", _i), ("q8", _i), ("kv16", _i)]
+                ("vpool", _p), ("tables", _p), ("blocks", _i), ("q8", _i), ("kv16", _i), ("act", _i),
+                ("attn_scale", _f)]
 
 
 @dataclass
@@ -60,6 +63,14 @@ class LayerWeights:
     q_bias: torch.Tensor | None = None
     k_bias: torch.Tensor | None = None
     v_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # [head_dim]: per-head RMSNorm of q and k before the rotation (Qwen3, Gemma 3)
+    k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None  # [hidden]: norms of the attention and MLP outputs (Gemma)
+    post_ffn_norm: torch.Tensor | None = None
+    window: int = 0  # sliding-window attention over the last `window` positions; 0: full
+    rope_theta: float | None = None  # this layer's rotary base (Gemma 3's local layers), None: the model's
+
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # the MLP gate's activation -> rows.cpp Dims.act
 
 
 def _lin(parts, q8: bool) -> _Lin:
@@ -73,13 +84,19 @@ def _lin(parts, q8: bool) -> _Lin:
     return lin
 
 
-def rope_tables(config, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [max_len, head_dim] as transformers' Llama computes them (fp32 inv_freq x position, scaled)."""
+def rope_tables(config, max_len: int, theta: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_len, head_dim] as transformers' Llama computes them (fp32 inv_freq x position, scaled).
+    `theta`: a layer's own base, unscaled (Gemma 3's local layers). A GGUF's per-frequency factors
+    (config.rope_freq_factors, Llama 3.1+ files) divide the frequencies, as llama.cpp applies them."""
     params = getattr(config, "rope_parameters", None) or {}
-    kind = params.get("rope_type", "default")
+    kind = params.get("rope_type", "default") if theta is None else "default"
     hd = config.head_dim
     if kind == "default":
-        inv = 1.0 / (params["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
+        base = params["rope_theta"] if theta is None else theta
+        inv = 1.0 / (base ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
+        factors = getattr(config, "rope_freq_factors", None)
+        if factors is not None and theta is None:
+            inv = inv / factors.float()
         scale = 1.0
     else:
         from transformers import AutoConfig
@@ -108,6 +125,13 @@ class Llama:
         self.interleaved = bool(getattr(config, "rope_interleaved", False))  # llama.cpp's Q/K row order
         self.max_len = -(-int(max_len or config.max_position_embeddings) // 16) * 16  # whole key blocks
         self.cos, self.sin = rope_tables(config, self.max_len)
+        self._layer_rope = {th: rope_tables(config, self.max_len, th) for th in {w.rope_theta for w in layers} - {None}}
+        self.act = getattr(config, "hidden_act", "silu")
+        if self.act not in ACTIVATIONS:
+            raise ValueError(f"activation {self.act!r} is not one the runtime runs ({sorted(ACTIVATIONS)})")
+        self.embed_scale = getattr(config, "embed_scale", None)  # Gemma: embeddings times sqrt(hidden), in fp32
+        scalar = getattr(config, "query_pre_attn_scalar", None)
+        self.attn_scale = float(np.float32(scalar ** -0.5)) if scalar else 0.0  # 0: 1/sqrt(head_dim) (rows.cpp)
         self._tables: list[np.ndarray] = []  # per slot: block id of positions 16i..16i+15, -1 none (blocks.py)
         self._held: list[list[int]] = []  # per slot: its blocks in order (the table's filled entries)
         self._free: list[int] = []
@@ -310,7 +334,10 @@ class Llama:
         one-token step of that path. The rotary position is positions[r], the row's depth in the sequence."""
         if len(tokens) == 0:
             raise ValueError("a pass needs at least one row")
-        return self.forward_rows(self.embed.rows(tokens), slots, positions, logit_rows, hidden, paths)
+        x = self.embed.rows(tokens)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=torch.float32)
+        return self.forward_rows(x, slots, positions, logit_rows, hidden, paths)
 
     @torch.inference_mode()
     def forward_rows(self, x: torch.Tensor, slots: list[int], positions: list[int], logit_rows=None,
@@ -388,7 +415,10 @@ class Llama:
         q = F.linear(h, w.q.dequantize(), w.q_bias).view(self.heads, hd)
         k = F.linear(h, w.k.dequantize(), w.k_bias).view(self.kv_heads, hd)
         v = F.linear(h, w.v.dequantize(), w.v_bias).view(self.kv_heads, hd)
-        cos, sin = _pairs(self.cos[pos], self.interleaved), _pairs(self.sin[pos], self.interleaved)
+        if w.q_norm is not None:
+            q, k = _rmsnorm(q, w.q_norm, self.eps), _rmsnorm(k, w.k_norm, self.eps)
+        cos, sin = self._layer_rope.get(w.rope_theta, (self.cos, self.sin))
+        cos, sin = _pairs(cos[pos], self.interleaved), _pairs(sin[pos], self.interleaved)
         rot = _rotate_pairs if self.interleaved else _rotate_half
         q, k = q * cos + rot(q) * sin, k * cos + rot(k) * sin
         kc, vc, table = self._kpool, self._vpool, torch.from_numpy(self._tables[slot]).long()
@@ -400,19 +430,25 @@ class Llama:
         keys = kc[table[at // BLOCK], i, :, :, at % BLOCK].transpose(0, 1)  # [kv_heads, L, hd]
         vals = vc[table[at // BLOCK], i, :, at % BLOCK].transpose(0, 1)
         keys, vals = keys.repeat_interleave(rep, 0), vals.repeat_interleave(rep, 0)
-        p = torch.softmax((keys @ q[:, :, None])[..., 0] / hd ** 0.5, -1)  # [heads, L]
-        att = (p[:, None] @ vals)[:, 0].reshape(1, -1)
-        x = x + F.linear(att, w.o.dequantize())
+        scores = (keys @ q[:, :, None])[..., 0] * (self.attn_scale or 1 / hd ** 0.5)  # [heads, L]
+        if w.window and len(at) > w.window:
+            scores[:, : len(at) - w.window] = float("-inf")
+        att = (torch.softmax(scores, -1)[:, None] @ vals)[:, 0].reshape(1, -1)
+        x = x + _post(F.linear(att, w.o.dequantize()), w.post_attn_norm, self.eps)
         h = _rmsnorm(x, w.ffn_norm, self.eps)
-        return x + F.linear(F.silu(F.linear(h, w.gate.dequantize())) * F.linear(h, w.up.dequantize()),
-                            w.down.dequantize())
+        gate = F.linear(h, w.gate.dequantize())
+        gate = F.gelu(gate, approximate="tanh") if self.act == "gelu_pytorch_tanh" else F.silu(gate)
+        return x + _post(F.linear(gate * F.linear(h, w.up.dequantize()), w.down.dequantize()), w.post_ffn_norm,
+                         self.eps)
 
     # ---- ctypes descriptions -----------------------------------------------------------------------------------
     def _layer_struct(self, w: LayerWeights) -> _Layer:
         q8 = self.q8
-        return _Layer(None if w.attn_norm is None else w.attn_norm.data_ptr(),
-                      _lin([(w.q, w.q_bias), (w.k, w.k_bias), (w.v, w.v_bias)], q8), _lin([(w.o, None)], q8),
-                      w.ffn_norm.data_ptr(), _lin([(w.gate, None), (w.up, None)], q8), _lin([(w.down, None)], q8))
+        cos, sin = self._layer_rope.get(w.rope_theta, (None, None))
+        return _Layer(_ptr(w.attn_norm), _lin([(w.q, w.q_bias), (w.k, w.k_bias), (w.v, w.v_bias)], q8),
+                      _lin([(w.o, None)], q8), w.ffn_norm.data_ptr(), _lin([(w.gate, None), (w.up, None)], q8),
+                      _lin([(w.down, None)], q8), _ptr(w.q_norm), _ptr(w.k_norm), _ptr(w.post_attn_norm),
+                      _ptr(w.post_ffn_norm), _ptr(cos), _ptr(sin), int(w.window))
 
     @property
     def q8(self) -> bool:
@@ -436,7 +472,17 @@ class Llama:
         return _Dims(c.hidden_size, self.heads, self.kv_heads, self.hd, c.intermediate_size, c.num_hidden_layers,
                      self.max_len, int(self.interleaved), self.eps, self.cos.data_ptr(), self.sin.data_ptr(),
                      self._kpool.data_ptr(), self._vpool.data_ptr(), ctypes.cast(self._tptr, ctypes.c_void_p),
-                     self._pool.blocks, int(self.q8), int(self.kv_dtype == torch.float16))
+                     self._pool.blocks, int(self.q8), int(self.kv_dtype == torch.float16), ACTIVATIONS[self.act],
+                     self.attn_scale)
+
+
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
+def _post(out, norm, eps):
+    """A post-norm (Gemma's post-attention / post-MLP norms) or nothing."""
+    return out if norm is None else _rmsnorm(out, norm, eps)
 
 
 def _rmsnorm(x, w, eps):
