@@ -91,12 +91,14 @@ def rope_tables(config, max_len: int, theta: float | None = None) -> tuple[torch
     params = getattr(config, "rope_parameters", None) or {}
     kind = params.get("rope_type", "default") if theta is None else "default"
     hd = config.head_dim
-    if kind == "default":
+    if kind in ("default", "linear"):
         base = params["rope_theta"] if theta is None else theta
         inv = 1.0 / (base ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
         factors = getattr(config, "rope_freq_factors", None)
         if factors is not None and theta is None:
             inv = inv / factors.float()
+        if kind == "linear":  # position interpolation: every frequency divided by the factor
+            inv = inv / params["factor"]
         scale = 1.0
     else:
         from transformers import AutoConfig

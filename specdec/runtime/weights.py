@@ -52,6 +52,16 @@ class QTensor:
         rows = torch.as_tensor(rows, dtype=torch.long)
         return QTensor(self.fmt, self.data[rows].contiguous(), len(rows), self.k)
 
+    def split(self, sizes: list[int]) -> list[QTensor]:
+        """Consecutive row ranges as tensors of their own, views of the same bytes (a fused qkv or gate/up)."""
+        if sum(sizes) != self.n:
+            raise Unsupported(f"a fused matrix of {self.n} rows cannot split as {sizes}: the file and its config disagree")
+        out, start = [], 0
+        for size in sizes:
+            out.append(QTensor(self.fmt, self.data[start:start + size], size, self.k, mapped=self.mapped))
+            start += size
+        return out
+
     def rows(self, idx) -> torch.Tensor:
         """Rows `idx` dequantized to fp32 [len(idx), k] (embedding lookups)."""
         return _dequantize(self.fmt, self.data[torch.as_tensor(idx, dtype=torch.long)], self.k)
@@ -155,6 +165,7 @@ class GGUFFile:
     """Scalar/string metadata and memory-mapped tensors of a GGUF file (nothing is read until a kernel touches it)."""
 
     def __init__(self, path):
+        self.path = path
         try:
             self.map = np.memmap(path, dtype=np.uint8, mode="r")
             self.fields, self.tensors = self._parse(memoryview(self.map))
@@ -193,6 +204,8 @@ class GGUFFile:
 
     def _bytes(self, name: str, rows: int, row_bytes: int) -> torch.Tensor:
         _, _, off = self.tensors[name]
+        if off + rows * row_bytes > len(self.map):
+            raise Unsupported(f"cannot read GGUF {self.path}: tensor {name} ends past the end of the file (truncated?)")
         with warnings.catch_warnings():  # a read-only memory map: the kernels never write to it
             warnings.simplefilter("ignore", UserWarning)
             return torch.from_numpy(self.map[off: off + rows * row_bytes].reshape(rows, row_bytes))
