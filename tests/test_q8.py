@@ -196,3 +196,44 @@ def resident_pages(t: torch.Tensor) -> int:
         f.seek(first * 8)
         entries = f.read(8 * max(0, last - first))
     return sum(struct.unpack_from("<Q", entries, 8 * i)[0] >> 63 for i in range(len(entries) // 8))
+
+
+def as_q8_layout(fmt, data: np.ndarray, n: int, k: int) -> tuple[int, np.ndarray]:
+    """The blocks the q8 mode runs a Q5_0 / Q4_K tensor as, rebuilt in numpy from the file's bytes: Q5_0 -> Q8_0
+    (d, q - 16); Q4_K -> Q4_1 per 32-column sub-block (fp16 of d·sc and of -dmin·m, column i in byte i % 16)."""
+    if fmt == kernels.Q5_0:
+        blocks = data.reshape(n, k // 32, 22)
+        q = gguf.quants.dequantize(data, T.Q5_0).reshape(n, k // 32, 32) / blocks[..., :2].copy().view(np.float16)
+        return kernels.Q8_0, np.concatenate([blocks[..., :2], np.rint(q).astype(np.int8).view(np.uint8)], -1)
+    sb = data.reshape(n, k // 256, 144)
+    d, dmin = sb[..., 0:2].copy().view(np.float16).astype(F32), sb[..., 2:4].copy().view(np.float16).astype(F32)
+    sc, m = gguf.quants.Q4_K.get_scale_min(sb[..., 4:16].reshape(-1, 12))
+    sc, m = sc.reshape(n, -1, 8).astype(F32), m.reshape(n, -1, 8).astype(F32)
+    qs = sb[..., 16:].reshape(n, -1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1) & 15
+    q = qs.reshape(n, -1, 8, 32)
+    dd = (d * sc).astype(np.float16).view(np.uint8).reshape(n, -1, 8, 2)
+    mm = (-(dmin * m)).astype(np.float16).view(np.uint8).reshape(n, -1, 8, 2)
+    return kernels.Q4_1, np.concatenate([dd, mm, q[..., :16] | q[..., 16:] << 4], -1).reshape(n, -1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", [kernels.Q5_0, kernels.Q4_K])
+def test_q8_runs_q5_0_and_q4_k_as_the_blocks_they_equal(fmt):
+    """Q5_0 in q8 is bitwise the Q8_0 q8 linear on the same weights; Q4_K is the Q4_1 q8 linear on its sub-blocks with
+    fp16 scales (numpy reference for both); a Q4_K tensor whose scales fp16 cannot hold runs exact instead."""
+    from specdec.runtime.quantize import quantize
+    from specdec.runtime.weights import QTensor, qlinear
+    n, k = 37, 512
+    w = np.random.default_rng(fmt).standard_normal((n, k)).astype(F32)
+    data = quantize(w, fmt)
+    lay, blocks = as_q8_layout(fmt, data, n, k)
+    x = np.random.default_rng(2).standard_normal((13, k)).astype(F32)
+    want = q8_reference(lay, x, np.ascontiguousarray(blocks).reshape(n, -1), n, k)
+    for rows in (1, 4, 13):
+        got = kernels.linear(fmt, torch.from_numpy(x[:rows]), torch.from_numpy(data), n, q8=True)
+        assert np.array_equal(got.numpy(), want[:rows]), rows
+    if fmt == kernels.Q4_K:
+        tiny = quantize(w * 1e-4, fmt)  # sub-block scales ~3e-5: below fp16's normal numbers
+        qt = QTensor(fmt, torch.from_numpy(tiny), n, k)
+        xt = torch.from_numpy(x)
+        assert qt.packed() is None and torch.equal(qlinear(xt, qt, q8=True), qlinear(xt, qt))

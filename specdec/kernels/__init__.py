@@ -141,8 +141,14 @@ def path_name() -> str:
 
 
 def q8_format(fmt: int) -> bool:
-    """Weight formats the q8 mode runs in integers (int8 activations); float weights keep the exact path."""
-    return fmt in (Q4_0, Q4_1, Q8_0)
+    """Weight formats the q8 mode runs in integers (int8 activations); the others keep the exact path. Q5_0 runs as
+    Q8_0 blocks (the same weights), Q4_K as Q4_1 blocks with each sub-block's scale and min in fp16 (rows.cpp
+    q8_layout; a tensor whose scales fp16 cannot hold runs exact)."""
+    return fmt in (Q4_0, Q4_1, Q8_0, Q5_0, Q4_K)
+
+
+class NotRepackable(ValueError):
+    """A Q4_K tensor whose sub-block scales fp16 cannot hold: it runs on the exact kernels in q8 mode too."""
 
 
 def repack(fmt: int, weight: torch.Tensor, n: int, k: int, lib: Library | None = None) -> torch.Tensor:
@@ -153,7 +159,8 @@ def repack(fmt: int, weight: torch.Tensor, n: int, k: int, lib: Library | None =
     if size < 0 or tuple(weight.shape) != (n, lib.row_bytes(fmt, k)) or not weight.is_contiguous():
         raise ValueError(f"cannot repack {tuple(weight.shape)} as {n} rows of {FORMATS.get(fmt, fmt)} with {k} columns")
     out = torch.empty(size, dtype=torch.uint8)
-    lib.rows_repack(fmt, weight.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads())
+    if lib.rows_repack(fmt, weight.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads()) == -2:
+        raise NotRepackable(f"{FORMATS[fmt]} scales beyond fp16's precision")
     return out
 
 
@@ -176,7 +183,10 @@ def linear(fmt: int, x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.
         raise ValueError(f"kernel linear: bias must be fp32 [{n}]")
     if q8 and q8_format(fmt):
         if packed is None:
-            packed = repack(fmt, weight, n, k, lib)
+            try:
+                packed = repack(fmt, weight, n, k, lib)
+            except NotRepackable:
+                packed = None
         elif packed.dtype != torch.uint8 or packed.numel() != lib.rows_repacked_bytes(fmt, n, k):
             raise ValueError("kernel linear: `packed` is not this weight's repack")
     else:

@@ -636,48 +636,103 @@ static void q8_quantize(const float* x, int R, const QX& Q) {
     for (int r = 0; r < R; r++) q8_quantize_row(x + (long)r * Q.K, Q, r);
 }
 
-static inline bool q8_format(int fmt) { return fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0; }
+// The layout a file format runs as in q8: Q4_0, Q4_1 and Q8_0 as themselves; Q5_0 as Q8_0 (d, q - 16 as int8: the
+// same weights); Q4_K as Q4_1 (sub-block j: d = d·sc_j, m = -dmin·m_j, rounded to fp16 once at repack; refused, so
+// the tensor runs exact, where that rounding would lose more than fp16's 11 bits). 0: none (exact kernels).
+static inline int q8_layout(int fmt) {
+    return fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0 ? fmt : fmt == Q5_0 ? Q8_0 : fmt == Q4_K ? Q4_1 : 0;
+}
+static inline bool q8_format(int fmt) { return q8_layout(fmt) != 0; }
 template <int FMT> struct Q8W;  // a file block's bytes and where its quants start; a repacked block's scale bytes
 template <> struct Q8W<Q4_0> { static const int BLOCK = 18, QS = 2, SCALES = 32, CHUNKS = 4; };
 template <> struct Q8W<Q4_1> { static const int BLOCK = 20, QS = 4, SCALES = 64, CHUNKS = 4; };
 template <> struct Q8W<Q8_0> { static const int BLOCK = 34, QS = 2, SCALES = 32, CHUNKS = 8; };
 
+// Block b of a file row in the layout FMT's bytes: the row's own block, or a converted copy in `tmp` (Q5_0, Q4_K).
+// Returns null where a Q4_K sub-block's scale or min is not an fp16 number within fp16's relative precision.
+static inline bool fp16_exact_enough(float v, uint16_t* h) {
+    *h = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
+    const float back = _cvtsh_ss(*h);
+    return v == 0.0f || (fabsf(v) >= 6.103515625e-05f && fabsf(back - v) <= fabsf(v) * 0x1p-11f);
+}
+static const uint8_t* layout_block(int src, const uint8_t* row, int b, uint8_t* tmp) {
+    if (src == Q5_0) {  // -> Q8_0: d, then q - 16 as int8
+        const uint8_t* blk = row + 22L * b;
+        uint32_t qh;
+        memcpy(tmp, blk, 2);
+        memcpy(&qh, blk + 2, 4);
+        for (int i = 0; i < 32; i++) {
+            const int lo = i < 16 ? blk[6 + i] & 15 : blk[6 + i - 16] >> 4;
+            tmp[2 + i] = (uint8_t)(int8_t)((lo | ((qh >> i) & 1) << 4) - 16);
+        }
+        return tmp;
+    }
+    if (src == Q4_K) {  // -> Q4_1: sub-block j's 32 nibbles with column i in byte i % 16 (low nibble for i < 16)
+        const uint8_t* sb = row + 144L * (b / 8);
+        const int j = b % 8;
+        int sc, m;
+        scale_min_k4(sb + 4, j, &sc, &m);
+        uint16_t d16, m16;
+        if (!fp16_exact_enough(h2f(sb) * (float)sc, &d16) || !fp16_exact_enough(-(h2f(sb + 2) * (float)m), &m16))
+            return nullptr;
+        memcpy(tmp, &d16, 2);
+        memcpy(tmp + 2, &m16, 2);
+        const uint8_t* q = sb + 16 + 32 * (j / 2);
+        const int sh = 4 * (j % 2);
+        for (int i = 0; i < 16; i++) tmp[4 + i] = (uint8_t)(((q[i] >> sh) & 15) | (((q[16 + i] >> sh) & 15) << 4));
+        return tmp;
+    }
+    return row + (long)(src == Q4_0 ? 18 : src == Q4_1 ? 20 : 34) * b;
+}
+
 // Repack N rows of K columns (file blocks) into ceil(N / 16) groups of 16 rows (rows past N are zero). Per group and
 // block: d[16] fp16, (Q4_1: m[16] fp16), then 64-byte chunks: chunk c, bytes 4j..4j+3 = row j's quant bytes 4c..4c+3.
+// Returns false if a block cannot be laid out (layout_block).
 template <int FMT>
-static void repack(const uint8_t* W, int N, int K, uint8_t* out) {
+static bool repack(int src, const uint8_t* W, int N, int K, uint8_t* out) {
     typedef Q8W<FMT> F;
     const int nb = K / 32, G = (N + 15) / 16;
-    const long rb = (long)F::BLOCK * nb, bb = 16L * F::BLOCK;
+    const long rb = row_bytes(src, K), bb = 16L * F::BLOCK;
     static const uint8_t ZERO[34] = {0};
+    bool ok = true;
 #pragma omp for schedule(static)
     for (int g = 0; g < G; g++)
         for (int b = 0; b < nb; b++) {
             uint8_t* o = out + (long)g * nb * bb + b * bb;
             for (int j = 0; j < 16; j++) {
                 const int n = 16 * g + j;
-                const uint8_t* src = n < N ? W + n * rb + (long)b * F::BLOCK : ZERO;
-                memcpy(o + 2 * j, src, 2);                               // d
-                if (FMT == Q4_1) memcpy(o + 32 + 2 * j, src + 2, 2);     // m
-                for (int c = 0; c < F::CHUNKS; c++) memcpy(o + F::SCALES + 64 * c + 4 * j, src + F::QS + 4 * c, 4);
+                uint8_t tmp[34];
+                const uint8_t* blk = n < N ? layout_block(src, W + n * rb, b, tmp) : ZERO;
+                if (!blk) { ok = false; blk = ZERO; }
+                memcpy(o + 2 * j, blk, 2);                               // d
+                if (FMT == Q4_1) memcpy(o + 32 + 2 * j, blk + 2, 2);     // m
+                for (int c = 0; c < F::CHUNKS; c++) memcpy(o + F::SCALES + 64 * c + 4 * j, blk + F::QS + 4 * c, 4);
             }
         }
+    return ok;
 }
 
 extern "C" long rows_repacked_bytes(int fmt, int N, int K) {
-    if (!q8_format(fmt) || K % 32 || N < 0) return -1;
-    return (N + 15) / 16 * 16L * row_bytes(fmt, K);
+    const int lay = q8_layout(fmt);
+    if (!lay || row_bytes(fmt, K) < 0 || K % 32 || N < 0) return -1;
+    return (N + 15) / 16 * 16L * row_bytes(lay, K);
 }
 
+// 0, -1 (format or shape not repackable), -2 (a Q4_K tensor whose scales fp16 cannot hold: it runs exact)
 extern "C" int rows_repack(int fmt, const uint8_t* W, int N, int K, uint8_t* out, int threads) {
     if (rows_repacked_bytes(fmt, N, K) < 0) return -1;
-#pragma omp parallel num_threads(threads)
-    switch (fmt) {
-        case Q4_0: repack<Q4_0>(W, N, K, out); break;
-        case Q4_1: repack<Q4_1>(W, N, K, out); break;
-        default: repack<Q8_0>(W, N, K, out); break;
+    int bad = 0;
+#pragma omp parallel num_threads(threads) reduction(| : bad)
+    {
+        bool ok;
+        switch (q8_layout(fmt)) {
+            case Q4_0: ok = repack<Q4_0>(fmt, W, N, K, out); break;
+            case Q4_1: ok = repack<Q4_1>(fmt, W, N, K, out); break;
+            default: ok = repack<Q8_0>(fmt, W, N, K, out); break;
+        }
+        bad |= !ok;
     }
-    return 0;
+    return bad ? -2 : 0;
 }
 
 // One block's isum for 16 weight rows (lanes) and one x row: the 8 groups of 4 columns (Q4: chunk c's low nibbles
@@ -883,7 +938,7 @@ static void linear(const Lin* L, const float* x, int R, int K, float* y, bool ac
         const Seg& s = L->seg[i];
         float* ys = y + cols[i];  // weight row n of this segment is output column cols[i] + n
         if (per[i] == 16) {
-            switch (s.fmt) {
+            switch (q8_layout(s.fmt)) {
                 case Q4_0: q8_group<Q4_0>(*Q, R, s.wq, g - starts[i], s.n, ys, ldy, s.bias, acc_out); break;
                 case Q4_1: q8_group<Q4_1>(*Q, R, s.wq, g - starts[i], s.n, ys, ldy, s.bias, acc_out); break;
                 default: q8_group<Q8_0>(*Q, R, s.wq, g - starts[i], s.n, ys, ldy, s.bias, acc_out); break;

@@ -33,6 +33,7 @@ class QTensor:
     k: int
     _dense: torch.Tensor | None = field(default=None, repr=False)
     _packed: torch.Tensor | None = field(default=None, repr=False)
+    _exact_only: bool = field(default=False, repr=False)  # q8 cannot repack it (kernels.NotRepackable)
     mapped: bool = False  # `data` is a read-only memory map of a file (GGUF): its pages can be dropped and re-read
 
     @classmethod
@@ -69,8 +70,12 @@ class QTensor:
     def packed(self) -> torch.Tensor | None:
         """The blocks repacked for the q8 kernel (kernels.repack; made once, the same bytes again), or None for
         formats the q8 mode runs exactly (float weights)."""
-        if self._packed is None and kernels.q8_format(self.fmt):
-            self._packed = kernels.repack(self.fmt, self.data, self.n, self.k)
+        if self._packed is None and kernels.q8_format(self.fmt) and not self._exact_only:
+            try:
+                self._packed = kernels.repack(self.fmt, self.data, self.n, self.k)
+            except kernels.NotRepackable:
+                self._exact_only = True
+                return None
             if self.mapped:  # q8 reads the copy: the file's pages leave the resident set (re-read if ever needed)
                 release_pages(self.data)
         return self._packed
@@ -132,7 +137,8 @@ def qlinear(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None, q8: b
     if x.shape[-1] != w.k:
         raise ValueError(f"a linear of {w.k} columns got rows of {x.shape[-1]}")
     if kernels.library() is not None:
-        return kernels.linear(w.fmt, x, w.data, w.n, bias, q8=q8, packed=w.packed() if q8 else None)
+        packed = w.packed() if q8 else None
+        return kernels.linear(w.fmt, x, w.data, w.n, bias, q8=packed is not None, packed=packed)
     rows, dense = x.reshape(-1, w.k), w.dequantize()
     out = [F.linear(rows[r:r + 1].clone(), dense, bias) for r in range(rows.shape[0])]
     return (torch.cat(out) if out else x.new_empty(0, w.n)).reshape(*x.shape[:-1], w.n)
