@@ -198,9 +198,33 @@ def resident_pages(t: torch.Tensor) -> int:
     return sum(struct.unpack_from("<Q", entries, 8 * i)[0] >> 63 for i in range(len(entries) // 8))
 
 
+def q6_k_reference(x: np.ndarray, q: np.ndarray, dsc: np.ndarray) -> np.ndarray:
+    """Q6_K's q8 linear in numpy: per 32-column block of x (quantized as for every format), each 16-column half's exact
+    integer dot product, then acc = fma(isum_a, d_a·s, acc), acc = fma(isum_b, d_b·s, acc), in block order."""
+    n, k = q.shape
+    nb = k // 32
+    xb = x.astype(F32).reshape(len(x), nb, 32)
+    amax = np.abs(xb).max(2)
+    s = (amax / F32(127)).astype(F32)
+    inv = np.where(amax > 0, F32(127) / np.where(amax > 0, amax, F32(1)), F32(0)).astype(F32)
+    xq = np.rint(xb * inv[..., None]).astype(np.int64).reshape(len(x), nb * 2, 16)
+    isum = np.einsum("rhi,nhi->rnh", xq, q.reshape(n, nb * 2, 16))
+    dh = dsc.reshape(n, nb * 2)
+    acc = np.zeros((len(x), n), F32)
+    for h in range(2 * nb):
+        acc = fma32(isum[..., h].astype(F32), (dh[None, :, h] * s[:, None, h // 2]).astype(F32), acc)
+    return acc
+
+
 def as_q8_layout(fmt, data: np.ndarray, n: int, k: int) -> tuple[int, np.ndarray]:
     """The blocks the q8 mode runs a Q5_0 / Q4_K tensor as, rebuilt in numpy from the file's bytes: Q5_0 -> Q8_0
     (d, q - 16); Q4_K -> Q4_1 per 32-column sub-block (fp16 of d·sc and of -dmin·m, column i in byte i % 16)."""
+    if fmt == kernels.Q6_K:  # (fp16 d·sc of each 16 columns, q) -> reference arrays, not blocks
+        blocks = data.reshape(n, k // 256, 210)
+        d = blocks[..., 208:210].copy().view(np.float16).astype(F32)
+        sc = blocks[..., 192:208].copy().view(np.int8).astype(F32)
+        q = gguf.quants.dequantize(data, T.Q6_K).reshape(n, k // 256, 16, 16) / (d * sc)[..., None]
+        return kernels.Q6_K, (np.rint(q).astype(np.int64).reshape(n, k), (d * sc).astype(np.float16).astype(F32))
     if fmt == kernels.Q5_0:
         blocks = data.reshape(n, k // 32, 22)
         q = gguf.quants.dequantize(data, T.Q5_0).reshape(n, k // 32, 32) / blocks[..., :2].copy().view(np.float16)
@@ -217,10 +241,11 @@ def as_q8_layout(fmt, data: np.ndarray, n: int, k: int) -> tuple[int, np.ndarray
 
 
 @needs_kernel
-@pytest.mark.parametrize("fmt", [kernels.Q5_0, kernels.Q4_K])
-def test_q8_runs_q5_0_and_q4_k_as_the_blocks_they_equal(fmt):
+@pytest.mark.parametrize("fmt", [kernels.Q5_0, kernels.Q4_K, kernels.Q6_K])
+def test_q8_runs_q5_0_q4_k_and_q6_k_as_the_blocks_they_equal(fmt):
     """Q5_0 in q8 is bitwise the Q8_0 q8 linear on the same weights; Q4_K is the Q4_1 q8 linear on its sub-blocks with
-    fp16 scales (numpy reference for both); a Q4_K tensor whose scales fp16 cannot hold runs exact instead."""
+    fp16 scales; Q6_K sums each 16-column half exactly and scales it by its fp16 d·sc (numpy references); a tensor
+    whose scales fp16 cannot hold runs exact instead."""
     from specdec.runtime.quantize import quantize
     from specdec.runtime.weights import QTensor, qlinear
     n, k = 37, 512
@@ -228,11 +253,15 @@ def test_q8_runs_q5_0_and_q4_k_as_the_blocks_they_equal(fmt):
     data = quantize(w, fmt)
     lay, blocks = as_q8_layout(fmt, data, n, k)
     x = np.random.default_rng(2).standard_normal((13, k)).astype(F32)
-    want = q8_reference(lay, x, np.ascontiguousarray(blocks).reshape(n, -1), n, k)
+    x[4, 64:96] = 0
+    if lay == kernels.Q6_K:
+        want = q6_k_reference(x, *blocks)
+    else:
+        want = q8_reference(lay, x, np.ascontiguousarray(blocks).reshape(n, -1), n, k)
     for rows in (1, 4, 13):
         got = kernels.linear(fmt, torch.from_numpy(x[:rows]), torch.from_numpy(data), n, q8=True)
         assert np.array_equal(got.numpy(), want[:rows]), rows
-    if fmt == kernels.Q4_K:
+    if fmt != kernels.Q5_0:
         tiny = quantize(w * 1e-4, fmt)  # sub-block scales ~3e-5: below fp16's normal numbers
         qt = QTensor(fmt, torch.from_numpy(tiny), n, k)
         xt = torch.from_numpy(x)

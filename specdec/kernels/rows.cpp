@@ -583,6 +583,7 @@ struct QX {            // R rows of K columns, quantized
     float* sq;         // [R][nb]: s_b * Σq_b (Q4_1's offset term)
     int32_t* o4;       // [R][nb]: -8 Σq_b (Q4_0's offset)
     int32_t* o8;       // [R][nb]: -128 Σq_b (Q8_0 weights offset by +128 for vpdpbusd's unsigned operand)
+    int32_t* h0;       // [R][nb]: Σq of the block's first 16 columns (Q6_K's two sub-blocks per block)
     int K, nb;
 };
 
@@ -628,6 +629,9 @@ static void q8_quantize_row(const float* x, const QX& Q, int r) {
         Q.sq[at] = s * (float)total;
         Q.o4[at] = -8 * total;
         Q.o8[at] = -128 * total;
+        int h = 0;
+        for (int i = 0; i < 16; i++) h += q[32 * b + i];
+        Q.h0[at] = h;
     }
 }
 
@@ -638,15 +642,18 @@ static void q8_quantize(const float* x, int R, const QX& Q) {
 
 // The layout a file format runs as in q8: Q4_0, Q4_1 and Q8_0 as themselves; Q5_0 as Q8_0 (d, q - 16 as int8: the
 // same weights); Q4_K as Q4_1 (sub-block j: d = d·sc_j, m = -dmin·m_j, rounded to fp16 once at repack; refused, so
-// the tensor runs exact, where that rounding would lose more than fp16's 11 bits). 0: none (exact kernels).
+// the tensor runs exact, where that rounding would lose more than fp16's 11 bits); Q6_K as its own layout: per 32
+// columns the two 16-column sub-blocks' d·sc in fp16 (the same rounding rule) and 32 bytes q + 32 in [0, 63].
+// 0: none (exact kernels).
 static inline int q8_layout(int fmt) {
-    return fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0 ? fmt : fmt == Q5_0 ? Q8_0 : fmt == Q4_K ? Q4_1 : 0;
+    return fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0 || fmt == Q6_K ? fmt : fmt == Q5_0 ? Q8_0 : fmt == Q4_K ? Q4_1 : 0;
 }
 static inline bool q8_format(int fmt) { return q8_layout(fmt) != 0; }
 template <int FMT> struct Q8W;  // a file block's bytes and where its quants start; a repacked block's scale bytes
 template <> struct Q8W<Q4_0> { static const int BLOCK = 18, QS = 2, SCALES = 32, CHUNKS = 4; };
 template <> struct Q8W<Q4_1> { static const int BLOCK = 20, QS = 4, SCALES = 64, CHUNKS = 4; };
 template <> struct Q8W<Q8_0> { static const int BLOCK = 34, QS = 2, SCALES = 32, CHUNKS = 8; };
+template <> struct Q8W<Q6_K> { static const int BLOCK = 36, QS = 4, SCALES = 64, CHUNKS = 8; };  // d_a, d_b, 32 u8
 
 // Block b of a file row in the layout FMT's bytes: the row's own block, or a converted copy in `tmp` (Q5_0, Q4_K).
 // Returns null where a Q4_K sub-block's scale or min is not an fp16 number within fp16's relative precision.
@@ -682,6 +689,20 @@ static const uint8_t* layout_block(int src, const uint8_t* row, int b, uint8_t* 
         for (int i = 0; i < 16; i++) tmp[4 + i] = (uint8_t)(((q[i] >> sh) & 15) | (((q[16 + i] >> sh) & 15) << 4));
         return tmp;
     }
+    if (src == Q6_K) {  // -> d_a, d_b (fp16), then u = q + 32 of the 32 columns, in column order
+        const uint8_t* sb = row + 210L * (b / 8);
+        const int o = 32 * (b % 8), h = o / 128, r0 = o % 128;
+        const float d = h2f(sb + 208);
+        for (int k = 0; k < 2; k++) {
+            uint16_t dk;
+            if (!fp16_exact_enough(d * (float)(int8_t)sb[192 + o / 16 + k], &dk)) return nullptr;
+            memcpy(tmp + 2 * k, &dk, 2);
+        }
+        for (int i = 0; i < 32; i++)
+            tmp[4 + i] = (uint8_t)(((sb[64 * h + r0 % 64 + i] >> (4 * (r0 / 64))) & 15) |
+                                   (((sb[128 + 32 * h + i] >> (2 * (r0 / 32))) & 3) << 4));
+        return tmp;
+    }
     return row + (long)(src == Q4_0 ? 18 : src == Q4_1 ? 20 : 34) * b;
 }
 
@@ -693,7 +714,7 @@ static bool repack(int src, const uint8_t* W, int N, int K, uint8_t* out) {
     typedef Q8W<FMT> F;
     const int nb = K / 32, G = (N + 15) / 16;
     const long rb = row_bytes(src, K), bb = 16L * F::BLOCK;
-    static const uint8_t ZERO[34] = {0};
+    static const uint8_t ZERO[36] = {0};
     bool ok = true;
 #pragma omp for schedule(static)
     for (int g = 0; g < G; g++)
@@ -701,11 +722,11 @@ static bool repack(int src, const uint8_t* W, int N, int K, uint8_t* out) {
             uint8_t* o = out + (long)g * nb * bb + b * bb;
             for (int j = 0; j < 16; j++) {
                 const int n = 16 * g + j;
-                uint8_t tmp[34];
+                uint8_t tmp[36];
                 const uint8_t* blk = n < N ? layout_block(src, W + n * rb, b, tmp) : ZERO;
                 if (!blk) { ok = false; blk = ZERO; }
                 memcpy(o + 2 * j, blk, 2);                               // d
-                if (FMT == Q4_1) memcpy(o + 32 + 2 * j, blk + 2, 2);     // m
+                if (FMT == Q4_1 || FMT == Q6_K) memcpy(o + 32 + 2 * j, blk + 2, 2);  // m, or Q6_K's d_b
                 for (int c = 0; c < F::CHUNKS; c++) memcpy(o + F::SCALES + 64 * c + 4 * j, blk + F::QS + 4 * c, 4);
             }
         }
@@ -715,7 +736,9 @@ static bool repack(int src, const uint8_t* W, int N, int K, uint8_t* out) {
 extern "C" long rows_repacked_bytes(int fmt, int N, int K) {
     const int lay = q8_layout(fmt);
     if (!lay || row_bytes(fmt, K) < 0 || K % 32 || N < 0) return -1;
-    return (N + 15) / 16 * 16L * row_bytes(lay, K);
+    const long block = lay == Q4_0 ? Q8W<Q4_0>::BLOCK : lay == Q4_1 ? Q8W<Q4_1>::BLOCK : lay == Q6_K ? Q8W<Q6_K>::BLOCK
+                                                                                              : Q8W<Q8_0>::BLOCK;
+    return (N + 15) / 16 * 16L * block * (K / 32);
 }
 
 // 0, -1 (format or shape not repackable), -2 (a Q4_K tensor whose scales fp16 cannot hold: it runs exact)
@@ -728,6 +751,7 @@ extern "C" int rows_repack(int fmt, const uint8_t* W, int N, int K, uint8_t* out
         switch (q8_layout(fmt)) {
             case Q4_0: ok = repack<Q4_0>(fmt, W, N, K, out); break;
             case Q4_1: ok = repack<Q4_1>(fmt, W, N, K, out); break;
+            case Q6_K: ok = repack<Q6_K>(fmt, W, N, K, out); break;
             default: ok = repack<Q8_0>(fmt, W, N, K, out); break;
         }
         bad |= !ok;
@@ -745,6 +769,10 @@ template <int FMT>
 static inline void q8_unpack(const uint8_t* qs, WB* w) {
     if (FMT == Q8_0) {  // s8 -> u8 by +128, taken back by the -128 Σq start
         for (int c = 0; c < 8; c++) w->g[c] = _mm512_xor_si512(_mm512_loadu_si512(qs + 64 * c), _mm512_set1_epi8((char)0x80));
+        return;
+    }
+    if (FMT == Q6_K) {  // already u8 (q + 32)
+        for (int c = 0; c < 8; c++) w->g[c] = _mm512_loadu_si512(qs + 64 * c);
         return;
     }
     const __m512i m = _mm512_set1_epi8(15);
@@ -765,6 +793,13 @@ static inline I16 q8_dot(const WB& w, const int8_t* xq, int32_t start) {
 template <int FMT> static inline int32_t q8_start(const QX& Q, long at) {
     return FMT == Q4_0 ? Q.o4[at] : FMT == Q8_0 ? Q.o8[at] : 0;
 }
+// The block's two 16-column halves apart (Q6_K: a scale each), u8 weights: two exact integer chains from sa, sb.
+static inline void q8_dot_halves(const WB& w, const int8_t* xq, int32_t sa, int32_t sb, I16* a, I16* b) {
+    __m512i A = _mm512_set1_epi32(sa), B = _mm512_set1_epi32(sb);
+    for (int c = 0; c < 4; c++) A = _mm512_dpbusd_epi32(A, w.g[c], xb4(xq + 4 * c));
+    for (int c = 4; c < 8; c++) B = _mm512_dpbusd_epi32(B, w.g[c], xb4(xq + 4 * c));
+    a->v = A, b->v = B;
+}
 #else
 struct I16 { __m256i lo, hi; };  // rows 0-7, 8-15
 static inline V16 i16_to_f(I16 a) {
@@ -777,7 +812,7 @@ static inline V16 i16_to_f(I16 a) {
 struct WB { __m256i lo[8], hi[8]; };  // Q8_0 as stored (s8), Q4 as nibbles (u8)
 template <int FMT>
 static inline void q8_unpack(const uint8_t* qs, WB* w) {
-    if (FMT == Q8_0) {
+    if (FMT == Q8_0 || FMT == Q6_K) {  // as stored: s8 (Q8_0), u8 (Q6_K)
         for (int c = 0; c < 8; c++) {
             w->lo[c] = _mm256_loadu_si256((const __m256i*)(qs + 64 * c));
             w->hi[c] = _mm256_loadu_si256((const __m256i*)(qs + 64 * c + 32));
@@ -812,6 +847,17 @@ static inline I16 q8_dot(const WB& w, const int8_t* xq, int32_t start) {
     return {lo, hi};
 }
 template <int FMT> static inline int32_t q8_start(const QX& Q, long at) { return FMT == Q4_0 ? Q.o4[at] : 0; }
+static inline void q8_dot_halves(const WB& w, const int8_t* xq, int32_t sa, int32_t sb, I16* a, I16* b) {
+    __m256i alo = _mm256_set1_epi32(sa), ahi = alo, blo = _mm256_set1_epi32(sb), bhi = blo;
+    for (int c = 0; c < 8; c++) {  // u8 weights: maddubs' unsigned operand, as the Q4 formats
+        const __m256i x = xb4(xq + 4 * c);
+        __m256i& lo = c < 4 ? alo : blo;
+        __m256i& hi = c < 4 ? ahi : bhi;
+        lo = _mm256_add_epi32(lo, q8_dot8<Q4_1>(w.lo[c], x));
+        hi = _mm256_add_epi32(hi, q8_dot8<Q4_1>(w.hi[c], x));
+    }
+    *a = {alo, ahi}, *b = {blo, bhi};
+}
 #endif
 
 #ifndef Q8_AHEAD
@@ -840,6 +886,19 @@ static inline void q8_tile(const QX& Q, int m0, const uint8_t* G, float* y, long
         const V16 d = f16_to_f((const uint16_t*)blk);
         WB w;
         q8_unpack<FMT>(blk + F::SCALES, &w);
+        if constexpr (FMT == Q6_K) {  // Σ (u - 32)·x per half = Σ u·x - 32·Σx: d_a and d_b each scale their half
+            const V16 db = f16_to_f((const uint16_t*)blk + 16);
+            for (int m = 0; m < M; m++) {
+                const long at = (long)(m0 + m) * nb + bl;
+                const int32_t h0 = Q.h0[at], total = -Q.o4[at] / 8;
+                I16 ia, ib;
+                q8_dot_halves(w, Q.q + (long)(m0 + m) * Q.K + 32 * bl, -32 * h0, -32 * (total - h0), &ia, &ib);
+                const V16 sv = vset1(Q.s[at]);
+                acc[m] = vfma(i16_to_f(ia), vmul(d, sv), acc[m]);
+                acc[m] = vfma(i16_to_f(ib), vmul(db, sv), acc[m]);
+            }
+            continue;
+        }
         for (int m = 0; m < M; m++) {
             const long at = (long)(m0 + m) * nb + bl;
             const I16 isum = q8_dot<FMT>(w, Q.q + (long)(m0 + m) * Q.K + 32 * bl, q8_start<FMT>(Q, at));
@@ -941,6 +1000,7 @@ static void linear(const Lin* L, const float* x, int R, int K, float* y, bool ac
             switch (q8_layout(s.fmt)) {
                 case Q4_0: q8_group<Q4_0>(*Q, R, s.wq, g - starts[i], s.n, ys, ldy, s.bias, acc_out); break;
                 case Q4_1: q8_group<Q4_1>(*Q, R, s.wq, g - starts[i], s.n, ys, ldy, s.bias, acc_out); break;
+                case Q6_K: q8_group<Q6_K>(*Q, R, s.wq, g - starts[i], s.n, ys, ldy, s.bias, acc_out); break;
                 default: q8_group<Q8_0>(*Q, R, s.wq, g - starts[i], s.n, ys, ldy, s.bias, acc_out); break;
             }
             continue;
@@ -953,10 +1013,11 @@ static void linear(const Lin* L, const float* x, int R, int K, float* y, bool ac
 
 // QX buffers for R rows of up to K columns, owned by the caller's vectors.
 struct QXBuf {
-    std::vector<int8_t> q; std::vector<float> s, sq; std::vector<int32_t> o4, o8;
-    QXBuf(int R, int K) : q((size_t)R * K), s((size_t)R * (K / 32)), sq(s.size()), o4(s.size()), o8(s.size()) {}
+    std::vector<int8_t> q; std::vector<float> s, sq; std::vector<int32_t> o4, o8, h0;
+    QXBuf(int R, int K)
+        : q((size_t)R * K), s((size_t)R * (K / 32)), sq(s.size()), o4(s.size()), o8(s.size()), h0(s.size()) {}
     QX view(int K) {  // the layout for rows of K columns (K <= the size it was made for)
-        return {q.data(), s.data(), sq.data(), o4.data(), o8.data(), K, K / 32};
+        return {q.data(), s.data(), sq.data(), o4.data(), o8.data(), h0.data(), K, K / 32};
     }
 };
 
