@@ -467,3 +467,28 @@ def test_resumed_data_is_keyed_on_its_inputs(tmp_path, prompt_file, tok, target,
     distill("tiny", out, [prompt_file], [], max_new_tokens=5, limit=2, **kw)
     lines = seqs.read_text().splitlines()
     assert len(lines) == 2 and lines != first.splitlines()[:2]  # shorter responses: generated again
+
+
+def test_datastore_build_makes_the_targets_default_draft(tiny_dirs, tmp_path, monkeypatch, capsys):
+    """`specdec datastore build` stores the target's greedy outputs in the cache, keyed by the target; `--draft
+    datastore` and the default draft then use them (token-identical to target-only, and drafting); the datastore is
+    refused for a target with another tokenizer."""
+    from specdec.api import default_draft
+    from specdec.datastore import datastore_dir
+    from specdec.drafters.datastore import FILE
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    target = tiny_dirs["target"]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "mode": "chat"}) + "\n" for p in ["Hello", "abc", "Hello"]))
+    assert default_draft(target) == "ngram"
+    assert main(["datastore", "build", "--target", target, "--prompts", str(prompts), "--max-new-tokens", "16"]) == 0
+    assert "3 sequences" in capsys.readouterr().out and (datastore_dir(target) / FILE).exists()
+    assert default_draft(target) == "datastore+ngram"
+    plain = SpecDecoder(target=target, draft="none").generate("Hello", max_new_tokens=16)
+    sd = SpecDecoder(target=target)
+    assert sd.draft_name == "datastore+ngram"
+    got = sd.generate("Hello", max_new_tokens=16)
+    assert got.token_ids == plain.token_ids and got.stats["accepted"] > 0  # it has seen this answer: it drafts it
+    assert main(["generate", "Hello", "--target", tiny_dirs["alien"], "--draft", f"datastore:{datastore_dir(target)}",
+                 "--max-new-tokens", "4"]) == 2
+    assert "built for another tokenizer" in capsys.readouterr().err

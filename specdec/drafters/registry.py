@@ -17,9 +17,10 @@ from functools import cached_property
 from pathlib import Path
 
 from .. import models
+from ..errors import IncompatibleDraft
 from .base import NoDrafter
 from .chain import ChainDrafter
-from .datastore import DatastoreDrafter
+from .datastore import FILE as DATASTORE_FILE, DatastoreDrafter
 from .feature import MARKER, FeatureDrafter, check_target, is_feature_draft
 from .model import ModelDrafter
 from .ngram import NgramDrafter
@@ -90,10 +91,22 @@ def recycle_file(fingerprint: str) -> Path:
 
 @register("datastore")
 def _datastore(spec, target):
-    """'datastore' = the shipped draft's; 'datastore:DIR' = a `specdec distill` directory's (or a .safetensors)."""
-    src = SHIPPED_DRAFT if spec == "datastore" else models.resolve(spec.split(":", 1)[1])
+    """'datastore' = the one `specdec datastore build` made for this target, else the shipped draft's;
+    'datastore:DIR' = a `specdec distill` or `specdec datastore build --out` directory's (or a .safetensors)."""
+    from ..datastore import check_datastore, datastore_dir
+    if spec == "datastore":
+        built = datastore_dir(target.spec) if target.spec else None
+        src = built if built is not None and (built / DATASTORE_FILE).exists() else SHIPPED_DRAFT
+    else:
+        src = models.resolve(spec.split(":", 1)[1])
     if is_feature_draft(src):
-        check_target(json.loads((src / MARKER).read_text()), src, target.fingerprint, "datastore")
+        try:
+            check_target(json.loads((src / MARKER).read_text()), src, target.fingerprint, "datastore")
+        except IncompatibleDraft as e:
+            raise IncompatibleDraft(f"{e}; `specdec datastore build --target TARGET` builds one for this target") \
+                from None
+    elif Path(src).is_dir():
+        check_datastore(src, target.fingerprint)
     return DatastoreDrafter.load(src, target.vocab, name=spec)
 
 
