@@ -138,7 +138,9 @@ def main() -> None:
         rows = check_transformers(path, tok, prompts, a.tokens, eos)
         result["transformers_exact"] = {"equal": f"{sum(r['equal'] for r in rows)}/{len(rows)}", "prompts": rows}
     if "speed" not in a.skip:
-        result["speed"] = speed(path, model, tok, prompts, a.tokens, eos, default_draft(path))
+        draft = default_draft(path)  # what `specdec generate --target FILE` drafts with (the built datastore's path)
+        draft = draft.replace("datastore", f"datastore:{datastore_dir(path)}", 1) if "datastore" in draft else draft
+        result["speed"] = speed(path, model, tok, prompts, a.tokens, eos, draft)
     if "sweep" not in a.skip:
         store = datastore_dir(path)
         drafters = ["ngram", f"recycle:{tempfile.mkdtemp()}/recycle.safetensors"]
