@@ -59,11 +59,11 @@ def weights_of(fmt, data: np.ndarray, n: int, k: int):
     return q, d, blocks[..., 2:4].copy().view(np.float16).astype(F32)[..., 0]
 
 
-def q8_reference(fmt, x: np.ndarray, data: np.ndarray, n: int, k: int, bias=None) -> np.ndarray:
+def q8_reference(fmt, x: np.ndarray, data: np.ndarray, n: int, k: int, bias=None, weights=None) -> np.ndarray:
     """The q8 linear in numpy, operation for operation as rows.cpp does it: per block an exact integer dot product,
     then one fp32 chain per output over the blocks in order, acc = fma(isum, d·s, acc) (Q4_1: then
     acc = fma(m, s·Σq, acc)), + bias."""
-    qw, dw, mw = weights_of(fmt, data, n, k)
+    qw, dw, mw = weights if weights is not None else weights_of(fmt, data, n, k)
     nb = k // 32
     xb = x.astype(F32).reshape(len(x), nb, 32)
     amax = np.abs(xb).max(2)
@@ -225,6 +225,23 @@ def as_q8_layout(fmt, data: np.ndarray, n: int, k: int) -> tuple[int, np.ndarray
         sc = blocks[..., 192:208].copy().view(np.int8).astype(F32)
         q = gguf.quants.dequantize(data, T.Q6_K).reshape(n, k // 256, 16, 16) / (d * sc)[..., None]
         return kernels.Q6_K, (np.rint(q).astype(np.int64).reshape(n, k), (d * sc).astype(np.float16).astype(F32))
+    if fmt in (kernels.Q5_1, kernels.Q5_K):  # -> (q [n, k] in [0, 31], d, m per 32 columns): Q4_1's sums
+        if fmt == kernels.Q5_1:
+            blocks = data.reshape(n, k // 32, 24)
+            d, m = (blocks[..., a:a + 2].copy().view(np.float16).astype(F32)[..., 0] for a in (0, 2))
+            qh = blocks[..., 4:8].copy().view(np.uint32)
+            low = np.concatenate([blocks[..., 8:] & 15, blocks[..., 8:] >> 4], -1).astype(np.int64)
+            q = low | ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int64) << 4
+        else:
+            sb = data.reshape(n, k // 256, 176)
+            d0, dmin = sb[..., 0:2].copy().view(np.float16).astype(F32), sb[..., 2:4].copy().view(np.float16).astype(F32)
+            sc, mn = (v.reshape(n, -1, 8).astype(F32) for v in gguf.quants.Q4_K.get_scale_min(sb[..., 4:16].reshape(-1, 12)))
+            d = (d0 * sc).astype(np.float16).astype(F32).reshape(n, -1)
+            m = (-(dmin * mn)).astype(np.float16).astype(F32).reshape(n, -1)
+            low = (sb[..., 48:].reshape(n, -1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)) & 15
+            high = (sb[..., 16:48].reshape(n, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
+            q = low.reshape(n, -1, 8, 32).astype(np.int64) | high.astype(np.int64) << 4
+        return kernels.Q4_1, (q.reshape(n, k), d.reshape(n, -1), m.reshape(n, -1))
     if fmt == kernels.Q5_0:
         blocks = data.reshape(n, k // 32, 22)
         q = gguf.quants.dequantize(data, T.Q5_0).reshape(n, k // 32, 32) / blocks[..., :2].copy().view(np.float16)
@@ -241,27 +258,30 @@ def as_q8_layout(fmt, data: np.ndarray, n: int, k: int) -> tuple[int, np.ndarray
 
 
 @needs_kernel
-@pytest.mark.parametrize("fmt", [kernels.Q5_0, kernels.Q4_K, kernels.Q6_K])
-def test_q8_runs_q5_0_q4_k_and_q6_k_as_the_blocks_they_equal(fmt):
+@pytest.mark.parametrize("fmt", [kernels.Q5_0, kernels.Q5_1, kernels.Q4_K, kernels.Q5_K, kernels.Q6_K],
+                         ids=lambda f: kernels.FORMATS[f])
+def test_q8_runs_k_quants_and_5_bit_blocks_as_the_blocks_they_equal(fmt):
     """Q5_0 in q8 is bitwise the Q8_0 q8 linear on the same weights; Q4_K is the Q4_1 q8 linear on its sub-blocks with
-    fp16 scales; Q6_K sums each 16-column half exactly and scales it by its fp16 d·sc (numpy references); a tensor
-    whose scales fp16 cannot hold runs exact instead."""
+    fp16 scales, and Q5_1 / Q5_K the same sums on byte quants; Q6_K sums each 16-column half exactly and scales it by
+    its fp16 d·sc (numpy references), for 1..29 rows; a tensor whose scales fp16 cannot hold runs exact instead."""
     from specdec.runtime.quantize import quantize
     from specdec.runtime.weights import QTensor, qlinear
     n, k = 37, 512
     w = np.random.default_rng(fmt).standard_normal((n, k)).astype(F32)
     data = quantize(w, fmt)
     lay, blocks = as_q8_layout(fmt, data, n, k)
-    x = np.random.default_rng(2).standard_normal((13, k)).astype(F32)
+    x = np.random.default_rng(2).standard_normal((29, k)).astype(F32)
     x[4, 64:96] = 0
     if lay == kernels.Q6_K:
         want = q6_k_reference(x, *blocks)
+    elif fmt in (kernels.Q5_1, kernels.Q5_K):
+        want = q8_reference(lay, x, None, n, k, weights=blocks)
     else:
         want = q8_reference(lay, x, np.ascontiguousarray(blocks).reshape(n, -1), n, k)
-    for rows in (1, 4, 13):
+    for rows in (1, 2, 3, 4, 5, 8, 13, 29):
         got = kernels.linear(fmt, torch.from_numpy(x[:rows]), torch.from_numpy(data), n, q8=True)
         assert np.array_equal(got.numpy(), want[:rows]), rows
-    if fmt != kernels.Q5_0:
+    if fmt in (kernels.Q4_K, kernels.Q5_K, kernels.Q6_K):
         tiny = quantize(w * 1e-4, fmt)  # sub-block scales ~3e-5: below fp16's normal numbers
         qt = QTensor(fmt, torch.from_numpy(tiny), n, k)
         xt = torch.from_numpy(x)

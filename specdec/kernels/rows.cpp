@@ -643,10 +643,12 @@ static void q8_quantize(const float* x, int R, const QX& Q) {
 // The layout a file format runs as in q8: Q4_0, Q4_1 and Q8_0 as themselves; Q5_0 as Q8_0 (d, q - 16 as int8: the
 // same weights); Q4_K as Q4_1 (sub-block j: d = d·sc_j, m = -dmin·m_j, rounded to fp16 once at repack; refused, so
 // the tensor runs exact, where that rounding would lose more than fp16's 11 bits); Q6_K as its own layout: per 32
-// columns the two 16-column sub-blocks' d·sc in fp16 (the same rounding rule) and 32 bytes q + 32 in [0, 63].
-// 0: none (exact kernels).
+// columns the two 16-column sub-blocks' d·sc in fp16 (the same rounding rule) and 32 bytes q + 32 in [0, 63];
+// Q5_K and Q5_1 as a byte layout of Q4_1's: d and m (fp16: Q5_1's own, Q5_K's d·sc_j and -dmin·m_j by the rule) and
+// 32 bytes q in [0, 31]. Q2_K and Q3_K: 0, none (exact kernels: a byte layout would take 3x their memory).
 static inline int q8_layout(int fmt) {
-    return fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0 || fmt == Q6_K ? fmt : fmt == Q5_0 ? Q8_0 : fmt == Q4_K ? Q4_1 : 0;
+    return fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0 || fmt == Q6_K || fmt == Q5_K ? fmt : fmt == Q5_0 ? Q8_0
+           : fmt == Q4_K ? Q4_1 : fmt == Q5_1 ? Q5_K : 0;
 }
 static inline bool q8_format(int fmt) { return q8_layout(fmt) != 0; }
 template <int FMT> struct Q8W;  // a file block's bytes and where its quants start; a repacked block's scale bytes
@@ -654,6 +656,7 @@ template <> struct Q8W<Q4_0> { static const int BLOCK = 18, QS = 2, SCALES = 32,
 template <> struct Q8W<Q4_1> { static const int BLOCK = 20, QS = 4, SCALES = 64, CHUNKS = 4; };
 template <> struct Q8W<Q8_0> { static const int BLOCK = 34, QS = 2, SCALES = 32, CHUNKS = 8; };
 template <> struct Q8W<Q6_K> { static const int BLOCK = 36, QS = 4, SCALES = 64, CHUNKS = 8; };  // d_a, d_b, 32 u8
+template <> struct Q8W<Q5_K> { static const int BLOCK = 36, QS = 4, SCALES = 64, CHUNKS = 8; };  // d, m, 32 u8
 
 // Block b of a file row in the layout FMT's bytes: the row's own block, or a converted copy in `tmp` (Q5_0, Q4_K).
 // Returns null where a Q4_K sub-block's scale or min is not an fp16 number within fp16's relative precision.
@@ -703,6 +706,28 @@ static const uint8_t* layout_block(int src, const uint8_t* row, int b, uint8_t* 
                                    (((sb[128 + 32 * h + i] >> (2 * (r0 / 32))) & 3) << 4));
         return tmp;
     }
+    if (src == Q5_1) {  // d, m as they are, then q = low nibble | fifth bit << 4
+        const uint8_t* blk = row + 24L * b;
+        uint32_t qh;
+        memcpy(tmp, blk, 4);
+        memcpy(&qh, blk + 4, 4);
+        for (int i = 0; i < 32; i++) tmp[4 + i] = (uint8_t)((i < 16 ? blk[8 + i] & 15 : blk[8 + i - 16] >> 4) | ((qh >> i) & 1) << 4);
+        return tmp;
+    }
+    if (src == Q5_K) {  // sub-block j: d·sc_j, -dmin·m_j (fp16), then its 32 five-bit quants
+        const uint8_t* sb = row + 176L * (b / 8);
+        const int j = b % 8;
+        int sc, m;
+        scale_min_k4(sb + 4, j, &sc, &m);
+        uint16_t d16, m16;
+        if (!fp16_exact_enough(h2f(sb) * (float)sc, &d16) || !fp16_exact_enough(-(h2f(sb + 2) * (float)m), &m16))
+            return nullptr;
+        memcpy(tmp, &d16, 2);
+        memcpy(tmp + 2, &m16, 2);
+        for (int i = 0; i < 32; i++)
+            tmp[4 + i] = (uint8_t)(((sb[48 + 32 * (j / 2) + i] >> (4 * (j % 2))) & 15) | ((sb[16 + i] >> j) & 1) << 4);
+        return tmp;
+    }
     return row + (long)(src == Q4_0 ? 18 : src == Q4_1 ? 20 : 34) * b;
 }
 
@@ -726,7 +751,7 @@ static bool repack(int src, const uint8_t* W, int N, int K, uint8_t* out) {
                 const uint8_t* blk = n < N ? layout_block(src, W + n * rb, b, tmp) : ZERO;
                 if (!blk) { ok = false; blk = ZERO; }
                 memcpy(o + 2 * j, blk, 2);                               // d
-                if (FMT == Q4_1 || FMT == Q6_K) memcpy(o + 32 + 2 * j, blk + 2, 2);  // m, or Q6_K's d_b
+                if (FMT != Q4_0 && FMT != Q8_0) memcpy(o + 32 + 2 * j, blk + 2, 2);  // m, or Q6_K's d_b
                 for (int c = 0; c < F::CHUNKS; c++) memcpy(o + F::SCALES + 64 * c + 4 * j, blk + F::QS + 4 * c, 4);
             }
         }
@@ -737,7 +762,7 @@ extern "C" long rows_repacked_bytes(int fmt, int N, int K) {
     const int lay = q8_layout(fmt);
     if (!lay || row_bytes(fmt, K) < 0 || K % 32 || N < 0) return -1;
     const long block = lay == Q4_0 ? Q8W<Q4_0>::BLOCK : lay == Q4_1 ? Q8W<Q4_1>::BLOCK : lay == Q6_K ? Q8W<Q6_K>::BLOCK
-                                                                                              : Q8W<Q8_0>::BLOCK;
+                       : lay == Q5_K ? Q8W<Q5_K>::BLOCK : Q8W<Q8_0>::BLOCK;
     return (N + 15) / 16 * 16L * block * (K / 32);
 }
 
@@ -752,6 +777,7 @@ extern "C" int rows_repack(int fmt, const uint8_t* W, int N, int K, uint8_t* out
             case Q4_0: ok = repack<Q4_0>(fmt, W, N, K, out); break;
             case Q4_1: ok = repack<Q4_1>(fmt, W, N, K, out); break;
             case Q6_K: ok = repack<Q6_K>(fmt, W, N, K, out); break;
+            case Q5_K: ok = repack<Q5_K>(fmt, W, N, K, out); break;
             default: ok = repack<Q8_0>(fmt, W, N, K, out); break;
         }
         bad |= !ok;
@@ -771,7 +797,7 @@ static inline void q8_unpack(const uint8_t* qs, WB* w) {
         for (int c = 0; c < 8; c++) w->g[c] = _mm512_xor_si512(_mm512_loadu_si512(qs + 64 * c), _mm512_set1_epi8((char)0x80));
         return;
     }
-    if (FMT == Q6_K) {  // already u8 (q + 32)
+    if (FMT == Q6_K || FMT == Q5_K) {  // already u8
         for (int c = 0; c < 8; c++) w->g[c] = _mm512_loadu_si512(qs + 64 * c);
         return;
     }
@@ -812,7 +838,7 @@ static inline V16 i16_to_f(I16 a) {
 struct WB { __m256i lo[8], hi[8]; };  // Q8_0 as stored (s8), Q4 as nibbles (u8)
 template <int FMT>
 static inline void q8_unpack(const uint8_t* qs, WB* w) {
-    if (FMT == Q8_0 || FMT == Q6_K) {  // as stored: s8 (Q8_0), u8 (Q6_K)
+    if (FMT == Q8_0 || FMT == Q6_K || FMT == Q5_K) {  // as stored: s8 (Q8_0), u8 (Q6_K, Q5_K)
         for (int c = 0; c < 8; c++) {
             w->lo[c] = _mm256_loadu_si256((const __m256i*)(qs + 64 * c));
             w->hi[c] = _mm256_loadu_si256((const __m256i*)(qs + 64 * c + 32));
@@ -896,6 +922,17 @@ static inline void q8_tile(const QX& Q, int m0, const uint8_t* G, float* y, long
                 const V16 sv = vset1(Q.s[at]);
                 acc[m] = vfma(i16_to_f(ia), vmul(d, sv), acc[m]);
                 acc[m] = vfma(i16_to_f(ib), vmul(db, sv), acc[m]);
+            }
+            continue;
+        }
+        if constexpr (FMT == Q5_K) {  // Q4_1's sums on bytes: the halves' exact integers, added exactly as floats
+            const V16 mv = f16_to_f((const uint16_t*)blk + 16);
+            for (int m = 0; m < M; m++) {
+                const long at = (long)(m0 + m) * nb + bl;
+                I16 ia, ib;
+                q8_dot_halves(w, Q.q + (long)(m0 + m) * Q.K + 32 * bl, 0, 0, &ia, &ib);
+                acc[m] = vfma(vadd(i16_to_f(ia), i16_to_f(ib)), vmul(d, vset1(Q.s[at])), acc[m]);
+                acc[m] = vfma(mv, vset1(Q.sq[at]), acc[m]);
             }
             continue;
         }
@@ -1001,6 +1038,7 @@ static void linear(const Lin* L, const float* x, int R, int K, float* y, bool ac
                 case Q4_0: q8_group<Q4_0>(*Q, R, s.wq, g - starts[i], s.n, ys, ldy, s.bias, acc_out); break;
                 case Q4_1: q8_group<Q4_1>(*Q, R, s.wq, g - starts[i], s.n, ys, ldy, s.bias, acc_out); break;
                 case Q6_K: q8_group<Q6_K>(*Q, R, s.wq, g - starts[i], s.n, ys, ldy, s.bias, acc_out); break;
+                case Q5_K: q8_group<Q5_K>(*Q, R, s.wq, g - starts[i], s.n, ys, ldy, s.bias, acc_out); break;
                 default: q8_group<Q8_0>(*Q, R, s.wq, g - starts[i], s.n, ys, ldy, s.bias, acc_out); break;
             }
             continue;
