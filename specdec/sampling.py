@@ -120,10 +120,10 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], params: SamplingPara
     """[logprob of tokens[i] at row i, [(token, logprob) of the row's `top` likeliest]] per row: the target's own
     distribution as the request samples from it (warp: temperature, top-k, top-p; a grammar's mask already in the
     rows), or for greedy requests the unwarped softmax (temperature 0 has no distribution to report)."""
-    x = logits[: len(tokens)].double()
-    lp = torch.log_softmax(x, -1) if params.greedy else torch.log(warp(x, params))
     out = []
-    for row, t in zip(lp, tokens):
+    for i, t in enumerate(tokens):  # a row at a time: a softmax over several rows may sum each in another order
+        x = logits[i: i + 1].double()
+        row = (torch.log_softmax(x, -1) if params.greedy else torch.log(warp(x, params)))[0]
         entry = [float(row[t]), []]
         if top:
             vals, idx = row.topk(min(top, row.shape[-1]))

@@ -274,3 +274,34 @@ def test_torch_fallback_and_avx2_build_run_each_architecture(arch_pair, monkeypa
     finally:
         monkeypatch.delenv("SPECDEC_CPU_KERNEL")
         kernels.library.cache_clear()
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3"])
+def test_distill_trains_a_feature_draft_for_another_architecture(arch, tmp_path):
+    """`specdec distill` on a Gemma 3 / Qwen3 target (its data generated on the runtime): the draft loads on the
+    runtime target, drafts, and speculation stays token-identical to the target alone."""
+    import json
+
+    from tiny import char_tokenizer
+
+    from specdec.distill import distill
+    from specdec.drafters.feature import FeatureDrafter
+    from specdec.models import tokenizer_fingerprint
+    from specdec.api import SpecDecoder
+    model = hf_model(arch)
+    tok = char_tokenizer(chat=True)
+    model.save_pretrained(tmp_path / "t")
+    tok.save_pretrained(tmp_path / "t")
+    rt = load_hf_dir(tmp_path / "t")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "mode": "chat"}) + "\n" for p in ["Hello", "abc", "xyz q"]))
+    rep = distill("tiny", str(tmp_path / "d"), [str(prompts)], [], max_new_tokens=12, gen_batch=4, reduced=40,
+                  epochs=1, batch=4, seed=0, eval_limit=2, device="cpu", self_chat=2, val_every=0,
+                  loaded=(model, tok, rt))
+    assert rep["held_out"]["identical_to_target"]
+    drafter = FeatureDrafter.load(tmp_path / "d", rt, tokenizer_fingerprint(tok))
+    sd = SpecDecoder.from_models(rt, tok, draft=drafter, tau=3)
+    plain = SpecDecoder.from_models(rt, tok, draft="none")
+    for prompt in ["Hello", "abc"]:
+        got = sd.generate(prompt, max_new_tokens=16)
+        assert got.token_ids == plain.generate(prompt, max_new_tokens=16).token_ids and got.stats["proposed"] > 0

@@ -215,15 +215,18 @@ def test_shapes_that_disagree_with_the_config_are_refused(tiny_dirs, tmp_path, c
     assert len(err.splitlines()) == 1 and "config says" in err
 
 
-def test_llama3_rope_freqs_are_refused_not_ignored(tmp_path):
+@pytest.mark.parametrize("factors", [5, 8])
+def test_bad_rope_freqs_and_missing_tensors_are_one_line(tmp_path, factors):
+    """rope_freqs.weight is applied (tests/test_architectures.py); one of the wrong length is refused, and a file
+    missing a layer's tensors is refused by name, never a KeyError."""
     from specdec.runtime.load import load_gguf
     path = tmp_path / "llama31.gguf"
     wr = gguf.GGUFWriter(str(path), "llama")
     wr.add_block_count(1), wr.add_embedding_length(64), wr.add_head_count(4), wr.add_feed_forward_length(128)
-    wr.add_tensor("rope_freqs.weight", np.ones(8, dtype=np.float32))
+    wr.add_tensor("rope_freqs.weight", np.ones(factors, dtype=np.float32))
     wr.add_tensor("token_embd.weight", np.zeros((99, 64), dtype=np.float32))
     wr.write_header_to_file(), wr.write_kv_data_to_file(), wr.write_tensors_to_file(), wr.close()
-    with pytest.raises(Unsupported, match="rope_freqs"):
+    with pytest.raises(Unsupported, match="rope_freqs.weight has 5 factors" if factors == 5 else "has no tensor"):
         load_gguf(path)
 
 

@@ -326,7 +326,10 @@ def net_for_target(config, init_from=None) -> FeatureDraftNet:
                                                               "rope_theta", 10000.0)), config.rms_norm_eps)
     with torch.no_grad():
         nn.init.normal_(net.fc.weight, std=1 / math.sqrt(2 * config.hidden_size))
-        if init_from is not None:
+        # a Llama-family layer's weights are a head start; other layers (Gemma's (1 + w) norms and post-norms,
+        # Qwen3's q/k norms, Phi-3's fused matrices, head sizes apart from hidden / heads) start from random
+        if init_from is not None and getattr(config, "model_type", "llama") in ("llama", "mistral", "qwen2") \
+                and init_from[0].self_attn.q_proj.weight.shape == net.q.weight.shape:
             layer, norm = init_from
             for mine, theirs in [(net.q, layer.self_attn.q_proj), (net.k, layer.self_attn.k_proj),
                                  (net.v, layer.self_attn.v_proj), (net.o, layer.self_attn.o_proj),

@@ -208,8 +208,13 @@ class GGUFFile:
     def has(self, name: str) -> bool:
         return name in self.tensors
 
+    def _info(self, name: str):
+        if name not in self.tensors:
+            raise Unsupported(f"GGUF {self.path} has no tensor {name} (its metadata and tensors disagree)")
+        return self.tensors[name]
+
     def _bytes(self, name: str, rows: int, row_bytes: int) -> torch.Tensor:
-        _, _, off = self.tensors[name]
+        _, _, off = self._info(name)
         if off + rows * row_bytes > len(self.map):
             raise Unsupported(f"cannot read GGUF {self.path}: tensor {name} ends past the end of the file (truncated?)")
         with warnings.catch_warnings():  # a read-only memory map: the kernels never write to it
@@ -217,7 +222,7 @@ class GGUFFile:
             return torch.from_numpy(self.map[off: off + rows * row_bytes].reshape(rows, row_bytes))
 
     def qtensor(self, name: str) -> QTensor:
-        dims, fmt, _ = self.tensors[name]
+        dims, fmt, _ = self._info(name)
         if len(dims) != 2:
             raise Unsupported(f"tensor {name} is not a matrix")
         k, n = int(dims[0]), int(dims[1])
@@ -226,7 +231,7 @@ class GGUFFile:
         return QTensor(fmt, self._bytes(name, n, rb), n, k, mapped=True)
 
     def vector(self, name: str) -> torch.Tensor:
-        dims, fmt, _ = self.tensors[name]
+        dims, fmt, _ = self._info(name)
         if fmt not in FLOAT_DTYPE or len(dims) != 1:
             raise Unsupported(f"tensor {name} is not a float vector")
         n = int(dims[0])
