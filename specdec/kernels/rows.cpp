@@ -835,25 +835,6 @@ static inline V16 i16_to_f(I16 a) {
     return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)};
 #endif
 }
-struct WB { __m256i lo[8], hi[8]; };  // Q8_0 as stored (s8), Q4 as nibbles (u8)
-template <int FMT>
-static inline void q8_unpack(const uint8_t* qs, WB* w) {
-    if (FMT == Q8_0 || FMT == Q6_K || FMT == Q5_K) {  // as stored: s8 (Q8_0), u8 (Q6_K, Q5_K)
-        for (int c = 0; c < 8; c++) {
-            w->lo[c] = _mm256_loadu_si256((const __m256i*)(qs + 64 * c));
-            w->hi[c] = _mm256_loadu_si256((const __m256i*)(qs + 64 * c + 32));
-        }
-        return;
-    }
-    const __m256i m = _mm256_set1_epi8(15);
-    for (int c = 0; c < 4; c++) {
-        const __m256i a = _mm256_loadu_si256((const __m256i*)(qs + 64 * c)), b = _mm256_loadu_si256((const __m256i*)(qs + 64 * c + 32));
-        w->lo[c] = _mm256_and_si256(a, m);
-        w->hi[c] = _mm256_and_si256(b, m);
-        w->lo[4 + c] = _mm256_and_si256(_mm256_srli_epi16(a, 4), m);
-        w->hi[4 + c] = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
-    }
-}
 static inline __m256i xb4(const int8_t* x) { int32_t v; memcpy(&v, x, 4); return _mm256_set1_epi32(v); }
 template <int FMT>
 static inline __m256i q8_dot8(__m256i w, __m256i x) {  // 8 lanes, each the exact sum of 4 products
@@ -862,38 +843,89 @@ static inline __m256i q8_dot8(__m256i w, __m256i x) {  // 8 lanes, each the exac
         return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), ones);
     return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
 }
-template <int FMT>
-static inline I16 q8_dot(const WB& w, const int8_t* xq, int32_t start) {
-    __m256i lo = _mm256_set1_epi32(start), hi = lo;
-    for (int c = 0; c < 8; c++) {
-        const __m256i x = xb4(xq + 4 * c);
-        lo = _mm256_add_epi32(lo, q8_dot8<FMT>(w.lo[c], x));
-        hi = _mm256_add_epi32(hi, q8_dot8<FMT>(w.hi[c], x));
-    }
-    return {lo, hi};
-}
 template <int FMT> static inline int32_t q8_start(const QX& Q, long at) { return FMT == Q4_0 ? Q.o4[at] : 0; }
-static inline void q8_dot_halves(const WB& w, const int8_t* xq, int32_t sa, int32_t sb, I16* a, I16* b) {
-    __m256i alo = _mm256_set1_epi32(sa), ahi = alo, blo = _mm256_set1_epi32(sb), bhi = blo;
-    for (int c = 0; c < 8; c++) {  // u8 weights: maddubs' unsigned operand, as the Q4 formats
-        const __m256i x = xb4(xq + 4 * c);
-        __m256i& lo = c < 4 ? alo : blo;
-        __m256i& hi = c < 4 ? ahi : bhi;
-        lo = _mm256_add_epi32(lo, q8_dot8<Q4_1>(w.lo[c], x));
-        hi = _mm256_add_epi32(hi, q8_dot8<Q4_1>(w.hi[c], x));
-    }
-    *a = {alo, ahi}, *b = {blo, bhi};
-}
 #endif
 
 #ifndef Q8_AHEAD
 #define Q8_AHEAD 4096
 #endif
-// Most rows of x per tile: their accumulators and the block's unpacked weights stay in registers.
-#if defined(__AVX512F__)
+// Rows of x per tile: each block's weights are read once for them (q8_block_sums keeps them in registers).
 #define Q8_M 4
+
+// The exact integer sums of one block (16 weight rows) against M rows of x: a[m] over the block (from q8_start), or
+// for Q6_K a[m] and b[m] over its two 16-column halves (from -32 Σx of each half). Integer sums are exact, so the
+// grouping below changes no bit.
+#if defined(__AVX512VNNI__)
+template <int FMT, int M>
+static inline void q8_block_sums(const QX& Q, int m0, int bl, const uint8_t* qs, I16* a, I16* b) {
+    WB w;  // 8 of 32 registers: unpacked once for the M rows
+    q8_unpack<FMT>(qs, &w);
+    for (int m = 0; m < M; m++) {
+        const long at = (long)(m0 + m) * Q.nb + bl;
+        const int8_t* xq = Q.q + (long)(m0 + m) * Q.K + 32 * bl;
+        if constexpr (FMT == Q6_K) {
+            const int32_t h0 = Q.h0[at], total = -Q.o4[at] / 8;
+            q8_dot_halves(w, xq, -32 * h0, -32 * (total - h0), &a[m], &b[m]);
+        } else {
+            a[m] = q8_dot<FMT>(w, xq, q8_start<FMT>(Q, at));
+        }
+    }
+}
 #else
-#define Q8_M 2
+// AVX2 has 16 registers: a block's unpacked weights alone would fill them. Chunk by chunk instead: a chunk's weights
+// (4 columns of the 16 rows, two registers) meet every row's 4 activations while in registers, beside M rows'
+// accumulators (Q6_K's halves need twice as many: its rows go two at a time).
+template <int FMT, int M>
+static inline void q8_block_sums(const QX& Q, int m0, int bl, const uint8_t* qs, I16* a, I16* b) {
+    constexpr bool HALVES = FMT == Q6_K;
+    if constexpr (HALVES && M > 2) {
+        q8_block_sums<FMT, 2>(Q, m0, bl, qs, a, b);
+        q8_block_sums<FMT, M - 2>(Q, m0 + 2, bl, qs, a + 2, b + 2);
+        return;
+    }
+    constexpr int DOT = FMT == Q8_0 ? Q8_0 : Q4_1;  // signed bytes (the sign trick), or unsigned ones
+    const int8_t* xq[M];
+    __m256i alo[M], ahi[M], blo[M], bhi[M];
+    for (int m = 0; m < M; m++) {
+        const long at = (long)(m0 + m) * Q.nb + bl;
+        xq[m] = Q.q + (long)(m0 + m) * Q.K + 32 * bl;
+        if (HALVES) {
+            const int32_t h0 = Q.h0[at], total = -Q.o4[at] / 8;
+            alo[m] = ahi[m] = _mm256_set1_epi32(-32 * h0);
+            blo[m] = bhi[m] = _mm256_set1_epi32(-32 * (total - h0));
+        } else {
+            alo[m] = ahi[m] = _mm256_set1_epi32(q8_start<FMT>(Q, at));
+        }
+    }
+    auto step = [&](int c, __m256i wlo, __m256i whi) {  // chunk c: columns 4c..4c+3 (Q4: see q8_unpack)
+        for (int m = 0; m < M; m++) {
+            const __m256i x = xb4(xq[m] + 4 * c);
+            if (HALVES && c >= 4) {
+                blo[m] = _mm256_add_epi32(blo[m], q8_dot8<DOT>(wlo, x));
+                bhi[m] = _mm256_add_epi32(bhi[m], q8_dot8<DOT>(whi, x));
+            } else {
+                alo[m] = _mm256_add_epi32(alo[m], q8_dot8<DOT>(wlo, x));
+                ahi[m] = _mm256_add_epi32(ahi[m], q8_dot8<DOT>(whi, x));
+            }
+        }
+    };
+    if constexpr (FMT == Q4_0 || FMT == Q4_1) {
+        const __m256i mask = _mm256_set1_epi8(15);
+        for (int c = 0; c < 4; c++) {
+            const __m256i v0 = _mm256_loadu_si256((const __m256i*)(qs + 64 * c));
+            const __m256i v1 = _mm256_loadu_si256((const __m256i*)(qs + 64 * c + 32));
+            step(c, _mm256_and_si256(v0, mask), _mm256_and_si256(v1, mask));
+            step(c + 4, _mm256_and_si256(_mm256_srli_epi16(v0, 4), mask), _mm256_and_si256(_mm256_srli_epi16(v1, 4), mask));
+        }
+    } else {
+        for (int c = 0; c < 8; c++)
+            step(c, _mm256_loadu_si256((const __m256i*)(qs + 64 * c)), _mm256_loadu_si256((const __m256i*)(qs + 64 * c + 32)));
+    }
+    for (int m = 0; m < M; m++) {
+        a[m] = {alo[m], ahi[m]};
+        if (HALVES) b[m] = {blo[m], bhi[m]};
+    }
+}
 #endif
 
 // One group of 16 weight rows (cols of them real, the rest padding) against M rows of x from m0: each block is
@@ -910,37 +942,20 @@ static inline void q8_tile(const QX& Q, int m0, const uint8_t* G, float* y, long
         const uint8_t* blk = G + bl * bb;
         for (int o = 0; o < (int)bb; o += 64) _mm_prefetch((const char*)blk + Q8_AHEAD + o, _MM_HINT_T0);
         const V16 d = f16_to_f((const uint16_t*)blk);
-        WB w;
-        q8_unpack<FMT>(blk + F::SCALES, &w);
-        if constexpr (FMT == Q6_K) {  // Σ (u - 32)·x per half = Σ u·x - 32·Σx: d_a and d_b each scale their half
-            const V16 db = f16_to_f((const uint16_t*)blk + 16);
-            for (int m = 0; m < M; m++) {
-                const long at = (long)(m0 + m) * nb + bl;
-                const int32_t h0 = Q.h0[at], total = -Q.o4[at] / 8;
-                I16 ia, ib;
-                q8_dot_halves(w, Q.q + (long)(m0 + m) * Q.K + 32 * bl, -32 * h0, -32 * (total - h0), &ia, &ib);
-                const V16 sv = vset1(Q.s[at]);
-                acc[m] = vfma(i16_to_f(ia), vmul(d, sv), acc[m]);
-                acc[m] = vfma(i16_to_f(ib), vmul(db, sv), acc[m]);
-            }
-            continue;
-        }
-        if constexpr (FMT == Q5_K) {  // Q4_1's sums on bytes: the halves' exact integers, added exactly as floats
-            const V16 mv = f16_to_f((const uint16_t*)blk + 16);
-            for (int m = 0; m < M; m++) {
-                const long at = (long)(m0 + m) * nb + bl;
-                I16 ia, ib;
-                q8_dot_halves(w, Q.q + (long)(m0 + m) * Q.K + 32 * bl, 0, 0, &ia, &ib);
-                acc[m] = vfma(vadd(i16_to_f(ia), i16_to_f(ib)), vmul(d, vset1(Q.s[at])), acc[m]);
-                acc[m] = vfma(mv, vset1(Q.sq[at]), acc[m]);
-            }
-            continue;
-        }
+        I16 ia[M], ib[M];
+        q8_block_sums<FMT, M>(Q, m0, bl, blk + F::SCALES, ia, ib);
+        // Q4_1 / Q5_K: m; Q6_K: d of the second half
+        const V16 second = FMT == Q4_1 || FMT == Q5_K || FMT == Q6_K ? f16_to_f((const uint16_t*)blk + 16) : d;
         for (int m = 0; m < M; m++) {
             const long at = (long)(m0 + m) * nb + bl;
-            const I16 isum = q8_dot<FMT>(w, Q.q + (long)(m0 + m) * Q.K + 32 * bl, q8_start<FMT>(Q, at));
-            acc[m] = vfma(i16_to_f(isum), vmul(d, vset1(Q.s[at])), acc[m]);
-            if (FMT == Q4_1) acc[m] = vfma(f16_to_f((const uint16_t*)blk + 16), vset1(Q.sq[at]), acc[m]);
+            const V16 sv = vset1(Q.s[at]);
+            if constexpr (FMT == Q6_K) {  // Σ (u - 32)·x per half: d_a and d_b each scale their half
+                acc[m] = vfma(i16_to_f(ia[m]), vmul(d, sv), acc[m]);
+                acc[m] = vfma(i16_to_f(ib[m]), vmul(second, sv), acc[m]);
+            } else {
+                acc[m] = vfma(i16_to_f(ia[m]), vmul(d, sv), acc[m]);
+                if (FMT == Q4_1 || FMT == Q5_K) acc[m] = vfma(second, vset1(Q.sq[at]), acc[m]);
+            }
         }
     }
     for (int m = 0; m < M; m++) {
