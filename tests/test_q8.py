@@ -198,9 +198,10 @@ def resident_pages(t: torch.Tensor) -> int:
     return sum(struct.unpack_from("<Q", entries, 8 * i)[0] >> 63 for i in range(len(entries) // 8))
 
 
-def q6_k_reference(x: np.ndarray, q: np.ndarray, dsc: np.ndarray) -> np.ndarray:
-    """Q6_K's q8 linear in numpy: per 32-column block of x (quantized as for every format), each 16-column half's exact
-    integer dot product, then acc = fma(isum_a, d_a·s, acc), acc = fma(isum_b, d_b·s, acc), in block order."""
+def halves_reference(x: np.ndarray, q: np.ndarray, dsc: np.ndarray, mins=None) -> np.ndarray:
+    """Q6_K's / Q3_K's / Q2_K's q8 linear in numpy: per 32-column block of x (quantized as for every format), each
+    16-column half's exact integer dot product, then acc = fma(isum_a, d_a·s, acc), acc = fma(isum_b, d_b·s, acc),
+    and for Q2_K acc = fma(m_a, s·Σx_a, acc), acc = fma(m_b, s·Σx_b, acc), in block order."""
     n, k = q.shape
     nb = k // 32
     xb = x.astype(F32).reshape(len(x), nb, 32)
@@ -210,21 +211,46 @@ def q6_k_reference(x: np.ndarray, q: np.ndarray, dsc: np.ndarray) -> np.ndarray:
     xq = np.rint(xb * inv[..., None]).astype(np.int64).reshape(len(x), nb * 2, 16)
     isum = np.einsum("rhi,nhi->rnh", xq, q.reshape(n, nb * 2, 16))
     dh = dsc.reshape(n, nb * 2)
+    xsum = xq.sum(2).astype(F32)  # [R, 2 nb]
     acc = np.zeros((len(x), n), F32)
-    for h in range(2 * nb):
-        acc = fma32(isum[..., h].astype(F32), (dh[None, :, h] * s[:, None, h // 2]).astype(F32), acc)
+    for b in range(nb):
+        for h in (2 * b, 2 * b + 1):
+            acc = fma32(isum[..., h].astype(F32), (dh[None, :, h] * s[:, None, b]).astype(F32), acc)
+        if mins is not None:
+            mh = mins.reshape(n, nb * 2)
+            for h in (2 * b, 2 * b + 1):
+                sx = np.broadcast_to((s[:, None, b] * xsum[:, None, h]).astype(F32), acc.shape)
+                acc = fma32(np.broadcast_to(mh[None, :, h], acc.shape), sx, acc)
     return acc
 
 
 def as_q8_layout(fmt, data: np.ndarray, n: int, k: int) -> tuple[int, np.ndarray]:
     """The blocks the q8 mode runs a Q5_0 / Q4_K tensor as, rebuilt in numpy from the file's bytes: Q5_0 -> Q8_0
     (d, q - 16); Q4_K -> Q4_1 per 32-column sub-block (fp16 of d·sc and of -dmin·m, column i in byte i % 16)."""
+    if fmt in (kernels.Q3_K, kernels.Q2_K):  # (q [n, k], fp16 d·sc per 16 columns[, fp16 -dmin·m])
+        sbytes = 110 if fmt == kernels.Q3_K else 84
+        sb = data.reshape(n, k // 256, sbytes)
+        crumbs = lambda b: (b.reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)
+                            ) & 3  # noqa: E731
+        if fmt == kernels.Q3_K:
+            hbit = (sb[..., :32].reshape(n, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
+            q = crumbs(sb[..., 32:96]).reshape(n, -1, 256).astype(np.int64) - 4 + 4 * hbit.reshape(n, -1, 256)
+            lo = (sb[..., 96:104].reshape(n, -1, 1, 8) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15
+            hi = (sb[..., 104:108].reshape(n, -1, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+            sc = (lo.reshape(n, -1, 16) | hi.reshape(n, -1, 16) << 4).astype(F32) - 32
+            d = sb[..., 108:110].copy().view(np.float16).astype(F32)
+            return kernels.Q3_K, (q.reshape(n, k), (d * sc).astype(np.float16).astype(F32), None)
+        q = crumbs(sb[..., 16:80]).reshape(n, k).astype(np.int64)
+        d, dmin = (sb[..., a:a + 2].copy().view(np.float16).astype(F32) for a in (80, 82))
+        dsc = (d * (sb[..., :16] & 15).astype(F32)).astype(np.float16).astype(F32)
+        mins = (-(dmin * (sb[..., :16] >> 4).astype(F32))).astype(np.float16).astype(F32)
+        return kernels.Q2_K, (q, dsc, mins)
     if fmt == kernels.Q6_K:  # (fp16 d·sc of each 16 columns, q) -> reference arrays, not blocks
         blocks = data.reshape(n, k // 256, 210)
         d = blocks[..., 208:210].copy().view(np.float16).astype(F32)
         sc = blocks[..., 192:208].copy().view(np.int8).astype(F32)
         q = gguf.quants.dequantize(data, T.Q6_K).reshape(n, k // 256, 16, 16) / (d * sc)[..., None]
-        return kernels.Q6_K, (np.rint(q).astype(np.int64).reshape(n, k), (d * sc).astype(np.float16).astype(F32))
+        return kernels.Q6_K, (np.rint(q).astype(np.int64).reshape(n, k), (d * sc).astype(np.float16).astype(F32), None)
     if fmt in (kernels.Q5_1, kernels.Q5_K):  # -> (q [n, k] in [0, 31], d, m per 32 columns): Q4_1's sums
         if fmt == kernels.Q5_1:
             blocks = data.reshape(n, k // 32, 24)
@@ -258,12 +284,13 @@ def as_q8_layout(fmt, data: np.ndarray, n: int, k: int) -> tuple[int, np.ndarray
 
 
 @needs_kernel
-@pytest.mark.parametrize("fmt", [kernels.Q5_0, kernels.Q5_1, kernels.Q4_K, kernels.Q5_K, kernels.Q6_K],
-                         ids=lambda f: kernels.FORMATS[f])
+@pytest.mark.parametrize("fmt", [kernels.Q5_0, kernels.Q5_1, kernels.Q2_K, kernels.Q3_K, kernels.Q4_K, kernels.Q5_K,
+                                 kernels.Q6_K], ids=lambda f: kernels.FORMATS[f])
 def test_q8_runs_k_quants_and_5_bit_blocks_as_the_blocks_they_equal(fmt):
     """Q5_0 in q8 is bitwise the Q8_0 q8 linear on the same weights; Q4_K is the Q4_1 q8 linear on its sub-blocks with
-    fp16 scales, and Q5_1 / Q5_K the same sums on byte quants; Q6_K sums each 16-column half exactly and scales it by
-    its fp16 d·sc (numpy references), for 1..29 rows; a tensor whose scales fp16 cannot hold runs exact instead."""
+    fp16 scales, and Q5_1 / Q5_K the same sums on byte quants; Q6_K, Q3_K and Q2_K sum each 16-column half exactly
+    and scale it by its fp16 d·sc, Q2_K adding its fp16 min times the half's Σx (numpy references), for 1..29 rows;
+    a tensor whose scales fp16 cannot hold runs exact instead."""
     from specdec.runtime.quantize import quantize
     from specdec.runtime.weights import QTensor, qlinear
     n, k = 37, 512
@@ -272,8 +299,8 @@ def test_q8_runs_k_quants_and_5_bit_blocks_as_the_blocks_they_equal(fmt):
     lay, blocks = as_q8_layout(fmt, data, n, k)
     x = np.random.default_rng(2).standard_normal((29, k)).astype(F32)
     x[4, 64:96] = 0
-    if lay == kernels.Q6_K:
-        want = q6_k_reference(x, *blocks)
+    if lay in (kernels.Q6_K, kernels.Q3_K, kernels.Q2_K):
+        want = halves_reference(x, *blocks)
     elif fmt in (kernels.Q5_1, kernels.Q5_K):
         want = q8_reference(lay, x, None, n, k, weights=blocks)
     else:
@@ -281,7 +308,7 @@ def test_q8_runs_k_quants_and_5_bit_blocks_as_the_blocks_they_equal(fmt):
     for rows in (1, 2, 3, 4, 5, 8, 13, 29):
         got = kernels.linear(fmt, torch.from_numpy(x[:rows]), torch.from_numpy(data), n, q8=True)
         assert np.array_equal(got.numpy(), want[:rows]), rows
-    if fmt in (kernels.Q4_K, kernels.Q5_K, kernels.Q6_K):
+    if fmt in (kernels.Q2_K, kernels.Q3_K, kernels.Q4_K, kernels.Q5_K, kernels.Q6_K):
         tiny = quantize(w * 1e-4, fmt)  # sub-block scales ~3e-5: below fp16's normal numbers
         qt = QTensor(fmt, torch.from_numpy(tiny), n, k)
         xt = torch.from_numpy(x)

@@ -143,9 +143,10 @@ def path_name() -> str:
 def q8_format(fmt: int) -> bool:
     """Weight formats the q8 mode runs in integers (int8 activations); the others keep the exact path. Q5_0 runs as
     Q8_0 blocks (the same weights), Q4_K as Q4_1 blocks with each sub-block's scale and min in fp16, Q6_K as bytes
-    with its 16-column sub-blocks' scales in fp16, Q5_K and Q5_1 as bytes with Q4_1's scale and min (rows.cpp
-    q8_layout; a tensor whose scales fp16 cannot hold runs exact). Q2_K and Q3_K run exact in q8 too."""
-    return fmt in (Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K, Q5_K, Q5_1)
+    with its 16-column sub-blocks' scales in fp16, Q5_K and Q5_1 as bytes with Q4_1's scale and min, Q3_K and Q2_K
+    as nibbles with their sub-blocks' scales (and mins) in fp16 (rows.cpp q8_layout; a tensor whose scales fp16
+    cannot hold runs exact)."""
+    return fmt in (Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K, Q5_K, Q5_1, Q3_K, Q2_K)
 
 
 class NotRepackable(ValueError):

@@ -645,10 +645,12 @@ static void q8_quantize(const float* x, int R, const QX& Q) {
 // the tensor runs exact, where that rounding would lose more than fp16's 11 bits); Q6_K as its own layout: per 32
 // columns the two 16-column sub-blocks' d·sc in fp16 (the same rounding rule) and 32 bytes q + 32 in [0, 63];
 // Q5_K and Q5_1 as a byte layout of Q4_1's: d and m (fp16: Q5_1's own, Q5_K's d·sc_j and -dmin·m_j by the rule) and
-// 32 bytes q in [0, 31]. Q2_K and Q3_K: 0, none (exact kernels: a byte layout would take 3x their memory).
+// 32 bytes q in [0, 31]; Q3_K and Q2_K as Q4 nibbles (Q3_K: q + 4 in [0, 7]; Q2_K: q in [0, 3]) with both
+// 16-column sub-blocks' d·sc in fp16 (Q2_K: and -dmin·m). The halves of a nibble block are its low (columns 0-15)
+// and high nibbles (16-31). 0: none (exact kernels).
 static inline int q8_layout(int fmt) {
-    return fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0 || fmt == Q6_K || fmt == Q5_K ? fmt : fmt == Q5_0 ? Q8_0
-           : fmt == Q4_K ? Q4_1 : fmt == Q5_1 ? Q5_K : 0;
+    return fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0 || fmt == Q6_K || fmt == Q5_K || fmt == Q3_K || fmt == Q2_K ? fmt
+           : fmt == Q5_0 ? Q8_0 : fmt == Q4_K ? Q4_1 : fmt == Q5_1 ? Q5_K : 0;
 }
 static inline bool q8_format(int fmt) { return q8_layout(fmt) != 0; }
 template <int FMT> struct Q8W;  // a file block's bytes and where its quants start; a repacked block's scale bytes
@@ -657,6 +659,8 @@ template <> struct Q8W<Q4_1> { static const int BLOCK = 20, QS = 4, SCALES = 64,
 template <> struct Q8W<Q8_0> { static const int BLOCK = 34, QS = 2, SCALES = 32, CHUNKS = 8; };
 template <> struct Q8W<Q6_K> { static const int BLOCK = 36, QS = 4, SCALES = 64, CHUNKS = 8; };  // d_a, d_b, 32 u8
 template <> struct Q8W<Q5_K> { static const int BLOCK = 36, QS = 4, SCALES = 64, CHUNKS = 8; };  // d, m, 32 u8
+template <> struct Q8W<Q3_K> { static const int BLOCK = 20, QS = 4, SCALES = 64, CHUNKS = 4; };  // d_a, d_b, nibbles
+template <> struct Q8W<Q2_K> { static const int BLOCK = 24, QS = 8, SCALES = 128, CHUNKS = 4; };  // + m_a, m_b
 
 // Block b of a file row in the layout FMT's bytes: the row's own block, or a converted copy in `tmp` (Q5_0, Q4_K).
 // Returns null where a Q4_K sub-block's scale or min is not an fp16 number within fp16's relative precision.
@@ -706,6 +710,34 @@ static const uint8_t* layout_block(int src, const uint8_t* row, int b, uint8_t* 
                                    (((sb[128 + 32 * h + i] >> (2 * (r0 / 32))) & 3) << 4));
         return tmp;
     }
+    if (src == Q3_K || src == Q2_K) {  // 16-column sub-blocks' scales (and mins), then u as Q4 nibbles
+        const long sbytes = src == Q3_K ? 110 : 84;
+        const uint8_t* sb = row + sbytes * (b / 8);
+        const int o = 32 * (b % 8), h = o / 128, t = (o % 128) / 32;
+        const uint8_t* qs = sb + (src == Q3_K ? 32 : 16) + 32 * h;
+        uint8_t u[32];
+        for (int i = 0; i < 32; i++) {
+            const int crumb = (qs[i] >> (2 * t)) & 3;
+            u[i] = (uint8_t)(src == Q3_K ? crumb + 4 * ((sb[i] >> (o / 32)) & 1) : crumb);  // Q3_K: q + 4
+        }
+        for (int k = 0; k < 2; k++) {
+            const int j = o / 16 + k;
+            float D, M = 0.0f;
+            if (src == Q3_K) {
+                const int lo = (sb[96 + j % 8] >> (4 * (j / 8))) & 15, hi = (sb[104 + j % 4] >> (2 * (j / 4))) & 3;
+                D = h2f(sb + 108) * (float)((lo | hi << 4) - 32);
+            } else {
+                D = h2f(sb + 80) * (float)(sb[j] & 15), M = -(h2f(sb + 82) * (float)(sb[j] >> 4));
+            }
+            uint16_t dk, mk;
+            if (!fp16_exact_enough(D, &dk) || (src == Q2_K && !fp16_exact_enough(M, &mk))) return nullptr;
+            memcpy(tmp + 2 * k, &dk, 2);
+            if (src == Q2_K) memcpy(tmp + 4 + 2 * k, &mk, 2);
+        }
+        uint8_t* nib = tmp + (src == Q3_K ? 4 : 8);
+        for (int i = 0; i < 16; i++) nib[i] = (uint8_t)(u[i] | u[16 + i] << 4);
+        return tmp;
+    }
     if (src == Q5_1) {  // d, m as they are, then q = low nibble | fifth bit << 4
         const uint8_t* blk = row + 24L * b;
         uint32_t qh;
@@ -750,8 +782,7 @@ static bool repack(int src, const uint8_t* W, int N, int K, uint8_t* out) {
                 uint8_t tmp[36];
                 const uint8_t* blk = n < N ? layout_block(src, W + n * rb, b, tmp) : ZERO;
                 if (!blk) { ok = false; blk = ZERO; }
-                memcpy(o + 2 * j, blk, 2);                               // d
-                if (FMT != Q4_0 && FMT != Q8_0) memcpy(o + 32 + 2 * j, blk + 2, 2);  // m, or Q6_K's d_b
+                for (int f = 0; f < F::SCALES / 32; f++) memcpy(o + 32 * f + 2 * j, blk + 2 * f, 2);  // d (m, d_b, ...)
                 for (int c = 0; c < F::CHUNKS; c++) memcpy(o + F::SCALES + 64 * c + 4 * j, blk + F::QS + 4 * c, 4);
             }
         }
@@ -762,7 +793,8 @@ extern "C" long rows_repacked_bytes(int fmt, int N, int K) {
     const int lay = q8_layout(fmt);
     if (!lay || row_bytes(fmt, K) < 0 || K % 32 || N < 0) return -1;
     const long block = lay == Q4_0 ? Q8W<Q4_0>::BLOCK : lay == Q4_1 ? Q8W<Q4_1>::BLOCK : lay == Q6_K ? Q8W<Q6_K>::BLOCK
-                       : lay == Q5_K ? Q8W<Q5_K>::BLOCK : Q8W<Q8_0>::BLOCK;
+                       : lay == Q5_K ? Q8W<Q5_K>::BLOCK : lay == Q3_K ? Q8W<Q3_K>::BLOCK : lay == Q2_K ? Q8W<Q2_K>::BLOCK
+                       : Q8W<Q8_0>::BLOCK;
     return (N + 15) / 16 * 16L * block * (K / 32);
 }
 
@@ -778,6 +810,8 @@ extern "C" int rows_repack(int fmt, const uint8_t* W, int N, int K, uint8_t* out
             case Q4_1: ok = repack<Q4_1>(fmt, W, N, K, out); break;
             case Q6_K: ok = repack<Q6_K>(fmt, W, N, K, out); break;
             case Q5_K: ok = repack<Q5_K>(fmt, W, N, K, out); break;
+            case Q3_K: ok = repack<Q3_K>(fmt, W, N, K, out); break;
+            case Q2_K: ok = repack<Q2_K>(fmt, W, N, K, out); break;
             default: ok = repack<Q8_0>(fmt, W, N, K, out); break;
         }
         bad |= !ok;
@@ -853,7 +887,7 @@ template <int FMT> static inline int32_t q8_start(const QX& Q, long at) { return
 #define Q8_M 4
 
 // The exact integer sums of one block (16 weight rows) against M rows of x: a[m] over the block (from q8_start), or
-// for Q6_K a[m] and b[m] over its two 16-column halves (from -32 Σx of each half). Integer sums are exact, so the
+// for Q6_K, Q3_K and Q2_K a[m] and b[m] over its two 16-column halves (from -32, -4 and 0 times Σx of each half). Integer sums are exact, so the
 // grouping below changes no bit.
 #if defined(__AVX512VNNI__)
 template <int FMT, int M>
@@ -863,9 +897,9 @@ static inline void q8_block_sums(const QX& Q, int m0, int bl, const uint8_t* qs,
     for (int m = 0; m < M; m++) {
         const long at = (long)(m0 + m) * Q.nb + bl;
         const int8_t* xq = Q.q + (long)(m0 + m) * Q.K + 32 * bl;
-        if constexpr (FMT == Q6_K) {
-            const int32_t h0 = Q.h0[at], total = -Q.o4[at] / 8;
-            q8_dot_halves(w, xq, -32 * h0, -32 * (total - h0), &a[m], &b[m]);
+        if constexpr (FMT == Q6_K || FMT == Q3_K || FMT == Q2_K) {
+            const int32_t h0 = Q.h0[at], total = -Q.o4[at] / 8, off = FMT == Q6_K ? 32 : FMT == Q3_K ? 4 : 0;
+            q8_dot_halves(w, xq, -off * h0, -off * (total - h0), &a[m], &b[m]);
         } else {
             a[m] = q8_dot<FMT>(w, xq, q8_start<FMT>(Q, at));
         }
@@ -877,7 +911,7 @@ static inline void q8_block_sums(const QX& Q, int m0, int bl, const uint8_t* qs,
 // accumulators (Q6_K's halves need twice as many: its rows go two at a time).
 template <int FMT, int M>
 static inline void q8_block_sums(const QX& Q, int m0, int bl, const uint8_t* qs, I16* a, I16* b) {
-    constexpr bool HALVES = FMT == Q6_K;
+    constexpr bool HALVES = FMT == Q6_K || FMT == Q3_K || FMT == Q2_K;
     if constexpr (HALVES && M > 2) {
         q8_block_sums<FMT, 2>(Q, m0, bl, qs, a, b);
         q8_block_sums<FMT, M - 2>(Q, m0 + 2, bl, qs, a + 2, b + 2);
@@ -890,9 +924,9 @@ static inline void q8_block_sums(const QX& Q, int m0, int bl, const uint8_t* qs,
         const long at = (long)(m0 + m) * Q.nb + bl;
         xq[m] = Q.q + (long)(m0 + m) * Q.K + 32 * bl;
         if (HALVES) {
-            const int32_t h0 = Q.h0[at], total = -Q.o4[at] / 8;
-            alo[m] = ahi[m] = _mm256_set1_epi32(-32 * h0);
-            blo[m] = bhi[m] = _mm256_set1_epi32(-32 * (total - h0));
+            const int32_t h0 = Q.h0[at], total = -Q.o4[at] / 8, off = FMT == Q6_K ? 32 : FMT == Q3_K ? 4 : 0;
+            alo[m] = ahi[m] = _mm256_set1_epi32(-off * h0);
+            blo[m] = bhi[m] = _mm256_set1_epi32(-off * (total - h0));
         } else {
             alo[m] = ahi[m] = _mm256_set1_epi32(q8_start<FMT>(Q, at));
         }
@@ -909,7 +943,7 @@ static inline void q8_block_sums(const QX& Q, int m0, int bl, const uint8_t* qs,
             }
         }
     };
-    if constexpr (FMT == Q4_0 || FMT == Q4_1) {
+    if constexpr (FMT == Q4_0 || FMT == Q4_1 || FMT == Q3_K || FMT == Q2_K) {
         const __m256i mask = _mm256_set1_epi8(15);
         for (int c = 0; c < 4; c++) {
             const __m256i v0 = _mm256_loadu_si256((const __m256i*)(qs + 64 * c));
@@ -945,13 +979,18 @@ static inline void q8_tile(const QX& Q, int m0, const uint8_t* G, float* y, long
         I16 ia[M], ib[M];
         q8_block_sums<FMT, M>(Q, m0, bl, blk + F::SCALES, ia, ib);
         // Q4_1 / Q5_K: m; Q6_K: d of the second half
-        const V16 second = FMT == Q4_1 || FMT == Q5_K || FMT == Q6_K ? f16_to_f((const uint16_t*)blk + 16) : d;
+        const V16 second = FMT == Q4_0 || FMT == Q8_0 ? d : f16_to_f((const uint16_t*)blk + 16);
         for (int m = 0; m < M; m++) {
             const long at = (long)(m0 + m) * nb + bl;
             const V16 sv = vset1(Q.s[at]);
-            if constexpr (FMT == Q6_K) {  // Σ (u - 32)·x per half: d_a and d_b each scale their half
+            if constexpr (FMT == Q6_K || FMT == Q3_K || FMT == Q2_K) {  // Σ q·x per half, each scaled by its d
                 acc[m] = vfma(i16_to_f(ia[m]), vmul(d, sv), acc[m]);
                 acc[m] = vfma(i16_to_f(ib[m]), vmul(second, sv), acc[m]);
+                if constexpr (FMT == Q2_K) {  // and each half's min times its Σx
+                    const int32_t h0 = Q.h0[at], total = -Q.o4[at] / 8;
+                    acc[m] = vfma(f16_to_f((const uint16_t*)blk + 32), vset1(Q.s[at] * (float)h0), acc[m]);
+                    acc[m] = vfma(f16_to_f((const uint16_t*)blk + 48), vset1(Q.s[at] * (float)(total - h0)), acc[m]);
+                }
             } else {
                 acc[m] = vfma(i16_to_f(ia[m]), vmul(d, sv), acc[m]);
                 if (FMT == Q4_1 || FMT == Q5_K) acc[m] = vfma(second, vset1(Q.sq[at]), acc[m]);
@@ -1054,6 +1093,8 @@ static void linear(const Lin* L, const float* x, int R, int K, float* y, bool ac
                 case Q4_1: q8_group<Q4_1>(*Q, R, s.wq, g - starts[i], s.n, ys, ldy, s.bias, acc_out); break;
                 case Q6_K: q8_group<Q6_K>(*Q, R, s.wq, g - starts[i], s.n, ys, ldy, s.bias, acc_out); break;
                 case Q5_K: q8_group<Q5_K>(*Q, R, s.wq, g - starts[i], s.n, ys, ldy, s.bias, acc_out); break;
+                case Q3_K: q8_group<Q3_K>(*Q, R, s.wq, g - starts[i], s.n, ys, ldy, s.bias, acc_out); break;
+                case Q2_K: q8_group<Q2_K>(*Q, R, s.wq, g - starts[i], s.n, ys, ldy, s.bias, acc_out); break;
                 default: q8_group<Q8_0>(*Q, R, s.wq, g - starts[i], s.n, ys, ldy, s.bias, acc_out); break;
             }
             continue;
