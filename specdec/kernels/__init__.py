@@ -153,14 +153,18 @@ class NotRepackable(ValueError):
     """A Q4_K tensor whose sub-block scales fp16 cannot hold: it runs on the exact kernels in q8 mode too."""
 
 
-def repack(fmt: int, weight: torch.Tensor, n: int, k: int, lib: Library | None = None) -> torch.Tensor:
+def repack(fmt: int, weight: torch.Tensor, n: int, k: int, lib: Library | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """`n` rows of GGUF blocks -> the q8 kernel's layout (rows.cpp `rows_repack`: groups of 16 rows, their quants
     interleaved 4 columns at a time): the same bytes, rows padded to a multiple of 16."""
     lib = lib or library()
     size = lib.rows_repacked_bytes(fmt, n, k)
     if size < 0 or tuple(weight.shape) != (n, lib.row_bytes(fmt, k)) or not weight.is_contiguous():
         raise ValueError(f"cannot repack {tuple(weight.shape)} as {n} rows of {FORMATS.get(fmt, fmt)} with {k} columns")
-    out = torch.empty(size, dtype=torch.uint8)
+    if out is None:
+        out = torch.empty(size, dtype=torch.uint8)
+    elif out.dtype != torch.uint8 or out.numel() != size or not out.is_contiguous():
+        raise ValueError(f"repack: `out` must be {size} contiguous bytes")
     if lib.rows_repack(fmt, weight.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads()) == -2:
         raise NotRepackable(f"{FORMATS[fmt]} scales beyond fp16's precision")
     return out

@@ -20,6 +20,9 @@ FLOAT_BYTES = {kernels.F32: 4, kernels.F16: 2, kernels.BF16: 2}
 FLOAT_DTYPE = {kernels.F32: torch.float32, kernels.F16: torch.float16, kernels.BF16: torch.bfloat16}
 
 
+REPACK_ROWS = 8192  # rows repacked at a time (a multiple of the q8 layout's 16-row groups)
+
+
 class Unsupported(ValueError):
     """A file or architecture the runtime does not run (the transformers backend may)."""
 
@@ -71,13 +74,23 @@ class QTensor:
         """The blocks repacked for the q8 kernel (kernels.repack; made once, the same bytes again), or None for
         formats the q8 mode runs exactly (float weights)."""
         if self._packed is None and kernels.q8_format(self.fmt) and not self._exact_only:
-            try:
-                self._packed = kernels.repack(self.fmt, self.data, self.n, self.k)
-            except kernels.NotRepackable:
-                self._exact_only = True
-                return None
-            if self.mapped:  # q8 reads the copy: the file's pages leave the resident set (re-read if ever needed)
-                release_pages(self.data)
+            # in slices of rows, each slice's file pages dropped once copied (q8 reads the copy; they are re-read if
+            # ever needed): the file and its copy are never both resident (a 1B model's head is 215 MB)
+            lib = kernels.library()
+            packed = torch.empty(lib.rows_repacked_bytes(self.fmt, self.n, self.k), dtype=torch.uint8)
+            at = 0
+            for r0 in range(0, self.n, REPACK_ROWS):
+                rows = self.data[r0: r0 + REPACK_ROWS]
+                size = lib.rows_repacked_bytes(self.fmt, len(rows), self.k)
+                try:
+                    kernels.repack(self.fmt, rows, len(rows), self.k, lib, out=packed[at: at + size])
+                except kernels.NotRepackable:
+                    self._exact_only = True
+                    return None
+                at += size
+                if self.mapped:
+                    release_pages(rows)
+            self._packed = packed
         return self._packed
 
     def dequantize(self) -> torch.Tensor:
