@@ -12,6 +12,7 @@ from specdec import kernels
 from specdec.runtime.load import load_gguf, load_hf_dir
 from specdec.runtime.quantize import quantize
 from specdec.runtime.weights import Unsupported
+from test_runtime import _greedy, _hf_greedy  # noqa: E402 - tests/ is on sys.path (conftest)
 
 T = gguf.GGMLQuantizationType
 PROMPT = [5, 17, 33, 8, 61, 2, 40, 12, 90, 3, 77, 9, 14, 21, 50, 66, 70, 80, 97, 31]  # longer than the windows
@@ -137,22 +138,6 @@ def _logits(rt, ids):
         return rt.forward(ids, [s] * len(ids), list(range(len(ids))))
     finally:
         rt.release_slot(s)
-
-
-def _greedy(rt, ids, n):
-    cache, seq = rt.new_cache(), list(ids)
-    for _ in range(n):
-        seq.append(int(cache.forward(seq)[-1].argmax()))
-    cache.close()
-    return seq[len(ids):]
-
-
-def _hf_greedy(model, ids, n):
-    seq = list(ids)
-    with torch.inference_mode():
-        for _ in range(n):
-            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(ids):]
 
 
 ARCHS = ["qwen3", "gemma3", "phi3", "llama"]

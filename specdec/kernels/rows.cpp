@@ -294,18 +294,21 @@ struct FmtK {
     static inline void tail(const uint8_t*, int, V16*) {}
     static const int SPR = (MIN ? 2 : 1) * (32 / SUB);
 };
-struct FmtQ4_K : FmtK<144, 32, true> {  // d, dmin, scales[12], qs[128]: sub-block j in byte group j/2, nibble j%2
-    static inline void scales(const uint8_t* row, int K, float* out) {
-        for (int s = 0; s < K / 256; s++, out += 16) {
-            const uint8_t* b = row + 144L * s;
-            const float d = h2f(b), dmin = h2f(b + 2);
-            for (int j = 0; j < 8; j++) {
-                int sc, m;
-                scale_min_k4(b + 4, j, &sc, &m);
-                out[2 * j] = d * (float)sc, out[2 * j + 1] = dmin * (float)m;
-            }
+// Q4_K's and Q5_K's (D_j, M_j) = (d·sc_j, dmin·m_j) per 32 columns; super-blocks of BYTES bytes open with d, dmin
+template <int BYTES>
+static inline void k4_scales(const uint8_t* row, int K, float* out) {
+    for (int s = 0; s < K / 256; s++, out += 16) {
+        const uint8_t* b = row + (long)BYTES * s;
+        const float d = h2f(b), dmin = h2f(b + 2);
+        for (int j = 0; j < 8; j++) {
+            int sc, m;
+            scale_min_k4(b + 4, j, &sc, &m);
+            out[2 * j] = d * (float)sc, out[2 * j + 1] = dmin * (float)m;
         }
     }
+}
+struct FmtQ4_K : FmtK<144, 32, true> {  // d, dmin, scales[12], qs[128]: sub-block j in byte group j/2, nibble j%2
+    static inline void scales(const uint8_t* row, int K, float* out) { k4_scales<144>(row, K, out); }
     static inline void chunk(const uint8_t* row, const float* S, int c, int, V16* w) {
         const int j = (c / 2) % 8;
         const uint8_t* q = row + 144L * (c / 16) + 16 + 32 * (j / 2);
@@ -314,17 +317,7 @@ struct FmtQ4_K : FmtK<144, 32, true> {  // d, dmin, scales[12], qs[128]: sub-blo
     }
 };
 struct FmtQ5_K : FmtK<176, 32, true> {  // d, dmin, scales[12], qh[32] (bit j: sub-block j), qs[128] as Q4_K
-    static inline void scales(const uint8_t* row, int K, float* out) {
-        for (int s = 0; s < K / 256; s++, out += 16) {
-            const uint8_t* b = row + 176L * s;
-            const float d = h2f(b), dmin = h2f(b + 2);
-            for (int j = 0; j < 8; j++) {
-                int sc, m;
-                scale_min_k4(b + 4, j, &sc, &m);
-                out[2 * j] = d * (float)sc, out[2 * j + 1] = dmin * (float)m;
-            }
-        }
-    }
+    static inline void scales(const uint8_t* row, int K, float* out) { k4_scales<176>(row, K, out); }
     static inline void chunk(const uint8_t* row, const float* S, int c, int, V16* w) {
         const int j = (c / 2) % 8;
         const uint8_t* b = row + 176L * (c / 16);
