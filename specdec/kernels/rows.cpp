@@ -662,6 +662,17 @@ static inline bool fp16_exact_enough(float v, uint16_t* h) {
     const float back = _cvtsh_ss(*h);
     return v == 0.0f || (fabsf(v) >= 6.103515625e-05f && fabsf(back - v) <= fabsf(v) * 0x1p-11f);
 }
+// Q4_K / Q5_K sub-block j of super-block sb: d·sc_j and -dmin·m_j as fp16 into out[0..3], or false
+static inline bool k4_scale_min_fp16(const uint8_t* sb, int j, uint8_t* out) {
+    int sc, m;
+    scale_min_k4(sb + 4, j, &sc, &m);
+    uint16_t d16, m16;
+    if (!fp16_exact_enough(h2f(sb) * (float)sc, &d16) || !fp16_exact_enough(-(h2f(sb + 2) * (float)m), &m16))
+        return false;
+    memcpy(out, &d16, 2);
+    memcpy(out + 2, &m16, 2);
+    return true;
+}
 static const uint8_t* layout_block(int src, const uint8_t* row, int b, uint8_t* tmp) {
     if (src == Q5_0) {  // -> Q8_0: d, then q - 16 as int8
         const uint8_t* blk = row + 22L * b;
@@ -677,13 +688,7 @@ static const uint8_t* layout_block(int src, const uint8_t* row, int b, uint8_t* 
     if (src == Q4_K) {  // -> Q4_1: sub-block j's 32 nibbles with column i in byte i % 16 (low nibble for i < 16)
         const uint8_t* sb = row + 144L * (b / 8);
         const int j = b % 8;
-        int sc, m;
-        scale_min_k4(sb + 4, j, &sc, &m);
-        uint16_t d16, m16;
-        if (!fp16_exact_enough(h2f(sb) * (float)sc, &d16) || !fp16_exact_enough(-(h2f(sb + 2) * (float)m), &m16))
-            return nullptr;
-        memcpy(tmp, &d16, 2);
-        memcpy(tmp + 2, &m16, 2);
+        if (!k4_scale_min_fp16(sb, j, tmp)) return nullptr;
         const uint8_t* q = sb + 16 + 32 * (j / 2);
         const int sh = 4 * (j % 2);
         for (int i = 0; i < 16; i++) tmp[4 + i] = (uint8_t)(((q[i] >> sh) & 15) | (((q[16 + i] >> sh) & 15) << 4));
@@ -742,13 +747,7 @@ static const uint8_t* layout_block(int src, const uint8_t* row, int b, uint8_t* 
     if (src == Q5_K) {  // sub-block j: d·sc_j, -dmin·m_j (fp16), then its 32 five-bit quants
         const uint8_t* sb = row + 176L * (b / 8);
         const int j = b % 8;
-        int sc, m;
-        scale_min_k4(sb + 4, j, &sc, &m);
-        uint16_t d16, m16;
-        if (!fp16_exact_enough(h2f(sb) * (float)sc, &d16) || !fp16_exact_enough(-(h2f(sb + 2) * (float)m), &m16))
-            return nullptr;
-        memcpy(tmp, &d16, 2);
-        memcpy(tmp + 2, &m16, 2);
+        if (!k4_scale_min_fp16(sb, j, tmp)) return nullptr;
         for (int i = 0; i < 32; i++)
             tmp[4 + i] = (uint8_t)(((sb[48 + 32 * (j / 2) + i] >> (4 * (j % 2))) & 15) | ((sb[16 + i] >> j) & 1) << 4);
         return tmp;
