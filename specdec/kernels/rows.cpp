@@ -650,7 +650,10 @@ template <int FMT> struct Q8W;  // a file block's bytes and where its quants sta
 template <> struct Q8W<Q4_0> { static const int BLOCK = 18, QS = 2, SCALES = 32, CHUNKS = 4; };
 template <> struct Q8W<Q4_1> { static const int BLOCK = 20, QS = 4, SCALES = 64, CHUNKS = 4; };
 template <> struct Q8W<Q8_0> { static const int BLOCK = 34, QS = 2, SCALES = 32, CHUNKS = 8; };
-template <> struct Q8W<Q6_K> { static const int BLOCK = 36, QS = 4, SCALES = 64, CHUNKS = 8; };  // d_a, d_b, 32 u8
+// Q6_K: d_a, d_b; then u = q + 32 split: its low 4 bits as Q4 nibbles (4 chunks), its top 2 bits as 8 planes of 16
+// bytes, plane e for the 64 bytes of unpacked chunk e (byte p's bits at plane byte p % 16, bits 2·(p / 16)): 7 bits a
+// weight, against the file's 6.56
+template <> struct Q8W<Q6_K> { static const int BLOCK = 28, QS = 4, SCALES = 64, CHUNKS = 4; };
 template <> struct Q8W<Q5_K> { static const int BLOCK = 36, QS = 4, SCALES = 64, CHUNKS = 8; };  // d, m, 32 u8
 template <> struct Q8W<Q3_K> { static const int BLOCK = 20, QS = 4, SCALES = 64, CHUNKS = 4; };  // d_a, d_b, nibbles
 template <> struct Q8W<Q2_K> { static const int BLOCK = 24, QS = 8, SCALES = 128, CHUNKS = 4; };  // + m_a, m_b
@@ -755,6 +758,19 @@ static const uint8_t* layout_block(int src, const uint8_t* row, int b, uint8_t* 
     return row + (long)(src == Q4_0 ? 18 : src == Q4_1 ? 20 : 34) * b;
 }
 
+// Row j's 32 values u (0..63, column order) into Q6_K's layout at `q`: nibbles as Q4 (chunk c byte 4j+i: columns
+// 4c+i low, 16+4c+i high), top bits into the planes (unpacked chunk e, byte p = 4j+i: column 4e+i for e < 4, else
+// 16 + 4(e-4) + i).
+static inline void q6_split(const uint8_t* u, int j, uint8_t* q) {
+    for (int c = 0; c < 4; c++)
+        for (int i = 0; i < 4; i++) q[64 * c + 4 * j + i] = (uint8_t)((u[4 * c + i] & 15) | (u[16 + 4 * c + i] & 15) << 4);
+    for (int e = 0; e < 8; e++)
+        for (int i = 0; i < 4; i++) {
+            const int p = 4 * j + i, col = e < 4 ? 4 * e + i : 16 + 4 * (e - 4) + i;
+            q[256 + 16 * e + p % 16] |= (uint8_t)((u[col] >> 4) << (2 * (p / 16)));
+        }
+}
+
 // Repack N rows of K columns (file blocks) into ceil(N / 16) groups of 16 rows (rows past N are zero). Per group and
 // block: d[16] fp16, (Q4_1: m[16] fp16), then 64-byte chunks: chunk c, bytes 4j..4j+3 = row j's quant bytes 4c..4c+3.
 // Returns false if a block cannot be laid out (layout_block).
@@ -769,12 +785,17 @@ static bool repack(int src, const uint8_t* W, int N, int K, uint8_t* out) {
     for (int g = 0; g < G; g++)
         for (int b = 0; b < nb; b++) {
             uint8_t* o = out + (long)g * nb * bb + b * bb;
+            if (FMT == Q6_K) memset(o + F::SCALES + 256, 0, 128);  // the 2-bit planes are or-ed in row by row
             for (int j = 0; j < 16; j++) {
                 const int n = 16 * g + j;
                 uint8_t tmp[36];
                 const uint8_t* blk = n < N ? layout_block(src, W + n * rb, b, tmp) : ZERO;
                 if (!blk) { ok = false; blk = ZERO; }
                 for (int f = 0; f < F::SCALES / 32; f++) memcpy(o + 32 * f + 2 * j, blk + 2 * f, 2);  // d (m, d_b, ...)
+                if constexpr (FMT == Q6_K) {
+                    q6_split(blk + F::QS, j, o + F::SCALES);
+                    continue;
+                }
                 for (int c = 0; c < F::CHUNKS; c++) memcpy(o + F::SCALES + 64 * c + 4 * j, blk + F::QS + 4 * c, 4);
             }
         }
@@ -823,8 +844,20 @@ static inline void q8_unpack(const uint8_t* qs, WB* w) {
         for (int c = 0; c < 8; c++) w->g[c] = _mm512_xor_si512(_mm512_loadu_si512(qs + 64 * c), _mm512_set1_epi8((char)0x80));
         return;
     }
-    if (FMT == Q6_K || FMT == Q5_K) {  // already u8
+    if (FMT == Q5_K) {  // already u8
         for (int c = 0; c < 8; c++) w->g[c] = _mm512_loadu_si512(qs + 64 * c);
+        return;
+    }
+    if (FMT == Q6_K) {  // nibbles | plane bits << 4: plane byte p % 16 shifted by 2·(p / 16), one 128-bit lane per shift
+        const __m512i m = _mm512_set1_epi8(15), three = _mm512_set1_epi8(3);
+        const __m512i shifts = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
+        for (int e = 0; e < 8; e++) {
+            const __m512i v = _mm512_loadu_si512(qs + 64 * (e % 4));
+            const __m512i nib = _mm512_and_si512(e < 4 ? v : _mm512_srli_epi16(v, 4), m);
+            const __m512i plane = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(qs + 256 + 16 * e)));
+            const __m512i top = _mm512_and_si512(_mm512_srlv_epi32(plane, shifts), three);
+            w->g[e] = _mm512_or_si512(nib, _mm512_slli_epi16(top, 4));
+        }
         return;
     }
     const __m512i m = _mm512_set1_epi8(15);
@@ -935,13 +968,21 @@ static inline void q8_block_sums(const QX& Q, int m0, int bl, const uint8_t* qs,
             }
         }
     };
-    if constexpr (FMT == Q4_0 || FMT == Q4_1 || FMT == Q3_K || FMT == Q2_K) {
-        const __m256i mask = _mm256_set1_epi8(15);
+    if constexpr (FMT == Q4_0 || FMT == Q4_1 || FMT == Q3_K || FMT == Q2_K || FMT == Q6_K) {
+        const __m256i mask = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3);
+        // Q6_K's top bits: plane byte p % 16 shifted by 2·(p / 16); rows 0-7 are bytes 0-31, rows 8-15 bytes 32-63
+        const __m256i shift_lo = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2), shift_hi = _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6);
+        auto top = [&](int e, __m256i nib, __m256i shifts) {
+            if constexpr (FMT != Q6_K) return nib;
+            const __m256i plane = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(qs + 256 + 16 * e)));
+            return _mm256_or_si256(nib, _mm256_slli_epi16(_mm256_and_si256(_mm256_srlv_epi32(plane, shifts), three), 4));
+        };
         for (int c = 0; c < 4; c++) {
             const __m256i v0 = _mm256_loadu_si256((const __m256i*)(qs + 64 * c));
             const __m256i v1 = _mm256_loadu_si256((const __m256i*)(qs + 64 * c + 32));
-            step(c, _mm256_and_si256(v0, mask), _mm256_and_si256(v1, mask));
-            step(c + 4, _mm256_and_si256(_mm256_srli_epi16(v0, 4), mask), _mm256_and_si256(_mm256_srli_epi16(v1, 4), mask));
+            step(c, top(c, _mm256_and_si256(v0, mask), shift_lo), top(c, _mm256_and_si256(v1, mask), shift_hi));
+            step(c + 4, top(c + 4, _mm256_and_si256(_mm256_srli_epi16(v0, 4), mask), shift_lo),
+                 top(c + 4, _mm256_and_si256(_mm256_srli_epi16(v1, 4), mask), shift_hi));
         }
     } else {
         for (int c = 0; c < 8; c++)
