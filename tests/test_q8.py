@@ -14,6 +14,7 @@ T = gguf.GGMLQuantizationType
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no AVX2/AVX-512 CPU or no C++ compiler")
 F32 = np.float32
 BLOCK = {kernels.Q4_0: 18, kernels.Q4_1: 20, kernels.Q8_0: 34}
+K_TYPES = {kernels.Q2_K, kernels.Q3_K, kernels.Q4_K, kernels.Q5_K, kernels.Q6_K}
 
 
 def fma32(a, b, c) -> np.ndarray:
@@ -313,3 +314,34 @@ def test_q8_runs_k_quants_and_5_bit_blocks_as_the_blocks_they_equal(fmt):
         qt = QTensor(fmt, torch.from_numpy(tiny), n, k)
         xt = torch.from_numpy(x)
         assert qt.packed() is None and torch.equal(qlinear(xt, qt, q8=True), qlinear(xt, qt))
+
+
+# fp16 fields of each type's block: (block bytes, offsets of d / dmin / m), everything else may be any byte
+FP16_FIELDS = {kernels.Q2_K: (84, (80, 82)), kernels.Q3_K: (110, (108,)), kernels.Q4_K: (144, (0, 2)),
+               kernels.Q5_K: (176, (0, 2)), kernels.Q6_K: (210, (208,)), kernels.Q5_0: (22, (0,)),
+               kernels.Q5_1: (24, (0, 2))}
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", sorted(FP16_FIELDS), ids=lambda f: kernels.FORMATS[f])
+def test_any_block_bytes_decode_as_gguf_does(fmt):
+    """Random bytes in every quant and scale field (negative Q6_K / Q3_K sub-block scales, every 6-bit scale and min
+    pattern, which our quantizer never writes), sane fp16 d: exact is bitwise the F32 linear on gguf's
+    dequantization; q8 is row-invariant and close to exact."""
+    from specdec.runtime.weights import QTensor, qlinear
+    nbytes, fields = FP16_FIELDS[fmt]
+    n, k = 37, 512
+    rng = np.random.default_rng(fmt + 100)
+    data = rng.integers(0, 256, (n, k // (256 if fmt in K_TYPES else 32), nbytes), dtype=np.uint8)
+    for off in fields:
+        data[..., off:off + 2] = rng.uniform(1e-3, 1e-2, data.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
+    data = np.ascontiguousarray(data.reshape(n, -1))
+    ref = torch.from_numpy(gguf.quants.dequantize(data, T(fmt)).astype(F32).reshape(n, k))
+    qt, dense = QTensor(fmt, torch.from_numpy(data), n, k), QTensor.from_float(ref)
+    x = torch.randn(13, k)
+    exact = qlinear(x, qt)
+    assert torch.equal(exact, qlinear(x, dense))
+    q8 = qlinear(x, qt, q8=True)
+    assert qt.packed() is not None and not torch.equal(q8, exact)
+    assert torch.equal(torch.cat([qlinear(x[i:i + 1], qt, q8=True) for i in range(13)]), q8)
+    assert (q8 - exact).abs().max() < 0.03 * exact.abs().max()
