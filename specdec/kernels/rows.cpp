@@ -1203,7 +1203,7 @@ static void rope_row(float* x, int heads, int hd, const float* cs, const float* 
             float* pb = interleaved ? v + 2 * i + 1 : v + i + h2;
             const float a = *pa, b = *pb;
             *pa = a * cs[i] - b * sn[i];
-            *pb = b * cs[i + h2] + a * sn[i + h2];
+            *pb = b * cs[i] + a * sn[i];  // the tables hold one angle per pair (both halves of a row are equal)
         }
     }
 }
@@ -1228,7 +1228,7 @@ struct Dims {
     int hidden, heads, kv_heads, head_dim, inter, layers, max_len;
     int interleaved;  // rotary pairs (2i, 2i+1) as llama.cpp stores Q/K rows, else (i, i + head_dim/2)
     float eps;
-    const float* cos;  // [max_len, head_dim]
+    const float* cos;  // [max_len, head_dim / 2]: pair i's cos at each position
     const float* sin;
     // The KV cache is one pool of blocks of 16 positions (runtime/blocks.py). Block b holds, for every layer and KV
     // head, 16 keys transposed [head_dim, 16] (the kernel scores 16 keys per vector) and 16 values [16, head_dim].
@@ -1251,7 +1251,7 @@ struct Layer {
     const float* k_norm;          // the same for key heads
     const float* post_attn_norm;  // [hidden]: the attention output RMS-normed before the residual add (Gemma), or null
     const float* post_ffn_norm;   // the same for the MLP output
-    const float* cos;             // this layer's rotary tables [max_len, head_dim] (Gemma 3's local layers), or null:
+    const float* cos;             // this layer's rotary tables [max_len, head_dim / 2] (Gemma 3's local layers), or null:
     const float* sin;             // the model's
     int window;                   // sliding-window attention: a row sees its last `window` positions; 0: all of them
 };
@@ -1490,8 +1490,8 @@ static void layer_body(const Dims* d, const Layer* L, int layer, float* x, int R
 #pragma omp for schedule(static)
     for (int r = 0; r < R; r++) {
         float* row = s.qkv + (long)r * nqkv;
-        const float* cs = (L->cos ? L->cos : d->cos) + (long)pos[r] * hd;
-        const float* sn = (L->sin ? L->sin : d->sin) + (long)pos[r] * hd;
+        const float* cs = (L->cos ? L->cos : d->cos) + (long)pos[r] * (hd / 2);
+        const float* sn = (L->sin ? L->sin : d->sin) + (long)pos[r] * (hd / 2);
         for (int h = 0; L->q_norm && h < H; h++) rmsnorm_row(row + h * hd, hd, L->q_norm, d->eps, row + h * hd);
         for (int h = 0; L->k_norm && h < G; h++) rmsnorm_row(row + nq + h * hd, hd, L->k_norm, d->eps, row + nq + h * hd);
         rope_row(row, H, hd, cs, sn, d->interleaved);

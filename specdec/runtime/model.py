@@ -85,7 +85,8 @@ def _lin(parts, q8: bool) -> _Lin:
 
 
 def rope_tables(config, max_len: int, theta: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [max_len, head_dim] as transformers' Llama computes them (fp32 inv_freq x position, scaled).
+    """cos, sin [max_len, head_dim / 2]: transformers' Llama tables (fp32 inv_freq x position, scaled), whose two
+    halves are equal, one half kept.
     `theta`: a layer's own base, unscaled (Gemma 3's local layers). A GGUF's per-frequency factors
     (config.rope_freq_factors, Llama 3.1+ files) divide the frequencies, as llama.cpp applies them."""
     params = getattr(config, "rope_parameters", None) or {}
@@ -109,7 +110,9 @@ def rope_tables(config, max_len: int, theta: float | None = None) -> tuple[torch
         inv, scale = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
     ang = torch.arange(max_len).float()[:, None] * inv.float()[None]
     emb = torch.cat([ang, ang], -1)
-    return (emb.cos() * scale).contiguous(), (emb.sin() * scale).contiguous()
+    # transformers' tables repeat each angle in both halves of a row: one half is kept (the kernel reads pair i's)
+    half = hd // 2
+    return (emb.cos() * scale)[:, :half].contiguous(), (emb.sin() * scale)[:, :half].contiguous()
 
 
 class Llama:
@@ -503,8 +506,8 @@ def _rotate_pairs(x):
 
 
 def _pairs(table, interleaved):
-    """cos/sin laid out for the row order: (c0..c_{h-1}, c0..c_{h-1}) or (c0, c0, c1, c1, ...)."""
-    return table[..., : table.shape[-1] // 2].repeat_interleave(2, -1) if interleaved else table
+    """A half table (c0..c_{h-1}) laid out for the row order: (c0..c_{h-1}, c0..c_{h-1}) or (c0, c0, c1, c1, ...)."""
+    return table.repeat_interleave(2, -1) if interleaved else torch.cat([table, table], -1)
 
 
 def _runs(ids: list[int]):
