@@ -62,13 +62,14 @@ class Bench:
             make_policy(p, 1)
         self.model, self.tok, self.draft_models = loaded if loaded else (
             *models.load(target, backend=backend, numerics=numerics), {})
-        self.backend = backend
+        self.backend, self.target = backend, target
         self._llama = llamacpp.load(models.resolve(target)) if compare_llamacpp else None
         self._hf_models = {}  # transformers' models of the same weights, for the transformers rows
         self.max_new_tokens = max_new_tokens
         # each draft built once (fails early on a bad or incompatible draft); its configurations share the instance
         # (they run one at a time, and every generation starts with a reset)
-        self._drafters = {d: build_drafter(d, self.model, self.tok, draft_models=self.draft_models, backend=backend)
+        self._drafters = {d: build_drafter(d, self.model, self.tok, target, draft_models=self.draft_models,
+                                           backend=backend)
                           for d in dict.fromkeys(["none", *drafts, *(c[0] for c in configs or [])])}
         # EAGLE-style drafts (specdec distill): they ride on the target's features
         self.feature_drafts = {d for d, drafter in self._drafters.items() if isinstance(drafter, FeatureDrafter)}
@@ -85,8 +86,8 @@ class Bench:
 
     def decoder_for(self, draft: str, tau: int, policy: str = "fixed") -> SpecDecoder:
         if draft not in self._drafters:
-            self._drafters[draft] = build_drafter(draft, self.model, self.tok, draft_models=self.draft_models,
-                                                  backend=self.backend)
+            self._drafters[draft] = build_drafter(draft, self.model, self.tok, self.target,
+                                                  draft_models=self.draft_models, backend=self.backend)
         return SpecDecoder.from_models(self.model, self.tok, self._drafters[draft], tau, policy=policy)
 
     def _twin(self, c: Config) -> str:

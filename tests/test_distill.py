@@ -489,6 +489,9 @@ def test_datastore_build_makes_the_targets_default_draft(tiny_dirs, tmp_path, mo
     assert sd.draft_name == "datastore+ngram"
     got = sd.generate("Hello", max_new_tokens=16)
     assert got.token_ids == plain.token_ids and got.stats["accepted"] > 0  # it has seen this answer: it drafts it
+    from specdec.bench import Bench  # bench (and tune) find the target's datastore too
+    rows = Bench(target, ["datastore"], [3], 12, compare_hf=False).run([{"prompt": "Hello", "chat": True}])
+    assert all(r["identical_to_baseline"] for r in rows) and len(rows) == 2
     assert main(["generate", "Hello", "--target", tiny_dirs["alien"], "--draft", f"datastore:{datastore_dir(target)}",
                  "--max-new-tokens", "4"]) == 2
     assert "built for another tokenizer" in capsys.readouterr().err
