@@ -495,3 +495,9 @@ def test_datastore_build_makes_the_targets_default_draft(tiny_dirs, tmp_path, mo
     assert main(["generate", "Hello", "--target", tiny_dirs["alien"], "--draft", f"datastore:{datastore_dir(target)}",
                  "--max-new-tokens", "4"]) == 2
     assert "built for another tokenizer" in capsys.readouterr().err
+    for bad in (["--batch", "0"], ["--max-new-tokens", "0"], ["--limit", "-1"]):  # refused before loading anything
+        assert main(["datastore", "build", "--target", target, *bad]) == 2
+        err = capsys.readouterr().err
+        assert "must be >=" in err and len(err.strip().splitlines()) == 1
+    assert main(["datastore", "build", "--target", target, "--prompts", str(tmp_path / "missing.jsonl")]) != 0
+    assert "cannot read prompts file" in capsys.readouterr().err

@@ -150,7 +150,7 @@ def q8_format(fmt: int) -> bool:
 
 
 class NotRepackable(ValueError):
-    """A Q4_K tensor whose sub-block scales fp16 cannot hold: it runs on the exact kernels in q8 mode too."""
+    """A K-quant tensor whose sub-block scales fp16 cannot hold: it runs on the exact kernels in q8 mode too."""
 
 
 def repack(fmt: int, weight: torch.Tensor, n: int, k: int, lib: Library | None = None,

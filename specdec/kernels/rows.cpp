@@ -576,7 +576,7 @@ struct QX {            // R rows of K columns, quantized
     float* sq;         // [R][nb]: s_b * Σq_b (Q4_1's offset term)
     int32_t* o4;       // [R][nb]: -8 Σq_b (Q4_0's offset)
     int32_t* o8;       // [R][nb]: -128 Σq_b (Q8_0 weights offset by +128 for vpdpbusd's unsigned operand)
-    int32_t* h0;       // [R][nb]: Σq of the block's first 16 columns (Q6_K's two sub-blocks per block)
+    int32_t* h0;       // [R][nb]: Σq of the block's first 16 columns (Q6_K's, Q3_K's and Q2_K's two sub-blocks per block)
     int K, nb;
 };
 
@@ -636,7 +636,8 @@ static void q8_quantize(const float* x, int R, const QX& Q) {
 // The layout a file format runs as in q8: Q4_0, Q4_1 and Q8_0 as themselves; Q5_0 as Q8_0 (d, q - 16 as int8: the
 // same weights); Q4_K as Q4_1 (sub-block j: d = d·sc_j, m = -dmin·m_j, rounded to fp16 once at repack; refused, so
 // the tensor runs exact, where that rounding would lose more than fp16's 11 bits); Q6_K as its own layout: per 32
-// columns the two 16-column sub-blocks' d·sc in fp16 (the same rounding rule) and 32 bytes q + 32 in [0, 63];
+// columns the two 16-column sub-blocks' d·sc in fp16 (the same rounding rule) and q + 32 in [0, 63] as Q4
+// nibbles plus a 2-bit plane (Q8W<Q6_K>);
 // Q5_K and Q5_1 as a byte layout of Q4_1's: d and m (fp16: Q5_1's own, Q5_K's d·sc_j and -dmin·m_j by the rule) and
 // 32 bytes q in [0, 31]; Q3_K and Q2_K as Q4 nibbles (Q3_K: q + 4 in [0, 7]; Q2_K: q in [0, 3]) with both
 // 16-column sub-blocks' d·sc in fp16 (Q2_K: and -dmin·m). The halves of a nibble block are its low (columns 0-15)
@@ -811,7 +812,7 @@ extern "C" long rows_repacked_bytes(int fmt, int N, int K) {
     return (N + 15) / 16 * 16L * block * (K / 32);
 }
 
-// 0, -1 (format or shape not repackable), -2 (a Q4_K tensor whose scales fp16 cannot hold: it runs exact)
+// 0, -1 (format or shape not repackable), -2 (a K-quant tensor whose scales fp16 cannot hold: it runs exact)
 extern "C" int rows_repack(int fmt, const uint8_t* W, int N, int K, uint8_t* out, int threads) {
     if (rows_repacked_bytes(fmt, N, K) < 0) return -1;
     int bad = 0;
