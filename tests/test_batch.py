@@ -170,6 +170,28 @@ def test_feature_drafts_batched_across_requests_equal_each_alone(rt):
         assert (a.q is None and b.q is None) or torch.equal(a.q, b.q)
 
 
+def test_feature_draft_runs_as_q4_0_blocks_and_keeps_every_feature(rt):
+    """On the kernels the draft's matrices and its reduced head are Q4_0 blocks run in the q8 mode (where a matrix's
+    rows are whole blocks); the target features it keeps grow and roll back as one tensor of the committed ones."""
+    from specdec import kernels
+    model, _ = rt
+    d = feature_drafter(model)
+    if not kernels.available():
+        pytest.skip("no kernels: the draft runs in torch")
+    layer = d._rt.layers[0]
+    assert d._rt.q8 and d._fc.fmt == kernels.Q4_0 and layer.gate.fmt == kernels.Q4_0 and layer.down.fmt in (
+        kernels.Q4_0, kernels.F32, kernels.BF16)  # down's 32 input columns: one block
+    feats = torch.randn(150, model.config.hidden_size)
+    d.observe_target(0, feats[:10])
+    d.observe_target(10, feats[10:100])  # past the first buffer
+    d.observe_target(60, feats[60:150])  # a rollback to 60, then on
+    assert torch.equal(d.feats, feats)
+    d.observe_target(20, feats[:3])
+    assert torch.equal(d.feats, torch.cat([feats[:20], feats[:3]]))
+    d.reset()
+    assert len(d.feats) == 0
+
+
 def test_logprobs_in_the_batch_equal_the_request_alone(rt):
     """Greedy and seeded requests batched together report, token by token, the logprobs target-only reports."""
     model, tok = rt

@@ -132,6 +132,8 @@ def _dequantize(fmt: int, data: torch.Tensor, k: int) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32)).reshape(-1, k)
     cols, nbytes = GGML_BLOCK[fmt]
     n = data.shape[0]
+    if n <= 8:  # a few rows (a decode step's lookups): numpy's per-call cost is a tenth of torch's, the same math
+        return torch.from_numpy(_dequantize_numpy(fmt, data.numpy().reshape(n, -1, nbytes), n, k))
     blocks = data.reshape(n, -1, nbytes)
     sc = scales_of(fmt, data)
     if fmt == kernels.Q8_0:
@@ -141,6 +143,19 @@ def _dequantize(fmt: int, data: torch.Tensor, k: int) -> torch.Tensor:
     q = torch.cat([packed & 15, packed >> 4], -1).float()  # weight j < 16: low nibble of byte j; j >= 16: high
     if fmt == kernels.Q4_0:
         return (sc[..., :1] * (q - 8)).reshape(n, k)
+    return (sc[..., :1] * q + sc[..., 1:2]).reshape(n, k)
+
+
+def _dequantize_numpy(fmt: int, blocks: np.ndarray, n: int, k: int) -> np.ndarray:
+    """_dequantize's formula for Q8_0, Q4_0 and Q4_1 blocks [n, blocks, bytes], in numpy (fp32, bitwise equal)."""
+    head = 4 if fmt == kernels.Q4_1 else 2
+    sc = np.ascontiguousarray(blocks[..., :head]).view(np.float16).astype(np.float32)  # [n, blocks, 1 or 2]
+    if fmt == kernels.Q8_0:
+        return (np.ascontiguousarray(blocks[..., 2:]).view(np.int8).astype(np.float32) * sc[..., :1]).reshape(n, k)
+    packed = blocks[..., head:]
+    q = np.concatenate([packed & 15, packed >> 4], -1).astype(np.float32)
+    if fmt == kernels.Q4_0:
+        return (sc[..., :1] * (q - np.float32(8))).reshape(n, k)
     return (sc[..., :1] * q + sc[..., 1:2]).reshape(n, k)
 
 
