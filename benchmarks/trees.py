@@ -22,7 +22,9 @@ from time import perf_counter
 from specdec import SpecDecoder
 from specdec.prompts import HERE, load_prompts
 
-DRAFTS = ["recycle", "ngram", "datastore+ngram", "datastore+ngram+recycle"]
+# shipped: the feature draft (EAGLE-2 trees when greedy, chains with q when sampling)
+DRAFTS = ["recycle", "ngram", "datastore", "shipped", "datastore+ngram", "datastore+ngram+recycle",
+          "datastore+ngram+shipped"]
 
 
 def workloads() -> dict[str, tuple[list[dict], list[dict]]]:

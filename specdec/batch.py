@@ -43,7 +43,7 @@ from .runtime.model import Llama, fit_vocab
 from .sampling import PositionNoise, SamplingParams, token_logprobs
 from .scheduler import Demand, plan
 from .trace import CycleRecord
-from .verification import choice_rows, verify_block, verify_constrained, verify_tree
+from .verification import choice_rows, committed_rows, verify_block, verify_constrained, verify_tree
 
 
 @dataclass
@@ -571,7 +571,9 @@ class BatchEngine:
             nodes = list(range(n))
         n = len(nodes)
         if hidden is not None:  # target features of the committed positions (all but the newest token)
-            drafter.observe_target(fed_before, hidden[start: start + len(s.tokens) + n - fed_before])
+            fed = len(s.tokens) - fed_before
+            rows = committed_rows(fed, nodes) if draft is not None and draft.is_tree and proposed else range(fed + n)
+            drafter.observe_target(fed_before, hidden[[start + r for r in rows]])
         if hasattr(drafter, "observe_verify"):
             drafter.observe_verify(s.tokens, draft, block, nodes)
         emitted, finish = cut([proposed[i] for i in nodes] + [token], s.tokens, len(s.prompt), s.stop,

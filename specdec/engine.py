@@ -11,7 +11,7 @@ from .kv import cached_model
 from .policy import FixedPolicy
 from .sampling import PositionNoise, SamplingParams, token_logprobs
 from .trace import CycleRecord
-from .verification import choice_rows, verify_block, verify_constrained, verify_tree
+from .verification import choice_rows, committed_rows, verify_block, verify_constrained, verify_tree
 
 StopCheck = Callable[[list[int]], "int | None"]  # generated ids -> how many to keep, if a stop string completed
 
@@ -21,8 +21,7 @@ class Engine:
         self.target = cached_model(target_model, vocab_size)
         self.drafter, self.eos_ids, self.context_window = drafter, set(eos_ids), context_window
         self.wants_hidden = getattr(drafter, "wants_target_hidden", False)
-        # token trees need the runtime's tree passes; a feature draft's target features come from chain passes
-        self.trees = hasattr(self.target, "forward_tree") and not self.wants_hidden
+        self.trees = hasattr(self.target, "forward_tree")  # token trees need the runtime's tree passes
         self.costs = PassCosts()  # the verify curve trees are sized by, measured here
 
     def run(self, prompt: list[int], max_new_tokens: int, params: SamplingParams, policy,
@@ -76,9 +75,13 @@ class Engine:
                 n, token = verify_constrained(proposed, logits, params, gen, len(seq), constraint, masked)
                 nodes, accepted = list(range(n)), proposed[:n]
             elif draft is not None and draft.is_tree:
-                logits = self.target.forward_tree(seq, proposed, draft.parents)
+                out = self.target.forward_tree(seq, proposed, draft.parents, hidden=self.wants_hidden)
+                logits = out[0] if self.wants_hidden else out
                 nodes, token = verify_tree(proposed, draft.parents, logits, params, gen, len(seq))
                 self.target.keep_path(nodes)
+                if self.wants_hidden:  # features of the rows the slot lacked, then of the accepted path's nodes
+                    start = self.target.last_start
+                    self.drafter.observe_target(start, out[1][committed_rows(len(seq) - start, nodes)])
                 n, accepted = len(nodes), [proposed[i] for i in nodes]
             else:
                 if self.wants_hidden:

@@ -130,3 +130,9 @@ def verify_constrained(draft: list[int], logits: torch.Tensor, params: SamplingP
             n += 1
             continue
         return n, token
+
+
+def committed_rows(context_rows: int, nodes: list[int]) -> list[int]:
+    """A tree pass's rows whose tokens are committed: the context rows it ran first, then the accepted path's nodes
+    (node i is row context_rows + i). Their target features feed a feature draft."""
+    return list(range(context_rows)) + [context_rows + i for i in nodes]

@@ -145,8 +145,8 @@ def test_prefix_cache_copies_a_shared_prompt_prefix_and_changes_nothing(rt):
 
 
 def test_feature_drafts_batched_across_requests_equal_each_alone(rt):
-    """propose_many over several forks (one layer pass per step for all) = each fork's propose, bitwise, greedy and
-    sampled; the forks keep their own state."""
+    """propose_many over several forks (one layer pass per step for all) = each fork's chain alone, bitwise, greedy
+    and sampled; the forks keep their own state."""
     from specdec.drafters.base import fork, propose_many
     model, tok = rt
     template = feature_drafter(model)
@@ -163,7 +163,8 @@ def test_feature_drafts_batched_across_requests_equal_each_alone(rt):
         return forks
     ks = [4, 3, 1, 5]
     together = propose_many(primed(), contexts, ks, params, [p.generator() for p in params])
-    alone = [d.propose(c, k, p, p.generator()) for d, c, k, p in zip(primed(), contexts, ks, params)]
+    alone = [d.propose_many([d], [c], [k], [p], [p.generator()])[0] for d, c, k, p in zip(primed(), contexts, ks,
+                                                                                            params)]
     assert [d.tokens for d in together] == [d.tokens for d in alone] and all(len(d.tokens) == k for d, k in
                                                                                 zip(together, ks))
     for a, b in zip(together, alone):
@@ -250,3 +251,107 @@ def test_a_prompt_prefilled_once_for_its_twins(rt):
     assert rows < len(ids) + 3 * 8 + 4  # the prompt once, then about one row per token per choice
     assert engine.prefixes.hits == 2
     engine.close()
+
+
+class OracleTreeDraft:
+    """A drafter that reads the target's features and proposes trees holding the true continuation (from a reference
+    run) beside decoys, at depths that vary by cycle: how a feature draft's tree passes must hand on features."""
+    name, wants_target_hidden, makes_trees, free = "oracle", True, True, False
+
+    def __init__(self, reference: list[int], vocab: int):
+        self.reference, self.vocab = reference, vocab
+        self.reset()
+
+    def reset(self) -> None:
+        self.feats, self.calls = None, 0
+
+    def fork(self):
+        return OracleTreeDraft(self.reference, self.vocab)
+
+    def observe_target(self, start: int, hidden) -> None:
+        self.feats = hidden.clone() if self.feats is None else torch.cat([self.feats[:start], hidden])
+
+    def propose(self, context, k, params, generator):
+        from specdec.drafters.base import Draft
+        L = len(context)
+        if context != self.reference[:L] or L + 2 > len(self.reference):
+            return Draft()
+        good = self.reference[L: L + 2]
+        bad = [(t + 1) % self.vocab for t in good]
+        self.calls += 1
+        depth = self.calls % 3  # 0: decoys only, 1: the first token right, 2: two right
+        tokens = [bad[0], good[0] if depth else bad[1], good[1] if depth == 2 else bad[1], bad[1]]
+        return Draft(tokens, parents=[-1, -1, 1, 1], values=[0.99, 0.98, 0.97, 0.96])  # worth their rows
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_tree_passes_hand_a_feature_draft_the_features_of_the_committed_path(rt, batched):
+    """After tree passes whose accepted depth varies (0, 1, 2), the features a drafter was handed equal the target's
+    own hidden states of the committed sequence, bitwise (row-invariance), in the engine and the batch engine; the
+    output equals target-only."""
+    from specdec.engine import Engine
+    model, tok = rt
+    prompt = tok(PROMPTS[2]).input_ids
+    ref = alone(rt, PROMPTS[2], SamplingParams(), 24)
+    draft = OracleTreeDraft(prompt + ref, model.config.vocab_size)
+    if batched:
+        engine = BatchEngine(model, draft, model.config.vocab_size, set(), 128, max_batch_rows=16)
+        seq = engine.add(Sequence(prompt, 24, SamplingParams()))
+        records, drafter = [], engine._state[seq.id][1]  # the request's fork
+        while engine.running:
+            records += [rec for _, rec in engine.step() if rec is not None]
+        out = seq.generated
+        engine.close()
+    else:
+        engine = Engine(model, draft, model.config.vocab_size, set(), 128)
+        records = list(engine.run(prompt, 24, SamplingParams(), 3))
+        out, drafter = [t for r in records for t in r.emitted], draft
+    assert out == ref
+    assert {r.accepted for r in records if r.parents} == {0, 1, 2}
+    s = model.acquire_slot()
+    seq = prompt + ref
+    _, h = model.forward(seq, [s] * len(seq), list(range(len(seq))), [], hidden=True)
+    model.release_slot(s)
+    assert torch.equal(drafter.feats, h[: len(seq) - 1])
+
+
+def test_feature_draft_grows_a_best_first_tree_whose_paths_are_its_chain_steps(rt, monkeypatch):
+    """The EAGLE-2 tree: best-first (parents first, values non-increasing), each value the product of the draft's
+    probabilities along the path; with every node expanded, the draft's greedy chain is one of its paths (a tree row
+    of the draft pass is bitwise its chain step). Greedy speculation with it equals target-only."""
+    from specdec.drafters import feature
+    from specdec.drafters.tree import depths, path
+    from specdec.engine import Engine
+    model, tok = rt
+    d = feature_drafter(model)
+    if d._rt is None:
+        pytest.skip("no kernels: the draft proposes chains")
+    ctx = tok(PROMPTS[0]).input_ids
+    s = model.acquire_slot()
+    _, h = model.forward(ctx, [s] * len(ctx), list(range(len(ctx))), [], hidden=True)
+    model.release_slot(s)
+    d.observe_target(0, h[:-1])
+    chain = d.propose_many([d], [ctx], [4], [SamplingParams()], [None])[0].tokens
+    monkeypatch.setattr(feature, "TREE_WIDTH", 64)
+    monkeypatch.setattr(feature, "TREE_EXPAND", 0.0)
+    monkeypatch.setattr(feature, "TREE_NODES", 10 ** 4)
+    tree = d.propose(ctx, 4, SamplingParams(), None)
+    assert tree.is_tree and all(p < i for i, p in enumerate(tree.parents))
+    assert all(a >= b for a, b in zip(tree.values, tree.values[1:])) and max(depths(tree.parents)) == 4
+    paths = {tuple(tree.tokens[j] for j in path(tree.parents, i)) for i in range(len(tree.tokens))}
+    assert tuple(chain) in paths
+    monkeypatch.undo()
+
+    class FreeRows:  # every node pays its row: whole trees get verified
+        def observe(self, rows, ms):
+            pass
+
+        def __call__(self, rows):
+            return 1.0
+    engine = Engine(model, d, model.config.vocab_size, set(), 128)
+    engine.costs = FreeRows()
+    for p in PROMPTS[:3]:
+        ids = tok(p).input_ids
+        records = list(engine.run(ids, 20, SamplingParams(), 3))
+        assert [t for r in records for t in r.emitted] == alone(rt, p, SamplingParams(), 20)
+        assert sum(len(r.proposed) > 1 and r.parents is not None for r in records) >= 3

@@ -46,8 +46,8 @@ class ChainDrafter:
                 values.append(v)
             tree = Draft(draft.tokens, parents=chain_parents(len(draft.tokens)), values=values)
             self._last = (i, len(draft.tokens))
-        for m in self.members[i + 1:]:
-            if getattr(m, "makes_trees", False):
+        for m in self.members[i + 1:]:  # free tree-makers only: a model draft runs when those before it had nothing
+            if getattr(m, "makes_trees", False) and getattr(m, "free", False):
                 tree = merge(tree, m.propose(context, k, params, generator), MAX_NODES)
         return tree
 

@@ -37,6 +37,9 @@ MIN_CONFIDENCE = 0.5
 # verified, so its numerics cost acceptance only: 0.48 accepted drafts per pass against 0.49 in bf16 (17 chat and
 # code prompts, τ=3), at 0.68 ms a step against 1.05 (docs/trees.md).
 DRAFT_FORMAT = kernels.Q4_0
+# EAGLE-2 trees (grow_tree): children read per expanded node, nodes expanded per depth, the least value worth a
+# draft pass to expand, and the most nodes offered (the cost model verifies those that pay their rows).
+TREE_TOP, TREE_WIDTH, TREE_EXPAND, TREE_NODES = 4, 2, 0.4, 16
 
 
 class _CachedRows:
@@ -203,17 +206,65 @@ class FeatureDrafter:
         out, self.cache = self.net(emb, feats[None], start, self.cache)
         return out[0]
 
+    @property
+    def makes_trees(self) -> bool:
+        """On the runtime's kernels a greedy proposal is a token tree (EAGLE-2, grow_tree)."""
+        return self._rt is not None
+
     def propose(self, context, k, params, generator) -> Draft:
+        if self._rt is not None and params.greedy:
+            return self.grow_tree(context, k)
         return FeatureDrafter.propose_many([self], [context], [k], [params], [generator])[0]
 
-    @staticmethod
     @torch.inference_mode()
-    def propose_many(drafters, contexts, ks, params, generators) -> list[Draft]:
-        """propose() for several sequences at once (continuous batching), each with its own drafter fork. On the
-        runtime the forks share one draft layer, so each step runs the layer and the head once for all of them;
-        every row is computed as alone (row-invariant kernels), so each draft equals its drafter's propose()."""
-        out = [Draft() for _ in drafters]
-        live, rows = [], []  # drafting sequences; their catch-up rows: (tokens, features, first position)
+    def grow_tree(self, context, depth: int) -> Draft:
+        """A dynamic token tree (EAGLE-2, Li et al. 2024): the draft's top TREE_TOP children of the context, then,
+        depth by depth, the TREE_WIDTH likeliest nodes expanded (one draft pass for all of them, each row attending
+        to the context and its own path), while a node is worth at least TREE_EXPAND. A node's value is the
+        product of the draft's probabilities along its path (its own estimate that the path is the target's);
+        nodes come best-first, and the engine's cost model verifies as many as pay (costs.best_tree_size)."""
+        if depth < 1 or not self._catch_up([self], [context], [depth]):
+            return Draft()
+        L, slot = len(context), self._slot
+        feat = self._advance([self], [self._rows])[0]
+        tokens, parents, values, storage = [], [], [], {}  # storage: an expanded node's draft K/V position
+        frontier = [(-1, feat)]  # expanded nodes whose children are still to be read: (node, predicted feature)
+        for d in range(1, depth + 1):
+            probs = self._logits(torch.stack([f for _, f in frontier])).softmax(-1)
+            top = probs.topk(min(TREE_TOP, probs.shape[-1]), -1)
+            born = []
+            for (node, f), ps, ids in zip(frontier, top.values.tolist(), top.indices.tolist()):
+                base = values[node] if node >= 0 else 1.0
+                for p, j in zip(ps, ids):
+                    tokens.append(int(self.vocab_map[j])), parents.append(node), values.append(base * p)
+                    born.append((len(tokens) - 1, f))
+            grow = sorted((b for b in born if values[b[0]] >= TREE_EXPAND), key=lambda b: -values[b[0]])[:TREE_WIDTH]
+            if d == depth or not grow or L + len(storage) + len(grow) >= self._rt.max_len:
+                break
+            paths, positions = [], []
+            for node, _ in grow:
+                storage[node] = L + len(storage)
+                up, chain = parents[node], [storage[node]]
+                while up >= 0:
+                    chain.append(storage[up])
+                    up = parents[up]
+                paths.append(chain[::-1])
+                positions.append(L - 1 + d)
+            x = torch.cat([self._embed([tokens[n] for n, _ in grow]), torch.stack([f for _, f in grow])], -1)
+            h = self._rt.forward_rows(qlinear(x.contiguous(), self._fc, q8=self._q8), [slot] * len(grow), positions,
+                                      logit_rows=[], hidden=True, paths=paths)[1]
+            frontier = list(zip([n for n, _ in grow], h))
+        self._truncate(L)
+        order = sorted(range(len(tokens)), key=lambda i: (-values[i], i))[:TREE_NODES]  # parents before children
+        where = {old: new for new, old in enumerate(order)}
+        return Draft([tokens[i] for i in order], parents=[-1 if parents[i] < 0 else where[parents[i]] for i in order],
+                     values=[values[i] for i in order])
+
+    @staticmethod
+    def _catch_up(drafters, contexts, ks) -> list[int]:
+        """Each drafter's rows the draft has not run yet, as `d._rows` (tokens, input features, first position) ->
+        the indices that can draft (the target has scored their context)."""
+        live = []
         for i, (d, ctx) in enumerate(zip(drafters, contexts)):
             L = len(ctx)
             if len(d.feats) < L - 1 or L < 2 or ks[i] < 1:
@@ -223,12 +274,22 @@ class FeatureDrafter:
             prev = d.feats[max(0, keep - 1): L - 1]  # position j is fed the target's feature at j - 1
             if keep == 0:
                 prev = torch.cat([prev.new_zeros(1, prev.shape[1]), prev])
-            rows.append((ctx[keep:L], prev, keep))
+            d._rows = (ctx[keep:L], prev, keep)
             d.tokens = list(ctx)
             live.append(i)
+        return live
+
+    @staticmethod
+    @torch.inference_mode()
+    def propose_many(drafters, contexts, ks, params, generators) -> list[Draft]:
+        """The draft as a chain for several sequences at once (continuous batching), each with its own drafter fork.
+        On the runtime the forks share one draft layer, so each step runs the layer and the head once for all of
+        them; every row is computed as alone (row-invariant kernels), so each draft equals that fork's chain."""
+        out = [Draft() for _ in drafters]
+        live = FeatureDrafter._catch_up(drafters, contexts, ks)
         if not live:
             return out
-        feats = FeatureDrafter._advance([drafters[i] for i in live], rows)
+        feats = FeatureDrafter._advance([drafters[i] for i in live], [drafters[i]._rows for i in live])
         state = {i: ([], [], 1.0) for i in live}  # drafted, qs, reach
         for step in range(max(ks[i] for i in live)):
             logits = FeatureDrafter._head([drafters[i] for i in live], feats)

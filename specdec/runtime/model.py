@@ -559,11 +559,12 @@ class SlotCache:
         logits = fit_vocab(logits, self.vocab_size)
         return (logits, out[1]) if hidden else logits
 
-    def forward_tree(self, tokens: list[int], tree: list[int], parents: list[int]):
+    def forward_tree(self, tokens: list[int], tree: list[int], parents: list[int], hidden: bool = False):
         """One pass over the tokens the slot lacks and a token tree after them -> logits [1 + len(tree), V]: the
         row of tokens[-1] (which the tree hangs from, parent -1), then one per node (parents[i] < i is node i's
         parent). Nodes are stored after the sequence in their order, and each attends to its own path only.
-        Only `tokens` count as cached afterwards; keep_path() then moves an accepted path into place."""
+        Only `tokens` count as cached afterwards; keep_path() then moves an accepted path into place. hidden=True
+        also returns every row's final hidden state (the rows the slot lacked, then the nodes)."""
         self.rollback(min(common_prefix_len(self.tokens, tokens), len(tokens) - 1))
         start = self.last_start = len(self.tokens)
         new, base = tokens[start:], len(tokens)
@@ -573,10 +574,10 @@ class SlotCache:
             paths.append((paths[len(new) + parent] if parent >= 0 else []) + [base + i])
         out = self.model.forward(new + list(tree), [self.slot] * (len(new) + len(tree)),
                                  list(range(start, base)) + [base - 1 + d for d in depth],
-                                 range(len(new) - 1, len(new) + len(tree)), paths=paths)
+                                 range(len(new) - 1, len(new) + len(tree)), hidden, paths=paths)
         self.tokens.extend(new)
         self._tree = (base, tree, paths[len(new):])
-        return fit_vocab(out, self.vocab_size)
+        return (fit_vocab(out[0], self.vocab_size), out[1]) if hidden else fit_vocab(out, self.vocab_size)
 
     def keep_path(self, nodes: list[int]) -> None:
         """After forward_tree: the accepted nodes (a root-to-node path, in order) join the cached sequence, their
