@@ -20,7 +20,9 @@ class ChainDrafter:
         self.name = "+".join(m.name for m in members)
         self.wants_target_hidden = any(getattr(m, "wants_target_hidden", False) for m in members)
         self.free = all(getattr(m, "free", False) for m in members)
-        self.makes_trees = any(getattr(m, "makes_trees", False) for m in members)
+        # free tree-makers (recycle) turn the chain's proposals into merged trees; a model draft's own trees (the
+        # feature draft) pass through as they are, and batched requests draft it as chains in one pass for all
+        self.makes_trees = any(getattr(m, "makes_trees", False) and getattr(m, "free", False) for m in members)
         # member index -> acceptance by depth [value, weight] (shared by forks: a drafter's quality carries over)
         self.alphas = alphas if alphas is not None else {}
         self._last: tuple[int, int] | None = None  # (member, chain length) of the last merged proposal
