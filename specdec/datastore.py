@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 from . import models
+from .cachedir import cache_root
 from .errors import InvalidRequest, ModelLoadError, SpecDecError
 from .prompts import HERE as PROMPT_DIR, load_prompts
 
@@ -23,8 +23,7 @@ def datastore_dir(target: str) -> Path:
     """Where `datastore build` keeps the datastore of `target` (a file or directory path, or a model name)."""
     path = Path(target).expanduser()
     key = str(path.resolve()) if path.exists() else str(target)
-    home = Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
-    return home / "datastores" / f"{path.stem or 'model'}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    return cache_root() / "datastores" / f"{path.stem or 'model'}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
 def build_datastore(target: str, out: str | None = None, prompt_files: list[str] | None = None, limit: int = 0,

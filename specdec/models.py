@@ -25,6 +25,7 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 import torch  # noqa: E402
 
 from . import kernels  # noqa: E402
+from .cachedir import cache_root  # noqa: E402
 from .errors import IncompatibleDraft, ModelLoadError  # noqa: E402
 
 
@@ -60,16 +61,12 @@ def resolve(spec: str) -> Path:
     return path
 
 
-def _cache_root() -> Path:
-    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
-
-
 def _gguf_to_dir(path: Path) -> Path:
     """Dequantise a GGUF file once into a cached model directory; return that directory."""
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise ModelLoadError(f"cannot load model {path}: not a GGUF file (bad magic bytes)")
-    out = _cache_root() / "gguf" / f"{path.stem}-{_gguf_key(path)}"
+    out = cache_root() / "gguf" / f"{path.stem}-{_gguf_key(path)}"
     if (out / "config.json").is_file():
         return out
     print(f"specdec: converting {path.name} (first use; cached in {out})", file=sys.stderr)
@@ -156,7 +153,7 @@ def _gguf_key(path: Path) -> str:
 
 def _gguf_tokenizer(path: Path):
     """The tokenizer stored in a GGUF file, extracted by transformers once and cached as tokenizer files."""
-    out = _cache_root() / "tokenizers" / f"{path.stem}-{_gguf_key(path)}"
+    out = cache_root() / "tokenizers" / f"{path.stem}-{_gguf_key(path)}"
     if not (out / "tokenizer_config.json").is_file():
         os.environ["TQDM_DISABLE"] = "1"
         try:

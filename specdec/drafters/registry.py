@@ -10,13 +10,13 @@ A new drafter registers a builder under its name (`@register("name")`); nothing 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
 from .. import models
+from ..cachedir import cache_root
 from ..errors import IncompatibleDraft
 from .base import NoDrafter
 from .chain import ChainDrafter
@@ -85,8 +85,7 @@ def _recycle(spec, target):
 
 
 def recycle_file(fingerprint: str) -> Path:
-    home = Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
-    return home / "recycle" / f"{fingerprint}.safetensors"
+    return cache_root() / "recycle" / f"{fingerprint}.safetensors"
 
 
 @register("datastore")

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from ..cachedir import cache_root
+
 SOURCE = Path(__file__).with_name("rows.cpp")
 COMMON = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]  # no fused multiply-add unless written
 # avx512 includes VNNI (vpdpbusd, the q8 mode's integer dot products); an AVX-512 CPU without it runs the avx2 build
@@ -37,7 +39,7 @@ TORCH_FORMAT = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec")) / "kernels"
+    return cache_root() / "kernels"
 
 
 def _build(compiler: str, isa: str, where: str | None = None) -> Path:
@@ -83,6 +85,7 @@ class Library:
     def __init__(self, path: Path, isa: str):
         lib, p, i, f, lng = ctypes.CDLL(str(path)), ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
         self.isa = isa
+        self.key = path.stem  # rows-<isa>-<hash of source, flags, compiler>: what a layout cached from it depends on
         self.rows_linear = lib.rows_linear
         self.rows_linear.argtypes, self.rows_linear.restype = [i, p, i, i, p, p, i, p, p, i], i
         self.rows_repack = lib.rows_repack

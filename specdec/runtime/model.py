@@ -22,6 +22,7 @@ import torch
 from torch.nn import functional as F
 
 from .. import kernels
+from ..cachedir import file_sha256
 from .blocks import BLOCK, BlockPool, default_kv_memory, drop_pages
 from .weights import QTensor, qlinear
 
@@ -456,6 +457,15 @@ class Llama:
                       _ptr(w.post_ffn_norm), _ptr(cos), _ptr(sin), int(w.window))
 
     @property
+    def fingerprint(self) -> str | None:
+        """The sha256 of the model's file (what its cached q8 layout and measured pass costs are keyed by), or
+        None where the model is not one file."""
+        if not hasattr(self, "_fingerprint"):
+            from pathlib import Path
+            self._fingerprint = file_sha256(self.source) if self.source and Path(self.source).is_file() else None
+        return self._fingerprint
+
+    @property
     def q8(self) -> bool:
         """The numerics mode: exact (fp32 on dequantized weights, bitwise transformers' fp32) or q8 (int8
         activations against integer weight blocks; rows.cpp). Both row-invariant."""
@@ -469,6 +479,10 @@ class Llama:
         if self.kv_dtype != before:  # slots keep their ids; what they held was computed in the other mode
             self._remake_pool()
         if self._lib is not None:
+            if self.q8 and not getattr(self, "_q8_attached", False):
+                from .q8cache import attach
+                self.q8_layout = attach(self)  # mapped from the cache file (or built there once), else in memory
+                self._q8_attached = True
             self._pointers()
             self._structs = None  # rebuilt at the next pass, naming the repacked blocks in q8
 

@@ -73,25 +73,37 @@ class QTensor:
     def packed(self) -> torch.Tensor | None:
         """The blocks repacked for the q8 kernel (kernels.repack; made once, the same bytes again), or None for
         formats the q8 mode runs exactly (float weights)."""
-        if self._packed is None and kernels.q8_format(self.fmt) and not self._exact_only:
-            # in slices of rows, each slice's file pages dropped once copied (q8 reads the copy; they are re-read if
-            # ever needed): the file and its copy are never both resident (a 1B model's head is 215 MB)
-            lib = kernels.library()
-            packed = torch.empty(lib.rows_repacked_bytes(self.fmt, self.n, self.k), dtype=torch.uint8)
-            at = 0
-            for r0 in range(0, self.n, REPACK_ROWS):
-                rows = self.data[r0: r0 + REPACK_ROWS]
-                size = lib.rows_repacked_bytes(self.fmt, len(rows), self.k)
-                try:
-                    kernels.repack(self.fmt, rows, len(rows), self.k, lib, out=packed[at: at + size])
-                except kernels.NotRepackable:
-                    self._exact_only = True
-                    return None
-                at += size
-                if self.mapped:
-                    release_pages(rows)
-            self._packed = packed
+        if self._packed is None and self.repacked_bytes() is not None:
+            self._packed = self.pack_into(torch.empty(self.repacked_bytes(), dtype=torch.uint8))
         return self._packed
+
+    def repacked_bytes(self) -> int | None:
+        """Bytes of the q8 layout, or None where q8 runs this tensor exactly (float weights, NotRepackable)."""
+        if not kernels.q8_format(self.fmt) or self._exact_only:
+            return None
+        return kernels.library().rows_repacked_bytes(self.fmt, self.n, self.k)
+
+    def pack_into(self, out: torch.Tensor) -> torch.Tensor | None:
+        """Repack into `out` (repacked_bytes() bytes: memory, or a cache file's map) in slices of rows, each slice's
+        file pages dropped once copied (q8 reads the copy; they are re-read if ever needed): the file and its copy
+        are never both resident (a 1B model's head is 215 MB). None if the scales do not fit (runs exact)."""
+        lib, at = kernels.library(), 0
+        for r0 in range(0, self.n, REPACK_ROWS):
+            rows = self.data[r0: r0 + REPACK_ROWS]
+            size = lib.rows_repacked_bytes(self.fmt, len(rows), self.k)
+            try:
+                kernels.repack(self.fmt, rows, len(rows), self.k, lib, out=out[at: at + size])
+            except kernels.NotRepackable:
+                self._exact_only = True
+                return None
+            at += size
+            if self.mapped:
+                release_pages(rows)
+        return out
+
+    def use_packed(self, packed: torch.Tensor | None) -> None:
+        """Take a q8 layout made before (a cache file's map); None: this tensor runs exact in q8."""
+        self._packed, self._exact_only = packed, packed is None
 
     def dequantize(self) -> torch.Tensor:
         """All rows in fp32, exactly as gguf's reference dequantizes them (cached: torch fallback and tests)."""

@@ -393,12 +393,17 @@ def batch_engine(decoder, max_batch_rows: int | None, prefill_chunk: int):
     from ..batch import BatchEngine, default_budget, measure_pass_curve, measure_row_cost
     if not models.is_runtime(decoder.model):
         return None
+    from ..runtime.measured import remembered, remembered_curve
+    model = decoder.model
     sizes = sorted({1, 2, 4, 8, 16, 32, 64, max_batch_rows or 1})
-    curve = measure_pass_curve(decoder.model, sizes, context=min(64, decoder.context_window // 2))
-    engine = BatchEngine(decoder.model, decoder.engine.drafter, decoder.model.config.vocab_size,
-                         decoder.engine.eos_ids, decoder.context_window, max_batch_rows or default_budget(curve),
-                         prefill_chunk, curve)
-    engine.calibrate(*measure_row_cost(decoder.model, rows=min(32, prefill_chunk)))  # what admission predicts with
+    context, rows = min(64, decoder.context_window // 2), min(32, prefill_chunk)
+    # measured once per model file, machine and numerics, then read back (runtime/measured.py); refined online
+    curve = remembered_curve(model, "pass_curve", {"sizes": sizes, "context": context},
+                             lambda: measure_pass_curve(model, sizes, context=context))
+    engine = BatchEngine(model, decoder.engine.drafter, model.config.vocab_size, decoder.engine.eos_ids,
+                         decoder.context_window, max_batch_rows or default_budget(curve), prefill_chunk, curve)
+    row_ms, key_ms = remembered(model, "row_cost", {"rows": rows}, lambda: list(measure_row_cost(model, rows=rows)))
+    engine.calibrate(row_ms, key_ms)  # what admission predicts with
     return engine
 
 

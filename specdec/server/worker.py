@@ -296,8 +296,11 @@ class Worker:
         """What every trace carries for the analyzer: the target's verify ms by tokens, measured once."""
         if getattr(self, "_curve", None) is None:
             from ..costs import measure_verify_curve
+            from ..runtime.measured import remembered_curve
             model = self.decoder.model
-            self._curve = measure_verify_curve(model, model.config.vocab_size, list(range(1, 33)), 9, reps=3)
+            self._curve = remembered_curve(model, "verify_curve", {"context": 32, "max_n": 9},
+                                           lambda: measure_verify_curve(model, model.config.vocab_size,
+                                                                        list(range(1, 33)), 9, reps=3))
         return {"verify_curve": {str(k): round(v, 3) for k, v in self._curve.items()}}
 
 

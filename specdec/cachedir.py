@@ -1,0 +1,52 @@
+"""Where specdec keeps what it computes once (kernels, tokenizers, q8 layouts, measured pass costs, drafts):
+$SPECDEC_CACHE, default ~/.cache/specdec. A leaf module: it imports nothing of specdec's."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Write a small file so that a reader sees the old bytes or the new, never a part (rename into place)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The sha256 of a file's content, read once: remembered under the cache by the file's identity (device,
+    inode, size, modification time), so a later start pays a stat, and a copy of the file (another identity)
+    hashes to the same key."""
+    path = Path(path).resolve()
+    st = path.stat()
+    ident = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+    memo = cache_root() / "file-hashes" / (hashlib.sha256(str(path).encode()).hexdigest()[:24] + ".json")
+    try:
+        known = json.loads(memo.read_text())
+        if known.get("identity") == ident and isinstance(known.get("sha256"), str):
+            return known["sha256"]
+    except (OSError, ValueError, AttributeError):
+        pass
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    digest = h.hexdigest()
+    try:
+        write_atomically(memo, json.dumps({"identity": ident, "sha256": digest}).encode())
+    except OSError:
+        pass  # an unwritable cache: the next start hashes again
+    return digest

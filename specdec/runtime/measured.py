@@ -1,0 +1,61 @@
+"""Measurements of a model on this machine (pass curves, row costs), taken once and remembered.
+
+A server sizes its row budget and admission on how long passes take; measuring that costs seconds on a 1.5B model at
+every start. The numbers depend on the model file, the machine, the kernel build and the numerics, so they are stored
+under $SPECDEC_CACHE/measured/ keyed by exactly those, and a server refines its copy online (batch.BatchEngine's
+moving averages). SPECDEC_REMEASURE=1 measures again and replaces what is stored.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .. import kernels
+from ..cachedir import cache_root, write_atomically
+
+
+def machine() -> str:
+    """What a timing depends on besides the model: the CPU, how many cores and threads, the kernel build."""
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    lib = kernels.library()
+    return f"{cpu}|{os.cpu_count()}|{torch.get_num_threads()}|{lib.key if lib else 'torch'}"
+
+
+def remembered(model, what: str, params: dict, measure: Callable[[], object]):
+    """measure() (JSON-serialisable) once per (model file, machine, numerics, what, params); the stored value
+    afterwards. Models that are not one file (in-memory, directories) are measured every time."""
+    if not getattr(model, "fingerprint", None):
+        return measure()
+    key = json.dumps([model.fingerprint, machine(), model.numerics, what, params], sort_keys=True)
+    path = cache_root() / "measured" / f"{what}-{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+    if os.environ.get("SPECDEC_REMEASURE") != "1":
+        try:
+            stored = json.loads(path.read_text())
+            if stored["key"] == key:
+                return stored["value"]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    value = measure()
+    try:
+        write_atomically(path, json.dumps({"key": key, "value": value}).encode())
+    except OSError:
+        pass  # an unwritable cache: measured again next time
+    return value
+
+
+def remembered_curve(model, what: str, params: dict, measure: Callable[[], dict[int, float]]) -> dict[int, float]:
+    """remembered() for {rows: ms} curves (JSON keeps their keys as strings)."""
+    got = remembered(model, what, params, lambda: [[n, ms] for n, ms in measure().items()])
+    return {int(n): float(ms) for n, ms in got}

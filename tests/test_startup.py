@@ -1,0 +1,134 @@
+"""Start-up work done once: the q8 layout cached in a file and mapped afterwards, measured pass costs remembered."""
+import json
+
+import pytest
+import torch
+from test_runtime import gguf_pair  # noqa: F401
+
+from specdec import kernels
+from specdec.runtime import measured, q8cache
+from specdec.runtime.load import load_gguf
+
+needs_kernel = pytest.mark.skipif(not kernels.available(), reason="CPU kernels unavailable")
+IDS = [5, 17, 33, 8, 61, 2, 40, 12, 90, 3, 77]
+
+
+@needs_kernel
+def test_q8_layout_is_built_once_then_mapped_and_gives_the_same_bits(gguf_pair, tmp_path, monkeypatch, capsys):  # noqa: F811
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    path = gguf_pair[0]
+    monkeypatch.setenv("SPECDEC_Q8_CACHE", "0")
+    memory = load_gguf(path)
+    memory.set_numerics("q8")
+    assert memory.q8_layout == "memory" and not (tmp_path / "q8").exists()
+    monkeypatch.delenv("SPECDEC_Q8_CACHE")
+
+    built = load_gguf(path)
+    built.set_numerics("q8")
+    assert built.q8_layout == "built"
+    assert "preparing the q8 layout of tiny.gguf" in capsys.readouterr().err
+    mapped = load_gguf(path)
+    mapped.set_numerics("q8")
+    assert mapped.q8_layout == "mapped"
+    assert capsys.readouterr().err == ""  # nothing to prepare the second time
+
+    cache = next((tmp_path / "q8").glob("*.q8"))
+    assert cache.name.startswith(mapped.fingerprint[:24]) and kernels.library().key in cache.name
+    for w in q8cache.q8_weights(mapped):  # each layout a view of the cache file, equal to a fresh repack
+        if w.packed() is not None:
+            assert torch.equal(w.packed(), kernels.repack(w.fmt, w.data, w.n, w.k))
+    assert any(w.packed() is not None for w in q8cache.q8_weights(mapped))
+
+    outs = []
+    for model in (memory, built, mapped):
+        slot = model.acquire_slot()
+        outs.append(model.forward(IDS, [slot] * len(IDS), list(range(len(IDS)))))
+        step = model.acquire_slot()  # row-invariant on the mapped layout too: rows equal one-token steps
+        steps = torch.cat([model.forward([t], [step], [i]) for i, t in enumerate(IDS)])
+        assert torch.equal(steps, outs[-1])
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@needs_kernel
+def test_a_cache_that_does_not_describe_the_model_is_rebuilt(gguf_pair, tmp_path, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    model = load_gguf(gguf_pair[0])
+    model.set_numerics("q8")
+    cache = next((tmp_path / "q8").glob("*.q8"))
+    reference = cache.read_bytes()
+    with open(cache, "r+b") as f:  # truncated: the wrong size
+        f.truncate(len(reference) // 2)
+    again = load_gguf(gguf_pair[0])
+    again.set_numerics("q8")
+    assert again.q8_layout == "built" and cache.read_bytes() == reference
+
+    index = cache.with_suffix(".json")
+    meta = json.loads(index.read_text())
+    meta["tensors"][0]["n"] += 16  # an index for other tensors
+    index.write_text(json.dumps(meta))
+    third = load_gguf(gguf_pair[0])
+    third.set_numerics("q8")
+    assert third.q8_layout == "built"
+    index.write_text("{not json")
+    fourth = load_gguf(gguf_pair[0])
+    fourth.set_numerics("q8")
+    assert fourth.q8_layout == "built"
+
+
+@needs_kernel
+def test_an_unwritable_cache_repacks_in_memory_with_one_line(gguf_pair, tmp_path, monkeypatch, capsys):  # noqa: F811
+    blocker = tmp_path / "file"
+    blocker.write_text("")  # the cache root is a file: nothing can be created under it
+    monkeypatch.setenv("SPECDEC_CACHE", str(blocker))
+    model = load_gguf(gguf_pair[0])
+    model.set_numerics("q8")
+    assert model.q8_layout == "memory"
+    err = capsys.readouterr().err
+    assert "cannot write the q8 cache" in err and "Traceback" not in err
+    slot = model.acquire_slot()
+    assert model.forward(IDS[:3], [slot] * 3, [0, 1, 2]).isfinite().all()
+
+
+def test_file_hash_is_remembered_by_identity_and_follows_the_content(tmp_path, monkeypatch):
+    from specdec.cachedir import file_sha256
+    import hashlib
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF" + bytes(1000))
+    assert file_sha256(f) == hashlib.sha256(f.read_bytes()).hexdigest()
+    assert len(list((tmp_path / "cache" / "file-hashes").iterdir())) == 1
+    f.write_bytes(b"GGUF" + bytes(999) + b"x")  # new content, new identity (size or mtime): hashed again
+    assert file_sha256(f) == hashlib.sha256(f.read_bytes()).hexdigest()
+
+
+class _Model:
+    def __init__(self, fingerprint, numerics="q8"):
+        self.fingerprint, self.numerics = fingerprint, numerics
+
+
+def test_measurements_are_taken_once_per_file_machine_and_numerics(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return {1: 10.0 + len(calls), 4: 12.5}
+    a = _Model("a" * 64)
+    first = measured.remembered_curve(a, "pass_curve", {"sizes": [1, 4]}, measure)
+    assert first == {1: 11.0, 4: 12.5} and len(calls) == 1
+    assert measured.remembered_curve(a, "pass_curve", {"sizes": [1, 4]}, measure) == first and len(calls) == 1
+    measured.remembered_curve(_Model("a" * 64, "exact"), "pass_curve", {"sizes": [1, 4]}, measure)
+    measured.remembered_curve(_Model("b" * 64), "pass_curve", {"sizes": [1, 4]}, measure)
+    measured.remembered_curve(a, "pass_curve", {"sizes": [1, 8]}, measure)
+    assert len(calls) == 4  # another numerics, file or parameter set is measured
+    monkeypatch.setenv("SPECDEC_REMEASURE", "1")
+    assert measured.remembered_curve(a, "pass_curve", {"sizes": [1, 4]}, measure) == {1: 15.0, 4: 12.5}
+    monkeypatch.delenv("SPECDEC_REMEASURE")
+    assert measured.remembered_curve(a, "pass_curve", {"sizes": [1, 4]}, measure) == {1: 15.0, 4: 12.5}
+    for f in (tmp_path / "measured").iterdir():
+        f.write_text("garbage")  # a damaged file is measured again, not an error
+    measured.remembered_curve(a, "pass_curve", {"sizes": [1, 4]}, measure)
+    assert len(calls) == 6
+    measured.remembered(_Model(None), "row_cost", {}, lambda: calls.append(1))
+    measured.remembered(_Model(None), "row_cost", {}, lambda: calls.append(1))
+    assert len(calls) == 8  # not one file: never stored
