@@ -617,11 +617,21 @@ def measure_pass_curve(model: Llama, sizes=(1, 2, 4, 8, 16, 32, 64), context: in
                     t = perf_counter()
                     model.forward([1] * n, [slots[j % k] for j in range(n)], [context + j // k for j in range(n)])
                     times[n].append((perf_counter() - t) * 1e3)
-        return {n: median(t[1:]) for n, t in times.items()}
+        return lower_envelope({n: median(t[1:]) for n, t in times.items()})
     finally:
         for s in slots:
             model.release_slot(s)
         model.trim()
+
+
+def lower_envelope(curve: dict[int, float]) -> dict[int, float]:
+    """Each size's time at most any larger size's: noise (another process, pages being written back) only ever
+    adds time, and a pass over more rows never costs less, so a size slower than a larger one was disturbed."""
+    out, best = {}, float("inf")
+    for n in sorted(curve, reverse=True):
+        best = min(best, curve[n])
+        out[n] = best
+    return dict(sorted(out.items()))
 
 
 def measure_row_cost(model: Llama, rows: int = 32, depths=(64, 1024), reps: int = 3) -> tuple[float, float]:

@@ -5,7 +5,7 @@ import torch
 
 from specdec import SpecDecoder, models
 from specdec.api import build_drafter
-from specdec.batch import BatchEngine, Sequence, default_budget, measure_pass_curve
+from specdec.batch import BatchEngine, Sequence, default_budget, lower_envelope, measure_pass_curve
 from specdec.runtime.blocks import BLOCK
 from specdec.sampling import SamplingParams
 
@@ -104,6 +104,9 @@ def test_one_request_alone_in_the_batch_engine_equals_the_engine(rt):
 def test_pass_curve_and_default_budget(rt):
     curve = measure_pass_curve(rt[0], sizes=(1, 2, 4, 8), context=8, reps=1)
     assert sorted(curve) == [1, 2, 4, 8] and all(v > 0 for v in curve.values())
+    assert all(curve[a] <= curve[b] for a, b in [(1, 2), (2, 4), (4, 8)])
+    # a disturbed size (2 rows slower than 4: noise only adds time) takes the larger size's time
+    assert lower_envelope({1: 16.2, 2: 31.2, 4: 26.2, 8: 35.0}) == {1: 16.2, 2: 26.2, 4: 26.2, 8: 35.0}
     assert default_budget({1: 10, 2: 10.5, 4: 12, 8: 16, 16: 60}) == 8  # rows 9-16 cost 5.5 ms each: > half of 10
     assert default_budget({1: 10, 2: 30}) == 1
 
