@@ -132,3 +132,20 @@ def test_measurements_are_taken_once_per_file_machine_and_numerics(tmp_path, mon
     measured.remembered(_Model(None), "row_cost", {}, lambda: calls.append(1))
     measured.remembered(_Model(None), "row_cost", {}, lambda: calls.append(1))
     assert len(calls) == 8  # not one file: never stored
+
+
+@needs_kernel
+def test_building_a_layout_drops_the_same_files_layouts_from_older_kernel_builds(gguf_pair, tmp_path, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    model = load_gguf(gguf_pair[0])
+    isa = kernels.library().isa
+    q8 = tmp_path / "q8"
+    q8.mkdir()
+    fp = model.fingerprint[:24]
+    stale = [q8 / f"{fp}-rows-{isa}-0000000000000000.q8", q8 / f"{fp}-rows-{isa}-0000000000000000.json"]
+    kept = [q8 / f"{'f' * 24}-rows-{isa}-0000000000000000.q8", q8 / f"{fp}-rows-other-0000000000000000.q8"]
+    for f in stale + kept:
+        f.write_bytes(b"old")
+    model.set_numerics("q8")
+    assert model.q8_layout == "built"
+    assert not any(f.exists() for f in stale) and all(f.exists() for f in kept)

@@ -909,8 +909,17 @@ template <int FMT> static inline int32_t q8_start(const QX& Q, long at) { return
 #ifndef Q8_AHEAD
 #define Q8_AHEAD 4096
 #endif
-// Rows of x per tile: each block's weights are read once for them (q8_block_sums keeps them in registers).
+// Rows of x per tile: each block's weights are unpacked once for them (q8_block_sums keeps them in registers).
+// AVX-512: 8 (8 weight registers, 8 or 16 integer accumulators of 32), so a verify pass of up to 8 rows unpacks
+// each block once; AVX2: 4 (its 16 registers). The tile width changes no bit: each row's sums and their order are
+// the same in any tile.
+#ifndef Q8_M
+#if defined(__AVX512VNNI__)
+#define Q8_M 8
+#else
 #define Q8_M 4
+#endif
+#endif
 
 // The exact integer sums of one block (16 weight rows) against M rows of x: a[m] over the block (from q8_start), or
 // for Q6_K, Q3_K and Q2_K a[m] and b[m] over its two 16-column halves (from -32, -4 and 0 times Σx of each half). Integer sums are exact, so the
@@ -1063,6 +1072,12 @@ static void q8_group(const QX& Q, int R, const uint8_t* Wq, int g, int N, float*
 #if Q8_M >= 3
             case 2: q8_tile<FMT, 2>(Q, m0, G, yn, ldy, bn, cols, acc_out); break;
             case 3: q8_tile<FMT, 3>(Q, m0, G, yn, ldy, bn, cols, acc_out); break;
+#endif
+#if Q8_M >= 8
+            case 4: q8_tile<FMT, 4>(Q, m0, G, yn, ldy, bn, cols, acc_out); break;
+            case 5: q8_tile<FMT, 5>(Q, m0, G, yn, ldy, bn, cols, acc_out); break;
+            case 6: q8_tile<FMT, 6>(Q, m0, G, yn, ldy, bn, cols, acc_out); break;
+            case 7: q8_tile<FMT, 7>(Q, m0, G, yn, ldy, bn, cols, acc_out); break;
 #endif
             default: q8_tile<FMT, Q8_M>(Q, m0, G, yn, ldy, bn, cols, acc_out); break;
         }

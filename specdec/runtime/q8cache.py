@@ -127,9 +127,19 @@ def _build(path: Path, weights: list[QTensor], source: Path) -> None:
         os.replace(tmp, path)
     finally:
         Path(tmp).unlink(missing_ok=True)
+    _drop_older_builds(path)
     write_atomically(path.with_suffix(".json"), json.dumps(
         {"version": VERSION, "source": str(source), "bytes": total, "tensors": _describe(weights),
          "spans": spans}).encode())
+
+
+def _drop_older_builds(path: Path) -> None:
+    """Remove this file's layouts from other kernel builds of the same instruction set (an upgrade's leftovers: a
+    gigabyte each for a 1.5B model). A process still mapping one keeps reading it until it exits (POSIX unlink)."""
+    fingerprint, _, isa, _ = path.stem.split("-", 3)
+    for old in path.parent.glob(f"{fingerprint}-rows-{isa}-*"):
+        if old.stem != path.stem and old.suffix in (".q8", ".json"):
+            old.unlink(missing_ok=True)
 
 
 class _Progress:
