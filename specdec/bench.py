@@ -34,6 +34,7 @@ class Config:
     proposed: int = 0
     accepted: int = 0
     cycles: int = 0
+    draft_ms: float = 0.0
     outputs: list = field(default_factory=list)
 
     @property
@@ -106,14 +107,14 @@ class Bench:
             t0 = perf_counter()
             out = llamacpp.decode(self._llama, ids, max_new_tokens,
                                   self._decoders[self.configs[0].label].engine.eos_ids, self.sampling)
-            return out, perf_counter() - t0, 0, 0, 0
+            return out, perf_counter() - t0, 0, 0, 0, 0.0
         if not c.hf:
             s = self.sampling or SamplingParams()
             out = self._decoders[c.label].generate(prompt["prompt"], max_new_tokens=max_new_tokens,
                                                    chat=prompt["chat"], temperature=s.temperature, top_p=s.top_p,
                                                    top_k=s.top_k, seed=s.seed)
             s = out.stats
-            return out.token_ids, s["wall_s"], s["proposed"], s["accepted"], s["cycles"]
+            return out.token_ids, s["wall_s"], s["proposed"], s["accepted"], s["cycles"], s["draft_ms"]
         ids = self._decoders[self.configs[0].label].encode(prompt["prompt"], prompt["chat"])
         with stock_linears(self._hf(self.model)):  # transformers as its users run it
             return self._run_hf(c, ids, max_new_tokens)
@@ -123,7 +124,7 @@ class Bench:
             drafter = self._decoders[self._twin(c)].engine.drafter
             t0 = perf_counter()
             out = hf_assist.generate(self._hf(self.model), ids, drafter, c.tau, max_new_tokens, self.tok.eos_token_id)
-            return out, perf_counter() - t0, 0, 0, 0
+            return out, perf_counter() - t0, 0, 0, 0, 0.0
         kw = {}
         if c.draft == "ngram":
             kw = dict(prompt_lookup_num_tokens=c.tau)
@@ -142,7 +143,7 @@ class Bench:
         with torch.inference_mode():
             out = self._hf(self.model).generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
                                                 pad_token_id=self.tok.eos_token_id, **kw)
-        return out[0, len(ids):].tolist(), perf_counter() - t0, 0, 0, 0
+        return out[0, len(ids):].tolist(), perf_counter() - t0, 0, 0, 0, 0.0
 
     def run(self, prompts: list[dict], console: Console | None = None) -> list[dict]:
         for c in self.configs:  # warm-up: first-call costs (allocations, kernels) stay out of the numbers
@@ -152,17 +153,19 @@ class Bench:
             for i, p in enumerate(prompts):
                 order = self.configs[i % len(self.configs):] + self.configs[: i % len(self.configs)]
                 for c in order:  # rotate the order per prompt: no configuration always runs first
-                    ids, secs, prop, acc, cyc = self._run_one(c, p, self.max_new_tokens)
+                    ids, secs, prop, acc, cyc, draft_ms = self._run_one(c, p, self.max_new_tokens)
                     c.outputs.append(ids)
                     c.tokens += len(ids)
                     c.seconds += secs
                     c.proposed, c.accepted, c.cycles = c.proposed + prop, c.accepted + acc, c.cycles + cyc
+                    c.draft_ms += draft_ms
                     bar.advance(task)
         return self.results()
 
     def results(self) -> list[dict]:
         base = self.configs[0]
         base_tps = base.tokens / base.seconds
+        step_ms = 1e3 * base.seconds / base.tokens  # target-only: one pass per token, everything included
         rows = []
         for c in self.configs:
             tps = c.tokens / c.seconds
@@ -175,6 +178,9 @@ class Bench:
                 "acceptance_rate": round(c.accepted / c.proposed, 4) if c.proposed else None,
                 "mean_accepted_len": round(c.accepted / c.cycles, 4) if c.cycles else None,
                 "target_passes_per_token": round(c.cycles / c.tokens, 4) if c.cycles else None,
+                # what drafting costs: ms per drafted token, and as a share of a target-only step (the cost model's c)
+                "draft_ms_per_token": round(c.draft_ms / c.proposed, 3) if c.proposed else None,
+                "draft_share_of_pass": round(c.draft_ms / c.proposed / step_ms, 4) if c.proposed else None,
                 "identical_to_baseline": None if self.sampling else c.outputs == base.outputs,
             })
         return rows
@@ -182,12 +188,14 @@ class Bench:
 
 def print_table(rows: list[dict], console: Console, numerics: str = "exact") -> None:
     table = Table(title=f"specdec bench, numerics {numerics} (speedup vs specdec target-only, same run)")
-    for col in ["config", "tokens/s", "speedup", "accept", "mean acc len", "passes/tok", "identical"]:
+    for col in ["config", "tokens/s", "speedup", "accept", "mean acc len", "passes/tok", "draft ms/tok",
+                "draft/pass", "identical"]:
         table.add_column(col, justify="left" if col == "config" else "right")
     fmt = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
     for r in rows:
         table.add_row(r["config"], fmt(r["tokens_per_s"]), fmt(r["speedup"], "{:.2f}x"), fmt(r["acceptance_rate"]),
                       fmt(r["mean_accepted_len"]), fmt(r["target_passes_per_token"]),
+                      fmt(r["draft_ms_per_token"], "{:.3f}"), fmt(r["draft_share_of_pass"], "{:.3f}"),
                       "-" if r["identical_to_baseline"] is None else "yes" if r["identical_to_baseline"] else "NO")
     console.print(table)
 

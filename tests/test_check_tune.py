@@ -195,6 +195,12 @@ def test_bench_json_schema(tiny_dirs, tmp_path, capsys):
         assert r["identical_to_baseline"] is True and r["tokens_per_s"] > 0
     assert rows[0]["draft"] == "none" and rows[0]["speedup"] == 1.0
     assert {r["policy"] for r in rows if r["engine"] == "specdec" and r["draft"] != "none"} == {"fixed", "adaptive"}
+    # what a draft costs: ms per drafted token and its share of a target-only step (a draft model is not free)
+    model_rows = [r for r in rows if r["engine"] == "specdec" and r["draft"] == tiny_dirs["draft"]]
+    assert all(r["draft_ms_per_token"] > 0 and r["draft_share_of_pass"] > 0 for r in model_rows)
+    ngram = [r for r in rows if r["engine"] == "specdec" and r["draft"] == "ngram" and r["acceptance_rate"]]
+    assert all(r["draft_share_of_pass"] < min(m["draft_share_of_pass"] for m in model_rows) for r in ngram)
+    assert rows[0]["draft_ms_per_token"] is None
     assert "specdec bench" in capsys.readouterr().out
     assert main(["bench", "--target", tiny_dirs["target"], "--prompts", str(prompts), "--policy", "magic"]) == 2
     assert main(["bench", "--target", tiny_dirs["target"], "--prompts", str(tmp_path / "nope.jsonl")]) == 2
