@@ -1,8 +1,16 @@
-"""`specdec analyze` on real traces of the default model: each setup generates with --trace (fixed τ), the
-analyzer reads the trace, and target-only runs of the same prompts, interleaved, give the actual speedup the
-analyzer's measured one should agree with.
+"""`specdec analyze` on real traces.
+
+Default model, in process: each setup generates with --trace (fixed τ), the analyzer reads the trace, and
+target-only runs of the same prompts, interleaved, give the actual speedup the analyzer's measured one should agree
+with.
+
+The real pair over HTTP (--pair): each setup is a `specdec serve` on Qwen2.5-Coder 1.5B with --trace-dir, fed the
+pair prompts (completion, chat, edits). The analyzer names each setup's bottleneck and the speedup if it were fixed;
+the fix is then applied (a chain behind a drafter that rarely proposes, the suggested τ, a cheaper draft, no draft)
+and the setup served again: the prediction is checked against the rerun's measured speedup.
 
     python benchmarks/diagnosis.py --out docs/diagnosis.json
+    python benchmarks/diagnosis.py --pair --out docs/diagnosis_pair.json
 """
 from __future__ import annotations
 
@@ -25,8 +33,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--pair", action="store_true", help="the real pair's servers (benchmarks/pair.py fetches it)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.pair:
+        return pair_suite(args)
     alone = SpecDecoder(draft="none")
     setups = {f"{d} tau={t}": SpecDecoder(draft=d, tau=t, policy="fixed") for d, t in SETUPS}
     wall = {name: 0.0 for name in [*setups, "target-only"]}
@@ -58,5 +69,91 @@ def main():
         Path(args.out).write_text(json.dumps(rows, indent=2))
 
 
+# ---- the real pair over HTTP -------------------------------------------------------------------------------------
+def pair_setups(draft: str) -> dict[str, tuple[list[str], dict]]:
+    """name -> (`specdec serve` options, request fields): target-only, ngram with τ at most 3, the 0.5B draft, the
+    default, and the 0.5B with τ fixed too large."""
+    return {"target-only": (["--draft", "none"], {}), "ngram tau<=3": (["--draft", "ngram", "--max-tau", "3"], {}),
+            "0.5B": (["--draft", draft], {}), "default": ([], {}),
+            "0.5B tau=8 fixed": (["--draft", draft], {"tau": 8, "policy": "fixed"})}
+
+
+def fix_for(report: dict, options: list[str], extra: dict, draft: str) -> tuple[list[str], dict] | None:
+    """The setup with the analyzer's suggested fix applied, or None where it names nothing to apply."""
+    kind = report["bottleneck"]
+    at = options.index("--draft") if "--draft" in options else None
+    name = options[at + 1] if at is not None else "ngram"  # the default draft of a target without a datastore
+    rest = options[:at] + options[at + 2:] if at is not None else list(options)
+    if kind == "rare_proposals":  # the draft model chained behind the drafter that rarely proposes
+        return rest + ["--draft", f"{name}+{draft}"], extra
+    if kind in ("tau_too_large", "tau_too_small", "verify_cost"):
+        best = report["speedup"]["best_tau"]
+        return (options, {**extra, "tau": best, "policy": "fixed"}) if best else (rest + ["--draft", "none"], {})
+    if kind == "draft_cost":
+        return rest + ["--draft", "ngram"], extra
+    if kind == "low_acceptance":
+        return rest + ["--draft", "none"], {}
+    return None
+
+
+def serve_and_analyze(name: str, options: list[str], extra: dict, target, prompts, max_tokens: int, logs) -> dict:
+    import shutil
+    import tempfile
+
+    from pair import Server, request
+
+    from specdec.analyze import analyze_many, load_traces
+    trace_dir = Path(tempfile.mkdtemp(prefix="specdec-diagnosis-"))
+    cmd = [str(Path(sys.executable).with_name("specdec")), "serve", "--target", str(target), "--host", "127.0.0.1",
+           "--port", "PORT", "--trace-dir", str(trace_dir), *options]
+    server = Server(name.replace(" ", "_").replace("/", "_"), cmd, logs)
+    try:
+        request(server, {"workload": "chat", "prompt": "Hi"}, 4)
+        for f in trace_dir.glob("*.jsonl"):
+            f.unlink()  # the warm-up's trace
+        for p in prompts:
+            request(server, p, max_tokens, extra)
+    finally:
+        server.stop()
+    time.sleep(0.5)  # the worker writes a request's trace after its answer
+    report = analyze_many(load_traces([str(trace_dir)]))
+    shutil.rmtree(trace_dir, ignore_errors=True)
+    return report
+
+
+def pair_suite(args) -> int:
+    from pair import PROMPTS as PAIR_PROMPTS, fetch_model
+    target, draft = fetch_model("coder15"), fetch_model("coder05")
+    prompts = [json.loads(line) for line in PAIR_PROMPTS.read_text().splitlines() if line.strip()]
+    prompts = [p for w in ("completion", "chat", "edits") for p in [q for q in prompts if q["workload"] == w][:2]]
+    logs = Path("/tmp/specdec-diagnosis-logs")
+    logs.mkdir(exist_ok=True)
+    rows = []
+    for name, (options, extra) in pair_setups(str(draft)).items():
+        rep = serve_and_analyze(name, options, extra, target, prompts, args.max_new_tokens, logs)
+        sp, s = rep["speedup"], rep["summary"]
+        gains = {f["kind"]: f["speedup_if_fixed"] for f in rep["findings"] if f["speedup_if_fixed"]}
+        row = {"setup": name, "options": options, "request": extra, "bottleneck": rep["bottleneck"], "measured": sp["measured"],
+               "predicted": sp["predicted"], "prediction_error": sp["prediction_error"],
+               "unexplained": sp["unexplained"], "tau": s["tau"], "proposal_rate": s["proposal_rate"],
+               "shortfalls": s["shortfalls"], "acceptance": s["acceptance_rate"], "ceiling": sp["ceiling"],
+               "gains": gains, "finding": next((f["finding"] for f in rep["findings"]
+                                                if f["kind"] == rep["bottleneck"]), None)}
+        fix = fix_for(rep, options, extra, str(draft))
+        if fix is not None:
+            again = serve_and_analyze(name + " fixed", *fix, target, prompts, args.max_new_tokens, logs)
+            row.update(fix=fix, predicted_after_fix=gains.get(rep["bottleneck"]),
+                       measured_after_fix=again["speedup"]["measured"], bottleneck_after_fix=again["bottleneck"])
+        rows.append(row)
+        print(f"{name}: {row['bottleneck']} (measured {row['measured']}x, predicted {row['predicted']}x; proposal "
+              f"rate {row['proposal_rate']}, shortfalls {row['shortfalls']})" +
+              (f"; fix {fix}: predicted {row['predicted_after_fix']}x, measured {row['measured_after_fix']}x"
+               if fix else ""), file=sys.stderr, flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, str(Path(__file__).parent))
+    sys.exit(main())

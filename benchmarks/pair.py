@@ -184,10 +184,12 @@ class Server:
         self.log.close()
 
 
-def request(server: Server, prompt: dict, max_tokens: int) -> dict:
-    """One streamed greedy request: text, tokens, ttft, decode and end-to-end rate, acceptance where reported."""
+def request(server: Server, prompt: dict, max_tokens: int, extra: dict | None = None) -> dict:
+    """One streamed greedy request (`extra`: more body fields, e.g. specdec's tau and policy): text, tokens, ttft,
+    decode and end-to-end rate, acceptance where reported."""
     chat = prompt["workload"] != "completion"
-    body = {"max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    body = {"max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+            **(extra or {})}
     if chat:
         body["messages"] = [{"role": "user", "content": prompt["prompt"]}]
     else:

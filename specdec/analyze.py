@@ -6,10 +6,16 @@ speedup if it were removed (`speedup_if_fixed`):
 - draft_cost: drafting free;
 - verify_cost: a pass over n rows costing one target step;
 - overhead: no time outside drafting and verifying;
-- tau_too_large / tau_too_small: the best τ for the measured acceptance by position (cost model);
-and the ceiling, tokens per target pass (drafting free, every pass one step). When even the ceiling is low the
-drafts are rarely right or rarely offered: `low_acceptance`, whatever else costs time. Otherwise the bottleneck is
-the cause with the largest gain, or `none` when no cause would add more than NONE_MARGIN.
+- rare_proposals: the drafter proposing in every cycle it was asked, as well as it does when it proposes (a cycle
+  with nothing proposed is "no match", not a τ choice: records say what was asked, what was drafted and why fewer
+  were verified, trace.SHORTFALLS);
+- tau_too_large / tau_too_small: the best τ for the measured acceptance by position (cost model); a longer τ is
+  credited only to proposals that τ cut (they filled it), never to cycles that proposed nothing;
+and the ceiling, tokens per target pass (drafting free, every pass one step). When even the ceiling is low, the
+drafts are rarely offered (`rare_proposals`, if proposing in every cycle would pay) or rarely right
+(`low_acceptance`), whatever else costs time. Otherwise the bottleneck is the cause with the largest gain, or
+`none` when no cause would add more than NONE_MARGIN. When the cost model misses the measured speedup by more than
+EXPLAIN_MARGIN, the report names the cycles it cannot explain.
 
 Measured and predicted speedups are over the decode cycles (cycle 0 also carries the prompt's prefill) against
 one target step, T_verify(1), the cost of a target-only token.
@@ -23,16 +29,21 @@ from statistics import mean, median
 
 from .costs import blocks_at, interpolate, non_decreasing, predicted_speedup, verify_curve
 from .errors import SpecDecError
-from .trace import CycleRecord, acceptance_by_position, read_trace, step_curve, tree_stats
+from .trace import CycleRecord, acceptance_by_position, asked_of, read_trace, step_curve, tree_stats
 
-BOTTLENECKS = ("low_acceptance", "draft_cost", "verify_cost", "overhead", "tau_too_large", "tau_too_small", "none")
+BOTTLENECKS = ("low_acceptance", "rare_proposals", "draft_cost", "verify_cost", "overhead", "tau_too_large",
+               "tau_too_small", "none")
 MAX_TAU = 16
 LOW_CEILING = 1.15  # tokens per target pass below this: speculation cannot pay, whatever else is fixed
 NONE_MARGIN = 0.10  # no cause worth more than +10%: healthy
+EXPLAIN_MARGIN = 0.10  # the cost model within 10% of the measured speedup, or the cycles it misses are named
 
 ADVICE = {
     "low_acceptance": "use a draft closer to the target (distil it on the target's outputs: specdec distill), check "
                       "that the prompt format (chat template) matches, or stop speculating (--draft none)",
+    "rare_proposals": "chain a drafter that proposes when this one finds no match (--draft A+B: A first, B when A "
+                      "proposes nothing, e.g. ngram+DRAFT.gguf), or use one that always proposes (a draft model, "
+                      "specdec distill)",
     "draft_cost": "use a cheaper draft (fewer layers, a reduced-vocabulary head) or a model-free one (ngram, "
                   "datastore); speculation pays only when acceptance clearly exceeds the draft/target cost ratio",
     "verify_cost": "verify fewer tokens per pass (a smaller tau), or run a backend whose multi-token pass costs "
@@ -80,7 +91,7 @@ def _fit_draft(records: list[CycleRecord]) -> tuple[float, float]:
     draft. A short trace whose proposal lengths barely differ gives a wild unconstrained slope (6 cycles of 6 tokens
     and one of 5 fitted 76 ms a token and a negative intercept, against 45 ms a token measured): when a bound binds,
     the fit is redone on the other parameter alone (through the origin, or flat)."""
-    pts = [(len(r.proposed), r.draft_ms) for r in records if r.tau > 0]
+    pts = [(len(r.proposed), r.draft_ms) for r in records if asked_of(r) > 0]
     if not pts:
         return 0.0, 0.0
     mx, my = mean(x for x, _ in pts), mean(y for _, y in pts)
@@ -95,6 +106,41 @@ def _fit_draft(records: list[CycleRecord]) -> tuple[float, float]:
     # the better of the two one-parameter fits: a line through the origin, or a flat cost per cycle
     err = lambda a, b: sum((y - a - b * x) ** 2 for x, y in pts)  # noqa: E731
     return min([(0.0, through_origin), (my, 0.0)], key=lambda ab: err(*ab))
+
+
+def _drafted(r: CycleRecord) -> int:
+    """Tokens the drafter gave (traces from before `drafted` was recorded: those verified)."""
+    return r.drafted if r.drafted is not None else len(r.proposed)
+
+
+def _proposing_always(blocks, no_match: float):
+    """The blocks had the `no_match` share of cycles (asked, nothing proposed) proposed as the proposing cycles do:
+    that share moves from the empty block to the others in proportion. None when there is nothing to move."""
+    empty = sum(w for w, n, _ in blocks if n == 0)
+    rest = sum(w for w, n, _ in blocks if n > 0)
+    moved = min(no_match, empty)
+    if moved <= 0 or rest <= 0:
+        return None
+    return [(w - moved if n == 0 else w * (1 + moved / rest), n, a) for w, n, a in blocks]
+
+
+def _unexplained(steady: list[CycleRecord], draft_cost, curve, overhead: float, top: int = 5) -> dict:
+    """Where the cost model misses: each cycle's time against what its proposal length predicts (drafting, the
+    verify curve, the mean overhead) -> the total gap and the cycles furthest off."""
+    a, b = draft_cost
+    rows = []
+    for r in steady:
+        n = len(r.proposed)
+        predicted = (a + b * n if asked_of(r) > 0 else 0.0) + interpolate(curve, n + 1) + overhead
+        rows.append((r.cycle_ms - predicted, r.cycle, n, r.cycle_ms, predicted))
+    gap = sum(x[0] for x in rows)
+    worst = sorted(rows, key=lambda x: -abs(x[0]))[:top]
+    return {"gap_ms": round(gap, 3), "cycles": [{"cycle": c, "proposed": n, "ms": round(ms, 3),
+                                                  "predicted_ms": round(p, 3)} for _, c, n, ms, p in worst],
+            "finding": f"the cycles take {gap:+.1f} ms in all against what their proposal lengths predict; the "
+                       "furthest off: " + ", ".join(f"cycle {c} ({ms:.1f} ms, predicted {p:.1f})"
+                                                    for _, c, _, ms, p in worst[:3])
+                       + " (one-time work, or the machine's load changing during the run)"}
 
 
 def analyze(records: list[CycleRecord], decode_only: bool = False, target_curve: dict | None = None) -> dict:
@@ -139,6 +185,13 @@ def analyze(records: list[CycleRecord], decode_only: bool = False, target_curve:
     def speedup(time_ms: float) -> float:
         return tokens * t1 / time_ms if time_ms > 0 else float("inf")
 
+    # what was asked of the drafter, what it gave, and why fewer drafts than τ were verified
+    asked = [r for r in cycles if asked_of(r) > 0]
+    gave = [r for r in asked if _drafted(r) > 0]
+    no_match = (len(asked) - len(gave)) / len(cycles)
+    shortfalls = Counter(r.short for r in cycles if r.short)
+    filled = sum(1 for r in gave if len(r.proposed) >= r.tau > 0) / len(gave) if gave else 0.0
+
     measured = speedup(total_ms)
     measured_steady = speedup(total_ms - one_time_ms)  # what the cost model predicts: one-time work left out
     predicted = model(tau)
@@ -150,10 +203,15 @@ def analyze(records: list[CycleRecord], decode_only: bool = False, target_curve:
     }
     if best_tau != tau and model(best_tau) > predicted:
         gains["tau_too_large" if best_tau < tau else "tau_too_small"] = measured * model(best_tau) / predicted
+    every = _proposing_always(blocks, no_match)
+    if every is not None:  # the cycles without a match proposing as the others do
+        gains["rare_proposals"] = measured * predicted_speedup(blocks_at(every, tau, tau), draft_cost, curve,
+                                                               overhead, t1) / predicted
     ceiling = tokens / len(cycles)  # tokens per target pass
 
     if ceiling < LOW_CEILING:
-        bottleneck = "low_acceptance"
+        rare = gains.get("rare_proposals", 0.0) > measured * (1 + NONE_MARGIN)
+        bottleneck = "rare_proposals" if rare else "low_acceptance"
     else:
         top = max(gains, key=gains.get)
         bottleneck = top if gains[top] > measured * (1 + NONE_MARGIN) else "none"
@@ -168,8 +226,14 @@ def analyze(records: list[CycleRecord], decode_only: bool = False, target_curve:
                        f"{tau + 1} tokens costs {interpolate(curve, tau + 1) / t1 if t1 else 0:.2f} target steps",
         "overhead": f"{100 * other_ms / total_ms:.0f}% of the time is outside drafting and verifying "
                     f"({overhead:.1f} ms per cycle)",
+        "rare_proposals": f"the drafter proposed in {len(gave)} of the {len(asked)} cycles it was asked "
+                          f"({100 * len(gave) / max(1, len(asked)):.0f}%); when it proposed, "
+                          f"{sum(r.accepted for r in gave) / max(1, sum(len(r.proposed) for r in gave)):.2f} of its "
+                          f"drafts were accepted ({sum(len(r.emitted) for r in gave) / max(1, len(gave)):.2f} tokens "
+                          "a pass)",
         "tau_too_large": f"tau={tau}; the measured acceptance by position favours tau={best_tau}",
-        "tau_too_small": f"tau={tau}; the measured acceptance by position favours tau={best_tau}",
+        "tau_too_small": f"tau={tau}; {100 * filled:.0f}% of the proposals filled it, and their acceptance by "
+                         f"position favours tau={best_tau}",
     }
     findings = sorted(({"kind": k, "speedup_if_fixed": round(v, 3), "gain": round(v / measured, 3),
                         "finding": why[k], "recommendation": ADVICE[k]} for k, v in gains.items()),
@@ -177,11 +241,18 @@ def analyze(records: list[CycleRecord], decode_only: bool = False, target_curve:
     if bottleneck == "low_acceptance":
         findings.insert(0, {"kind": "low_acceptance", "speedup_if_fixed": None, "gain": None,
                             "finding": why["low_acceptance"], "recommendation": ADVICE["low_acceptance"]})
+    predicted_error = predicted / measured_steady - 1 if measured_steady else None
+    unexplained = None
+    if predicted_error is not None and abs(predicted_error) > EXPLAIN_MARGIN:
+        unexplained = _unexplained(steady, draft_cost, curve, overhead)
     return {
         "summary": {"cycles": len(cycles), "new_tokens": tokens, "proposed": proposed, "accepted": accepted,
                     "acceptance_rate": round(accepted / proposed, 4) if proposed else None,
                     "mean_accepted_len": round(accepted / len(cycles), 4), "tau": tau,
                     "mean_proposed": round(proposed / len(cycles), 3),
+                    "asked_cycles": len(asked),
+                    "proposal_rate": round(len(gave) / len(asked), 4) if asked else None,
+                    "shortfalls": dict(shortfalls.most_common()),
                     "tokens_per_s": round(tokens / total_ms * 1e3, 3) if total_ms else None,
                     "target_passes_per_token": round(len(cycles) / tokens, 4) if tokens else None},
         "acceptance_by_position": by_pos,
@@ -196,7 +267,8 @@ def analyze(records: list[CycleRecord], decode_only: bool = False, target_curve:
                   "verify_ms_by_tokens": {str(k): round(v, 3) for k, v in curve.items()}},
         "speedup": {"measured": round(measured, 3), "measured_per_cycle": round(measured_steady, 3),
                     "one_time_ms": round(one_time_ms, 3), "predicted": round(predicted, 3),
-                    "prediction_error": round(predicted / measured_steady - 1, 4) if measured_steady else None,
+                    "prediction_error": round(predicted_error, 4) if predicted_error is not None else None,
+                    "unexplained": unexplained,
                     "ceiling": round(ceiling, 3), "best_tau": best_tau,
                     "predicted_at_best_tau": round(model(best_tau), 3)},
         "bottleneck": bottleneck,
@@ -250,6 +322,10 @@ def print_report(rep: dict) -> None:
     con.print(f"[bold]{s['new_tokens']} tokens in {s['cycles']} decode cycles[/]  tau {s['tau']}  proposed "
               f"{s['mean_proposed']}/cycle  acceptance {s['acceptance_rate']}  mean accepted {s['mean_accepted_len']}"
               f"  {s['tokens_per_s']} tok/s")
+    if s.get("proposal_rate") is not None:
+        short = ", ".join(f"{k} {v}" for k, v in s["shortfalls"].items()) or "none"
+        con.print(f"the drafter was asked in {s['asked_cycles']} cycles and proposed in "
+                  f"{100 * s['proposal_rate']:.0f}% of them; cycles verifying fewer than tau: {short}")
     pos = Table(title="acceptance by draft position (alpha_k)")
     for k in range(len(rep["acceptance_by_position"])):
         pos.add_column(str(k + 1), justify="right")
@@ -260,7 +336,9 @@ def print_report(rep: dict) -> None:
               f"{c['verify_ms_by_tokens']}")
     con.print(f"speedup over target-only: measured {sp['measured']}x, cost model {sp['predicted']}x; "
               f"ceiling (tokens per pass) {sp['ceiling']}x")
-    words = {"draft_cost": "if drafting were free", "verify_cost": "if a pass over n tokens cost one step",
+    if sp.get("unexplained"):
+        con.print(f"  the cost model misses by more than {100 * EXPLAIN_MARGIN:.0f}%: {sp['unexplained']['finding']}")
+    words = {"rare_proposals": "if the drafter proposed in every cycle it was asked", "draft_cost": "if drafting were free", "verify_cost": "if a pass over n tokens cost one step",
              "overhead": "without the overhead", "tau_too_large": f"at the best tau ({sp['best_tau']})",
              "tau_too_small": f"at the best tau ({sp['best_tau']})"}
     for f in rep["findings"]:

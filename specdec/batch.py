@@ -42,7 +42,7 @@ from .runtime.blocks import BLOCK, OutOfBlocks, prefix_hashes
 from .runtime.model import Llama, fit_vocab
 from .sampling import PositionNoise, SamplingParams, token_logprobs
 from .scheduler import Demand, plan
-from .trace import CycleRecord
+from .trace import CycleRecord, shortfall
 from .verification import choice_rows, committed_rows, verify_block, verify_constrained, verify_tree
 
 
@@ -316,18 +316,19 @@ class BatchEngine:
         self._release_twins()
         free = getattr(self.drafter, "free", False)
         early, draft_ms = {}, {}  # request id -> its draft, its drafting ms
-        caps = {}
+        caps, asks = {}, {}  # request id -> most draft rows; what its drafter was asked for and gave (the trace's)
         for s in [s for s in self.running if not s.prefilling and not s.preempted]:
             room = min(s.max_new_tokens - len(s.generated), self.context_window - len(s.tokens))
             caps[s.id] = max(0, min(s.max_tau, room - 1))  # never draft more than can be emitted
             if s.constraint is not None:  # the grammar's forced tokens, then a free drafter's guess: one chain
                 t = perf_counter()
                 try:
-                    early[s.id] = self._constrained_draft(s, room, caps[s.id], free)
+                    early[s.id], drafted = self._constrained_draft(s, room, caps[s.id], free)
                 except Exception as e:  # noqa: BLE001
                     self._fail(s, e)
                     continue
                 draft_ms[s.id] = (perf_counter() - t) * 1e3
+                asks[s.id] = (caps[s.id], drafted, "room", "grammar" if len(early[s.id].tokens) < drafted else "budget")
                 caps[s.id] = len(early[s.id].tokens)
             elif free and caps[s.id]:  # propose first: the scheduler then knows what there is to verify
                 t = perf_counter()
@@ -337,6 +338,7 @@ class BatchEngine:
                     self._fail(s, e)
                     continue
                 draft_ms[s.id] = (perf_counter() - t) * 1e3
+                asks[s.id] = (caps[s.id], len(early[s.id].tokens), "room", "budget")
                 if early[s.id].is_tree:  # nodes, not depth, are the rows it asks for
                     caps[s.id] = min(len(early[s.id].tokens), self.context_window - len(s.tokens) - 1)
                 else:
@@ -374,6 +376,7 @@ class BatchEngine:
             for (s, tau), draft in zip(late, made):
                 if draft is not None:
                     early[s.id], draft_ms[s.id] = draft, share * tau
+                    asks[s.id] = (tau, len(draft.tokens), "budget" if tau < caps[s.id] else "room", "budget")
         running = {s.id for s in self.running}  # less any whose late drafting failed
         drafts = {}
         for s, tau in zip(decoding, taus):
@@ -447,7 +450,8 @@ class BatchEngine:
             row += n_logits
             try:
                 rec = self._finish_cycle(s, start, n_rows, tau, draft, proposed, block, hidden, free,
-                                         draft_ms.get(s.id, 0.0), verify_ms, t0, choice)
+                                         draft_ms.get(s.id, 0.0), verify_ms, t0, choice,
+                                         asks.get(s.id, (0, 0, "budget" if caps.get(s.id) else "room", "budget")))
             except Exception as e:  # noqa: BLE001 - this request's verification or stop check: it alone fails
                 self._fail(s, e)
                 continue
@@ -498,16 +502,17 @@ class BatchEngine:
                     self.model.copy_block(self._state[twin.id][0], slot, s.fed // BLOCK)
                     s.fed = len(s.prompt) - 1
 
-    def _constrained_draft(self, s: Sequence, room: int, cap: int, free: bool) -> Draft:
+    def _constrained_draft(self, s: Sequence, room: int, cap: int, free: bool) -> tuple[Draft, int]:
         """What the grammar forces (drafted for free, unless the request runs without a drafter), then a model-free
-        drafter's proposal after it, cut where the grammar would refuse a token."""
+        drafter's proposal after it, cut where the grammar would refuse a token -> (that draft, tokens before the
+        cut)."""
         drafter = self._state[s.id][1]
         if getattr(drafter, "name", "") == "none":
-            return Draft()
+            return Draft(), 0
         forced = s.constraint.forced(room - 1)
         more = drafter.propose(s.tokens + forced, cap, s.params, s.generator) if free and cap else None
         tokens = forced + (best_chain(more)[:cap] if more is not None else [])
-        return Draft(tokens[: s.constraint.valid_prefix(tokens)])
+        return Draft(tokens[: s.constraint.valid_prefix(tokens)]), len(tokens)
 
     def _propose_late(self, late: list[tuple[Sequence, int]]) -> list:
         """Drafts for the requests that draft after the row split, batched; should the batched call raise, each
@@ -541,8 +546,10 @@ class BatchEngine:
             raise RuntimeError("a target pass failed, and no request's rows fail on their own")
 
     def _finish_cycle(self, s: Sequence, start, n_rows, tau, draft, proposed, block, hidden, free, d_ms, verify_ms,
-                      t0, argmax=None) -> CycleRecord | None:
-        """Verify, emit and roll back one request after the pass -> its record (None for a prompt chunk)."""
+                      t0, argmax=None, ask=(0, 0, "room", "budget")) -> CycleRecord | None:
+        """Verify, emit and roll back one request after the pass -> its record (None for a prompt chunk). `tau`: the
+        rows the scheduler gave its drafts; `ask`: (tokens its drafter was asked for, tokens it gave, why the ask
+        fell short of the request's τ, why what it gave was cut) for the record."""
         fed_before = s.fed
         if s.prompt_logprobs is not None and s.cycle == 0 and block is not None and not proposed:
             targets = s.tokens[s.fed + 1: s.fed + n_rows + 1]  # row i predicts the token after it
@@ -582,10 +589,14 @@ class BatchEngine:
         s.fed = len(s.tokens) - 1  # the committed prefix stays; the newest token is fed next cycle
         self.model.truncate(self._state[s.id][0], len(s.tokens))  # rejected drafts' blocks back to the pool
         tree = draft is not None and draft.is_tree and bool(proposed)
-        rec = CycleRecord(s.cycle, tau, proposed, n, emitted, draft_ms=round(d_ms, 3), verify_ms=round(verify_ms, 3),
+        limit = 0 if getattr(drafter, "name", "") == "none" else s.max_tau  # the τ this request runs with
+        asked, drafted, asked_cut, later_cut = ask
+        rec = CycleRecord(s.cycle, limit, proposed, n, emitted, draft_ms=round(d_ms, 3), verify_ms=round(verify_ms, 3),
                           cycle_ms=round((perf_counter() - t0) * 1e3, 3), finish_reason=finish,
                           parents=draft.parents if tree else None, path=nodes if tree else None,
-                          prompt_logprobs=s.scored if s.prompt_logprobs is not None and s.cycle == 0 else None)
+                          prompt_logprobs=s.scored if s.prompt_logprobs is not None and s.cycle == 0 else None,
+                          asked=asked, drafted=drafted,
+                          short=shortfall(limit, asked, drafted, len(proposed), asked_cut, later_cut))
         if s.logprobs is not None:
             rec.logprobs = token_logprobs(choice_rows(block, nodes, tree and s.constraint is None, masked), emitted,
                                           s.params, s.logprobs)

@@ -10,7 +10,7 @@ from .drafters.tree import best_chain, chain_parents, prune
 from .kv import cached_model
 from .policy import FixedPolicy
 from .sampling import PositionNoise, SamplingParams, token_logprobs
-from .trace import CycleRecord
+from .trace import CycleRecord, shortfall
 from .verification import choice_rows, committed_rows, verify_block, verify_constrained, verify_tree
 
 StopCheck = Callable[[list[int]], "int | None"]  # generated ids -> how many to keep, if a stop string completed
@@ -51,7 +51,7 @@ class Engine:
                 return
         for cycle in range(max_new_tokens):  # >= 1 token per cycle
             t0 = perf_counter()
-            tau = policy.next_tau()
+            tau = policy.next_tau() if self.drafter.name != "none" else 0  # target-only: nothing to ask for
             room = min(max_new_tokens - (len(seq) - n_prompt), self.context_window - len(seq))
             k = max(0, min(tau, room - 1))  # never draft more than can be emitted
             forced = 0
@@ -61,10 +61,12 @@ class Engine:
                 rest = k - len(free)
                 more = self.drafter.propose(seq + free, rest, params, gen) if rest > 0 else None
                 tokens = free + (best_chain(more)[:rest] if more is not None else [])
+                drafted = len(tokens)
                 draft = Draft(tokens[: constraint.valid_prefix(tokens)]) if tokens else None
                 forced = min(len(free), len(draft.tokens)) if draft else 0
             else:
                 draft = self.drafter.propose(seq, k, params, gen) if k else None
+                drafted = len(draft.tokens) if draft is not None else 0
                 draft = self._shape(draft, k, self.context_window - len(seq) - 1)
             proposed = draft.tokens if draft else []
             t1 = perf_counter()
@@ -105,7 +107,10 @@ class Engine:
             record = CycleRecord(cycle, tau, proposed, n, emitted, draft_ms=round((t1 - t0) * 1e3, 3),
                                  verify_ms=round((t2 - t1) * 1e3, 3), cycle_ms=round((perf_counter() - t0) * 1e3, 3),
                                  finish_reason=finish, parents=draft.parents if draft is not None else None,
-                                 path=nodes if draft is not None and draft.is_tree else None, forced=forced)
+                                 path=nodes if draft is not None and draft.is_tree else None, forced=forced,
+                                 asked=k, drafted=drafted,
+                                 short=shortfall(tau, k, drafted, len(proposed),
+                                                 later_cut="grammar" if constraint is not None else "budget"))
             if cycle == 0:
                 record.prompt_logprobs = scored
             if logprobs is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from .costs import expected_tokens, interpolate, predicted_speedup
 from .errors import InvalidRequest
+from .trace import asked_of
 
 POLICIES = ("fixed", "heuristic", "adaptive")
 
@@ -124,7 +125,7 @@ class AdaptivePolicy:
             if self.draft_ms is None:
                 self.draft_ms = _Ema(per_token, weight=0.0, decay=0.8)
             self.draft_ms.update(per_token)
-        elif record.tau > 0:
+        elif asked_of(record) > 0 and not record.drafted:
             self.alpha[0].update(0.0)  # asked for a draft and got none (no n-gram match): worth nothing
         for k in range(min(n, record.accepted + 1)):
             self.alpha[k].update(1.0 if k < record.accepted else 0.0)

@@ -8,8 +8,8 @@ from dataclasses import asdict, dataclass
 @dataclass
 class CycleRecord:
     cycle: int
-    tau: int  # block size asked of the drafter this cycle
-    proposed: list[int]  # draft token ids (may be fewer than tau)
+    tau: int  # the τ set for this cycle: the policy's (engine), the request's limit (batch: its τ or --max-tau)
+    proposed: list[int]  # the draft token ids verified (may be fewer than tau: `short` says why)
     accepted: int  # drafted tokens the target accepted
     emitted: list[int]  # tokens appended this cycle: accepted drafts + the target's own token (cut at stops)
     draft_ms: float
@@ -21,9 +21,43 @@ class CycleRecord:
     forced: int = 0  # leading drafts the grammar forced (structured outputs: drafted for free)
     logprobs: list | None = None  # per emitted token [logprob, [[token, logprob], ...]] when asked for
     prompt_logprobs: list | None = None  # the same for prompt tokens 2.. (first record; echo / scoring)
+    asked: int | None = None  # tokens the drafter was asked for (τ cut by the room left, or by the scheduler)
+    drafted: int | None = None  # tokens (a tree: nodes) the drafter returned, before any cut
+    short: str | None = None  # why fewer than τ drafts were verified (SHORTFALLS); None: all τ (or no record of it)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+# why a cycle verified fewer than τ drafts, in the cycle's order: the first cause that applies
+SHORTFALLS = {
+    "room": "the request's room left (max_tokens, the context) cut what was asked",
+    "budget": "the verification budget (the scheduler, or a tree sized by the cost model) asked for or kept fewer",
+    "no_match": "the drafter proposed nothing",
+    "drafter": "the drafter stopped before τ",
+    "grammar": "the grammar refused a drafted token",
+}
+
+
+def asked_of(r: CycleRecord) -> int:
+    """Tokens the drafter was asked for (traces from before `asked` was recorded: τ)."""
+    return r.asked if r.asked is not None else r.tau
+
+
+def shortfall(tau: int, asked: int, drafted: int, verified: int, asked_cut: str = "room",
+              later_cut: str | None = None) -> str | None:
+    """Why `verified` < `tau`: the ask was cut (`asked_cut`: room, or the scheduler's budget), the drafter gave
+    nothing or stopped early, or what it gave was cut after (`later_cut`: grammar or budget). None when all τ were
+    verified, or τ was 0 (nothing to explain)."""
+    if verified >= tau:
+        return None
+    if asked < tau:
+        return asked_cut
+    if drafted == 0:
+        return "no_match"
+    if drafted < asked:
+        return "drafter"
+    return later_cut or "budget"
 
 
 def draft_depth(r: CycleRecord) -> int:
