@@ -142,7 +142,10 @@ def pair_suite(args) -> int:
         fix = fix_for(rep, options, extra, str(draft))
         if fix is not None:
             again = serve_and_analyze(name + " fixed", *fix, target, prompts, args.max_new_tokens, logs)
+            # a τ fix is a prediction from this trace; the others are ceilings (what removing the cause would give:
+            # a draft model chained in, or a cheaper draft, has its own acceptance and cost)
             row.update(fix=fix, predicted_after_fix=gains.get(rep["bottleneck"]),
+                       prediction_kind="prediction" if rep["bottleneck"].startswith("tau") else "ceiling",
                        measured_after_fix=again["speedup"]["measured"], bottleneck_after_fix=again["bottleneck"])
         rows.append(row)
         print(f"{name}: {row['bottleneck']} (measured {row['measured']}x, predicted {row['predicted']}x; proposal "

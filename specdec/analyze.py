@@ -209,7 +209,9 @@ def analyze(records: list[CycleRecord], decode_only: bool = False, target_curve:
                                                                overhead, t1) / predicted
     ceiling = tokens / len(cycles)  # tokens per target pass
 
-    if ceiling < LOW_CEILING:
+    if not asked:  # target-only (or τ 0 throughout): no drafter to diagnose
+        bottleneck = "none"
+    elif ceiling < LOW_CEILING:
         rare = gains.get("rare_proposals", 0.0) > measured * (1 + NONE_MARGIN)
         bottleneck = "rare_proposals" if rare else "low_acceptance"
     else:

@@ -120,6 +120,12 @@ def test_a_drafter_that_rarely_proposes_is_named_as_such_not_as_tau():
     assert first["speedup_if_fixed"] > 1.5 * rep["speedup"]["measured"]
 
 
+def test_target_only_has_nothing_to_diagnose():
+    recs = [CycleRecord(i + 1, 0, [], 0, [5], 0.0, T, T + 0.5, asked=0, drafted=0) for i in range(50)]
+    rep = analyze(recs, decode_only=True)
+    assert rep["bottleneck"] == "none" and rep["summary"]["proposal_rate"] is None
+
+
 def test_the_same_cycles_written_the_old_way_were_read_as_tau():
     """Before: the batch engine wrote τ as the tokens proposed; 81 cycles said τ=0 and the analyzer advised τ=3."""
     old = [CycleRecord(r.cycle, len(r.proposed), r.proposed, r.accepted, r.emitted, r.draft_ms, r.verify_ms,
