@@ -320,6 +320,8 @@ class BatchEngine:
         for s in [s for s in self.running if not s.prefilling and not s.preempted]:
             room = min(s.max_new_tokens - len(s.generated), self.context_window - len(s.tokens))
             caps[s.id] = max(0, min(s.max_tau, room - 1))  # never draft more than can be emitted
+            if getattr(self._state[s.id][1], "name", "") == "none":
+                caps[s.id] = 0  # target-only: nothing to ask for
             if s.constraint is not None:  # the grammar's forced tokens, then a free drafter's guess: one chain
                 t = perf_counter()
                 try:

@@ -9,6 +9,7 @@ from specdec.analyze import _unexplained, analyze
 from specdec.api import SpecDecoder
 from specdec.batch import BatchEngine, Sequence
 from specdec.drafters import NgramDrafter
+from specdec.drafters.base import NoDrafter
 from specdec.sampling import SamplingParams
 from specdec.trace import SHORTFALLS, CycleRecord, shortfall
 
@@ -65,6 +66,12 @@ def test_batch_records_say_the_same_and_name_the_budget(rt, rows):
         check_record(r, 3)
     shorts = {r.short for r in records[1:]}
     assert "no_match" in shorts
+    none = BatchEngine(model, NoDrafter(), model.config.vocab_size, {2}, 128, max_batch_rows=rows)
+    alone = none.add(Sequence(tok(PROMPT).input_ids, 6, SamplingParams(), max_tau=3))
+    plain = []
+    while none.running:
+        plain += [r for s, r in none.step() if s is alone]
+    assert all(r.tau == 0 and r.asked == 0 and r.short is None for r in plain)  # target-only asks for nothing
     if rows == 1:  # what the drafter gave was cut to nothing: by the budget, or it had stopped early anyway
         assert not any(r.proposed for r in records) and any(r.drafted for r in records)
         assert {r.short for r in records[1:] if r.drafted} <= {"budget", "drafter"}
