@@ -201,13 +201,14 @@ class SpecDecoder:
                 top_k: int = 0, seed: int | None = None, stop: list[str] | str | None = None, chat: bool = True,
                 tau: int | None = None, policy: str | None = None, prompt_ids: list[int] | None = None,
                 response_format: dict | None = None, logprobs: int | None = None,
-                prompt_logprobs: int | None = None) -> Request:
+                prompt_logprobs: int | None = None, prediction: str | None = None) -> Request:
         """Validate and encode one request (InvalidRequest / PromptTooLong on bad input). `prompt_ids`: the prompt
         already encoded (the server encodes it once, off the model worker). `response_format`: OpenAI's
         ({"type": "json_object"}, or "json_schema" with {"json_schema": {"schema": ...}}): the output follows the
         grammar (constraints.py). `logprobs` (0..20): the result carries each token's logprob under the target and
         that many alternatives (sampling.token_logprobs); `prompt_logprobs` the same for the prompt's tokens (the
-        first has none), and max_new_tokens may then be 0: scoring only."""
+        first has none), and max_new_tokens may then be 0: scoring only. `prediction`: text the output is expected to
+        mostly be (OpenAI's predicted outputs), drafted beside it; the output is the same without it."""
         if not (prompt_logprobs is not None and max_new_tokens == 0):
             _positive_int("max_new_tokens", max_new_tokens)
         tau = self.tau if tau is None else _positive_int("tau", tau)
@@ -226,13 +227,18 @@ class SpecDecoder:
                 raise InvalidRequest(f"{name} must be an integer in [0, 20], got {str(value)[:40]}")
         req.constraint, req.logprobs, req.prompt_logprobs = (self.grammars.constraint(response_format), logprobs,
                                                              prompt_logprobs)
+        if prediction is not None:
+            if not isinstance(prediction, str):
+                raise InvalidRequest("prediction must be a string")
+            with self._encoder_lock:
+                req.prediction = self._encoder.encode(prediction, add_special_tokens=False) or None
         return req
 
     def stream_chunks(self, prompt, **kwargs) -> Iterator[Chunk]:
         """One Chunk per cycle (keyword arguments as prepare)."""
         req = self.prepare(prompt, **kwargs)
         for rec in self.engine.run(req.prompt_ids, req.max_new_tokens, req.params, req.policy, req.stop_check,
-                                   req.constraint, req.logprobs, req.prompt_logprobs):
+                                   req.constraint, req.logprobs, req.prompt_logprobs, req.prediction):
             yield req.chunk(rec)
 
     def stream(self, prompt, **kwargs) -> Iterator[str]:
@@ -262,6 +268,7 @@ class Request:
         self.token_logprobs: list = []  # per generated token, when asked for
         self.prompt_logprobs: int | None = None
         self.scored: list | None = None  # the prompt's logprobs, when asked for
+        self.prediction: list[int] | None = None  # a predicted output's tokens (prepare)
         self.generated: list[int] = []
         self.sent = ""
         self.start = perf_counter()
@@ -279,6 +286,8 @@ class Request:
         if not final:
             return Chunk(delta, rec)
         stats = summarize(self.records, perf_counter() - self.start, len(self.generated))
+        if self.prediction is not None:  # reported whenever one was sent, as OpenAI does
+            stats = {"accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0, **stats}
         return Chunk(delta, rec, GenerationResult(self.sent, self.generated, len(self.prompt_ids),
                                                   rec.finish_reason, stats, self.records,
                                                   self.token_logprobs if self.logprobs is not None else None,

@@ -42,6 +42,7 @@ from .runtime.blocks import BLOCK, OutOfBlocks, prefix_hashes
 from .runtime.model import Llama, fit_vocab
 from .sampling import PositionNoise, SamplingParams, token_logprobs
 from .scheduler import Demand, plan
+from .drafters.prediction import PredictionDrafter
 from .trace import CycleRecord, shortfall
 from .verification import choice_rows, committed_rows, verify_block, verify_constrained, verify_tree
 
@@ -58,6 +59,7 @@ class Sequence:
     constraint: object = None  # constraints.Constraint: a grammar the output follows (structured outputs)
     logprobs: int | None = None  # report the emitted tokens' logprobs and this many alternatives
     prompt_logprobs: int | None = None  # report the prompt's too (every prefill row's logits; max_new_tokens may be 0)
+    prediction: list[int] | None = None  # a predicted output's tokens: drafted first (drafters/prediction.py)
     id: int = field(default_factory=itertools.count().__next__)
     finish_reason: str | None = None
 
@@ -68,6 +70,7 @@ class Sequence:
         self.idle = 0  # cycles in a row it could have drafted and got no rows
         self.generator = self.params.generator()
         self.scored: list = []  # prompt logprobs so far
+        self.predicted = PredictionDrafter(self.prediction) if self.prediction and self.constraint is None else None
         self.after: int | None = None  # waits for this request's prefill of the same prompt, then copies its K/V
         self.preempted = False  # its blocks were taken back: it waits for memory, then recomputes its tokens
 
@@ -330,7 +333,12 @@ class BatchEngine:
                     self._fail(s, e)
                     continue
                 draft_ms[s.id] = (perf_counter() - t) * 1e3
-                asks[s.id] = (caps[s.id], drafted, "room", "grammar" if len(early[s.id].tokens) < drafted else "budget")
+                asks[s.id] = (caps[s.id], drafted, "room", "grammar" if len(early[s.id].tokens) < drafted else "budget",
+                              None)
+                caps[s.id] = len(early[s.id].tokens)
+            elif s.predicted is not None and (made := self._predict(s, room)) is not None:
+                early[s.id], draft_ms[s.id], depth = made
+                asks[s.id] = (depth, len(early[s.id].tokens), "room", "budget", "prediction")
                 caps[s.id] = len(early[s.id].tokens)
             elif free and caps[s.id]:  # propose first: the scheduler then knows what there is to verify
                 t = perf_counter()
@@ -340,7 +348,7 @@ class BatchEngine:
                     self._fail(s, e)
                     continue
                 draft_ms[s.id] = (perf_counter() - t) * 1e3
-                asks[s.id] = (caps[s.id], len(early[s.id].tokens), "room", "budget")
+                asks[s.id] = (caps[s.id], len(early[s.id].tokens), "room", "budget", None)
                 if early[s.id].is_tree:  # nodes, not depth, are the rows it asks for
                     caps[s.id] = min(len(early[s.id].tokens), self.context_window - len(s.tokens) - 1)
                 else:
@@ -360,6 +368,9 @@ class BatchEngine:
             cap = caps[s.id]
             floor = cap if s.fixed_tau else min(cap, 1) if s.idle >= PROBE_EVERY else 0
             tree = early.get(s.id)
+            if asks.get(s.id, ())[-1:] == ("prediction",):  # its own running acceptance, not the drafter's
+                demands.append(Demand([s.predicted.acceptance()], 0.0, cap, min(floor, 1)))
+                continue
             if tree is not None and tree.is_tree:  # node k's value v_k = Π_{j≤k} α_j: α_k = v_k / v_{k-1}
                 v = [1.0] + list(tree.values or [1.0] * len(tree.tokens))
                 alphas = [b / a if a > 0 else 0.0 for a, b in zip(v, v[1:])]
@@ -378,7 +389,7 @@ class BatchEngine:
             for (s, tau), draft in zip(late, made):
                 if draft is not None:
                     early[s.id], draft_ms[s.id] = draft, share * tau
-                    asks[s.id] = (tau, len(draft.tokens), "budget" if tau < caps[s.id] else "room", "budget")
+                    asks[s.id] = (tau, len(draft.tokens), "budget" if tau < caps[s.id] else "room", "budget", None)
         running = {s.id for s in self.running}  # less any whose late drafting failed
         drafts = {}
         for s, tau in zip(decoding, taus):
@@ -453,7 +464,7 @@ class BatchEngine:
             try:
                 rec = self._finish_cycle(s, start, n_rows, tau, draft, proposed, block, hidden, free,
                                          draft_ms.get(s.id, 0.0), verify_ms, t0, choice,
-                                         asks.get(s.id, (0, 0, "budget" if caps.get(s.id) else "room", "budget")))
+                                         asks.get(s.id, (0, 0, "budget" if caps.get(s.id) else "room", "budget", None)))
             except Exception as e:  # noqa: BLE001 - this request's verification or stop check: it alone fails
                 self._fail(s, e)
                 continue
@@ -504,6 +515,16 @@ class BatchEngine:
                     self.model.copy_block(self._state[twin.id][0], slot, s.fed // BLOCK)
                     s.fed = len(s.prompt) - 1
 
+    def _predict(self, s: Sequence, room: int):
+        """The request's prediction's next tokens, as deep as the pass curve pays for -> (draft, ms, depth asked),
+        or None when the output is off the prediction (its drafter then proposes as usual)."""
+        depth = max(0, min(s.predicted.depth(self.pass_ms), room - 1, self.max_batch_rows - 1))
+        if not depth:
+            return None
+        t = perf_counter()
+        draft = s.predicted.propose(s.tokens, depth, s.params, s.generator)
+        return (draft, (perf_counter() - t) * 1e3, depth) if draft.tokens else None
+
     def _constrained_draft(self, s: Sequence, room: int, cap: int, free: bool) -> tuple[Draft, int]:
         """What the grammar forces (drafted for free, unless the request runs without a drafter), then a model-free
         drafter's proposal after it, cut where the grammar would refuse a token -> (that draft, tokens before the
@@ -548,10 +569,11 @@ class BatchEngine:
             raise RuntimeError("a target pass failed, and no request's rows fail on their own")
 
     def _finish_cycle(self, s: Sequence, start, n_rows, tau, draft, proposed, block, hidden, free, d_ms, verify_ms,
-                      t0, argmax=None, ask=(0, 0, "room", "budget")) -> CycleRecord | None:
+                      t0, argmax=None, ask=(0, 0, "room", "budget", None)) -> CycleRecord | None:
         """Verify, emit and roll back one request after the pass -> its record (None for a prompt chunk). `tau`: the
         rows the scheduler gave its drafts; `ask`: (tokens its drafter was asked for, tokens it gave, why the ask
-        fell short of the request's τ, why what it gave was cut) for the record."""
+        fell short of the request's τ, why what it gave was cut, "prediction" when the prediction drafted) for the
+        record."""
         fed_before = s.fed
         if s.prompt_logprobs is not None and s.cycle == 0 and block is not None and not proposed:
             targets = s.tokens[s.fed + 1: s.fed + n_rows + 1]  # row i predicts the token after it
@@ -592,18 +614,21 @@ class BatchEngine:
         self.model.truncate(self._state[s.id][0], len(s.tokens))  # rejected drafts' blocks back to the pool
         tree = draft is not None and draft.is_tree and bool(proposed)
         limit = 0 if getattr(drafter, "name", "") == "none" else s.max_tau  # the τ this request runs with
-        asked, drafted, asked_cut, later_cut = ask
+        asked, drafted, asked_cut, later_cut, by = ask
+        if by == "prediction":  # τ was the depth the pass curve pays for
+            limit = asked
+            s.predicted.observe_verify(s.tokens, draft, block, nodes)
         rec = CycleRecord(s.cycle, limit, proposed, n, emitted, draft_ms=round(d_ms, 3), verify_ms=round(verify_ms, 3),
                           cycle_ms=round((perf_counter() - t0) * 1e3, 3), finish_reason=finish,
                           parents=draft.parents if tree else None, path=nodes if tree else None,
                           prompt_logprobs=s.scored if s.prompt_logprobs is not None and s.cycle == 0 else None,
                           asked=asked, drafted=drafted,
-                          short=shortfall(limit, asked, drafted, len(proposed), asked_cut, later_cut))
+                          short=shortfall(limit, asked, drafted, len(proposed), asked_cut, later_cut), by=by)
         if s.logprobs is not None:
             rec.logprobs = token_logprobs(choice_rows(block, nodes, tree and s.constraint is None, masked), emitted,
                                           s.params, s.logprobs)
         s.cycle += 1
-        if (proposed or not free) and not tree:  # (a tree's nodes carry the drafter's own estimates)  # a model-free drafter's estimates: over the cycles it proposed in
+        if (proposed or not free) and not tree and by is None:  # (a tree's nodes carry the drafter's own estimates)  # a model-free drafter's estimates: over the cycles it proposed in
             self._state[s.id][2].observe(rec)
             self.shared.observe(rec)
         if finish:

@@ -50,11 +50,12 @@ def cmd_generate(args) -> int:
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     make_policy(args.policy, 1)  # validate before loading models
+    prediction = _read_text(args.prediction, "prediction")
     sd = SpecDecoder(target=args.target, draft=args.draft, tau=args.tau, policy=args.policy, backend=args.backend,
                      numerics=args.numerics)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, seed=args.seed, chat=not args.no_chat, stop=args.stop,
-                  response_format=_response_format(args.schema))
+                  response_format=_response_format(args.schema), prediction=prediction)
     for chunk in sd.stream_chunks(prompt, **kwargs):
         if not args.json:
             sys.stdout.write(chunk.text)
@@ -79,6 +80,17 @@ def cmd_generate(args) -> int:
               f"{sd.draft_name} tau={sd.tau} policy={sd.policy} | acceptance {rate}, mean accepted {s['mean_accepted_len']}, "
               f"{s['target_passes']} target passes]", file=sys.stderr)
     return 0
+
+
+def _read_text(path: str | None, what: str) -> str | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise SpecDecError(f"cannot read the {what} file {path}: {e.strerror}")
+    except UnicodeDecodeError:
+        raise SpecDecError(f"the {what} file {path} is not UTF-8 text")
 
 
 def _response_format(schema: str | None) -> dict | None:
@@ -106,6 +118,9 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--trace", default=None, help="write one JSON record per cycle to this JSONL file")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats)")
+    g.add_argument("--prediction", default=None, metavar="FILE",
+                   help="text the output is expected to mostly be (the file being edited): drafted beside the output; "
+                        "the output is the same without it")
     g.add_argument("--schema", default=None,
                    help="structured output: 'json' (any JSON object) or a JSON schema file the output follows")
     g.set_defaults(func=cmd_generate)

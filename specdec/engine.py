@@ -6,6 +6,7 @@ from time import perf_counter
 
 from .costs import PassCosts, best_tree_size
 from .drafters.base import Draft, Drafter
+from .drafters.prediction import PredictionDrafter
 from .drafters.tree import best_chain, chain_parents, prune
 from .kv import cached_model
 from .policy import FixedPolicy
@@ -26,17 +27,20 @@ class Engine:
 
     def run(self, prompt: list[int], max_new_tokens: int, params: SamplingParams, policy,
             stop: StopCheck | None = None, constraint=None, logprobs: int | None = None,
-            prompt_logprobs: int | None = None) -> Iterator[CycleRecord]:
+            prompt_logprobs: int | None = None, prediction: list[int] | None = None) -> Iterator[CycleRecord]:
         """Yields one record per cycle; the last one carries finish_reason. `policy` picks τ each cycle
         (an int means a fixed τ). `constraint` (constraints.Constraint): a grammar the output follows. `logprobs`
         (0..20): each record carries the emitted tokens' logprobs and that many alternatives (sampling.token_logprobs).
         `prompt_logprobs`: the first record also carries the prompt's (tokens 2.., unwarped), from the prefill pass;
-        max_new_tokens may then be 0 (scoring only)."""
+        max_new_tokens may then be 0 (scoring only). `prediction`: the tokens the client expects most of the output to
+        be (drafters/prediction.py): drafted first, as deep as the pass curve pays for; the drafter when it has
+        nothing to offer."""
         policy = FixedPolicy(policy) if isinstance(policy, int) else policy
         policy.start()
         self.target.reset()
         self.drafter.reset()
         gen = params.generator()
+        predicted = PredictionDrafter(prediction) if prediction and constraint is None else None
         if not params.greedy and not isinstance(gen, PositionNoise) and (
                 constraint is not None or self.trees and getattr(self.drafter, "makes_trees", False)):
             gen = PositionNoise.fresh()  # trees and grammars verify by the race rule; unseeded requests draw a seed
@@ -54,7 +58,7 @@ class Engine:
             tau = policy.next_tau() if self.drafter.name != "none" else 0  # target-only: nothing to ask for
             room = min(max_new_tokens - (len(seq) - n_prompt), self.context_window - len(seq))
             k = max(0, min(tau, room - 1))  # never draft more than can be emitted
-            forced = 0
+            forced, by = 0, None
             if constraint is not None:  # what the grammar forces, then the drafter's guess after it: one chain
                 # within τ: a pass's rows cost the same whoever drafted them (`none` drafts nothing: target-only)
                 free = constraint.forced(k) if self.drafter.name != "none" else []
@@ -65,7 +69,17 @@ class Engine:
                 draft = Draft(tokens[: constraint.valid_prefix(tokens)]) if tokens else None
                 forced = min(len(free), len(draft.tokens)) if draft else 0
             else:
-                draft = self.drafter.propose(seq, k, params, gen) if k else None
+                draft = None
+                if predicted is not None:  # the prediction first, as deep as the pass curve pays for
+                    depth = max(0, min(predicted.depth(self.costs), room - 1))
+                    draft = predicted.propose(seq, depth, params, gen) if depth else None
+                    if draft is not None and draft.tokens:
+                        tau = k = depth
+                        by = "prediction"
+                    else:
+                        draft = None
+                if draft is None:
+                    draft = self.drafter.propose(seq, k, params, gen) if k else None
                 drafted = len(draft.tokens) if draft is not None else 0
                 draft = self._shape(draft, k, self.context_window - len(seq) - 1)
             proposed = draft.tokens if draft else []
@@ -99,6 +113,8 @@ class Engine:
             t2 = perf_counter()  # stop strings and detokenizing are not the target's cost (the policy reads verify_ms)
             if hasattr(self.drafter, "observe_verify"):  # e.g. recycle: the target's top-k after every row
                 self.drafter.observe_verify(seq, draft, logits, nodes)
+            if by == "prediction":
+                predicted.observe_verify(seq, draft, logits, nodes)
             emitted, finish = cut(accepted + [token], seq, n_prompt, stop, max_new_tokens, self.eos_ids,
                                   self.context_window)
             seq.extend(emitted)
@@ -108,7 +124,7 @@ class Engine:
                                  verify_ms=round((t2 - t1) * 1e3, 3), cycle_ms=round((perf_counter() - t0) * 1e3, 3),
                                  finish_reason=finish, parents=draft.parents if draft is not None else None,
                                  path=nodes if draft is not None and draft.is_tree else None, forced=forced,
-                                 asked=k, drafted=drafted,
+                                 asked=k, drafted=drafted, by=by,
                                  short=shortfall(tau, k, drafted, len(proposed),
                                                  later_cut="grammar" if constraint is not None else "budget"))
             if cycle == 0:
@@ -118,7 +134,8 @@ class Engine:
                 record.logprobs = token_logprobs(choice_rows(logits, nodes, tree, masked), emitted, params, logprobs)
             if cycle:  # cycle 0 carries the prompt's prefill
                 self.costs.observe(len(proposed) + 1, record.verify_ms)
-            policy.observe(record)
+            if by is None:  # the policy estimates its drafter, not the prediction
+                policy.observe(record)
             yield record
             if finish:
                 return

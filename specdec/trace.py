@@ -24,6 +24,7 @@ class CycleRecord:
     asked: int | None = None  # tokens the drafter was asked for (τ cut by the room left, or by the scheduler)
     drafted: int | None = None  # tokens (a tree: nodes) the drafter returned, before any cut
     short: str | None = None  # why fewer than τ drafts were verified (SHORTFALLS); None: all τ (or no record of it)
+    by: str | None = None  # "prediction" when the request's predicted output proposed this cycle's draft
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -133,8 +134,20 @@ def summarize(records: list[CycleRecord], wall_s: float, new_tokens: int) -> dic
         "draft_ms": round(sum(r.draft_ms for r in records), 3),
         "verify_ms": round(sum(r.verify_ms for r in records), 3),
         "finish_reason": records[-1].finish_reason if records else None,
+        **prediction_usage(records),
         **({"trees": trees} if (trees := tree_stats(records)) else {}),
     }
+
+
+def prediction_usage(records: list[CycleRecord]) -> dict:
+    """OpenAI's usage of a predicted output: its drafted tokens the target accepted and those it rejected (empty
+    when no cycle drafted from a prediction)."""
+    by = [r for r in records if r.by == "prediction"]
+    if not by:
+        return {}
+    accepted = sum(r.accepted for r in by)
+    return {"accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": sum(len(r.proposed) for r in by) - accepted}
 
 
 def write_jsonl(records: list[CycleRecord], path, meta: dict | None = None) -> None:

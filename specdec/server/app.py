@@ -171,6 +171,7 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
                                              temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                              seed=seed, stop=req.stop, tau=req.tau, policy=req.policy,
                                              prompt_ids=prompt_ids, response_format=response_format,
+                                             prediction=req.prediction.text if req.prediction else None,
                                              logprobs=req.logprob_count,
                                              prompt_logprobs=req.logprob_count if echo else None))
                 except Busy as e:
@@ -204,11 +205,9 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
             choices.append({"index": i, "message": message, "logprobs": lp,
                             "finish_reason": "tool_calls" if calls else finish} if kind == "chat" else
                            {"index": i, "text": text, "logprobs": lp, "finish_reason": finish})
-        completion = sum(len(r.token_ids) for _, r in done)
-        prompt_tokens = sum(len(ids) for ids in encoded)
         return {**meta, "object": "chat.completion" if kind == "chat" else "text_completion", "choices": choices,
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                          "total_tokens": prompt_tokens + completion}, "specdec": _spec_stats(done[0][1])}
+                "usage": _usage(sum(len(ids) for ids in encoded), [r for _, r in done]),
+                "specdec": _spec_stats(done[0][1])}
 
     async def _collect(job, request: Request):
         """A job's text and result; None when the client hung up."""
@@ -315,10 +314,8 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
                             yield event(i, text)
                     yield event(i, "", finish=finish)
             if include_usage and len(results) == len(jobs):
-                completion = sum(len(r.token_ids) for r in results.values())
-                usage = {**meta, "object": obj, "choices": [], "usage": {
-                    "prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                    "total_tokens": prompt_tokens + completion}, "specdec": _spec_stats(results[0])}
+                usage = {**meta, "object": obj, "choices": [], "usage": _usage(prompt_tokens, list(results.values())),
+                         "specdec": _spec_stats(results[0])}
                 yield f"data: {json.dumps(usage)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
@@ -485,6 +482,18 @@ def _as_api_error(exc) -> APIError:
         return APIError(503, str(exc), "server_error", "worker_down")
     # this request's own failure (the others go on): named, without internals
     return APIError(500, f"internal error in this request: {type(exc).__name__}", "server_error", "internal_error")
+
+
+def _usage(prompt_tokens: int, results: list) -> dict:
+    """OpenAI's usage object; with a prediction, completion_tokens_details counts its drafted tokens the target
+    accepted and rejected (every choice's together)."""
+    completion = sum(len(r.token_ids) for r in results)
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+             "total_tokens": prompt_tokens + completion}
+    if any("accepted_prediction_tokens" in r.stats for r in results):
+        usage["completion_tokens_details"] = {k: sum(r.stats.get(k, 0) for r in results) for k in
+                                              ("accepted_prediction_tokens", "rejected_prediction_tokens")}
+    return usage
 
 
 def _spec_stats(result) -> dict:

@@ -20,6 +20,23 @@ IGNORED = ("store", "metadata", "service_tier", "user", "parallel_tool_calls", "
 MAX_PROMPTS = 16  # sequences one request may start (prompts x n): each takes a place in the queue
 
 
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(BaseModel):
+    """{"type": "content", "content": text or [{"type": "text", "text": ...}, ...]}, as OpenAI takes it."""
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -53,6 +70,7 @@ class _Request(BaseModel):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     logit_bias: Any = None
     response_format: dict | None = None  # text, json_object, json_schema (constraints.py)
+    prediction: Prediction | None = None  # OpenAI's predicted outputs: drafted beside the output, never changing it
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None

@@ -422,7 +422,8 @@ class BatchWorker(Worker):
                 cap = req.tau if fixed or job.kwargs.get("tau") is not None else self.max_tau
                 seq = self.engine.add(Sequence(req.prompt_ids, req.max_new_tokens, req.params, req.stop_check,
                                                max_tau=cap, fixed_tau=fixed, constraint=req.constraint,
-                                               logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs))
+                                               logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs,
+                                               prediction=req.prediction))
             except OutOfBlocks:
                 self.waiting.appendleft(job)
                 return

@@ -1,0 +1,130 @@
+"""`prediction`: a text the client expects most of the answer to be (OpenAI's predicted outputs: the file it asks to
+edit), drafted beside the output.
+
+While the output follows the prediction, the drafter proposes the prediction's next tokens. After a rejection (the
+output diverged: an insertion, a deletion, a replacement), it finds where the output rejoins the prediction the way
+a diff would: the longest suffix of the output that occurs in the prediction, the occurrence nearest after the last
+place they agreed. A match of fewer than MIN_REJOIN tokens is trusted only right after that place (a one-token
+match anywhere else is too often a coincidence). Model-free: q is one-hot, and it costs microseconds a cycle.
+
+Its proposals can be long: `depth(cost)` sizes them on the target's measured pass curve and this request's running
+acceptance (costs.best_tree_size on a chain), and the engines ask for that many.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .base import Draft
+
+MIN_REJOIN = 3  # tokens of agreement that re-anchor the walk anywhere in the prediction
+MAX_SUFFIX = 32  # the longest output suffix looked up
+MAX_DEPTH = 32  # the most tokens one proposal may carry
+PRIOR = 0.9  # acceptance assumed before any verification: a prediction is usually right
+
+
+class PredictionDrafter:
+    name = "prediction"
+    free = True
+    sizes_own_depth = True  # the engines ask it for depth(cost) tokens, not τ
+
+    def __init__(self, prediction: list[int]):
+        self.pred = np.asarray(prediction, dtype=np.int64)
+        self.reset()
+
+    def reset(self) -> None:
+        self.base = None  # context length at the first proposal: the output starts there
+        self.at = 0  # prediction index of the next expected token
+        self.seen = 0  # output tokens accounted for by `at`
+        self.hits, self.tries = PRIOR * 4, 4.0  # accepted / proposed, a prior worth four drafts
+        self.accepted = self.rejected = 0  # prediction tokens accepted / proposed and rejected (usage)
+        self._last = 0
+
+    def fork(self) -> PredictionDrafter:
+        return PredictionDrafter(self.pred.tolist())
+
+    # ---- where the output stands in the prediction ----------------------------------------------------------
+    def _align(self, out: list[int]) -> int | None:
+        new = out[self.seen:]
+        end = self.at + len(new)
+        m = min(len(new), len(self.pred) - self.at)
+        same = self.pred[self.at:self.at + m] == np.asarray(new[:m], dtype=np.int64)
+        agree = m if same.all() else int(np.argmin(same))
+        # acceptance: how much of the output since the last call followed the prediction (drafted or not: a
+        # request the scheduler gave no rows still learns that it is back in step)
+        self.hits, self.tries = 0.8 * self.hits + agree, 0.8 * self.tries + len(new)
+        if agree == len(new):
+            self.at, self.seen = end, len(out)  # still in step
+            return self.at
+        found = self._rejoin(out)
+        self.seen = len(out)
+        if found is not None:
+            self.at = found
+        return found
+
+    def _rejoin(self, out: list[int]) -> int | None:
+        """The prediction index after the longest suffix of `out` found in it (nearest after `at` among the
+        occurrences of that length), or None."""
+        tail = np.asarray(out[-MAX_SUFFIX:], dtype=np.int64)
+        best = None
+        for n in range(1, len(tail) + 1):
+            suffix = tail[-n:]
+            hits = _occurrences(self.pred, suffix)
+            if not len(hits):
+                break
+            ends = hits + n
+            after = ends[ends >= self.at]
+            best = (n, int(after[0]) if len(after) else int(ends[0]), len(after) > 0 and int(after[0]) == self.at)
+        if best is None:
+            return None
+        n, end, adjacent = best
+        if n < MIN_REJOIN and not adjacent and not _near(end, self.at, n):
+            return None
+        return end
+
+    # ---- the drafter ---------------------------------------------------------------------------------------
+    def acceptance(self) -> float:
+        """This request's running acceptance of predicted tokens (a prior of PRIOR before any verification)."""
+        return min(0.99, self.hits / self.tries)
+
+    def depth(self, cost) -> int:
+        """How many tokens to propose: the chain length that maximises expected tokens per unit of pass time,
+        `cost(rows)` the measured pass curve, acceptance this request's running rate."""
+        from ..costs import best_tree_size
+        a = self.acceptance()
+        return max(1, best_tree_size([a ** (i + 1) for i in range(MAX_DEPTH)], cost))
+
+    def propose(self, context, k, params, generator) -> Draft:
+        if self.base is None:
+            self.base = len(context)
+        at = self._align(list(context[self.base:]))
+        if at is None or at >= len(self.pred):
+            self._last = 0
+            return Draft()
+        tokens = self.pred[at: at + min(k, MAX_DEPTH)].tolist()
+        self._last = len(tokens)
+        return Draft(tokens)
+
+    def observe_verify(self, context, draft, logits, accepted) -> None:
+        """Count what was verified of its last proposal (usage's accepted / rejected)."""
+        if not self._last or draft is None or draft.is_tree:
+            return
+        n = min(len(accepted), self._last)
+        self.accepted += n
+        self.rejected += min(self._last, len(draft.tokens)) - n
+        self._last = 0
+
+
+def _occurrences(a: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """Start indices of s in a."""
+    n = len(s)
+    if n > len(a):
+        return np.empty(0, dtype=np.int64)
+    match = a[: len(a) - n + 1] == s[0]
+    for j in range(1, n):
+        match &= a[j: len(a) - n + 1 + j] == s[j]
+    return np.flatnonzero(match)
+
+
+def _near(end: int, at: int, n: int, slack: int = 8) -> bool:
+    """A short match within a few tokens after the last agreement (a small insertion or deletion)."""
+    return at <= end <= at + n + slack

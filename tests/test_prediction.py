@@ -1,0 +1,166 @@
+"""Predicted outputs: the prediction drafter rejoins after an insertion, a deletion and a replacement; the output is
+the same with or without a prediction (greedy token for token, seeded sampling too) in the engine, the batch engine
+and over HTTP, where usage reports the accepted and rejected prediction tokens; bad input is a clear error."""
+import json
+
+import httpx
+import openai
+import pytest
+from test_server import LiveServer
+
+from specdec import SpecDecoder, models
+from specdec.batch import BatchEngine, Sequence
+from specdec.cli import main
+from specdec.drafters import NgramDrafter
+from specdec.drafters.prediction import PredictionDrafter
+from specdec.sampling import SamplingParams
+from specdec.server import create_app
+
+PROMPT = "hello there"
+
+
+def walk(prediction: list[int], output: list[int], k: int = 8) -> tuple[int, list]:
+    """Verify `output` against the drafter as an engine would: each cycle the longest agreeing prefix of its
+    proposal is accepted and the output's next token follows -> (cycles, the proposals)."""
+    d = PredictionDrafter(prediction)
+    context, proposals, cycles = [1, 2, 3], [], 0  # a prompt, then the output
+    i = 0
+    while i < len(output):
+        draft = d.propose(context + output[:i], k, None, None)
+        proposals.append((i, draft.tokens))
+        n = 0
+        while n < len(draft.tokens) and i + n < len(output) and draft.tokens[n] == output[i + n]:
+            n += 1
+        d.observe_verify(None, draft, None, list(range(n)))
+        i += n + 1
+        cycles += 1
+    return cycles, proposals
+
+
+PRED = list(range(100, 160))
+
+
+@pytest.mark.parametrize("edit", ["insertion", "deletion", "replacement"])
+def test_the_drafter_rejoins_the_prediction_after_an_edit(edit):
+    out = {"insertion": PRED[:20] + [7, 8, 9] + PRED[20:],
+           "deletion": PRED[:20] + PRED[25:],
+           "replacement": PRED[:20] + [7, 8, 9, 6, 5] + PRED[25:]}[edit]
+    cycles, proposals = walk(PRED, out)
+    resumed = 23 if edit == "insertion" else 20 if edit == "deletion" else 25  # output index where it rejoins
+    # one cycle after the edit's last token it proposes the prediction's continuation again
+    after = [tokens for i, tokens in proposals if i > resumed]
+    assert after and after[0][:3] == out[next(i for i, _ in proposals if i > resumed):][:3]
+    assert cycles <= len(out) // 4  # long proposals while in step: a few cycles, not one a token
+    assert walk(PRED, PRED)[0] == -(-len(PRED) // 9)  # the prediction itself: 8 drafts + 1 a cycle
+
+
+def test_nothing_is_proposed_off_the_prediction():
+    d = PredictionDrafter(PRED)
+    assert d.propose([1, 2], 4, None, None).tokens == PRED[:4]  # the output starts with the prediction
+    assert d.propose([1, 2, 7, 8, 9], 4, None, None).tokens == []  # three tokens it has never seen
+
+
+@pytest.fixture(scope="module")
+def rt(tiny_dirs):
+    model, tok = models.load(tiny_dirs["target"], backend="runtime")
+    sd = SpecDecoder.from_models(model, tok, draft="ngram", tau=3)
+    sd.engine.eos_ids = set()  # the tiny model stops early otherwise: long outputs to predict
+    return sd
+
+
+def variants(text: str) -> dict[str, str]:
+    return {"exact": text, "insertion": text[:20] + "XYZ" + text[20:], "deletion": text[:20] + text[26:],
+            "replacement": text[:20] + "QQQQQQ" + text[26:], "unrelated": "nothing like the output at all"}
+
+
+def test_greedy_output_is_the_same_with_any_prediction(rt):
+    base = rt.generate(PROMPT, max_new_tokens=80, chat=False)
+    for name, pred in variants(base.text).items():
+        out = rt.generate(PROMPT, max_new_tokens=80, chat=False, prediction=pred)
+        assert out.token_ids == base.token_ids, name
+        s = out.stats
+        by = [r for r in out.records if r.by == "prediction"]
+        assert s["accepted_prediction_tokens"] == sum(r.accepted for r in by)
+        assert s["rejected_prediction_tokens"] == sum(len(r.proposed) - r.accepted for r in by)
+        if name == "exact":
+            assert s["target_passes"] <= len(base.token_ids) // 4 and s["rejected_prediction_tokens"] <= 2
+            assert max(len(r.proposed) for r in by) > 3  # deeper than τ while in step
+        if name == "unrelated":
+            assert s["accepted_prediction_tokens"] <= 2
+    assert "accepted_prediction_tokens" not in base.stats
+
+
+def test_seeded_sampling_gives_the_same_text_with_a_prediction(rt):
+    kw = dict(max_new_tokens=60, chat=False, temperature=0.8, seed=3)
+    base = rt.generate(PROMPT, **kw)
+    for pred in variants(base.text).values():
+        assert rt.generate(PROMPT, prediction=pred, **kw).token_ids == base.token_ids
+
+
+def test_batched_requests_with_predictions_equal_the_engine_alone(rt):
+    base = rt.generate(PROMPT, max_new_tokens=50, chat=False)
+    engine = BatchEngine(rt.model, NgramDrafter(), rt.model.config.vocab_size, set(), 128)
+    ids = rt.tokenizer(PROMPT, add_special_tokens=False).input_ids
+    seqs = {name: engine.add(Sequence(ids, 50, SamplingParams(), prediction=rt.tokenizer(
+        pred, add_special_tokens=False).input_ids)) for name, pred in variants(base.text).items()}
+    records = {name: [] for name in seqs}
+    while engine.running:
+        for s, rec in engine.step():
+            records[next(n for n, q in seqs.items() if q is s)].append(rec)
+    for name, s in seqs.items():
+        assert s.generated == base.token_ids, name
+    assert sum(len(r.emitted) for r in records["exact"]) / len(records["exact"]) > 3  # tokens a pass
+    assert any(r.by == "prediction" and r.tau == len(r.proposed) > 3 for r in records["exact"])
+
+
+@pytest.fixture(scope="module")
+def live(rt):
+    srv = LiveServer(create_app(rt, model_name="tiny", max_batch_rows=16))
+    yield srv
+    srv.stop()
+
+
+def test_http_prediction_changes_nothing_and_usage_counts_it(live, rt):
+    c = openai.OpenAI(base_url=live.url + "/v1", api_key="none", max_retries=0, timeout=30)
+    plain = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0)
+    assert plain.usage.completion_tokens_details is None
+    pred = {"type": "content", "content": plain.choices[0].text}
+    got = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0,
+                               extra_body={"prediction": pred})
+    assert got.choices[0].text == plain.choices[0].text
+    details = got.usage.completion_tokens_details
+    # (the tiny model's text drops the end-of-text tokens it emits: there the prediction and the output part)
+    assert details.accepted_prediction_tokens >= 20 and details.rejected_prediction_tokens >= 0
+    parts = {"type": "content", "content": [{"type": "text", "text": plain.choices[0].text[:10]},
+                                            {"type": "text", "text": "ZZZ" + plain.choices[0].text[10:]}]}
+    body = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "prediction": parts, "stream": True,
+            "stream_options": {"include_usage": True}}
+    text, usage = "", None
+    with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                data = json.loads(line[6:])
+                text += "".join(ch["text"] for ch in data["choices"])
+                usage = data.get("usage") or usage
+    assert text == plain.choices[0].text
+    assert usage["completion_tokens_details"]["rejected_prediction_tokens"] >= 1  # "ZZZ" was proposed and refused
+    chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=20,
+                                     temperature=0, extra_body={"prediction": {"type": "content", "content": "x"}})
+    assert chat.usage.completion_tokens_details.accepted_prediction_tokens is not None
+
+
+@pytest.mark.parametrize("prediction", [{"type": "file", "content": "x"}, {"type": "content", "content": 3},
+                                        {"type": "content"}, "text", {"type": "content", "content": [{"text": "x"}]}])
+def test_a_malformed_prediction_is_a_400(live, prediction):
+    r = httpx.post(live.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "prediction": prediction})
+    assert r.status_code == 400 and "prediction" in r.text
+
+
+def test_generate_prediction_file_errors_are_one_line(tmp_path, capsys):
+    assert main(["generate", "hi", "--prediction", str(tmp_path / "missing.txt")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot read the prediction file" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"\xff\xfe\x00bad")
+    assert main(["generate", "hi", "--prediction", str(bad)]) == 2
+    assert "not UTF-8" in capsys.readouterr().err
