@@ -127,7 +127,8 @@ class AdaptivePolicy:
             self.draft_ms.update(per_token)
         elif asked_of(record) > 0 and not record.drafted:
             self.alpha[0].update(0.0)  # asked for a draft and got none (no n-gram match): worth nothing
-        for k in range(min(n, record.accepted + 1)):
+        # positions past max_tau (a grammar's forced drafts can be longer) have no estimate to update
+        for k in range(min(n, record.accepted + 1, len(self.alpha))):
             self.alpha[k].update(1.0 if k < record.accepted else 0.0)
 
 

@@ -196,3 +196,12 @@ def test_one_time_work_is_not_priced_per_cycle():
     assert rep["speedup"]["measured"] < rep["speedup"]["measured_per_cycle"]
     assert abs(rep["speedup"]["prediction_error"]) < 0.05
     assert abs(rep["costs"]["draft_ms_per_token"] - 0.6) < 0.01  # the fit did not see the one-time work
+
+
+def test_adaptive_policy_takes_drafts_longer_than_its_max_tau():
+    """A grammar's forced drafts can run past the request's τ limit (the batch engine's estimates observe them):
+    the positions it keeps estimates for are updated, the rest ignored (was an IndexError: a 500 for that request)."""
+    p = AdaptivePolicy(2, 2)
+    p.observe(CycleRecord(1, 2, [5] * 6, 5, [5] * 6, 0.1, T, T + 1))
+    assert len(p.alpha) == 2
+    assert all(a.value > 0.5 for a in p.alpha)

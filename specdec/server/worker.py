@@ -277,8 +277,8 @@ class Worker:
 
     def _report(self, job: Job, e: BaseException) -> None:
         """End a job with its own failure: bad input as itself, anything else with the traceback for the operator."""
-        if not isinstance(e, SpecDecError):
-            traceback.print_exc(file=sys.stderr)
+        if not isinstance(e, SpecDecError):  # its own traceback (a batch failure is reported after its except)
+            traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
         self._end(job, "error", e)
 
     def _finished(self, job: Job, result) -> None:
