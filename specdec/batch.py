@@ -511,9 +511,14 @@ class BatchEngine:
                 except OutOfBlocks:
                     self._preempt(s)
                     continue
-                if twin is not None and s.fed < len(s.prompt) - 1:  # and the twin's last, partial block copied
-                    self.model.copy_block(self._state[twin.id][0], slot, s.fed // BLOCK)
-                    s.fed = len(s.prompt) - 1
+                # every block the cache could not give (evicted, or never registered: another request's copies held
+                # those hashes) copied from the twin, the last, partial one too; a twin that was preempted has
+                # nothing to give, and the request prefills the rest itself
+                end = len(s.prompt) - 1  # positions 0..end-1 are the prompt's K/V; the last token is fed next
+                if twin is not None and not twin.preempted and twin.fed >= end and s.fed < end:
+                    for index in range(s.fed // BLOCK, (end - 1) // BLOCK + 1):
+                        self.model.copy_block(self._state[twin.id][0], slot, index)
+                    s.fed = end
 
     def _predict(self, s: Sequence, room: int):
         """The request's prediction's next tokens, as deep as the pass curve pays for -> (draft, ms, depth asked),

@@ -256,6 +256,36 @@ def test_a_prompt_prefilled_once_for_its_twins(rt):
     engine.close()
 
 
+def test_a_twin_gets_every_block_the_cache_lost_from_its_twin(rt):
+    """The reproduced case (issue "serve strangers safely"): S waits for its twin T's prefill, and when it is
+    released the cache gives back only part of the prompt (evicted, or registered by another request's copies). It
+    copies every missing block from T, not one, so it never decodes from K/V no pass wrote; it gets what it gets
+    alone (it generated zeros before), and a later request restoring the same prompt from the cache does too."""
+    model, tok = rt
+    plain = SpecDecoder.from_models(model, tok, draft="none")
+    engine = BatchEngine(model, plain.engine.drafter, model.config.vocab_size, plain.engine.eos_ids, 256,
+                         max_batch_rows=16, prefill_chunk=8)
+    prompt = "The cat sat on the mat. " * 4 + "Then the dog came in and sat down by the door."
+    ids = tok(prompt).input_ids
+    assert len(ids) > 6 * BLOCK
+    model.pool.clear_hashes()
+    restore = engine.prefixes.restore
+    engine.prefixes.restore = lambda tokens, slot: restore(tokens[:BLOCK + 1], slot)  # one block left in the cache
+    params = [SamplingParams(), SamplingParams(0.9, 1.0, 0, 5)]
+    t, s = (engine.add(Sequence(ids, 8, p)) for p in params)
+    assert s.after == t.id  # S waits for T's prefill
+    while engine.running:
+        engine.step()
+    for seq, p in ((t, params[0]), (s, params[1])):
+        assert seq.generated == alone(rt, prompt, p, 8)
+    engine.prefixes.restore = restore
+    later = engine.add(Sequence(ids, 8, params[1]))
+    while engine.running:
+        engine.step()
+    assert later.generated == alone(rt, prompt, params[1], 8) and engine.prefixes.hits >= 2
+    engine.close()
+
+
 class OracleTreeDraft:
     """A drafter that reads the target's features and proposes trees holding the true continuation (from a reference
     run) beside decoys, at depths that vary by cycle: how a feature draft's tree passes must hand on features."""
