@@ -41,7 +41,7 @@ def default_draft(target: str) -> str:
     the context when an n-gram matches (the fastest measured setup on the runtime, docs/benchmarks.md: the shipped
     distilled draft, `datastore+ngram+shipped`, costs more per step than its extra accepted tokens save there); for
     any other target the same pair once `specdec datastore build` made its datastore, else the n-gram drafter."""
-    from .datastore import datastore_dir
+    from .drafters.datastore import datastore_dir
     from .drafters.datastore import FILE
     if target == models.DEFAULT_MODEL and is_feature_draft(SHIPPED_DRAFT):
         return "datastore+ngram"

@@ -12,7 +12,10 @@ from time import perf_counter
 
 import torch
 
-from .trace import CycleRecord
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: the trace module reads this one's interpolate
+    from .trace import CycleRecord
 
 
 def verify_curve(records: list[CycleRecord], skip_prefill: bool = True) -> dict[int, float]:

@@ -11,19 +11,11 @@ import json
 from pathlib import Path
 
 from . import models
-from .cachedir import cache_root
-from .errors import InvalidRequest, ModelLoadError, SpecDecError
+from .drafters.datastore import META, check_datastore, datastore_dir  # noqa: F401 (where they were)
+from .errors import InvalidRequest, SpecDecError
 from .prompts import HERE as PROMPT_DIR, load_prompts
 
 PROMPT_SETS = [PROMPT_DIR / "distill.jsonl", PROMPT_DIR / "distill_stdlib.jsonl"]  # not the held-out eval sets
-META = "datastore.json"
-
-
-def datastore_dir(target: str) -> Path:
-    """Where `datastore build` keeps the datastore of `target` (a file or directory path, or a model name)."""
-    path = Path(target).expanduser()
-    key = str(path.resolve()) if path.exists() else str(target)
-    return cache_root() / "datastores" / f"{path.stem or 'model'}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
 def build_datastore(target: str, out: str | None = None, prompt_files: list[str] | None = None, limit: int = 0,
@@ -57,15 +49,6 @@ def build_datastore(target: str, out: str | None = None, prompt_files: list[str]
             "tokens": sum(map(len, seqs)), "max_new_tokens": max_new_tokens}
     (out_dir / META).write_text(json.dumps(meta, indent=2))
     return {**meta, "out": str(out_dir)}
-
-
-def check_datastore(path: Path, fingerprint: str) -> None:
-    """A built datastore belongs to one tokenizer: refuse it for a target that tokenizes differently."""
-    meta_file = Path(path) / META
-    if meta_file.exists() and json.loads(meta_file.read_text()).get("fingerprint") != fingerprint:
-        raise ModelLoadError(f"the datastore in {path} was built for another tokenizer "
-                                    f"({json.loads(meta_file.read_text()).get('target')}); rebuild it with "
-                                    f"`specdec datastore build --target ...`")
 
 
 def cmd_datastore(args) -> int:

@@ -35,7 +35,7 @@ from .drafters.feature import FeatureDrafter, net_for_target, save_draft
 from .errors import InvalidRequest, SpecDecError
 from .prompts import HERE as PROMPT_DIR
 from .prompts import load_prompts
-from .runtime.generate import generate_batch
+from .generate import generate_batch
 from .runtime.weights import qlinear
 from .sampling import SamplingParams
 

@@ -495,6 +495,11 @@ def test_datastore_build_makes_the_targets_default_draft(tiny_dirs, tmp_path, mo
     assert main(["generate", "Hello", "--target", tiny_dirs["alien"], "--draft", f"datastore:{datastore_dir(target)}",
                  "--max-new-tokens", "4"]) == 2
     assert "built for another tokenizer" in capsys.readouterr().err
+    from specdec.drafters.datastore import META
+    (datastore_dir(target) / META).write_text("{not json")  # a damaged file: one line, not a JSONDecodeError
+    assert main(["generate", "Hello", "--target", target, "--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "unreadable datastore.json" in err and "Traceback" not in err
     for bad in (["--batch", "0"], ["--max-new-tokens", "0"], ["--limit", "-1"]):  # refused before loading anything
         assert main(["datastore", "build", "--target", target, *bad]) == 2
         err = capsys.readouterr().err

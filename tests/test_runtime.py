@@ -341,7 +341,7 @@ def test_positions_beyond_the_slots_are_refused(runtime_model):
 def test_batched_generation_equals_each_sequence_alone(runtime_model):
     """All prompts prefilled in one pass, then one row per unfinished sequence per step: every sequence gets bitwise
     the tokens and hidden states it gets alone, and stops at its own EOS."""
-    from specdec.runtime.generate import generate_batch
+    from specdec.generate import generate_batch
     prompts = [PROMPT, [3, 4, 5], PROMPT[:7] + [88], [42] * 9]
     batch = generate_batch(runtime_model, prompts, 12, eos={2, 17})
     for p, (seq, h) in zip(prompts, batch):

@@ -8,15 +8,19 @@ The walk stops at the first token that fewer than `min_count` matches (default 2
 datastore (the 561k tokens it was trained on): docs/benchmarks.md, docs/draft.md."""
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from ..cachedir import cache_root
 from ..errors import ModelLoadError
 from .base import Draft
 
 FILE = "datastore.safetensors"
+META = "datastore.json"  # what it was built for (the target, its tokenizer fingerprint)
 ORDERS = (4, 3)
 MAX_MATCHES = 256  # the most recent matches are enough to find the majority
 # n-gram keys: h = h·MIX + token, wrapping in int64. Any vocabulary fits (a positional base of vocab^n overflowed
@@ -158,3 +162,26 @@ class DatastoreDrafter:
         if tokens.dim() != 1 or (len(tokens) and int(tokens.max()) >= vocab_size):
             raise ModelLoadError(f"datastore {file} does not fit this target's vocabulary")
         return cls(tokens, vocab_size, name or f"datastore:{path}")
+
+
+def datastore_dir(target: str) -> Path:
+    """Where `datastore build` keeps the datastore of `target` (a file or directory path, or a model name)."""
+    path = Path(target).expanduser()
+    key = str(path.resolve()) if path.exists() else str(target)
+    return cache_root() / "datastores" / f"{path.stem or 'model'}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def check_datastore(path: Path, fingerprint: str) -> None:
+    """A built datastore belongs to one tokenizer: refuse it for a target that tokenizes differently."""
+    meta_file = Path(path) / META
+    if not meta_file.exists():
+        return
+    try:
+        meta = json.loads(meta_file.read_text())
+        built_for = meta.get("fingerprint"), meta.get("target")
+    except (OSError, ValueError, AttributeError):
+        raise ModelLoadError(f"the datastore in {path} has an unreadable {META}; rebuild it with "
+                             "`specdec datastore build --target ...`") from None
+    if built_for[0] != fingerprint:
+        raise ModelLoadError(f"the datastore in {path} was built for another tokenizer ({built_for[1]}); rebuild it "
+                             "with `specdec datastore build --target ...`")

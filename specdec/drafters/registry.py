@@ -92,7 +92,7 @@ def recycle_file(fingerprint: str) -> Path:
 def _datastore(spec, target):
     """'datastore' = the one `specdec datastore build` made for this target, else the shipped draft's;
     'datastore:DIR' = a `specdec distill` or `specdec datastore build --out` directory's (or a .safetensors)."""
-    from ..datastore import check_datastore, datastore_dir
+    from .datastore import check_datastore, datastore_dir
     if spec == "datastore":
         built = datastore_dir(target.spec) if target.spec else None
         src = built if built is not None and (built / DATASTORE_FILE).exists() else SHIPPED_DRAFT

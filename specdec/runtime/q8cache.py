@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .. import kernels
-from ..cachedir import cache_root, file_sha256, write_atomically
+from ..cachedir import cache_root, write_atomically
 from .weights import QTensor, release_pages
 
 ALIGN = 64

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import argmax as row_argmax
-from ..sampling import SamplingParams, warp
-from .model import Llama
+from .kernels import argmax as row_argmax
+from .sampling import SamplingParams, warp
+from .runtime.model import Llama
 
 
 @torch.inference_mode()

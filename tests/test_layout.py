@@ -1,0 +1,89 @@
+"""The package's import graph, read from the source (function-local imports included, annotation-only ones under
+TYPE_CHECKING left out): no cycles, and the runtime and kernels import nothing above them."""
+import ast
+from pathlib import Path
+
+import specdec
+
+ROOT = Path(specdec.__file__).parent
+BELOW_ALL = ("specdec.kernels", "specdec.runtime", "specdec.cachedir", "specdec.errors")  # what they may import
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for f in ROOT.rglob("*.py"):
+        parts = ["specdec", *f.relative_to(ROOT).with_suffix("").parts]
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    return out
+
+
+def imports(name: str, path: Path, known: dict) -> set[str]:
+    """The package modules `name` imports anywhere in its source, but under `if TYPE_CHECKING:`."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for b in ast.walk(tree) if isinstance(b, ast.If) and "TYPE_CHECKING" in ast.unparse(b.test)
+                   for n in ast.walk(b)}
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            mod = ".".join(base + (node.module.split(".") if node.module else []))
+            out |= {f"{mod}.{a.name}" if f"{mod}.{a.name}" in known else mod for a in node.names}
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+    return {m for m in out if m in known and m != name and not name.startswith(m + ".")}
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports(name, path, known) for name, path in known.items()}
+
+
+def cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in g[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+    for v in g:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_package_has_no_import_cycles():
+    g = graph()
+    assert len(g) > 50 and g["specdec.engine"]  # the graph is read, not empty
+    assert cycles(g) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_runtime_and_kernels_import_nothing_above_them():
+    for name, deps in graph().items():
+        if name.startswith(("specdec.runtime", "specdec.kernels")):
+            above = sorted(d for d in deps if not d.startswith(BELOW_ALL))
+            assert not above, f"{name} imports {above}"
