@@ -239,6 +239,8 @@ class BatchEngine:
         output stays what it would have been: a position's K/V depend on the tokens alone)."""
         self.model.truncate(self._state[seq.id][0], 0)
         seq.fed, seq.after, seq.preempted = 0, None, True
+        if seq.cycle == 0:  # a prompt being scored is scored again from its first token: what it had goes
+            seq.scored = []
         self.preemptions += 1
 
     def _resume(self) -> None:

@@ -234,6 +234,26 @@ def test_prompt_logprobs_through_chunked_prefill_equal_one_pass(rt):
     assert scored[0].generated == [] and len(scored[1].generated) == 6
 
 
+def test_a_scored_prompt_preempted_mid_prefill_scores_each_token_once(rt):
+    """A request scoring its prompt (echo with logprobs) that is preempted mid-prefill starts it again from the
+    first token: its logprobs come back once per token, aligned, equal to one pass (they were duplicated)."""
+    model, tok = rt
+    plain = SpecDecoder.from_models(model, tok, draft="none")
+    ref = plain.generate(PROMPTS[2], max_new_tokens=0, chat=False, prompt_logprobs=2).prompt_logprobs
+    engine = BatchEngine(model, plain.engine.drafter, model.config.vocab_size, plain.engine.eos_ids, 128,
+                         max_batch_rows=8, prefill_chunk=4)
+    seq = engine.add(Sequence(tok(PROMPTS[2]).input_ids, 0, SamplingParams(), prompt_logprobs=2))
+    engine.step()
+    engine.step()
+    assert seq.prefilling and seq.scored  # part of the prompt scored
+    engine._preempt(seq)  # what the pool running short does to the newest request
+    got = None
+    while engine.running:
+        for s, rec in engine.step():
+            got = rec.prompt_logprobs if rec.prompt_logprobs is not None else got
+    assert got == ref and engine.preemptions == 1
+
+
 def test_a_prompt_prefilled_once_for_its_twins(rt):
     """n choices of one prompt join together: one prefills, the others wait for it and copy its K/V (bitwise the
     same), so the prompt's rows are computed once; each choice gets what it gets alone."""
