@@ -60,6 +60,7 @@ class Sequence:
     logprobs: int | None = None  # report the emitted tokens' logprobs and this many alternatives
     prompt_logprobs: int | None = None  # report the prompt's too (every prefill row's logits; max_new_tokens may be 0)
     prediction: list[int] | None = None  # a predicted output's tokens: drafted first (drafters/prediction.py)
+    cache_salt: bytes = b""  # its tenant: prompts are cached, found and shared only within one tenant
     id: int = field(default_factory=itertools.count().__next__)
     finish_reason: str | None = None
 
@@ -94,17 +95,23 @@ class PrefixCache:
         self.hits = self.reused = 0  # requests served from the cache, positions shared instead of computed
         self.queried = 0  # positions looked up (all of a prompt but its last token)
 
-    def restore(self, tokens: list[int], slot: int) -> int:
-        """Share the longest cached prefix of `tokens` into the empty `slot` -> the positions it covers (all but the
-        last token at most: that row's logits are needed; writing it copies its block first)."""
-        pool = self.model.pool
-        self.queried += max(0, len(tokens) - 1)
-        found = []
-        for digest in prefix_hashes(tokens, len(tokens) // BLOCK):
+    def lookup(self, tokens: list[int], salt: bytes = b"") -> list[int]:
+        """The cached blocks `tokens` starts with, for this tenant (`salt`: a tenant's prompts hash apart from every
+        other's, so nothing of one can be found, shared or timed by another): the one walk of a prompt's hashes
+        that admission, the 429 prediction and restore all use."""
+        pool, found = self.model.pool, []
+        for digest in prefix_hashes(tokens, len(tokens) // BLOCK, salt):
             block = pool.by_hash.get(digest)
             if block is None:
                 break
             found.append(block)
+        return found
+
+    def restore(self, tokens: list[int], slot: int, salt: bytes = b"") -> int:
+        """Share the longest cached prefix of `tokens` into the empty `slot` -> the positions it covers (all but the
+        last token at most: that row's logits are needed; writing it copies its block first)."""
+        self.queried += max(0, len(tokens) - 1)
+        found = self.lookup(tokens, salt)
         if not found:
             return 0
         self.model.share(slot, found)
@@ -112,10 +119,10 @@ class PrefixCache:
         self.hits, self.reused = self.hits + 1, self.reused + n
         return n
 
-    def store(self, tokens: list[int], slot: int) -> None:
-        """Name the full blocks of a prompt just computed in `slot`."""
+    def store(self, tokens: list[int], slot: int, salt: bytes = b"") -> None:
+        """Name the full blocks of a prompt just computed in `slot`, for this tenant."""
         pool = self.model.pool
-        for digest, block in zip(prefix_hashes(tokens, len(tokens) // BLOCK), self.model.blocks_of(slot)):
+        for digest, block in zip(prefix_hashes(tokens, len(tokens) // BLOCK, salt), self.model.blocks_of(slot)):
             pool.register(block, digest)
 
 
@@ -180,15 +187,14 @@ class BatchEngine:
             raise InvalidRequest(f"the prompt's {len(prompt)} tokens need {need * BLOCK} KV positions; this server's KV "
                                  f"memory holds {self.model.pool.blocks * BLOCK}")
 
-    def can_start(self, prompt: list[int]) -> bool:
-        """Whether a request with this prompt could join now: its uncached blocks are free (or evictable)."""
+    def can_start(self, prompt: list[int], salt: bytes = b"") -> bool:
+        """Whether a request with this prompt could join now: its uncached blocks are free (or evictable). A cached
+        block someone holds costs nothing; one nobody holds is counted in `available` (evictable) and leaves it when
+        shared, so it costs one as an uncached block does (counting it off the need too counted it twice)."""
         need = -(-(len(prompt) + 1) // BLOCK)
         if self.prefixes is not None:
             pool = self.model.pool
-            for digest in prefix_hashes(prompt, len(prompt) // BLOCK):
-                if digest not in pool.by_hash:
-                    break
-                need -= 1
+            need -= sum(1 for block in self.prefixes.lookup(prompt, salt) if pool.refs[block] > 0)
         return need <= self.model.pool.available
 
     def add(self, seq: Sequence) -> Sequence:
@@ -208,8 +214,8 @@ class BatchEngine:
             if self.prefixes is not None and seq.prompt_logprobs is None and seq.fed < len(seq.prompt) - 1 \
                     and len(seq.prompt) > BLOCK:
                 # the same prompt being prefilled already (n choices, a retry): share its blocks when it is done
-                twin = next((r for r in self.running if r.prompt == seq.prompt and r.prefilling
-                             and r.after is None and r.prompt_logprobs is None), None)
+                twin = next((r for r in self.running if r.prompt == seq.prompt and r.cache_salt == seq.cache_salt
+                             and r.prefilling and r.after is None and r.prompt_logprobs is None), None)
                 seq.after = twin.id if twin is not None else None
         except BaseException:  # nothing of a request that could not join stays behind
             self._state.pop(seq.id, None)
@@ -224,7 +230,7 @@ class BatchEngine:
         slot = self._state[seq.id][0]
         seq.fed = 0
         if self.prefixes is not None and (seq.prompt_logprobs is None or seq.cycle > 0):  # (scoring: every row)
-            seq.fed = self.prefixes.restore(seq.tokens, slot)
+            seq.fed = self.prefixes.restore(seq.tokens, slot, seq.cache_salt)
         try:
             self.model.reserve(slot, len(seq.tokens))
             if seq.fed % BLOCK:  # the prefill goes on inside the last shared block: a private copy of it now
@@ -281,16 +287,11 @@ class BatchEngine:
         n = max(0, end - start)
         return self._work_scale.value * (n * self.row_ms + self.key_ms * (start + end - 1) * n / 2)
 
-    def uncached(self, prompt: list[int]) -> int:
-        """Where the prefill of `prompt` would start: after the blocks the prefix cache holds for it."""
+    def uncached(self, prompt: list[int], salt: bytes = b"") -> int:
+        """Where the prefill of `prompt` would start: after the blocks the prefix cache holds for it (this tenant's)."""
         if self.prefixes is None:
             return 0
-        pool, n = self.model.pool, 0
-        for digest in prefix_hashes(prompt, len(prompt) // BLOCK):
-            if pool.by_hash.get(digest) is None:
-                break
-            n += BLOCK
-        return min(n, max(0, len(prompt) - 1))
+        return min(len(self.prefixes.lookup(prompt, salt)) * BLOCK, max(0, len(prompt) - 1))
 
     def work_ms(self, start: int, end: int, max_new_tokens: int) -> float:
         """Predicted ms one request adds: prefill of positions start..end-1, then one pass per token, each as long
@@ -592,7 +593,7 @@ class BatchEngine:
                 self._state[s.id][1].observe_target(fed_before, hidden[start: start + n_rows])
             return None
         if s.cycle == 0 and self.prefixes is not None:  # the prompt is in the slot now
-            self.prefixes.store(s.prompt, self._state[s.id][0])
+            self.prefixes.store(s.prompt, self._state[s.id][0], s.cache_salt)
         drafter = self._state[s.id][1]
         masked = [] if s.constraint is not None and s.logprobs is not None else None
         if s.constraint is not None:

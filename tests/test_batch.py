@@ -290,7 +290,7 @@ def test_a_twin_gets_every_block_the_cache_lost_from_its_twin(rt):
     assert len(ids) > 6 * BLOCK
     model.pool.clear_hashes()
     restore = engine.prefixes.restore
-    engine.prefixes.restore = lambda tokens, slot: restore(tokens[:BLOCK + 1], slot)  # one block left in the cache
+    engine.prefixes.restore = lambda tokens, slot, salt: restore(tokens[:BLOCK + 1], slot, salt)  # one block cached
     params = [SamplingParams(), SamplingParams(0.9, 1.0, 0, 5)]
     t, s = (engine.add(Sequence(ids, 8, p)) for p in params)
     assert s.after == t.id  # S waits for T's prefill
@@ -408,3 +408,61 @@ def test_feature_draft_grows_a_best_first_tree_whose_paths_are_its_chain_steps(r
         records = list(engine.run(ids, 20, SamplingParams(), 3))
         assert [t for r in records for t in r.emitted] == alone(rt, p, SamplingParams(), 20)
         assert sum(len(r.proposed) > 1 and r.parents is not None for r in records) >= 3
+
+
+def test_the_prefix_cache_is_salted_per_tenant(rt):
+    """A tenant's cached prompt is found only by the same tenant: another one with the same prompt computes it (no
+    hit, no shared blocks, no twin), the owner's repeat hits; every output equals the request alone."""
+    model, tok = rt
+    plain = SpecDecoder.from_models(model, tok, draft="none")
+    engine = BatchEngine(model, plain.engine.drafter, model.config.vocab_size, plain.engine.eos_ids, 256,
+                         max_batch_rows=16, prefill_chunk=8)
+    model.pool.clear_hashes()
+    prompt = "A system prompt that one tenant would rather keep to itself. " * 2
+    ids = tok(prompt).input_ids
+    alice, bob = b"a" * 16, b"b" * 16
+
+    def run(salt):
+        hits = engine.prefixes.hits
+        seq = engine.add(Sequence(ids, 6, SamplingParams(), cache_salt=salt))
+        while engine.running:
+            engine.step()
+        assert seq.generated == alone(rt, prompt, SamplingParams(), 6)
+        return engine.prefixes.hits - hits
+    assert run(alice) == 0
+    assert engine.uncached(ids, bob) == 0 and engine.uncached(ids, alice) > 0
+    assert run(bob) == 0  # same prompt, another tenant: computed, nothing learned from alice's
+    assert run(alice) == 1 and run(b"") == 0  # the owner's repeat hits; the shared tenant is one more tenant
+    twins = [engine.add(Sequence(ids + [5], 4, SamplingParams(), cache_salt=s)) for s in (alice, bob)]
+    assert twins[1].after is None  # a twin only within a tenant
+    while engine.running:
+        engine.step()
+    engine.close()
+
+
+def test_can_start_counts_an_unheld_cached_block_once(rt):
+    """Cached blocks nobody holds are in `available` already and leave it when shared: a prompt whose blocks are all
+    cached but unheld, with nothing else free, cannot start (it used to be admitted, then fail to reserve)."""
+    model, tok = rt
+    plain = SpecDecoder.from_models(model, tok, draft="none")
+    engine = BatchEngine(model, plain.engine.drafter, model.config.vocab_size, plain.engine.eos_ids, 256,
+                         max_batch_rows=16, prefill_chunk=8)
+    model.pool.clear_hashes()
+    ids = tok("Cached but unheld: every block of this prompt. " * 2).input_ids
+    seq = engine.add(Sequence(ids, 2, SamplingParams()))
+    while engine.running:
+        engine.step()
+    pool = model.pool
+    cached = len(engine.prefixes.lookup(ids))
+    assert cached >= 2 and len(pool.evictable) >= cached
+    taken = []
+    while pool.free:  # everything else held
+        taken.append(pool.allocate())
+    assert pool.available == len(pool.evictable)
+    need = -(-(len(ids) + 1) // BLOCK)
+    assert need - cached <= pool.available < need  # the old count said yes
+    assert not engine.can_start(ids)
+    for block in taken:
+        pool.release(block)
+    engine.close()
+    del seq

@@ -141,3 +141,29 @@ def test_serve_refuses_bad_batching_and_ray_options(tiny_dirs, capsys, args):
     assert main(["serve", "--target", tiny_dirs["target"], "--port", "1", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and ("must" in err or "Ray Serve is not installed" in err), err
+
+
+def test_tenants_do_not_share_cached_prompts_over_http(rt_decoder):
+    """Two tenants (cache_salt, or OpenAI's prompt_cache_key) with the same long system prompt: the second tenant's
+    first request gets no cache hit, the first tenant's repeat does; answers are the same for both."""
+    srv = LiveServer(create_app(rt_decoder, model_name="tiny", max_queue=8, max_batch_rows=8))
+    try:
+        rt_decoder.model.pool.clear_hashes()
+        system = "You are a careful assistant for ACME's internal billing team. " * 3
+
+        def ask(**tenant):
+            before = srv.metrics().get(("vllm:prefix_cache_hits_total", ()), 0)
+            r = httpx.post(srv.url + "/v1/completions", json={"prompt": system + "Hi", "max_tokens": 6,
+                                                              "temperature": 0, **tenant}, timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"], srv.metrics()[("vllm:prefix_cache_hits_total", ())] - before
+        first, hits = ask(cache_salt="alice")
+        assert hits == 0
+        assert ask(cache_salt="bob") == (first, 0)  # another tenant learns nothing from alice's cached prompt
+        assert ask(prompt_cache_key="carol") == (first, 0)
+        again, hits = ask(cache_salt="alice")
+        assert again == first and hits > 0  # the owner's repeat is served from its cache
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "cache_salt": "s" * 300})
+        assert r.status_code == 400 and "cache_salt" in r.text
+    finally:
+        srv.stop()

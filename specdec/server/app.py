@@ -173,7 +173,8 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
                                              prompt_ids=prompt_ids, response_format=response_format,
                                              prediction=req.prediction.text if req.prediction else None,
                                              logprobs=req.logprob_count,
-                                             prompt_logprobs=req.logprob_count if echo else None))
+                                             prompt_logprobs=req.logprob_count if echo else None),
+                                        salt=req.tenant_salt)
                 except Busy as e:
                     for j in jobs:
                         j.cancel()

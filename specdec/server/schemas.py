@@ -2,6 +2,7 @@
 client never silently gets a different behaviour than it asked for."""
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any, Literal
 
@@ -14,7 +15,7 @@ from ..sampling import MAX_TEMPERATURE, SEED_RANGE
 
 # Sent by SDK helpers and gateways; they change no output of this server, so they are accepted and ignored.
 IGNORED = ("store", "metadata", "service_tier", "user", "parallel_tool_calls", "reasoning_effort", "modalities",
-           "prompt_cache_key", "safety_identifier")
+           "safety_identifier")
 
 
 MAX_PROMPTS = 16  # sequences one request may start (prompts x n): each takes a place in the queue
@@ -63,7 +64,9 @@ class _Request(BaseModel):
     parallel_tool_calls: bool | None = None
     reasoning_effort: str | None = None
     modalities: list[str] | None = None
-    prompt_cache_key: str | None = None
+    # the tenant whose cached prompts this request may use (vLLM's cache_salt, else OpenAI's prompt_cache_key)
+    cache_salt: str | None = Field(default=None, max_length=256)
+    prompt_cache_key: str | None = Field(default=None, max_length=256)
     safety_identifier: str | None = None
     # would change the output and are not served yet: each refused by name (_unsupported)
     logprobs: bool | int | None = None  # chat: a bool (with top_logprobs); completions: the alternatives wanted
@@ -119,6 +122,13 @@ class _Request(BaseModel):
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def tenant_salt(self) -> bytes:
+        """The prefix cache's salt for this request: its prompts are cached, found and shared only with requests
+        naming the same tenant; none named: the shared tenant."""
+        name = self.cache_salt if self.cache_salt is not None else self.prompt_cache_key
+        return hashlib.blake2b(b"tenant:" + name.encode(), digest_size=16).digest() if name else b""
 
     @property
     def include_usage(self) -> bool:

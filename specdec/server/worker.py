@@ -207,10 +207,11 @@ class Worker:
         or None where the worker cannot tell."""
         return None
 
-    def submit(self, kwargs: dict) -> Job:
+    def submit(self, kwargs: dict, salt: bytes = b"") -> Job:
         """Queue a generation; raises Busy at once when the queue is full or the request is predicted to finish
-        past its timeout (429 now, not a 504 after it spent the cores)."""
-        work = self.predict(kwargs)
+        past its timeout (429 now, not a 504 after it spent the cores). `salt`: the request's tenant (its prompt is
+        cached and found only among that tenant's: batch.PrefixCache.lookup)."""
+        work = self.predict(kwargs, salt)
         if work is not None and work[1] > self.timeout_s:
             self.metrics.refused.inc()
             raise Busy(f"server busy: a request queued now would finish in ~{work[1]:.0f} s, past the "
@@ -223,6 +224,7 @@ class Worker:
             self.metrics.queue_depth.set(self._pending)
         job = Job(kwargs, asyncio.get_running_loop(), self.timeout_s)
         job.plan = work[2] if work is not None else None  # (prefill start, prompt length, max new tokens)
+        job.salt = salt
         self._jobs.put(job)
         return job
 
@@ -360,13 +362,13 @@ class BatchWorker(Worker):
         except queue.Empty:
             return True
 
-    def predict(self, kwargs: dict) -> tuple[float, float] | None:
+    def predict(self, kwargs: dict, salt: bytes = b"") -> tuple[float, float] | None:
         """The engine's work model (batch.BatchEngine.request_ms): the running requests' prefill backlog, the
         queued requests' work, then this one's, stretched by SAFETY."""
         if self.engine is None or "prompt_ids" not in kwargs:
             return None
         ids, new = kwargs["prompt_ids"], kwargs.get("max_new_tokens") or 0
-        plan = (self.engine.uncached(ids), len(ids), new)  # where its prefill starts is looked up once
+        plan = (self.engine.uncached(ids, salt), len(ids), new)  # where its prefill starts is looked up once
         own = self.engine.work_ms(*plan)
         queued = sum(self._work(j) for j in [*list(self.waiting), *list(self._jobs.queue)] if j)
         return own, SAFETY * (self.engine.backlog_ms() + queued + own) / 1e3, plan
@@ -409,7 +411,7 @@ class BatchWorker(Worker):
                 req = job.req if hasattr(job, "req") else self.decoder.prepare(**job.kwargs)
                 job.req = req
                 self.engine.check_fits(req.prompt_ids)
-                if not self.engine.can_start(req.prompt_ids):
+                if not self.engine.can_start(req.prompt_ids, getattr(job, "salt", b"")):
                     self.waiting.appendleft(job)  # first in line: it starts when blocks free up
                     return
                 policy = job.kwargs.get("policy")
@@ -423,7 +425,7 @@ class BatchWorker(Worker):
                 seq = self.engine.add(Sequence(req.prompt_ids, req.max_new_tokens, req.params, req.stop_check,
                                                max_tau=cap, fixed_tau=fixed, constraint=req.constraint,
                                                logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs,
-                                               prediction=req.prediction))
+                                               prediction=req.prediction, cache_salt=getattr(job, "salt", b"")))
             except OutOfBlocks:
                 self.waiting.appendleft(job)
                 return
