@@ -46,7 +46,10 @@ def _sampling_args(p):
 def cmd_generate(args) -> int:
     from .api import SpecDecoder
     from .policy import make_policy
+    from .sampling import seed_from_os
     from .trace import write_jsonl
+
+    seed_from_os()  # an unseeded sampled answer differs from one run to the next
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     make_policy(args.policy, 1)  # validate before loading models

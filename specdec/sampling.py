@@ -100,6 +100,14 @@ class PositionNoise:
         return race(probs, [self.key(t) for t in positions])
 
 
+def seed_from_os() -> None:
+    """Seed torch's global RNG, which unseeded requests draw their private seeds from, with the OS's entropy: torch
+    starts every process from one fixed seed, so the k-th unseeded request after every restart (and on every replica)
+    sampled the same text. Called once by the processes that serve (generate, serve, each Ray replica)."""
+    import secrets
+    torch.manual_seed(secrets.randbits(63))
+
+
 def token_logprobs(logits: torch.Tensor, tokens: list[int], params: SamplingParams, top: int) -> list:
     """[logprob of tokens[i] at row i, [(token, logprob) of the row's `top` likeliest]] per row: the target's own
     distribution as the request samples from it (warp: temperature, top-k, top-p; a grammar's mask already in the

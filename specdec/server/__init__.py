@@ -11,6 +11,9 @@ def cmd_serve(args) -> int:
 
     from ..api import SpecDecoder
     from ..errors import InvalidRequest
+    from ..sampling import seed_from_os
+
+    seed_from_os()  # unseeded answers differ across restarts
 
     if not 0 < args.port < 65536 or args.max_queue < 1 or args.timeout <= 0 or args.max_tau < 0 or (
             args.kv_memory is not None and not args.kv_memory > 0):

@@ -42,7 +42,10 @@ def build(args: dict | None = None):
 
     def make_app():  # runs in each replica process
         from ..api import DEFAULT_POLICY, DEFAULT_TAU, SpecDecoder
+        from ..sampling import seed_from_os
         from .app import create_app
+
+        seed_from_os()  # replicas do not repeat each other's unseeded answers
 
         def decoder():
             return SpecDecoder(target=opts["target"], draft=opts["draft"], tau=int(opts["tau"] or DEFAULT_TAU),
