@@ -59,6 +59,9 @@ def cmd_generate(args) -> int:
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, seed=args.seed, chat=not args.no_chat, stop=args.stop,
                   response_format=_response_format(args.schema), prediction=prediction)
+    if args.suffix is not None:  # the FIM prompt, as token ids (its special tokens are not text)
+        from .fim import fim_prompt
+        kwargs.update(prompt_ids=fim_prompt(sd.tokenizer, prompt, args.suffix), chat=False)
     for chunk in sd.stream_chunks(prompt, **kwargs):
         if not args.json:
             sys.stdout.write(chunk.text)
@@ -124,6 +127,9 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     g.add_argument("--prediction", default=None, metavar="FILE",
                    help="text the output is expected to mostly be (the file being edited): drafted beside the output; "
                         "the output is the same without it")
+    g.add_argument("--suffix", default=None, metavar="TEXT",
+                   help="fill in the middle: the prompt is the code before the gap, this the code after it (models "
+                        "with FIM tokens: Qwen2.5-Coder, StarCoder)")
     g.add_argument("--schema", default=None,
                    help="structured output: 'json' (any JSON object) or a JSON schema file the output follows")
     g.set_defaults(func=cmd_generate)

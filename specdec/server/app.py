@@ -21,10 +21,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import models
 from ..drafters.base import save as save_drafter
 from ..errors import InvalidRequest, SpecDecError
+from ..fim import fim_prompt
 from ..sampling import SEED_RANGE
 from .metrics import Metrics
 from . import tools
-from .schemas import ChatRequest, CompletionRequest
+from .schemas import ChatRequest, CompletionRequest, InfillRequest
 from .worker import BatchWorker, Busy, JobTimeout, Worker, WorkerDown
 
 log = logging.getLogger("specdec.server")
@@ -129,7 +130,29 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        return await _serve(req, request, req.prompt, chat=False, kind="text")
+        prompts = req.prompt
+        if req.suffix:  # fill-in-the-middle: each prompt is the code before the gap
+            prompts = [await _fim(p, req.suffix) for p in prompts]
+        return await _serve(req, request, prompts, chat=False, kind="text")
+
+    @app.post("/infill")
+    async def infill(req: InfillRequest, request: Request):
+        """llama-server's fill-in-the-middle endpoint, answered in its format (`content`, `stop`; streamed as
+        server-sent events of the same), served as a completion of the FIM prompt."""
+        files = [(c.filename, c.text) for c in req.input_extra]
+        ids = await _fim(req.input_prefix + req.prompt, req.input_suffix, files)
+        seed = None if req.seed in (None, -1) else req.seed
+        completion = CompletionRequest(prompt=ids, max_tokens=req.token_limit, temperature=req.temperature,
+                                       top_p=req.top_p, top_k=req.top_k, seed=seed, stop=req.stop, stream=req.stream,
+                                       model=req.model, cache_salt=req.cache_salt)
+        return as_infill(await _serve(completion, request, completion.prompt, chat=False, kind="text"), model_name)
+
+    async def _fim(prefix: str, suffix: str, files=()) -> list[int]:
+        try:  # on a thread, with the encoding copy of the tokenizer (as prompts are encoded)
+            return await asyncio.to_thread(fim_prompt, decoder._encoder, prefix, suffix, list(files), None,
+                                           decoder._encoder_lock)
+        except InvalidRequest as e:
+            raise APIError(400, str(e)) from None
 
     async def _serve(req, request: Request, prompts: list, chat: bool, kind: str):
         """One job per (prompt, choice): separate sequences in the batch (the prefix cache shares a prompt's K/V
@@ -405,7 +428,7 @@ def batch_engine(decoder, max_batch_rows: int | None, prefill_chunk: int):
     return engine
 
 
-KNOWN_PATHS = {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions"}
+KNOWN_PATHS = {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", "/infill"}
 
 
 class _BodyTooLarge(Exception):
@@ -483,6 +506,31 @@ def _as_api_error(exc) -> APIError:
         return APIError(503, str(exc), "server_error", "worker_down")
     # this request's own failure (the others go on): named, without internals
     return APIError(500, f"internal error in this request: {type(exc).__name__}", "server_error", "internal_error")
+
+
+def as_infill(out, model_name: str):
+    """A completion (a dict, or a stream of OpenAI chunks) in llama-server's /infill format."""
+    if isinstance(out, StreamingResponse):
+        async def events():
+            async for line in out.body_iterator:
+                line = line.decode() if isinstance(line, bytes) else line
+                if not line.startswith("data: "):
+                    continue
+                if line.strip() == "data: [DONE]":
+                    yield f"data: {json.dumps({'content': '', 'stop': True, 'model': model_name})}\n\n"
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    yield line
+                elif data.get("choices") and data["choices"][0].get("text"):
+                    yield f"data: {json.dumps({'content': data['choices'][0]['text'], 'stop': False})}\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+    if not isinstance(out, dict):
+        return out  # the client hung up (499)
+    choice, usage = out["choices"][0], out["usage"]
+    return {"content": choice["text"], "stop": True, "model": model_name,
+            "stop_type": "limit" if choice["finish_reason"] == "length" else "eos",
+            "tokens_predicted": usage["completion_tokens"], "tokens_evaluated": usage["prompt_tokens"]}
 
 
 def _usage(prompt_tokens: int, results: list) -> dict:

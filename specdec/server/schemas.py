@@ -227,8 +227,54 @@ class CompletionRequest(_Request):
             raise ValueError("logprobs must be an integer in [0, 20]")
         if self.max_tokens == 0 and not (self.echo and self.logprob_count is not None):
             raise ValueError("max_tokens 0 needs echo and logprobs (scoring the prompt)")
-        for name, bad in {"best_of": self.best_of not in (None, 1),
-                          "suffix": bool(self.suffix)}.items():
-            if bad:
-                raise ValueError(f"{name} is not supported by this server yet (send it unset)")
+        if self.best_of not in (None, 1):
+            raise ValueError("best_of is not supported by this server yet (send it unset)")
+        if self.suffix and (self.echo or not all(isinstance(p, str) for p in self.prompt)):
+            raise ValueError("suffix (fill-in-the-middle) takes text prompts, without echo")
         return self
+
+
+class FileChunk(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    filename: str = Field(default="", max_length=1024)
+    text: str
+
+
+class InfillRequest(BaseModel):
+    """llama-server's POST /infill, as editors (llama.vscode) send it: the code before and after the cursor, other
+    files as context, and the completion options. Its tuning fields that change no output here are accepted and
+    ignored by name (INFILL_IGNORED); any other field is refused."""
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[FileChunk] = Field(default_factory=list, max_length=256)
+    prompt: str = ""  # appended to the prefix (the text typed on the current line)
+    n_predict: int = Field(default=-1, ge=-1, lt=2**31)  # -1: until the end of the middle or the context
+    max_tokens: int | None = Field(default=None, ge=1, lt=2**31)
+    temperature: float = Field(default=0.8, ge=0, le=MAX_TEMPERATURE)
+    top_k: int = Field(default=40, ge=0, lt=2**31)
+    top_p: float = Field(default=0.95, gt=0, le=1)
+    seed: int | None = Field(default=None, ge=-1, lt=SEED_RANGE)  # -1: none (llama-server's "random")
+    stop: list[str] | None = None
+    stream: bool = False
+    model: str | None = None
+    cache_salt: str | None = Field(default=None, max_length=256)
+    # accepted, ignored
+    cache_prompt: bool | None = None
+    t_max_prompt_ms: int | None = None
+    t_max_predict_ms: int | None = None
+    n_indent: int | None = None
+    samplers: list[str] | None = None
+    id_slot: int | None = None
+    timings_per_token: bool | None = None
+    return_tokens: bool | None = None
+    response_fields: list[str] | None = None
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_tokens if self.max_tokens is not None else self.n_predict if self.n_predict > 0 else None
+
+
+INFILL_IGNORED = ("cache_prompt", "t_max_prompt_ms", "t_max_predict_ms", "n_indent", "samplers", "id_slot",
+                  "timings_per_token", "return_tokens", "response_fields")

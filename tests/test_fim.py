@@ -1,0 +1,114 @@
+"""Fill-in-the-middle: the FIM prompt in prefix-suffix-middle order (other files before it), llama-server's /infill
+and OpenAI's `suffix` over real HTTP answering what the engine answers for that prompt, and a clear 400 (or one CLI
+line) for a model without FIM tokens."""
+import json
+
+import httpx
+import pytest
+from test_server import LiveServer
+from tiny import char_tokenizer, tiny_llama
+
+from specdec import InvalidRequest, SpecDecoder, models
+from specdec.cli import main
+from specdec.fim import fim_prompt, fim_tokens
+from specdec.server import create_app
+
+FIM = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|file_sep|>", "<|repo_name|>"]
+PREFIX, SUFFIX = "def add(a, b):\n    ", "\n\nprint(add(1, 2))\n"
+
+
+@pytest.fixture(scope="module")
+def coder(tmp_path_factory):
+    """A tiny model whose tokenizer has Qwen2.5-Coder's FIM tokens, on the runtime."""
+    tok = char_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": FIM})
+    path = tmp_path_factory.mktemp("coder")
+    tiny_llama(seed=3, vocab=len(tok)).float().save_pretrained(path)
+    tok.save_pretrained(path)
+    model, rt_tok = models.load(str(path), backend="runtime")
+    return SpecDecoder.from_models(model, rt_tok, draft="ngram", tau=3), str(path)
+
+
+def test_the_fim_prompt_is_prefix_suffix_middle_with_files_first(coder):
+    sd, _ = coder
+    t = fim_tokens(sd.tokenizer)
+    enc = lambda s: sd.tokenizer(s, add_special_tokens=False).input_ids  # noqa: E731
+    assert fim_prompt(sd.tokenizer, PREFIX, SUFFIX) == [t["prefix"], *enc(PREFIX), t["suffix"], *enc(SUFFIX),
+                                                        t["middle"]]
+    with_files = fim_prompt(sd.tokenizer, PREFIX, SUFFIX, [("util.py", "X = 1")], repo="proj")
+    assert with_files[:2] == [t["repo_name"], *enc("p")] and with_files.count(t["file_sep"]) == 2
+    assert with_files[-len(fim_prompt(sd.tokenizer, PREFIX, SUFFIX)):] == fim_prompt(sd.tokenizer, PREFIX, SUFFIX)
+
+
+def test_a_model_without_fim_tokens_is_refused(tok):
+    with pytest.raises(InvalidRequest, match="fill-in-the-middle"):
+        fim_prompt(tok, PREFIX, SUFFIX)
+
+
+@pytest.fixture(scope="module")
+def live(coder):
+    srv = LiveServer(create_app(coder[0], model_name="coder"))
+    yield srv
+    srv.stop()
+
+
+def test_infill_and_suffix_answer_what_the_engine_answers_for_the_fim_prompt(live, coder):
+    sd, _ = coder
+    ids = fim_prompt(sd.tokenizer, PREFIX, SUFFIX)
+    want = sd.generate("", prompt_ids=ids, max_new_tokens=20, chat=False).text
+    r = httpx.post(live.url + "/infill", json={"input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 20,
+                                               "temperature": 0, "cache_prompt": True, "t_max_predict_ms": 500,
+                                               "samplers": ["top_k", "top_p", "infill"]}, timeout=30)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["content"] == want and body["stop"] is True and body["tokens_evaluated"] == len(ids)
+    streamed, last = "", None
+    with httpx.stream("POST", live.url + "/infill", json={"input_prefix": PREFIX, "input_suffix": SUFFIX,
+                                                          "n_predict": 20, "temperature": 0, "stream": True}) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: "):
+                last = json.loads(line[6:])
+                streamed += last["content"]
+    assert streamed == want and last["stop"] is True
+    c = httpx.post(live.url + "/v1/completions", json={"prompt": PREFIX, "suffix": SUFFIX, "max_tokens": 20,
+                                                       "temperature": 0}, timeout=30)
+    assert c.status_code == 200 and c.json()["choices"][0]["text"] == want
+    extra = httpx.post(live.url + "/infill", json={"input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 4,
+                                                   "input_extra": [{"filename": "util.py", "text": "X = 1"}]})
+    assert extra.status_code == 200 and extra.json()["tokens_evaluated"] > len(ids)
+
+
+@pytest.mark.parametrize("body", [{"input_prefix": 3}, {"input_extra": [{"name": "a.py", "text": "x"}]},
+                                  {"min_p": 0.1}, {"n_predict": -5}, {"temperature": -1}])
+def test_infill_field_validation(live, body):
+    r = httpx.post(live.url + "/infill", json={"input_prefix": PREFIX, **body})
+    assert r.status_code == 400, r.text
+
+
+def test_fim_on_a_model_without_fim_tokens_is_a_400_and_one_cli_line(rt_plain, tiny_dirs, capsys):
+    srv = LiveServer(create_app(rt_plain, model_name="tiny"))
+    try:
+        for path, body in (("/infill", {"input_prefix": PREFIX, "input_suffix": SUFFIX}),
+                           ("/v1/completions", {"prompt": PREFIX, "suffix": SUFFIX, "max_tokens": 4})):
+            r = httpx.post(srv.url + path, json=body)
+            assert r.status_code == 400 and "fill-in-the-middle" in r.text, path
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": PREFIX, "suffix": SUFFIX, "echo": True})
+        assert r.status_code == 400 and "suffix" in r.text
+    finally:
+        srv.stop()
+    assert main(["generate", PREFIX, "--target", tiny_dirs["target"], "--suffix", SUFFIX]) == 2
+    err = capsys.readouterr().err
+    assert "fill-in-the-middle" in err and len(err.strip().splitlines()) == 1
+
+
+def test_generate_suffix_fills_the_middle(coder, capsys):
+    sd, path = coder
+    want = sd.generate("", prompt_ids=fim_prompt(sd.tokenizer, PREFIX, SUFFIX), max_new_tokens=12, chat=False)
+    assert main(["generate", PREFIX, "--target", path, "--suffix", SUFFIX, "--max-new-tokens", "12", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == want.token_ids
+
+
+@pytest.fixture(scope="module")
+def rt_plain(tiny_dirs):
+    model, tok = models.load(tiny_dirs["target"], backend="runtime")
+    return SpecDecoder.from_models(model, tok, draft="ngram", tau=3)
