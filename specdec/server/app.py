@@ -144,7 +144,8 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
         seed = None if req.seed in (None, -1) else req.seed
         completion = CompletionRequest(prompt=ids, max_tokens=req.token_limit, temperature=req.temperature,
                                        top_p=req.top_p, top_k=req.top_k, seed=seed, stop=req.stop, stream=req.stream,
-                                       model=req.model, cache_salt=req.cache_salt)
+                                       model=req.model, cache_salt=req.cache_salt,
+                                       stream_options={"include_usage": True} if req.stream else None)
         return as_infill(await _serve(completion, request, completion.prompt, chat=False, kind="text"), model_name)
 
     async def _fim(prefix: str, suffix: str, files=()) -> list[int]:
@@ -512,16 +513,20 @@ def as_infill(out, model_name: str):
     """A completion (a dict, or a stream of OpenAI chunks) in llama-server's /infill format."""
     if isinstance(out, StreamingResponse):
         async def events():
+            counts = {}
             async for line in out.body_iterator:
                 line = line.decode() if isinstance(line, bytes) else line
                 if not line.startswith("data: "):
                     continue
                 if line.strip() == "data: [DONE]":
-                    yield f"data: {json.dumps({'content': '', 'stop': True, 'model': model_name})}\n\n"
+                    yield f"data: {json.dumps({'content': '', 'stop': True, 'model': model_name, **counts})}\n\n"
                     continue
                 data = json.loads(line[6:])
                 if "error" in data:
                     yield line
+                elif data.get("usage"):
+                    counts = {"tokens_predicted": data["usage"]["completion_tokens"],
+                              "tokens_evaluated": data["usage"]["prompt_tokens"]}
                 elif data.get("choices") and data["choices"][0].get("text"):
                     yield f"data: {json.dumps({'content': data['choices'][0]['text'], 'stop': False})}\n\n"
         return StreamingResponse(events(), media_type="text/event-stream")
