@@ -176,7 +176,7 @@ def repack(fmt: int, weight: torch.Tensor, n: int, k: int, lib: Library | None =
 def linear(fmt: int, x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | None = None,
            lib: Library | None = None, q8: bool = False, packed: torch.Tensor | None = None) -> torch.Tensor:
     """y = x·Wᵀ (+ b) for W given as `n` rows in format `fmt` (a uint8 block tensor, or a float tensor) and x
-    [..., K] fp32 CPU, any number of rows. q8: int8 activations for Q4_0/Q4_1/Q8_0 weights (rows.cpp, the q8 mode),
+    [..., K] fp32 CPU, any number of rows. q8: int8 activations for the block formats q8_format lists (rows.cpp),
     on `packed` (repack()'s layout of W) or on a repack made for this call. Shapes and dtypes are checked here: a
     pointer never reaches C++ with a size that does not match its tensor."""
     lib = lib or library()
