@@ -1,0 +1,88 @@
+"""Random schedules against the batch engine under a KV pool of one context (hypothesis): arrivals at random steps,
+prompts sharing prefixes, choices of one prompt (twins), cancellations, and the preemptions and evictions a small
+pool forces. Every finished request equals the request served alone, and at the end the pool balances: no block
+held, every block free or cached."""
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from specdec import SpecDecoder, models
+from specdec.batch import BatchEngine, Sequence
+from specdec.drafters import NgramDrafter
+from specdec.sampling import SamplingParams
+
+BASE = "The cat sat on the mat and looked at the door. "
+PROMPTS = [BASE * 2 + "Then it slept.", BASE * 2 + "Then it ran.", BASE + "A dog came.", "Short one."]
+
+
+@pytest.fixture(scope="module")
+def rt(tiny_dirs):
+    model, tok = models.load(tiny_dirs["target"], backend="runtime")
+    model.set_kv_memory(model.kv_bytes_per_position * model.max_len)  # one whole context: pressure at once
+    yield model, tok
+    model.set_kv_memory(None)
+
+
+_ALONE: dict = {}
+
+
+def alone(rt, prompt: str, params: SamplingParams, n: int) -> list[int]:
+    key = (prompt, params.temperature, params.seed, n)
+    if key not in _ALONE:
+        model, tok = rt
+        sd = SpecDecoder.from_models(model, tok, draft="none")
+        _ALONE[key] = sd.generate(prompt, max_new_tokens=n, chat=False, temperature=params.temperature,
+                                  seed=params.seed).token_ids
+    return _ALONE[key]
+
+
+request = st.tuples(st.integers(0, 6),  # arrival step
+                    st.integers(0, len(PROMPTS) - 1),  # prompt
+                    st.integers(1, 3),  # choices (twins)
+                    st.sampled_from([None, 3, 11]),  # greedy, or a seed
+                    st.integers(2, 10),  # max new tokens
+                    st.one_of(st.none(), st.integers(1, 8)))  # cancelled after this many steps, or never
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(schedule=st.lists(request, min_size=1, max_size=6))
+def test_random_schedules_equal_each_request_alone_and_the_pool_balances(rt, schedule):
+    model, tok = rt
+    eos = SpecDecoder.from_models(model, tok, draft="none").engine.eos_ids
+    engine = BatchEngine(model, NgramDrafter(), model.config.vocab_size, eos, 256, max_batch_rows=12,
+                         prefill_chunk=8)
+    model.pool.clear_hashes()
+    waiting = []  # (arrival, sequence, cancel after)
+    for arrival, p, n, seed, new, cancel in schedule:
+        params = SamplingParams() if seed is None else SamplingParams(0.9, 1.0, 0, seed)
+        ids = tok(PROMPTS[p]).input_ids
+        for c in range(n):  # n choices of one prompt: one seed each, as the server gives them
+            choice = params if seed is None else SamplingParams(0.9, 1.0, 0, seed + c)
+            waiting.append((arrival, Sequence(ids, new, choice), cancel, PROMPTS[p]))
+    started, done, cancelled = {}, [], set()
+    step = 0
+    while waiting or engine.running:
+        for item in [w for w in waiting if w[0] <= step]:  # in order, while the pool and the rows allow
+            _, seq, cancel, prompt = item
+            if len(engine.running) >= engine.max_batch_rows or not engine.can_start(seq.prompt):
+                break
+            engine.add(seq)
+            waiting.remove(item)
+            started[seq.id] = (step, cancel, prompt)
+        for s in list(engine.running):  # cancellations (a client hanging up)
+            at, cancel, _ = started[s.id]
+            if cancel is not None and step - at >= cancel:
+                engine.remove(s)
+                cancelled.add(s.id)
+        before = {s.id: s for s in engine.running}
+        engine.step()
+        assert not engine.failed
+        done += [s for i, s in before.items() if s not in engine.running and i not in cancelled]
+        step += 1
+        assert step < 500, "the schedule never finished"
+    for s in done:
+        assert s.generated == alone(rt, started[s.id][2], s.params, s.max_new_tokens), (s.id, started[s.id])
+    pool = model.pool
+    assert all(r == 0 for r in pool.refs)  # nothing held once every request left
+    assert len(pool.free) + len(pool.evictable) == pool.blocks
+    engine.close()
