@@ -316,3 +316,55 @@ def test_a_pass_that_fails_on_one_requests_rows_fails_that_request_alone(rt_part
     monkeypatch.setattr(model, "forward", original)
     for s, p in zip(seqs[:2], ("Hello there", "The cat sat")):
         assert s.generated == alone.generate(p, max_new_tokens=12, chat=False).token_ids
+
+
+def _bad_gguf(path, **meta):
+    """A one-layer llama GGUF whose metadata says `meta` (a key of None: left out)."""
+    wr = gguf.GGUFWriter(str(path), "llama")
+    fields = dict(block_count=1, embedding_length=64, head_count=4, feed_forward_length=128, context_length=128)
+    fields.update(meta)
+    for key, value in fields.items():
+        if key == "alignment":
+            wr.add_uint32("general.alignment", value)
+        elif key == "nested":
+            wr.add_array("tokenizer.ggml.nested", value)
+        elif value is not None:
+            wr.add_uint32(f"llama.{'attention.' if key == 'head_count' else ''}{key}", value)
+    wr.add_tensor("token_embd.weight", np.zeros((99, 64), dtype=np.float32))
+    wr.write_header_to_file(), wr.write_kv_data_to_file(), wr.write_tensors_to_file(), wr.close()
+    return path
+
+
+@pytest.mark.parametrize("meta,message", [(dict(alignment=0), "general.alignment"),
+                                          (dict(head_count=0), "head_count"),
+                                          (dict(context_length=2**31), "context_length"),
+                                          (dict(nested=[[1, 2], [3]]), "nested metadata arrays")])
+def test_absurd_gguf_metadata_is_one_line(tmp_path, meta, message):
+    """Metadata no model has is refused by name (it was a ZeroDivisionError, a RecursionError, or rotary tables
+    for two billion positions allocated at load)."""
+    from specdec.runtime.load import load_gguf
+    with pytest.raises(Unsupported, match=message):
+        load_gguf(_bad_gguf(tmp_path / "bad.gguf", **meta))
+
+
+def test_tools_nested_past_the_limit_are_a_400(chaos_server):
+    srv, _ = chaos_server
+    params = '{"type": "object", "properties": {"x": ' * 200 + "{}" + "}}" * 200
+    body = ('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": [{"type": "function", '
+            '"function": {"name": "deep", "parameters": ' + params + "}}]}")
+    r = httpx.post(srv.url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "nest deeper" in r.json()["error"]["message"]
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no CPU kernels here")
+def test_switching_numerics_forgets_cached_prompts(tiny_dirs):
+    """K/V cached in one numerics mode are never restored in the other, even where both keep fp32 K/V."""
+    model, _ = models.load(tiny_dirs["target"], backend="runtime", numerics="q8")
+    model.set_kv_dtype(torch.float32)
+    slot = model.acquire_slot()
+    model.forward(list(range(3, 40)), [slot] * 37, list(range(37)), [])
+    model.pool.register(model.blocks_of(slot)[0], b"k" * 16)
+    model.release_slot(slot)
+    assert model.pool.by_hash
+    model.set_numerics("exact")
+    assert not model.pool.by_hash and not model.pool.evictable

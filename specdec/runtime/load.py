@@ -13,6 +13,7 @@ GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "g
 HF_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3"}
 GEMMA3_GLOBAL_EVERY = 6  # Gemma 3: every 6th layer attends to everything, the others to a sliding window
 GEMMA3_LOCAL_THETA = 10000.0  # ... with their own rotary base (llama.cpp and transformers' default)
+MAX_CONTEXT = 1 << 21  # positions a file may declare: its rotary tables are made for all of them at load
 ROPE_TYPES = {"default", "linear", "llama3", "yarn"}  # position-independent tables (not dynamic / longrope)
 
 
@@ -27,6 +28,12 @@ def load_gguf(path: Path, max_len: int | None = None) -> Llama:
 
     heads, kv_heads, hidden = m("attention.head_count"), m("attention.head_count_kv") or m("attention.head_count"), \
         m("embedding_length")
+    for key, value, most in (("attention.head_count", heads, 1 << 12), ("embedding_length", hidden, 1 << 17),
+                             ("block_count", m("block_count"), 1 << 12), ("context_length", m("context_length", 2048),
+                                                                       MAX_CONTEXT)):
+        if not isinstance(value, int) or not 0 < value <= most:
+            raise Unsupported(f"GGUF metadata {arch}.{key} = {value!r} is not a size the runtime can run "
+                              f"(1..{most})")
     hd = m("attention.key_length") or hidden // heads
     if m("rope.dimension_count", hd) != hd:
         raise Unsupported("partial rotary embedding is not supported by the runtime")

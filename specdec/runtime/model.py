@@ -474,10 +474,12 @@ class Llama:
     def set_numerics(self, numerics: str) -> None:
         if numerics not in kernels.NUMERICS:
             raise ValueError(f"numerics must be one of {', '.join(kernels.NUMERICS)}, got {numerics!r}")
-        before = self.kv_dtype
+        before, mode = self.kv_dtype, self.numerics
         self.numerics = numerics if self._lib is not None else "exact"
         if self.kv_dtype != before:  # slots keep their ids; what they held was computed in the other mode
             self._remake_pool()
+        elif self.numerics != mode and self._pool is not None:
+            self._pool.clear_hashes()  # cached prompts' K/V were computed in the other mode: never restored now
         if self._lib is not None:
             if self.q8 and not getattr(self, "_q8_attached", False):
                 from .q8cache import attach

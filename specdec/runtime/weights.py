@@ -221,7 +221,7 @@ class GGUFFile:
             self.fields, self.tensors = self._parse(memoryview(self.map))
             # the metadata was read once (a 152k vocabulary is megabytes of strings): out of the resident set
             release_range(self.map.ctypes.data, min((off for _, _, off in self.tensors.values()), default=0))
-        except (ValueError, OSError, struct.error, IndexError, UnicodeDecodeError) as e:
+        except (ValueError, OSError, struct.error, IndexError, UnicodeDecodeError, OverflowError, MemoryError) as e:
             raise Unsupported(f"cannot read GGUF {path}: {e or type(e).__name__}")
 
     def _parse(self, buf):
@@ -244,7 +244,9 @@ class GGUFFile:
             fmt, offset = struct.unpack_from("<IQ", buf, pos)
             pos += 12
             infos.append((name, dims, fmt, offset))
-        align = int(fields.get("general.alignment", 32))
+        align = fields.get("general.alignment", 32)
+        if not isinstance(align, int) or not 0 < align <= 1 << 20:
+            raise ValueError(f"general.alignment {align!r} is not a positive size")
         start = (pos + align - 1) // align * align
         return fields, {name: (dims, fmt, start + off) for name, dims, fmt, off in infos}
 
@@ -297,6 +299,8 @@ def _value(buf, pos, vtype):
     if vtype == _ARRAY:  # skipped (tokenizer vocabularies): the tokenizer is read by transformers, once
         etype, count = struct.unpack_from("<IQ", buf, pos)
         pos += 12
+        if etype == _ARRAY:  # arrays of arrays: no key the runtime reads has them, and their depth is unbounded
+            raise ValueError("nested metadata arrays are not supported")
         if etype in _SCALARS:
             return None, pos + count * struct.calcsize(_SCALARS[etype])
         if etype == _STRING:  # only the lengths are read (a 152k vocabulary and its merges: 0.36 -> 0.07 s)

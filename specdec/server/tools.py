@@ -12,6 +12,20 @@ PREAMBLE = ("You can call these tools:\n{tools}\nTo call one, reply with only a 
             '{{"name": <tool name>, "arguments": {{<its arguments>}}}} and nothing else.')
 
 
+MAX_DEPTH = 64  # levels of nesting a tool's parameter schema may have (deeper ones overflowed the stack: a 500)
+
+
+def depth(value) -> int:
+    """How deeply dicts and lists nest in `value`, counted without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
 def check(tools, tool_choice) -> None:
     """ValueError for tools or a tool_choice this server cannot serve as OpenAI defines them."""
     if not isinstance(tools, list) or not tools:
@@ -24,6 +38,8 @@ def check(tools, tool_choice) -> None:
                              "\"parameters\": {...}}}")
         if not isinstance(fn.get("parameters", {}), dict):
             raise ValueError(f"tool {fn['name'][:40]!r}: parameters must be a JSON schema object")
+        if depth(fn.get("parameters", {})) > MAX_DEPTH:
+            raise ValueError(f"tool {fn['name'][:40]!r}: parameters nest deeper than {MAX_DEPTH} levels")
     names = [t["function"]["name"] for t in tools]
     if isinstance(tool_choice, dict):
         name = (tool_choice.get("function") or {}).get("name")
