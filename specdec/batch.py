@@ -195,7 +195,9 @@ class BatchEngine:
         if self.prefixes is not None:
             pool = self.model.pool
             need -= sum(1 for block in self.prefixes.lookup(prompt, salt) if pool.refs[block] > 0)
-        return need <= self.model.pool.available
+        # preempted requests come back first (step's _resume): what they need is not a newcomer's to take
+        owed = sum(-(-(len(s.tokens) + 1) // BLOCK) for s in self.running if s.preempted)
+        return need + owed <= self.model.pool.available
 
     def add(self, seq: Sequence) -> Sequence:
         if len(self.running) >= self.max_batch_rows:
@@ -309,7 +311,8 @@ class BatchEngine:
     # ---- the cycle --------------------------------------------------------------------------------------------
     def pass_ms(self, rows: int) -> float:
         from .costs import interpolate
-        return interpolate({n: e.value for n, e in self._pass.items()}, rows)
+        # a copy first (one C call under the GIL): the event loop asks while the worker adds row counts
+        return interpolate({n: e.value for n, e in dict(self._pass).items()}, rows)
 
     @torch.inference_mode()
     def step(self) -> list[tuple[Sequence, CycleRecord]]:

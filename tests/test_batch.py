@@ -466,3 +466,28 @@ def test_can_start_counts_an_unheld_cached_block_once(rt):
         pool.release(block)
     engine.close()
     del seq
+
+
+def test_a_preempted_request_is_owed_its_blocks_before_a_newcomer_starts(rt):
+    """Blocks a preempted request needs to resume are not free for a new arrival (it waited behind newcomers that
+    kept taking what finishing requests freed, and could time out after streaming tokens)."""
+    model, tok = rt
+    plain = SpecDecoder.from_models(model, tok, draft="none")
+    engine = BatchEngine(model, plain.engine.drafter, model.config.vocab_size, plain.engine.eos_ids, 256,
+                         max_batch_rows=16, prefill_chunk=8)
+    model.pool.clear_hashes()
+    first = engine.add(Sequence(tok("A request that will be preempted, " * 3).input_ids, 4, SamplingParams()))
+    engine.step()
+    engine._preempt(first)
+    owed = -(-(len(first.tokens) + 1) // BLOCK)
+    pool = model.pool
+    taken = [pool.allocate() for _ in range(pool.available - owed)]  # what is left is what `first` needs
+    newcomer = tok("x").input_ids
+    assert not engine.can_start(newcomer)  # it would take what the preempted request needs to resume
+    for block in taken:
+        pool.release(block)
+    assert engine.can_start(newcomer)
+    while engine.running:
+        engine.step()
+    assert first.generated == alone(rt, "A request that will be preempted, " * 3, SamplingParams(), 4)
+    engine.close()
