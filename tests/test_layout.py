@@ -87,3 +87,25 @@ def test_the_runtime_and_kernels_import_nothing_above_them():
         if name.startswith(("specdec.runtime", "specdec.kernels")):
             above = sorted(d for d in deps if not d.startswith(BELOW_ALL))
             assert not above, f"{name} imports {above}"
+
+
+def test_the_kernels_structs_are_checked_against_their_mirrors():
+    """rows.cpp exports each struct's size and field offsets; the library loads only if kernels/abi.py agrees, and a
+    field on one side only is refused by name."""
+    import ctypes
+
+    import pytest
+
+    from specdec import kernels
+    from specdec.kernels import abi
+    lib = kernels.library()
+    if lib is None:
+        pytest.skip("no CPU kernels here")
+    rows_abi = ctypes.CDLL(str(lib.path)).rows_abi
+    rows_abi.argtypes, rows_abi.restype = [ctypes.c_void_p, ctypes.c_int], ctypes.c_int
+    abi.check(rows_abi)  # the real build agrees
+
+    class Layer(ctypes.Structure):  # a mirror that lost a field
+        _fields_ = [f for f in abi.Layer._fields_ if f[0] != "post_ffn_norm"]
+    with pytest.raises(abi.AbiMismatch, match="struct Layer"):
+        abi.check(rows_abi, (abi.Seg, abi.Lin, Layer, abi.Dims))

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ..cachedir import cache_root
+from . import abi
 
 SOURCE = Path(__file__).with_name("rows.cpp")
 COMMON = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]  # no fused multiply-add unless written
@@ -85,7 +86,7 @@ class Library:
     def __init__(self, path: Path, isa: str):
         lib, p, i, f, lng = ctypes.CDLL(str(path)), ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
         self.isa = isa
-        self.key = path.stem  # rows-<isa>-<hash of source, flags, compiler>: what a layout cached from it depends on
+        self.key, self.path = path.stem, path  # rows-<isa>-<hash of source, flags, compiler>: what a layout depends on
         self.rows_linear = lib.rows_linear
         self.rows_linear.argtypes, self.rows_linear.restype = [i, p, i, i, p, p, i, p, p, i], i
         self.rows_repack = lib.rows_repack
@@ -104,6 +105,9 @@ class Library:
         self.rows_argmax.argtypes, self.rows_argmax.restype = [p, i, i, p, i], None
         self.rows_race = lib.rows_race
         self.rows_race.argtypes, self.rows_race.restype = [p, i, i, p, p, i], None
+        rows_abi = lib.rows_abi
+        rows_abi.argtypes, rows_abi.restype = [p, i], i
+        abi.check(rows_abi)  # the structs decoder_layers takes, against their mirrors: a mismatch never runs
 
 
 @cache

@@ -12,6 +12,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <stddef.h>
 
 #include <omp.h>
 
@@ -1691,4 +1692,28 @@ extern "C" int decoder_layers(const Dims* d, const Layer* layers, int n_layers, 
 #pragma omp parallel num_threads(threads)
     for (int l = 0; l < n_layers; l++) layer_body(d, layers + l, l, x, R, slot, pos, tree, s);
     return 0;
+}
+
+// The ABI the ctypes mirrors (kernels/abi.py) are checked against when the library loads: for Seg, Lin, Layer and
+// Dims in turn, the struct's size, then each field's offset in declaration order. Writes up to `cap` values and
+// returns how many there are.
+extern "C" int rows_abi(long* out, int cap) {
+    const long v[] = {
+        (long)sizeof(Seg), (long)offsetof(Seg, w), (long)offsetof(Seg, wq), (long)offsetof(Seg, bias),
+        (long)offsetof(Seg, fmt), (long)offsetof(Seg, n),
+        (long)sizeof(Lin), (long)offsetof(Lin, seg), (long)offsetof(Lin, count),
+        (long)sizeof(Layer), (long)offsetof(Layer, attn_norm), (long)offsetof(Layer, qkv), (long)offsetof(Layer, o),
+        (long)offsetof(Layer, ffn_norm), (long)offsetof(Layer, gate_up), (long)offsetof(Layer, down),
+        (long)offsetof(Layer, q_norm), (long)offsetof(Layer, k_norm), (long)offsetof(Layer, post_attn_norm),
+        (long)offsetof(Layer, post_ffn_norm), (long)offsetof(Layer, cos), (long)offsetof(Layer, sin),
+        (long)offsetof(Layer, window),
+        (long)sizeof(Dims), (long)offsetof(Dims, hidden), (long)offsetof(Dims, heads), (long)offsetof(Dims, kv_heads),
+        (long)offsetof(Dims, head_dim), (long)offsetof(Dims, inter), (long)offsetof(Dims, layers),
+        (long)offsetof(Dims, max_len), (long)offsetof(Dims, interleaved), (long)offsetof(Dims, eps),
+        (long)offsetof(Dims, cos), (long)offsetof(Dims, sin), (long)offsetof(Dims, kpool), (long)offsetof(Dims, vpool),
+        (long)offsetof(Dims, tables), (long)offsetof(Dims, blocks), (long)offsetof(Dims, q8), (long)offsetof(Dims, kv16),
+        (long)offsetof(Dims, act), (long)offsetof(Dims, attn_scale)};
+    const int n = (int)(sizeof(v) / sizeof(v[0]));
+    for (int i = 0; i < n && i < cap; i++) out[i] = v[i];
+    return n;
 }

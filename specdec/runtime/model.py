@@ -22,32 +22,12 @@ import torch
 from torch.nn import functional as F
 
 from .. import kernels
+from ..kernels import abi
 from ..cachedir import file_sha256
 from .blocks import BLOCK, BlockPool, default_kv_memory, drop_pages
 from .weights import QTensor, qlinear
 
-_p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-
-
-class _Seg(ctypes.Structure):
-    _fields_ = [("w", _p), ("wq", _p), ("bias", _p), ("fmt", _i), ("n", _i)]
-
-
-class _Lin(ctypes.Structure):
-    _fields_ = [("seg", _Seg * 3), ("count", _i)]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [("attn_norm", _p), ("qkv", _Lin), ("o", _Lin), ("ffn_norm", _p), ("gate_up", _Lin), ("down", _Lin),
-                ("q_norm", _p), ("k_norm", _p), ("post_attn_norm", _p), ("post_ffn_norm", _p), ("cos", _p),
-                ("sin", _p), ("window", _i)]
-
-
-class _Dims(ctypes.Structure):
-    _fields_ = [("hidden", _i), ("heads", _i), ("kv_heads", _i), ("head_dim", _i), ("inter", _i), ("layers", _i),
-                ("max_len", _i), ("interleaved", _i), ("eps", _f), ("cos", _p), ("sin", _p), ("kpool", _p),
-                ("vpool", _p), ("tables", _p), ("blocks", _i), ("q8", _i), ("kv16", _i), ("act", _i),
-                ("attn_scale", _f)]
+_Seg, _Lin, _Layer, _Dims = abi.Seg, abi.Lin, abi.Layer, abi.Dims  # the kernels' structs (kernels/abi.py)
 
 
 @dataclass
