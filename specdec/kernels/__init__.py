@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,9 +22,10 @@ from pathlib import Path
 import torch
 
 from ..cachedir import cache_root
-from . import abi
+from . import abi, formats
+from .formats import BF16, F16, F32, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0  # noqa: F401
 
-SOURCE = Path(__file__).with_name("rows.cpp")
+SOURCE = Path(__file__).with_name("rows.cpp")  # the one compile unit; it includes the headers beside it
 COMMON = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]  # no fused multiply-add unless written
 # avx512 includes VNNI (vpdpbusd, the q8 mode's integer dot products); an AVX-512 CPU without it runs the avx2 build
 ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vnni", "-mfma", "-mf16c"],
@@ -31,11 +33,7 @@ ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vnni",
 NUMERICS = ("exact", "q8")
 MAX_ROWS = 8  # few_rows_linear serves up to this many rows (kv.rows_linear decides which row counts it asks for)
 
-# ggml's type ids, as the kernels take them
-F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16 = 0, 1, 2, 3, 6, 7, 8, 30
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
-FORMATS = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0",
-           Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", BF16: "BF16"}
+FORMATS = formats.NAMES  # ggml's type id -> name, for the formats the kernels serve (formats.TABLE)
 TORCH_FORMAT = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}
 
 
@@ -47,7 +45,7 @@ def _build(compiler: str, isa: str, where: str | None = None) -> Path:
     """Compile once per source/flags/compiler (into `where`, default the cache); a finished build is renamed into
     place atomically."""
     flags = [*COMMON, *ISA_FLAGS[isa]]
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(_sources() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
     lib = Path(where or _cache_dir()) / f"rows-{isa}-{key}.so"
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
@@ -60,6 +58,17 @@ def _build(compiler: str, isa: str, where: str | None = None) -> Path:
         finally:
             Path(tmp).unlink(missing_ok=True)
     return lib
+
+
+def _sources() -> bytes:
+    """rows.cpp and every header it includes: a change to any of them is a new build (a header missing from an
+    installed copy is an OSError here: the kernels are off with one line, never built from a partial source)."""
+    return b"".join(SOURCE.with_name(name).read_bytes() for name in (SOURCE.name, *headers()))
+
+
+def headers() -> list[str]:
+    """The headers rows.cpp includes from its own folder, in its order."""
+    return re.findall(r'^#include "([\w.]+)"', SOURCE.read_text(), re.M)
 
 
 def best_isa() -> str | None:
@@ -108,6 +117,9 @@ class Library:
         rows_abi = lib.rows_abi
         rows_abi.argtypes, rows_abi.restype = [p, i], i
         abi.check(rows_abi)  # the structs decoder_layers takes, against their mirrors: a mismatch never runs
+        rows_formats = lib.rows_formats
+        rows_formats.argtypes, rows_formats.restype = [p, i], i
+        formats.check(rows_formats)  # and the format table, against formats.TABLE
 
 
 @cache
@@ -153,11 +165,16 @@ def q8_format(fmt: int) -> bool:
     with its 16-column sub-blocks' scales in fp16, Q5_K and Q5_1 as bytes with Q4_1's scale and min, Q3_K and Q2_K
     as nibbles with their sub-blocks' scales (and mins) in fp16 (rows.cpp q8_layout; a tensor whose scales fp16
     cannot hold runs exact)."""
-    return fmt in (Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K, Q5_K, Q5_1, Q3_K, Q2_K)
+    return fmt in formats.BY_ID and formats.BY_ID[fmt].q8 != 0
 
 
 class NotRepackable(ValueError):
     """A K-quant tensor whose sub-block scales fp16 cannot hold: it runs on the exact kernels in q8 mode too."""
+
+
+def repacked_bytes(fmt: int, n: int, k: int, lib: Library | None = None) -> int:
+    """Bytes of repack()'s layout of n rows of k columns (rows padded to 16), or -1 where q8 cannot repack it."""
+    return (lib or library()).rows_repacked_bytes(fmt, n, k)
 
 
 def repack(fmt: int, weight: torch.Tensor, n: int, k: int, lib: Library | None = None,
@@ -214,6 +231,33 @@ def linear(fmt: int, x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.
     if rc:
         raise ValueError(f"kernel cannot serve format {FORMATS.get(fmt, fmt)} with {k} columns")
     return y
+
+
+def decoder_layers(lib: Library, dims: abi.Dims, layers, x: torch.Tensor, slots: list[int], positions: list[int],
+                   tree: list[int] | None = None) -> None:
+    """Every decoder layer of one pass, in place on the residual stream x [R, hidden] (fp32, contiguous): row r at
+    position positions[r] of KV slot slots[r], its K/V written there first. `layers`: a ctypes array of abi.Layer;
+    `tree`: [store R | kbase R | moff R | map...] for a tree pass (rows.cpp Tree), else None. The kernel checks
+    every position and block against `dims` and refuses (RuntimeError) rather than read out of bounds."""
+    R = len(slots)
+    if x.dtype != torch.float32 or not x.is_contiguous() or x.dim() != 2 or len(x) != R or len(positions) != R:
+        raise ValueError("decoder_layers: x must be contiguous fp32 [rows, hidden] with one slot and position a row")
+    s, p = (ctypes.c_int * R)(*slots), (ctypes.c_int * R)(*positions)
+    t = None if tree is None else (ctypes.c_int * len(tree))(*tree)
+    if lib.decoder_layers(ctypes.byref(dims), layers, len(layers), x.data_ptr(), R, s, p, t, torch.get_num_threads()):
+        raise RuntimeError("the decoder kernel refused its shapes")
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, lib: Library | None = None) -> torch.Tensor:
+    """RMSNorm of each row of x [R, D] (fp32, contiguous) by weight [D]: rows.cpp's rmsnorm_row, row by row."""
+    lib = lib or library()
+    if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous() or weight.dtype != torch.float32 \
+            or tuple(weight.shape) != (x.shape[1],) or not weight.is_contiguous():
+        raise ValueError("rmsnorm: x must be contiguous fp32 [rows, D] and weight fp32 [D]")
+    out = torch.empty_like(x)
+    lib.rows_rmsnorm(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), eps, out.data_ptr(),
+                     min(torch.get_num_threads(), max(1, x.shape[0])))
+    return out
 
 
 def topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -342,14 +342,8 @@ class Llama:
         if self._lib is not None:
             if self._structs is None:
                 self._structs = (_Layer * len(self.layers))(*[self._layer_struct(w) for w in self.layers])
-            s, p = (ctypes.c_int * R)(*slots), (ctypes.c_int * R)(*positions)
-            t = None if tree is None else (ctypes.c_int * len(tree))(*tree)
-            threads = torch.get_num_threads()
-            if self._lib.decoder_layers(ctypes.byref(self._dims), self._structs, len(self.layers), x.data_ptr(), R, s,
-                                        p, t, threads):
-                raise RuntimeError("the decoder kernel refused its shapes")
-            h = torch.empty_like(x)
-            self._lib.rows_rmsnorm(x.data_ptr(), R, x.shape[1], self.norm.data_ptr(), self.eps, h.data_ptr(), threads)
+            kernels.decoder_layers(self._lib, self._dims, self._structs, x, slots, positions, tree)
+            h = kernels.rmsnorm(x, self.norm, self.eps, self._lib)
         else:  # torch, one row at a time through every layer: each row is exactly a one-token step (row-invariant)
             h = torch.empty_like(x)
             for r in range(R):

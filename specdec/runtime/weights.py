@@ -12,11 +12,10 @@ import torch
 from torch.nn import functional as F
 
 from .. import kernels
+from ..kernels import formats
 
-GGML_BLOCK = {kernels.Q4_0: (32, 18), kernels.Q4_1: (32, 20), kernels.Q5_0: (32, 22), kernels.Q5_1: (32, 24),
-              kernels.Q8_0: (32, 34), kernels.Q2_K: (256, 84), kernels.Q3_K: (256, 110), kernels.Q4_K: (256, 144),
-              kernels.Q5_K: (256, 176), kernels.Q6_K: (256, 210)}  # columns, bytes per block
-FLOAT_BYTES = {kernels.F32: 4, kernels.F16: 2, kernels.BF16: 2}
+GGML_BLOCK = {f.id: (f.block, f.bytes) for f in formats.TABLE if not f.is_float}  # columns, bytes per block
+FLOAT_BYTES = {f.id: f.bytes for f in formats.TABLE if f.is_float}
 FLOAT_DTYPE = {kernels.F32: torch.float32, kernels.F16: torch.float16, kernels.BF16: torch.bfloat16}
 
 
@@ -81,7 +80,7 @@ class QTensor:
         """Bytes of the q8 layout, or None where q8 runs this tensor exactly (float weights, NotRepackable)."""
         if not kernels.q8_format(self.fmt) or self._exact_only:
             return None
-        return kernels.library().rows_repacked_bytes(self.fmt, self.n, self.k)
+        return kernels.repacked_bytes(self.fmt, self.n, self.k)
 
     def pack_into(self, out: torch.Tensor) -> torch.Tensor | None:
         """Repack into `out` (repacked_bytes() bytes: memory, or a cache file's map) in slices of rows, each slice's
@@ -90,7 +89,7 @@ class QTensor:
         lib, at = kernels.library(), 0
         for r0 in range(0, self.n, REPACK_ROWS):
             rows = self.data[r0: r0 + REPACK_ROWS]
-            size = lib.rows_repacked_bytes(self.fmt, len(rows), self.k)
+            size = kernels.repacked_bytes(self.fmt, len(rows), self.k, lib)
             try:
                 kernels.repack(self.fmt, rows, len(rows), self.k, lib, out=out[at: at + size])
             except kernels.NotRepackable:
@@ -198,7 +197,7 @@ def check_format(name: str, fmt: int, k: int) -> None:
         except ValueError:
             tname = str(fmt)
         raise Unsupported(f"tensor {name} is {tname}; the runtime runs "
-                          f"{', '.join(kernels.FORMATS[f] for f in sorted(FLOAT_BYTES.keys() | GGML_BLOCK.keys()))}")
+                          f"{', '.join(f.name for f in formats.TABLE)}")
     if k % GGML_BLOCK[fmt][0]:
         raise Unsupported(f"tensor {name} has {k} columns, not a whole number of blocks")
 
@@ -275,7 +274,7 @@ class GGUFFile:
             raise Unsupported(f"tensor {name} is not a matrix")
         k, n = int(dims[0]), int(dims[1])
         check_format(name, fmt, k)
-        rb = k * FLOAT_BYTES[fmt] if fmt in FLOAT_BYTES else k // GGML_BLOCK[fmt][0] * GGML_BLOCK[fmt][1]
+        rb = formats.of(fmt).row_bytes(k)
         return QTensor(fmt, self._bytes(name, n, rb), n, k, mapped=True)
 
     def vector(self, name: str) -> torch.Tensor:
