@@ -109,3 +109,78 @@ def test_the_kernels_structs_are_checked_against_their_mirrors():
         _fields_ = [f for f in abi.Layer._fields_ if f[0] != "post_ffn_norm"]
     with pytest.raises(abi.AbiMismatch, match="struct Layer"):
         abi.check(rows_abi, (abi.Seg, abi.Lin, Layer, abi.Dims))
+
+
+def test_the_format_table_is_one_fact_checked_against_the_library():
+    """formats.TABLE equals rows.cpp's FORMAT_TABLE (checked at load); a table that drifts is refused, and a format
+    neither knows is an error, never another format's arithmetic."""
+    import ctypes
+
+    import pytest
+    import torch
+
+    from specdec import kernels
+    from specdec.kernels import abi, formats
+    from specdec.runtime import weights
+    lib = kernels.library()
+    if lib is None:
+        pytest.skip("no CPU kernels here")
+    rows_formats = ctypes.CDLL(str(lib.path)).rows_formats
+    rows_formats.argtypes, rows_formats.restype = [ctypes.c_void_p, ctypes.c_int], ctypes.c_int
+    formats.check(rows_formats)
+    drifted = formats.TABLE[:-1] + (formats.Format(formats.Q6_K, "Q6_K", 256, 208, formats.Q6_K),)
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(formats, "TABLE", drifted)
+    try:
+        with pytest.raises(abi.AbiMismatch, match="format table"):
+            formats.check(rows_formats)
+    finally:
+        monkey.undo()
+    for f in formats.TABLE:  # row bytes: the library's and the runtime's are the table's
+        for k in (0, 32, 256, 512, 48):
+            assert lib.row_bytes(f.id, k) == f.row_bytes(k)
+            if not f.is_float:
+                assert weights.GGML_BLOCK[f.id] == (f.block, f.bytes)
+        assert kernels.q8_format(f.id) == (f.q8 != 0)
+    x, unknown = torch.randn(2, 32), 9  # ggml's Q8_1: not a format the kernels serve
+    assert lib.row_bytes(unknown, 32) == -1 and not kernels.q8_format(unknown)
+    with pytest.raises(ValueError, match="not 3 contiguous rows"):
+        kernels.linear(unknown, x, torch.zeros(3, 34, dtype=torch.uint8), 3)
+    with pytest.raises(formats.UnknownFormat, match="ggml type 9"):
+        formats.of(unknown)
+
+
+def test_the_build_covers_every_header_and_an_installed_copy_ships_them(monkeypatch, tmp_path, capsys):
+    """The cache key hashes rows.cpp and every header it includes; the package data ships them all; a copy that
+    lacks a header turns the kernels off with one line, never a silent build of a partial source."""
+    import fnmatch
+    import shutil
+    import tomllib
+
+    import pytest
+
+    from specdec import kernels
+    headers = kernels.headers()
+    assert len(headers) >= 10 and all((kernels.SOURCE.parent / h).is_file() for h in headers)
+    on_disk = {p.name for p in kernels.SOURCE.parent.glob("*.h")}
+    assert on_disk == set(headers), "a header rows.cpp does not include, or one it includes that is missing"
+    data = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["specdec"]
+    for name in ["rows.cpp", *headers]:
+        assert any(fnmatch.fnmatch(f"kernels/{name}", pattern) for pattern in data), f"{name} is not package data"
+    copy = tmp_path / "kernels"
+    shutil.copytree(kernels.SOURCE.parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(kernels, "SOURCE", copy / "rows.cpp")
+    before = kernels._sources()
+    (copy / "attention.h").write_text((copy / "attention.h").read_text() + "\n// an edit\n")
+    assert kernels._sources() != before  # a header's edit is a new build
+    if kernels.best_isa() is None:
+        return
+    (copy / "layer.h").unlink()
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    kernels.library.cache_clear()
+    try:
+        assert kernels.library() is None
+        err = capsys.readouterr().err.strip()
+        assert "CPU kernel unavailable" in err and "layer.h" in err and "\n" not in err
+    finally:
+        kernels.library.cache_clear()
