@@ -22,7 +22,7 @@ import torch
 
 from .errors import InvalidRequest
 from .kernels import race
-from .kernels.noise import uniforms
+from .kernels.reference.selection import uniforms
 
 
 MAX_TEMPERATURE = 2.0  # OpenAI's bound

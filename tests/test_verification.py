@@ -166,7 +166,7 @@ def test_seeded_race_kernel_equals_the_full_race_and_samples_exactly():
     """PositionNoise.pick: the kernel's few-logarithm race (both builds) picks argmax p/E of the full race torch
     computes over every token, at every temperature; and over seeds, the winner is distributed exactly as p."""
     from specdec import kernels
-    from specdec.kernels.noise import uniforms
+    from specdec.kernels.reference.selection import uniforms
     from specdec.sampling import PositionNoise, SamplingParams, warp
     g = torch.Generator().manual_seed(1)
     noise = PositionNoise(11)

@@ -291,7 +291,7 @@ def race(probs: torch.Tensor, keys: list[int], lib: Library | None = None) -> li
     """Seeded sampling's exponential race (sampling.PositionNoise): per row r of probs [n, V], argmax_v p(v) / E(v)
     with E = -log u, u the counter-based uniforms of keys[r]. The kernel takes a handful of logarithms a row; torch
     (no kernels, or a row without a positive entry) takes them all."""
-    from .noise import as_int64, uniforms
+    from .reference.selection import as_int64, uniforms
     lib = lib or library()
     p = probs.double().contiguous()
     out = [-1] * len(p)
