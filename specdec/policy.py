@@ -51,7 +51,7 @@ class HeuristicPolicy(FixedPolicy):
         self.tau = min(self.max_tau, self.tau + 2) if full else max(1, self.tau - 1)
 
 
-class _Ema:
+class Ema:
     def __init__(self, value: float, weight: float = 1.0, decay: float = 0.9):
         self.value, self.weight, self.decay, self.n = value, weight, decay, 0
 
@@ -68,10 +68,10 @@ class AdaptivePolicy:
         self.max_tau = max_tau or max(8, tau)
         self.initial, self.probe_every, self.prior = tau, probe_every, prior_alpha
         # estimates persist across generations: hardware costs and a drafter's quality carry over
-        self.alpha = [_Ema(prior_alpha, weight=2.0, decay=0.95) for _ in range(self.max_tau)]
+        self.alpha = [Ema(prior_alpha, weight=2.0, decay=0.95) for _ in range(self.max_tau)]
         self.draft_ms = None  # per drafted token
-        self.verify_ms: dict[int, _Ema] = {}  # tokens verified -> ms
-        self.overhead_ms = _Ema(0.0, weight=0.0)
+        self.verify_ms: dict[int, Ema] = {}  # tokens verified -> ms
+        self.overhead_ms = Ema(0.0, weight=0.0)
         self.tau, self._since_probe, self._cycle = tau, 0, 0
 
     def start(self) -> None:
@@ -118,12 +118,12 @@ class AdaptivePolicy:
         self._cycle += 1
         n = len(record.proposed)
         if record.cycle > 0:  # cycle 0 includes the prompt prefill
-            self.verify_ms.setdefault(n + 1, _Ema(record.verify_ms, weight=0.0, decay=0.8)).update(record.verify_ms)
+            self.verify_ms.setdefault(n + 1, Ema(record.verify_ms, weight=0.0, decay=0.8)).update(record.verify_ms)
             self.overhead_ms.update(max(0.0, record.cycle_ms - record.draft_ms - record.verify_ms))
         if n:
             per_token = record.draft_ms / n
             if self.draft_ms is None:
-                self.draft_ms = _Ema(per_token, weight=0.0, decay=0.8)
+                self.draft_ms = Ema(per_token, weight=0.0, decay=0.8)
             self.draft_ms.update(per_token)
         elif asked_of(record) > 0 and not record.drafted:
             self.alpha[0].update(0.0)  # asked for a draft and got none (no n-gram match): worth nothing

@@ -1,135 +1,36 @@
-"""Continuous batching: every running request shares each target pass (the runtime's KV slots, runtime/model.py).
-
-One `step()` is one cycle for every request in it:
-1. rows the pass carries anyway: each decoding request's newest token, then prompt chunks of joining requests
-   (at most `prefill_chunk` rows each, so a long prompt never stalls the others);
-2. the verification budget (scheduler.py) splits the rows left under `max_batch_rows` into draft rows τ_i;
-3. each request's own drafter proposes up to τ_i tokens, all requests' drafts in one batched call (the feature
-   draft runs its layer once per step for all of them). A model-free drafter (n-gram, datastore) proposes before
-   step 2 instead, as far as the request may draft: its proposal costs next to nothing, so the scheduler sees what
-   there is to verify and acceptance is estimated over the cycles that had a proposal;
-4. ONE target pass over all rows, each at its own position in its own slot;
-5. each request verifies its block with its own rule and randomness, emits, and rolls its slot back.
-
-A drafter that proposes token trees (recycle) gets them verified here too: a tree's nodes, best first, are rows
-like a chain's, and the scheduler sees them as draft positions whose chance of acceptance is each node's value
-(drafters/tree.py), so a tree is cut to what the budget pays for. The accepted path is compacted in the slot.
-
-Prefix caching (as vLLM's and SGLang's): the K/V of recent prompts are kept in slots of their own, and a joining
-request copies the longest cached prefix of its prompt (a chat template's system prompt, an earlier turn) instead of
-computing it: bitwise the same keys and values, fewer prefill rows.
-
-The runtime computes every row on its own, so a request's logits, and hence its greedy tokens, are bitwise those it
-gets alone; seeded sampling draws from per-position noise (sampling.PositionNoise), so its tokens do not depend
-on τ or on the other requests either. Requests join and leave at cycle boundaries.
-"""
+"""BatchEngine: one cycle (step) for every running request, sharing one target pass (the package's docstring)."""
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass, field
-from statistics import median
 from time import perf_counter
 
 import torch
 
-from .drafters.base import Draft, close, fork, propose_many
-from .drafters.tree import best_chain, depths, path, prune
-from .engine import StopCheck, cut
-from .kernels import argmax as row_argmax
-from .policy import AdaptivePolicy, _Ema
-from .errors import InvalidRequest
-from .runtime.blocks import BLOCK, OutOfBlocks, prefix_hashes
-from .runtime.model import Llama, fit_vocab
-from .sampling import PositionNoise, SamplingParams, token_logprobs
-from .scheduler import Demand, plan
-from .drafters.prediction import PredictionDrafter
-from .trace import CycleRecord, shortfall
-from .verification import choice_rows, committed_rows, verify_block, verify_constrained, verify_tree
-
-
-@dataclass
-class Sequence:
-    """One request in the batch: its tokens, its slot, its drafter, its randomness and acceptance estimates."""
-    prompt: list[int]
-    max_new_tokens: int
-    params: SamplingParams
-    stop: StopCheck | None = None
-    max_tau: int = 8  # the most draft rows it may get per cycle
-    fixed_tau: bool = False  # a fixed-τ request drafts exactly max_tau whenever the budget allows
-    constraint: object = None  # constraints.Constraint: a grammar the output follows (structured outputs)
-    logprobs: int | None = None  # report the emitted tokens' logprobs and this many alternatives
-    prompt_logprobs: int | None = None  # report the prompt's too (every prefill row's logits; max_new_tokens may be 0)
-    prediction: list[int] | None = None  # a predicted output's tokens: drafted first (drafters/prediction.py)
-    cache_salt: bytes = b""  # its tenant: prompts are cached, found and shared only within one tenant
-    id: int = field(default_factory=itertools.count().__next__)
-    finish_reason: str | None = None
-
-    def __post_init__(self):
-        self.tokens = list(self.prompt)
-        self.fed = 0  # positions of `tokens` already in the KV slot
-        self.cycle = 0
-        self.idle = 0  # cycles in a row it could have drafted and got no rows
-        self.generator = self.params.generator()
-        self.scored: list = []  # prompt logprobs so far
-        self.predicted = PredictionDrafter(self.prediction) if self.prediction and self.constraint is None else None
-        self.after: int | None = None  # waits for this request's prefill of the same prompt, then copies its K/V
-        self.preempted = False  # its blocks were taken back: it waits for memory, then recomputes its tokens
-
-    @property
-    def generated(self) -> list[int]:
-        return self.tokens[len(self.prompt):]
-
-    @property
-    def prefilling(self) -> bool:
-        return len(self.tokens) - self.fed > 1 and not self.preempted
-
-
-class PrefixCache:
-    """Prompts' K/V shared by block (runtime/blocks.py, as vLLM's prefix caching): once a prompt is in its slot, its
-    full blocks are named by their prefix hashes; a joining request whose prompt starts with named blocks holds them
-    instead of computing them (bitwise the same keys and values). Blocks nobody holds stay named until the pool needs
-    them, least recently used first: the cache lives within the KV budget."""
-
-    def __init__(self, model: Llama):
-        self.model = model
-        self.hits = self.reused = 0  # requests served from the cache, positions shared instead of computed
-        self.queried = 0  # positions looked up (all of a prompt but its last token)
-
-    def lookup(self, tokens: list[int], salt: bytes = b"") -> list[int]:
-        """The cached blocks `tokens` starts with, for this tenant (`salt`: a tenant's prompts hash apart from every
-        other's, so nothing of one can be found, shared or timed by another): the one walk of a prompt's hashes
-        that admission, the 429 prediction and restore all use."""
-        pool, found = self.model.pool, []
-        for digest in prefix_hashes(tokens, len(tokens) // BLOCK, salt):
-            block = pool.by_hash.get(digest)
-            if block is None:
-                break
-            found.append(block)
-        return found
-
-    def restore(self, tokens: list[int], slot: int, salt: bytes = b"") -> int:
-        """Share the longest cached prefix of `tokens` into the empty `slot` -> the positions it covers (all but the
-        last token at most: that row's logits are needed; writing it copies its block first)."""
-        self.queried += max(0, len(tokens) - 1)
-        found = self.lookup(tokens, salt)
-        if not found:
-            return 0
-        self.model.share(slot, found)
-        n = min(len(found) * BLOCK, len(tokens) - 1)
-        self.hits, self.reused = self.hits + 1, self.reused + n
-        return n
-
-    def store(self, tokens: list[int], slot: int, salt: bytes = b"") -> None:
-        """Name the full blocks of a prompt just computed in `slot`, for this tenant."""
-        pool = self.model.pool
-        for digest, block in zip(prefix_hashes(tokens, len(tokens) // BLOCK, salt), self.model.blocks_of(slot)):
-            pool.register(block, digest)
-
+from ..costs import interpolate
+from ..drafters.base import Draft, propose_many
+from ..drafters.tree import best_chain, depths, path, prune
+from ..engine import cut
+from ..kernels import argmax as row_argmax
+from ..policy import AdaptivePolicy, Ema
+from ..runtime.blocks import BLOCK, OutOfBlocks
+from ..runtime.model import Llama, fit_vocab
+from ..sampling import SamplingParams, token_logprobs
+from ..scheduler import Demand, plan
+from ..trace import CycleRecord, shortfall
+from ..verification import (
+    choice_rows,
+    committed_rows,
+    verify_block,
+    verify_constrained,
+    verify_tree,
+)
+from .admission import Admission
+from .prefix_cache import PrefixCache
+from .requests import Sequence
 
 PROBE_EVERY = 8  # a request denied draft rows this many cycles in a row gets one, to re-measure its acceptance
 
 
-class BatchEngine:
+class BatchEngine(Admission):
     def __init__(self, model: Llama, drafter, vocab_size: int, eos_ids: set[int], context_window: int,
                  max_batch_rows: int = 64, prefill_chunk: int = 32, pass_curve: dict[int, float] | None = None,
                  prefix_cache: bool = True):
@@ -149,168 +50,17 @@ class BatchEngine:
         # passes measure (calibrate(), measure_row_cost); what admission predicts finishing times with
         curve = pass_curve or {1: 10.0}
         self.row_ms, self.key_ms = curve[max(curve)] / max(curve), 0.0
-        self._work_scale = _Ema(1.0, weight=8.0, decay=0.95)  # measured / predicted pass time; calibration = 8 passes
-        self._recent_pass = _Ema(min(curve.values()), decay=0.8)  # ms of the passes lately, whatever their rows
+        self._work_scale = Ema(1.0, weight=8.0, decay=0.95)  # measured / predicted pass time; calibration = 8 passes
+        self._recent_pass = Ema(min(curve.values()), decay=0.8)  # ms of the passes lately, whatever their rows
         self.running: list[Sequence] = []
         self._state: dict[int, tuple] = {}  # id -> (slot, drafter, acceptance estimates)
-        self._pass = {n: _Ema(ms, weight=2.0, decay=0.9) for n, ms in (pass_curve or {1: 10.0}).items()}
+        self._pass = {n: Ema(ms, weight=2.0, decay=0.9) for n, ms in (pass_curve or {1: 10.0}).items()}
         self.shared = AdaptivePolicy(1, 16)  # acceptance by position over all requests: a new request's prior
         self.last = {}  # the last step's figures (rows, taus, verify_ms), for metrics; {} when it ran no pass
         self.failed: list[tuple[Sequence, BaseException]] = []  # the last step's requests that failed on their own
 
-    # ---- membership -------------------------------------------------------------------------------------------
-    @property
-    def free_rows(self) -> int:
-        return self.max_batch_rows - len(self.running)
-
-    @property
-    def prefill_full(self) -> bool:
-        """Whether as many prompts are being computed as a pass has chunks for (prompts are computed in order of
-        arrival; one admitted beyond these would only hold memory and wait)."""
-        busy = sum(1 for s in self.running if (s.prefilling and s.after is None) or s.preempted)
-        return busy >= max(1, self.max_batch_rows // self.prefill_chunk)
-
-    def kv_bytes(self) -> int:
-        """K/V bytes in use: blocks held by running requests or kept by the prefix cache."""
-        return self.model.kv_bytes()
-
-    def kv_usage(self) -> float:
-        """The share of the KV pool held by requests, 0..1 (vllm:kv_cache_usage_perc; as vLLM's, cached blocks nobody
-        holds count as free: a new request may evict them)."""
-        pool = self.model.pool
-        return 1 - pool.available / max(1, pool.blocks)
-
-    def check_fits(self, prompt: list[int]) -> None:
-        """A prompt the whole KV budget cannot hold (with its first generated token) is refused."""
-        need = -(-(len(prompt) + 1) // BLOCK)
-        if need > self.model.pool.blocks:
-            raise InvalidRequest(f"the prompt's {len(prompt)} tokens need {need * BLOCK} KV positions; this server's KV "
-                                 f"memory holds {self.model.pool.blocks * BLOCK}")
-
-    def can_start(self, prompt: list[int], salt: bytes = b"") -> bool:
-        """Whether a request with this prompt could join now: its uncached blocks are free (or evictable). A cached
-        block someone holds costs nothing; one nobody holds is counted in `available` (evictable) and leaves it when
-        shared, so it costs one as an uncached block does (counting it off the need too counted it twice)."""
-        need = -(-(len(prompt) + 1) // BLOCK)
-        if self.prefixes is not None:
-            pool = self.model.pool
-            need -= sum(1 for block in self.prefixes.lookup(prompt, salt) if pool.refs[block] > 0)
-        # preempted requests come back first (step's _resume): what they need is not a newcomer's to take
-        owed = sum(-(-(len(s.tokens) + 1) // BLOCK) for s in self.running if s.preempted)
-        return need + owed <= self.model.pool.available
-
-    def add(self, seq: Sequence) -> Sequence:
-        if len(self.running) >= self.max_batch_rows:
-            raise RuntimeError("the batch is full: every running request needs a row")
-        est = AdaptivePolicy(seq.max_tau, max(seq.max_tau, 1))
-        for mine, ours in zip(est.alpha, self.shared.alpha):
-            mine.value = ours.value
-        if not seq.params.greedy and not isinstance(seq.generator, PositionNoise) and (
-                seq.constraint is not None or getattr(self.drafter, "makes_trees", False)):
-            seq.generator = PositionNoise.fresh()  # trees and grammars verify by the race rule
-        self.check_fits(seq.prompt)
-        slot = self.model.acquire_slot()
-        try:
-            self._state[seq.id] = (slot, fork(self.drafter), est)
-            self._load(seq)
-            if self.prefixes is not None and seq.prompt_logprobs is None and seq.fed < len(seq.prompt) - 1 \
-                    and len(seq.prompt) > BLOCK:
-                # the same prompt being prefilled already (n choices, a retry): share its blocks when it is done
-                twin = next((r for r in self.running if r.prompt == seq.prompt and r.cache_salt == seq.cache_salt
-                             and r.prefilling and r.after is None and r.prompt_logprobs is None), None)
-                seq.after = twin.id if twin is not None else None
-        except BaseException:  # nothing of a request that could not join stays behind
-            self._state.pop(seq.id, None)
-            self.model.release_slot(slot)
-            raise
-        self.running.append(seq)
-        return seq
-
-    def _load(self, seq: Sequence) -> None:
-        """Put a request's tokens in its empty slot's blocks: the cached prefix shared, the rest reserved (its prefill
-        then needs no more memory). Raises blocks.OutOfBlocks, holding nothing, when they do not fit."""
-        slot = self._state[seq.id][0]
-        seq.fed = 0
-        if self.prefixes is not None and (seq.prompt_logprobs is None or seq.cycle > 0):  # (scoring: every row)
-            seq.fed = self.prefixes.restore(seq.tokens, slot, seq.cache_salt)
-        try:
-            self.model.reserve(slot, len(seq.tokens))
-            if seq.fed % BLOCK:  # the prefill goes on inside the last shared block: a private copy of it now
-                self.model.own(slot, seq.fed // BLOCK)
-        except OutOfBlocks:
-            self.model.truncate(slot, 0)
-            seq.fed = 0
-            raise
-
-    def _preempt(self, seq: Sequence) -> None:
-        """Free a running request's blocks; it waits, and is recomputed from its tokens when memory allows (its
-        output stays what it would have been: a position's K/V depend on the tokens alone)."""
-        self.model.truncate(self._state[seq.id][0], 0)
-        seq.fed, seq.after, seq.preempted = 0, None, True
-        if seq.cycle == 0:  # a prompt being scored is scored again from its first token: what it had goes
-            seq.scored = []
-        self.preemptions += 1
-
-    def _resume(self) -> None:
-        """Preempted requests come back, oldest first, while their tokens fit."""
-        for s in sorted((s for s in self.running if s.preempted), key=lambda s: s.id):
-            try:
-                self._load(s)
-            except OutOfBlocks:
-                return
-            s.preempted = False
-
-    def remove(self, seq: Sequence) -> None:
-        """A finished, cancelled or timed-out request leaves: its slot and drafter state are freed."""
-        if seq.id in self._state:
-            slot, drafter, _ = self._state.pop(seq.id)
-            self.model.release_slot(slot)
-            close(drafter)
-            self.running.remove(seq)
-
-    def _fail(self, seq: Sequence, error: BaseException) -> None:
-        """A request whose own work raised leaves the batch with its error; the others go on."""
-        seq.finish_reason = "error"
-        self.failed.append((seq, error))
-        self.remove(seq)
-
-    def close(self) -> None:
-        """Give back every slot, and forget the cached prefixes."""
-        for seq in list(self.running):
-            self.remove(seq)
-        self.model.pool.clear_hashes()
-
-    # ---- predicted work (admission) ----------------------------------------------------------------------------
-    def calibrate(self, row_ms: float, key_ms: float) -> None:
-        self.row_ms, self.key_ms = row_ms, key_ms
-
-    def rows_ms(self, start: int, end: int) -> float:
-        """Predicted ms of computing positions start..end-1 of one sequence (a prompt's prefill)."""
-        n = max(0, end - start)
-        return self._work_scale.value * (n * self.row_ms + self.key_ms * (start + end - 1) * n / 2)
-
-    def uncached(self, prompt: list[int], salt: bytes = b"") -> int:
-        """Where the prefill of `prompt` would start: after the blocks the prefix cache holds for it (this tenant's)."""
-        if self.prefixes is None:
-            return 0
-        return min(len(self.prefixes.lookup(prompt, salt)) * BLOCK, max(0, len(prompt) - 1))
-
-    def work_ms(self, start: int, end: int, max_new_tokens: int) -> float:
-        """Predicted ms one request adds: prefill of positions start..end-1, then one pass per token, each as long
-        as the batch's passes are now (a request's steps share passes with the others' prompt chunks)."""
-        step = max(self.pass_ms(len(self.running) + 1), self._recent_pass.value)
-        return self.rows_ms(start, end) + max_new_tokens * step
-
-    def request_ms(self, prompt: list[int], max_new_tokens: int) -> float:
-        return self.work_ms(self.uncached(prompt), len(prompt), max_new_tokens)
-
-    def backlog_ms(self) -> float:
-        """Predicted ms of prefill the running requests still need (preempted ones: all their tokens again)."""
-        return sum(self.rows_ms(s.fed, len(s.tokens)) for s in list(self.running) if s.prefilling or s.preempted)
-
     # ---- the cycle --------------------------------------------------------------------------------------------
     def pass_ms(self, rows: int) -> float:
-        from .costs import interpolate
         # a copy first (one C call under the GIL): the event loop asks while the worker adds row counts
         return interpolate({n: e.value for n, e in dict(self._pass).items()}, rows)
 
@@ -445,7 +195,7 @@ class BatchEngine:
         logits = fit_vocab(logits, self.vocab_size) if logits is not None else None
         t2 = perf_counter()
         verify_ms = (t2 - t1) * 1e3
-        self._pass.setdefault(len(tokens), _Ema(verify_ms, weight=0.0, decay=0.9)).update(verify_ms)
+        self._pass.setdefault(len(tokens), Ema(verify_ms, weight=0.0, decay=0.9)).update(verify_ms)
         self._recent_pass.update(verify_ms)
         if len(tokens) >= 16:  # a big pass's time is its rows' work: the prediction's scale follows it
             predicted = len(tokens) * self.row_ms + self.key_ms * sum(positions)
@@ -639,83 +389,11 @@ class BatchEngine:
             rec.logprobs = token_logprobs(choice_rows(block, nodes, tree and s.constraint is None, masked), emitted,
                                           s.params, s.logprobs)
         s.cycle += 1
-        if (proposed or not free) and not tree and by is None:  # (a tree's nodes carry the drafter's own estimates)  # a model-free drafter's estimates: over the cycles it proposed in
+        # a model-free drafter's estimates: over the cycles it proposed in (a tree's nodes carry the drafter's own)
+        if (proposed or not free) and not tree and by is None:
             self._state[s.id][2].observe(rec)
             self.shared.observe(rec)
         if finish:
             s.finish_reason = finish
             self.remove(s)
         return rec
-
-
-def measure_pass_curve(model: Llama, sizes=(1, 2, 4, 8, 16, 32, 64), context: int = 64, reps: int = 3
-                       ) -> dict[int, float]:
-    """Median ms of one pass over n rows, one row per slot up to the largest size (as a batch of decoding
-    requests), each slot holding `context` positions; slots the KV budget cannot hold share, a row each at the next
-    positions. Sizes are interleaved so machine drift hits all alike."""
-    per_slot = -(-(context + max(sizes)) // BLOCK)
-    slots = [model.acquire_slot() for _ in range(max(1, min(max(sizes), model.pool.blocks // per_slot)))]
-    k = len(slots)
-    try:
-        with torch.inference_mode():
-            for s in slots:
-                model.forward(list(range(1, context + 1)), [s] * context, list(range(context)), [])
-            times = {n: [] for n in sizes}
-            for _ in range(reps + 1):  # the first round warms up
-                for n in sizes:
-                    t = perf_counter()
-                    model.forward([1] * n, [slots[j % k] for j in range(n)], [context + j // k for j in range(n)])
-                    times[n].append((perf_counter() - t) * 1e3)
-        return lower_envelope({n: median(t[1:]) for n, t in times.items()})
-    finally:
-        for s in slots:
-            model.release_slot(s)
-        model.trim()
-
-
-def lower_envelope(curve: dict[int, float]) -> dict[int, float]:
-    """Each size's time at most any larger size's: noise (another process, pages being written back) only ever
-    adds time, and a pass over more rows never costs less, so a size slower than a larger one was disturbed."""
-    out, best = {}, float("inf")
-    for n in sorted(curve, reverse=True):
-        best = min(best, curve[n])
-        out[n] = best
-    return dict(sorted(out.items()))
-
-
-def measure_row_cost(model: Llama, rows: int = 32, depths=(64, 1024), reps: int = 3) -> tuple[float, float]:
-    """(row_ms, key_ms): a prompt row at position p costs about row_ms + key_ms·p, from the median time of a chunk
-    of `rows` prompt rows of one sequence at two depths (attention reads every earlier key)."""
-    deep = max(2, min(depths[1], model.max_len - rows - 1))
-    shallow = max(1, min(depths[0], deep // 4))
-    slot = model.acquire_slot()
-    try:
-        with torch.inference_mode():
-            for start in range(0, deep, 256):
-                end = min(deep, start + 256)
-                model.forward([1] * (end - start), [slot] * (end - start), list(range(start, end)), [])
-            per_row = []
-            for at in (shallow, deep):
-                times = []
-                for _ in range(reps + 1):
-                    t = perf_counter()
-                    model.forward([1] * rows, [slot] * rows, list(range(at, at + rows)), [])
-                    times.append((perf_counter() - t) * 1e3 / rows)
-                per_row.append(median(times[1:]))
-    finally:
-        model.release_slot(slot)
-    key_ms = max(0.0, (per_row[1] - per_row[0]) / (deep - shallow))
-    return max(1e-6, per_row[0] - key_ms * (shallow + rows / 2)), key_ms
-
-
-def default_budget(curve: dict[int, float], share: float = 0.5) -> int:
-    """--max-batch-rows when not given: the largest measured size up to which each added row costs at most `share`
-    of a one-row pass (beyond it, a row costs too much to spend on a draft that may be rejected)."""
-    sizes = sorted(curve)
-    best = sizes[0]
-    for a, b in zip(sizes, sizes[1:]):
-        if (curve[b] - curve[a]) / (b - a) > share * curve[sizes[0]]:
-            break
-        best = b
-    return best
-

@@ -1,0 +1,165 @@
+"""Who is in the batch and what memory they hold: joining (a prefix restored, a twin awaited), preemption
+and resumption, leaving; and the predicted work admission and the 429 prediction read. BatchEngine's state
+(engine.py's __init__) is what these methods read and change."""
+from __future__ import annotations
+
+from ..drafters.base import close, fork
+from ..errors import InvalidRequest
+from ..policy import AdaptivePolicy
+from ..runtime.blocks import BLOCK, OutOfBlocks
+from ..sampling import PositionNoise
+from .requests import Sequence
+
+
+class Admission:
+    """BatchEngine's membership and memory (a base class: the engine's cycle is in engine.py)."""
+
+    # ---- membership -------------------------------------------------------------------------------------------
+    @property
+    def free_rows(self) -> int:
+        return self.max_batch_rows - len(self.running)
+
+    @property
+    def prefill_full(self) -> bool:
+        """Whether as many prompts are being computed as a pass has chunks for (prompts are computed in order of
+        arrival; one admitted beyond these would only hold memory and wait)."""
+        busy = sum(1 for s in self.running if (s.prefilling and s.after is None) or s.preempted)
+        return busy >= max(1, self.max_batch_rows // self.prefill_chunk)
+
+    def kv_bytes(self) -> int:
+        """K/V bytes in use: blocks held by running requests or kept by the prefix cache."""
+        return self.model.kv_bytes()
+
+    def kv_usage(self) -> float:
+        """The share of the KV pool held by requests, 0..1 (vllm:kv_cache_usage_perc; as vLLM's, cached blocks nobody
+        holds count as free: a new request may evict them)."""
+        pool = self.model.pool
+        return 1 - pool.available / max(1, pool.blocks)
+
+    def check_fits(self, prompt: list[int]) -> None:
+        """A prompt the whole KV budget cannot hold (with its first generated token) is refused."""
+        need = -(-(len(prompt) + 1) // BLOCK)
+        if need > self.model.pool.blocks:
+            raise InvalidRequest(f"the prompt's {len(prompt)} tokens need {need * BLOCK} KV positions; this server's "
+                                 f"KV memory holds {self.model.pool.blocks * BLOCK}")
+
+    def can_start(self, prompt: list[int], salt: bytes = b"") -> bool:
+        """Whether a request with this prompt could join now: its uncached blocks are free (or evictable). A cached
+        block someone holds costs nothing; one nobody holds is counted in `available` (evictable) and leaves it when
+        shared, so it costs one as an uncached block does (counting it off the need too counted it twice)."""
+        need = -(-(len(prompt) + 1) // BLOCK)
+        if self.prefixes is not None:
+            pool = self.model.pool
+            need -= sum(1 for block in self.prefixes.lookup(prompt, salt) if pool.refs[block] > 0)
+        # preempted requests come back first (step's _resume): what they need is not a newcomer's to take
+        owed = sum(-(-(len(s.tokens) + 1) // BLOCK) for s in self.running if s.preempted)
+        return need + owed <= self.model.pool.available
+
+    def add(self, seq: Sequence) -> Sequence:
+        if len(self.running) >= self.max_batch_rows:
+            raise RuntimeError("the batch is full: every running request needs a row")
+        est = AdaptivePolicy(seq.max_tau, max(seq.max_tau, 1))
+        for mine, ours in zip(est.alpha, self.shared.alpha):
+            mine.value = ours.value
+        if not seq.params.greedy and not isinstance(seq.generator, PositionNoise) and (
+                seq.constraint is not None or getattr(self.drafter, "makes_trees", False)):
+            seq.generator = PositionNoise.fresh()  # trees and grammars verify by the race rule
+        self.check_fits(seq.prompt)
+        slot = self.model.acquire_slot()
+        try:
+            self._state[seq.id] = (slot, fork(self.drafter), est)
+            self._load(seq)
+            if self.prefixes is not None and seq.prompt_logprobs is None and seq.fed < len(seq.prompt) - 1 \
+                    and len(seq.prompt) > BLOCK:
+                # the same prompt being prefilled already (n choices, a retry): share its blocks when it is done
+                twin = next((r for r in self.running if r.prompt == seq.prompt and r.cache_salt == seq.cache_salt
+                             and r.prefilling and r.after is None and r.prompt_logprobs is None), None)
+                seq.after = twin.id if twin is not None else None
+        except BaseException:  # nothing of a request that could not join stays behind
+            self._state.pop(seq.id, None)
+            self.model.release_slot(slot)
+            raise
+        self.running.append(seq)
+        return seq
+
+    def _load(self, seq: Sequence) -> None:
+        """Put a request's tokens in its empty slot's blocks: the cached prefix shared, the rest reserved (its prefill
+        then needs no more memory). Raises blocks.OutOfBlocks, holding nothing, when they do not fit."""
+        slot = self._state[seq.id][0]
+        seq.fed = 0
+        if self.prefixes is not None and (seq.prompt_logprobs is None or seq.cycle > 0):  # (scoring: every row)
+            seq.fed = self.prefixes.restore(seq.tokens, slot, seq.cache_salt)
+        try:
+            self.model.reserve(slot, len(seq.tokens))
+            if seq.fed % BLOCK:  # the prefill goes on inside the last shared block: a private copy of it now
+                self.model.own(slot, seq.fed // BLOCK)
+        except OutOfBlocks:
+            self.model.truncate(slot, 0)
+            seq.fed = 0
+            raise
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a running request's blocks; it waits, and is recomputed from its tokens when memory allows (its
+        output stays what it would have been: a position's K/V depend on the tokens alone)."""
+        self.model.truncate(self._state[seq.id][0], 0)
+        seq.fed, seq.after, seq.preempted = 0, None, True
+        if seq.cycle == 0:  # a prompt being scored is scored again from its first token: what it had goes
+            seq.scored = []
+        self.preemptions += 1
+
+    def _resume(self) -> None:
+        """Preempted requests come back, oldest first, while their tokens fit."""
+        for s in sorted((s for s in self.running if s.preempted), key=lambda s: s.id):
+            try:
+                self._load(s)
+            except OutOfBlocks:
+                return
+            s.preempted = False
+
+    def remove(self, seq: Sequence) -> None:
+        """A finished, cancelled or timed-out request leaves: its slot and drafter state are freed."""
+        if seq.id in self._state:
+            slot, drafter, _ = self._state.pop(seq.id)
+            self.model.release_slot(slot)
+            close(drafter)
+            self.running.remove(seq)
+
+    def _fail(self, seq: Sequence, error: BaseException) -> None:
+        """A request whose own work raised leaves the batch with its error; the others go on."""
+        seq.finish_reason = "error"
+        self.failed.append((seq, error))
+        self.remove(seq)
+
+    def close(self) -> None:
+        """Give back every slot, and forget the cached prefixes."""
+        for seq in list(self.running):
+            self.remove(seq)
+        self.model.pool.clear_hashes()
+
+    # ---- predicted work (admission) ----------------------------------------------------------------------------
+    def calibrate(self, row_ms: float, key_ms: float) -> None:
+        self.row_ms, self.key_ms = row_ms, key_ms
+
+    def rows_ms(self, start: int, end: int) -> float:
+        """Predicted ms of computing positions start..end-1 of one sequence (a prompt's prefill)."""
+        n = max(0, end - start)
+        return self._work_scale.value * (n * self.row_ms + self.key_ms * (start + end - 1) * n / 2)
+
+    def uncached(self, prompt: list[int], salt: bytes = b"") -> int:
+        """Where the prefill of `prompt` would start: after the blocks the prefix cache holds for it (this tenant's)."""
+        if self.prefixes is None:
+            return 0
+        return min(len(self.prefixes.lookup(prompt, salt)) * BLOCK, max(0, len(prompt) - 1))
+
+    def work_ms(self, start: int, end: int, max_new_tokens: int) -> float:
+        """Predicted ms one request adds: prefill of positions start..end-1, then one pass per token, each as long
+        as the batch's passes are now (a request's steps share passes with the others' prompt chunks)."""
+        step = max(self.pass_ms(len(self.running) + 1), self._recent_pass.value)
+        return self.rows_ms(start, end) + max_new_tokens * step
+
+    def request_ms(self, prompt: list[int], max_new_tokens: int) -> float:
+        return self.work_ms(self.uncached(prompt), len(prompt), max_new_tokens)
+
+    def backlog_ms(self) -> float:
+        """Predicted ms of prefill the running requests still need (preempted ones: all their tokens again)."""
+        return sum(self.rows_ms(s.fed, len(s.tokens)) for s in list(self.running) if s.prefilling or s.preempted)

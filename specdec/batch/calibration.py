@@ -1,0 +1,83 @@
+"""The pass curve and row cost a server measures at start (remembered per model file: runtime/measured.py),
+and the verification budget they give."""
+from __future__ import annotations
+
+from statistics import median
+from time import perf_counter
+
+import torch
+
+from ..runtime.blocks import BLOCK
+from ..runtime.model import Llama
+
+
+def measure_pass_curve(model: Llama, sizes=(1, 2, 4, 8, 16, 32, 64), context: int = 64, reps: int = 3
+                       ) -> dict[int, float]:
+    """Median ms of one pass over n rows, one row per slot up to the largest size (as a batch of decoding
+    requests), each slot holding `context` positions; slots the KV budget cannot hold share, a row each at the next
+    positions. Sizes are interleaved so machine drift hits all alike."""
+    per_slot = -(-(context + max(sizes)) // BLOCK)
+    slots = [model.acquire_slot() for _ in range(max(1, min(max(sizes), model.pool.blocks // per_slot)))]
+    k = len(slots)
+    try:
+        with torch.inference_mode():
+            for s in slots:
+                model.forward(list(range(1, context + 1)), [s] * context, list(range(context)), [])
+            times = {n: [] for n in sizes}
+            for _ in range(reps + 1):  # the first round warms up
+                for n in sizes:
+                    t = perf_counter()
+                    model.forward([1] * n, [slots[j % k] for j in range(n)], [context + j // k for j in range(n)])
+                    times[n].append((perf_counter() - t) * 1e3)
+        return lower_envelope({n: median(t[1:]) for n, t in times.items()})
+    finally:
+        for s in slots:
+            model.release_slot(s)
+        model.trim()
+
+
+def lower_envelope(curve: dict[int, float]) -> dict[int, float]:
+    """Each size's time at most any larger size's: noise (another process, pages being written back) only ever
+    adds time, and a pass over more rows never costs less, so a size slower than a larger one was disturbed."""
+    out, best = {}, float("inf")
+    for n in sorted(curve, reverse=True):
+        best = min(best, curve[n])
+        out[n] = best
+    return dict(sorted(out.items()))
+
+
+def measure_row_cost(model: Llama, rows: int = 32, depths=(64, 1024), reps: int = 3) -> tuple[float, float]:
+    """(row_ms, key_ms): a prompt row at position p costs about row_ms + key_ms·p, from the median time of a chunk
+    of `rows` prompt rows of one sequence at two depths (attention reads every earlier key)."""
+    deep = max(2, min(depths[1], model.max_len - rows - 1))
+    shallow = max(1, min(depths[0], deep // 4))
+    slot = model.acquire_slot()
+    try:
+        with torch.inference_mode():
+            for start in range(0, deep, 256):
+                end = min(deep, start + 256)
+                model.forward([1] * (end - start), [slot] * (end - start), list(range(start, end)), [])
+            per_row = []
+            for at in (shallow, deep):
+                times = []
+                for _ in range(reps + 1):
+                    t = perf_counter()
+                    model.forward([1] * rows, [slot] * rows, list(range(at, at + rows)), [])
+                    times.append((perf_counter() - t) * 1e3 / rows)
+                per_row.append(median(times[1:]))
+    finally:
+        model.release_slot(slot)
+    key_ms = max(0.0, (per_row[1] - per_row[0]) / (deep - shallow))
+    return max(1e-6, per_row[0] - key_ms * (shallow + rows / 2)), key_ms
+
+
+def default_budget(curve: dict[int, float], share: float = 0.5) -> int:
+    """--max-batch-rows when not given: the largest measured size up to which each added row costs at most `share`
+    of a one-row pass (beyond it, a row costs too much to spend on a draft that may be rejected)."""
+    sizes = sorted(curve)
+    best = sizes[0]
+    for a, b in zip(sizes, sizes[1:]):
+        if (curve[b] - curve[a]) / (b - a) > share * curve[sizes[0]]:
+            break
+        best = b
+    return best

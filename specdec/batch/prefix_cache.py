@@ -1,0 +1,47 @@
+"""Prompts' K/V shared by block, within one tenant (vLLM's prefix caching with its cache_salt)."""
+from __future__ import annotations
+
+from ..runtime.blocks import BLOCK, prefix_hashes
+from ..runtime.model import Llama
+
+
+class PrefixCache:
+    """Prompts' K/V shared by block (runtime/blocks.py, as vLLM's prefix caching): once a prompt is in its slot, its
+    full blocks are named by their prefix hashes; a joining request whose prompt starts with named blocks holds them
+    instead of computing them (bitwise the same keys and values). Blocks nobody holds stay named until the pool needs
+    them, least recently used first: the cache lives within the KV budget."""
+
+    def __init__(self, model: Llama):
+        self.model = model
+        self.hits = self.reused = 0  # requests served from the cache, positions shared instead of computed
+        self.queried = 0  # positions looked up (all of a prompt but its last token)
+
+    def lookup(self, tokens: list[int], salt: bytes = b"") -> list[int]:
+        """The cached blocks `tokens` starts with, for this tenant (`salt`: a tenant's prompts hash apart from every
+        other's, so nothing of one can be found, shared or timed by another): the one walk of a prompt's hashes
+        that admission, the 429 prediction and restore all use."""
+        pool, found = self.model.pool, []
+        for digest in prefix_hashes(tokens, len(tokens) // BLOCK, salt):
+            block = pool.by_hash.get(digest)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def restore(self, tokens: list[int], slot: int, salt: bytes = b"") -> int:
+        """Share the longest cached prefix of `tokens` into the empty `slot` -> the positions it covers (all but the
+        last token at most: that row's logits are needed; writing it copies its block first)."""
+        self.queried += max(0, len(tokens) - 1)
+        found = self.lookup(tokens, salt)
+        if not found:
+            return 0
+        self.model.share(slot, found)
+        n = min(len(found) * BLOCK, len(tokens) - 1)
+        self.hits, self.reused = self.hits + 1, self.reused + n
+        return n
+
+    def store(self, tokens: list[int], slot: int, salt: bytes = b"") -> None:
+        """Name the full blocks of a prompt just computed in `slot`, for this tenant."""
+        pool = self.model.pool
+        for digest, block in zip(prefix_hashes(tokens, len(tokens) // BLOCK, salt), self.model.blocks_of(slot)):
+            pool.register(block, digest)
