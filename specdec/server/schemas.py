@@ -9,9 +9,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..api import MAX_STOP_CHARS, MAX_STOPS
-from . import tools
 from ..sampling import MAX_TEMPERATURE, SEED_RANGE
-
+from . import tools
 
 # Sent by SDK helpers and gateways; they change no output of this server, so they are accepted and ignored.
 IGNORED = ("store", "metadata", "service_tier", "user", "parallel_tool_calls", "reasoning_effort", "modalities",

@@ -17,8 +17,8 @@ import itertools
 import queue
 import sys
 import threading
-import traceback
 import time
+import traceback
 from pathlib import Path
 
 from ..errors import SpecDecError

@@ -1,0 +1,73 @@
+"""The ASGI middleware in front of every route: API key, body size (however the body is sent), request counts."""
+from __future__ import annotations
+
+import hmac
+
+from fastapi.responses import JSONResponse
+
+from .api_errors import error_body
+from .metrics import Metrics
+
+KNOWN_PATHS = {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", "/infill"}
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class Guard:
+    """Pure ASGI middleware (BaseHTTPMiddleware would hide client disconnects from the endpoints): API key and
+    body-size checks before any parsing, and a request counter by endpoint and status."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, metrics: Metrics):
+        self.app, self.api_key, self.max_body, self.metrics = app, api_key, max_body_bytes, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path, headers = scope["path"], dict(scope["headers"])
+        status = {"code": 500}
+
+        async def send_counted(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        async def read_body() -> bytes:
+            """The whole body, refused past max_body however it is sent (Content-Length or chunked): the size is
+            checked here, before the app parses anything."""
+            parts, size, more = [], 0, True
+            while more:
+                message = await receive()
+                if message["type"] != "http.request":
+                    break
+                parts.append(message.get("body", b""))
+                size += len(parts[-1])
+                if size > self.max_body:
+                    raise _BodyTooLarge
+                more = message.get("more_body", False)
+            return b"".join(parts)
+
+        try:
+            if self.api_key and path != "/health" and not hmac.compare_digest(  # constant time: no timing oracle
+                    headers.get(b"authorization", b""), f"Bearer {self.api_key}".encode()):
+                await JSONResponse(error_body("missing or invalid API key", "authentication_error",
+                                              "invalid_api_key"), 401)(scope, receive, send_counted)
+            elif int(headers.get(b"content-length", b"0") or 0) > self.max_body:
+                raise _BodyTooLarge
+            else:
+                body, replayed = await read_body(), False
+
+                async def replay():  # the body once, then the real channel (disconnect detection)
+                    nonlocal replayed
+                    if replayed:
+                        return await receive()
+                    replayed = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                await self.app(scope, replay, send_counted)
+        except _BodyTooLarge:
+            await JSONResponse(error_body(f"request body larger than {self.max_body} bytes"), 413)(
+                scope, receive, send_counted)
+        finally:
+            self.metrics.requests.labels(endpoint=path if path in KNOWN_PATHS else "other",
+                                         status=str(status["code"])).inc()

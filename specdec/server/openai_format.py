@@ -1,0 +1,94 @@
+"""OpenAI's response objects from specdec's results: logprobs (chat's and completions' shapes, an echoed prompt's
+first), usage (with predicted outputs' accepted and rejected tokens), specdec's own statistics, and llama-server's
+/infill format for a completion."""
+from __future__ import annotations
+
+import json
+
+from fastapi.responses import StreamingResponse
+
+
+def logprobs(decoder, result, kind: str):
+    """OpenAI's logprobs object for the generated tokens (an EOS, which adds no text, left out), or None."""
+    if result.logprobs is None:
+        return None
+    eos = decoder.engine.eos_ids
+    with decoder.tokenizer_lock:
+        piece = lambda t: decoder.tokenizer.decode([t])  # noqa: E731
+        rows = [(piece(t), lp, [(piece(a), alp) for a, alp in alts])
+                for t, (lp, alts) in zip(result.token_ids, result.logprobs) if t not in eos]
+    if kind == "chat":
+        entry = lambda tok, lp: {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8", "replace"))}  # noqa: E731
+        return {"content": [{**entry(tok, lp), "top_logprobs": [entry(a, alp) for a, alp in alts]}
+                            for tok, lp, alts in rows]}
+    offsets, at = [], 0
+    for tok, _, _ in rows:
+        offsets.append(at)
+        at += len(tok)
+    return {"tokens": [tok for tok, _, _ in rows], "token_logprobs": [lp for _, lp, _ in rows],
+            "top_logprobs": [dict(alts) for _, _, alts in rows], "text_offset": offsets}
+
+
+def echo_logprobs(decoder, prompt_ids, result, lp):
+    """A completion's logprobs with its echoed prompt's before them (the first prompt token has none)."""
+    if result.prompt_logprobs is None:
+        return lp
+    with decoder.tokenizer_lock:
+        piece = lambda t: decoder.tokenizer.decode([t])  # noqa: E731
+        tokens = [piece(t) for t in prompt_ids]
+        tops = [None] + [{piece(a): alp for a, alp in alts} for _, alts in result.prompt_logprobs]
+    lps = [None] + [v for v, _ in result.prompt_logprobs]
+    gen = lp or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offsets, at = [], 0
+    for tok in tokens:
+        offsets.append(at)
+        at += len(tok)
+    return {"tokens": tokens + gen["tokens"], "token_logprobs": lps + gen["token_logprobs"],
+            "top_logprobs": tops + gen["top_logprobs"], "text_offset": offsets + [at + o for o in gen["text_offset"]]}
+
+
+def usage(prompt_tokens: int, results: list) -> dict:
+    """OpenAI's usage object; with a prediction, completion_tokens_details counts its drafted tokens the target
+    accepted and rejected (every choice's together)."""
+    completion = sum(len(r.token_ids) for r in results)
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+             "total_tokens": prompt_tokens + completion}
+    if any("accepted_prediction_tokens" in r.stats for r in results):
+        usage["completion_tokens_details"] = {k: sum(r.stats.get(k, 0) for r in results) for k in
+                                              ("accepted_prediction_tokens", "rejected_prediction_tokens")}
+    return usage
+
+
+def spec_stats(result) -> dict:
+    s = result.stats
+    return {k: s[k] for k in ("acceptance_rate", "mean_accepted_len", "target_passes", "proposed", "accepted",
+                              "acceptance_by_position", "tokens_per_s")}
+
+
+def as_infill(out, model_name: str):
+    """A completion (a dict, or a stream of OpenAI chunks) in llama-server's /infill format."""
+    if isinstance(out, StreamingResponse):
+        async def events():
+            counts = {}
+            async for line in out.body_iterator:
+                line = line.decode() if isinstance(line, bytes) else line
+                if not line.startswith("data: "):
+                    continue
+                if line.strip() == "data: [DONE]":
+                    yield f"data: {json.dumps({'content': '', 'stop': True, 'model': model_name, **counts})}\n\n"
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    yield line
+                elif data.get("usage"):
+                    counts = {"tokens_predicted": data["usage"]["completion_tokens"],
+                              "tokens_evaluated": data["usage"]["prompt_tokens"]}
+                elif data.get("choices") and data["choices"][0].get("text"):
+                    yield f"data: {json.dumps({'content': data['choices'][0]['text'], 'stop': False})}\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+    if not isinstance(out, dict):
+        return out  # the client hung up (499)
+    choice, usage = out["choices"][0], out["usage"]
+    return {"content": choice["text"], "stop": True, "model": model_name,
+            "stop_type": "limit" if choice["finish_reason"] == "length" else "eos",
+            "tokens_predicted": usage["completion_tokens"], "tokens_evaluated": usage["prompt_tokens"]}

@@ -1,0 +1,131 @@
+"""A job's answer as it comes: collected whole (a non-streamed response), or as OpenAI's server-sent events, one or
+several jobs (n choices, prompt lists) interleaved, each chunk naming its choice; tool calls held to a choice's end;
+an error of our own when a worker stops answering."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from types import SimpleNamespace
+
+from . import tools
+from .api_errors import as_api_error, error_body
+from .openai_format import logprobs, spec_stats, usage
+
+
+async def collect(job, request, overdue):
+    """A job's text and result; None when the client hung up. `overdue(job)`: the error of a job past its deadline
+    or on a dead worker, else None."""
+    text, result, checked = [], None, time.monotonic()
+    try:
+        while True:
+            if time.monotonic() - checked > 0.5:  # notice a client that hung up while it waits or runs
+                checked = time.monotonic()
+                if await request.is_disconnected():
+                    return None
+            item = await job.next(timeout=0.5)
+            if item is None:
+                if overdue(job):
+                    raise overdue(job)
+                continue
+            ev, payload = item
+            if ev == "end":
+                break
+            if ev == "error":
+                raise as_api_error(payload)
+            text.append(payload.text)
+            result = payload.result or result
+    finally:
+        job.cancel()  # a no-op once the job has ended
+    return "".join(text), result
+
+
+async def sse(decoder, jobs, meta, kind, include_usage, prompt_tokens: int, overdue, tool_list=None, echoed=None):
+    """Server-sent events of one or several jobs (n choices, prompt lists), each chunk with its choice's index.
+    With tools (`tool_list`) a choice's text is held to its end, then sent as tool_calls or as content; with echo
+    (`echoed`: each choice's prompt text) the prompt comes first."""
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+    def event(i, delta_text, finish=None, first=False, record=None):
+        lp = None if record is None or record.logprobs is None else logprobs(  # this cycle's tokens
+            decoder, SimpleNamespace(token_ids=record.emitted, logprobs=record.logprobs), kind)
+        if kind == "chat":
+            delta = {"role": "assistant", "content": delta_text} if first else {"content": delta_text}
+            if finish:
+                delta = {}
+            choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        else:
+            choice = {"index": i, "text": delta_text, "logprobs": lp, "finish_reason": finish}
+        return f"data: {json.dumps({**meta, 'object': obj, 'choices': [choice]})}\n\n"
+
+    async def pump(i, job, out):  # one job's events, then None; an error of our own should its worker not answer
+        while True:
+            item = await job.next(timeout=0.5)
+            if item is None:
+                if overdue(job):
+                    await out.put((i, ("error", overdue(job))))
+                    return
+                continue
+            await out.put((i, None if item[0] == "end" else item))
+            if item[0] == "end":
+                return
+
+    out: asyncio.Queue = asyncio.Queue()
+    tasks = [asyncio.create_task(pump(i, job, out)) for i, job in enumerate(jobs)] if len(jobs) > 1 else []
+
+    async def take():  # the next (choice, event or None at its end): one job is read directly, no relay task
+        if tasks:
+            return await out.get()
+        while True:
+            item = await jobs[0].next(timeout=0.5)
+            if item is not None:
+                return 0, None if item[0] == "end" else item
+            if overdue(jobs[0]):
+                return 0, ("error", overdue(jobs[0]))
+
+    results, open_jobs = {}, len(jobs)
+    try:  # a client that hangs up cancels this generator; the finally stops every generation
+        held = {i: [] for i in range(len(jobs))}
+        if kind == "chat":
+            for i in range(len(jobs)):
+                yield event(i, "", first=True)
+        for i, text in enumerate(echoed or []):
+            yield event(i, text)
+        while open_jobs:
+            i, item = await take()
+            if item is None:
+                open_jobs -= 1
+                continue
+            ev, payload = item
+            if ev == "error":
+                err = as_api_error(payload)
+                yield f"data: {json.dumps(error_body(err.message, err.type, err.code))}\n\n"
+                break
+            if tool_list:
+                held[i].append(payload.text)
+            elif payload.text or payload.record.logprobs:
+                yield event(i, payload.text, record=payload.record)
+            if payload.result is not None:
+                results[i] = payload.result
+                finish = payload.result.finish_reason
+                if tool_list:
+                    text = "".join(held[i])
+                    calls = tools.parse_call(text, tool_list)
+                    if calls:
+                        finish = "tool_calls"
+                        delta = {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
+                        choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
+                        yield f"data: {json.dumps({**meta, 'object': obj, 'choices': [choice]})}\n\n"
+                    elif text:
+                        yield event(i, text)
+                yield event(i, "", finish=finish)
+        if include_usage and len(results) == len(jobs):
+            last = {**meta, "object": obj, "choices": [], "usage": usage(prompt_tokens, list(results.values())),
+                    "specdec": spec_stats(results[0])}
+            yield f"data: {json.dumps(last)}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        for t in tasks:
+            t.cancel()
+        for job in jobs:
+            job.cancel()
