@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 from time import perf_counter
 
 from . import models
-from .drafters import ModelDrafter, registry
-from .drafters.feature import is_feature_draft
-from .drafters.registry import SHIPPED_DRAFT
 from .constraints import Grammars
+from .drafters import ModelDrafter, registry
+from .drafters.feature_files import is_feature_draft
+from .drafters.registry import SHIPPED_DRAFT
 from .engine import Engine
-from .policy import make_policy
 from .errors import InvalidRequest, PromptTooLong
+from .policy import make_policy
 from .sampling import SamplingParams
 from .text import StopText
 from .trace import CycleRecord, summarize
@@ -41,8 +41,7 @@ def default_draft(target: str) -> str:
     the context when an n-gram matches (the fastest measured setup on the runtime, docs/benchmarks.md: the shipped
     distilled draft, `datastore+ngram+shipped`, costs more per step than its extra accepted tokens save there); for
     any other target the same pair once `specdec datastore build` made its datastore, else the n-gram drafter."""
-    from .drafters.datastore import datastore_dir
-    from .drafters.datastore import FILE
+    from .drafters.datastore import FILE, datastore_dir
     if target == models.DEFAULT_MODEL and is_feature_draft(SHIPPED_DRAFT):
         return "datastore+ngram"
     return "datastore+ngram" if (datastore_dir(target) / FILE).exists() else "ngram"

@@ -31,11 +31,12 @@ from torch.nn import functional as F
 from . import models
 from .api import encode_prompt
 from .drafters.datastore import DatastoreDrafter
-from .drafters.feature import FeatureDrafter, net_for_target, save_draft
+from .drafters.feature import FeatureDrafter
+from .drafters.feature_net import net_for_target, save_draft
 from .errors import InvalidRequest, SpecDecError
+from .generate import generate_batch
 from .prompts import HERE as PROMPT_DIR
 from .prompts import load_prompts
-from .generate import generate_batch
 from .runtime.weights import qlinear
 from .sampling import SamplingParams
 
@@ -376,8 +377,8 @@ def train(net, data, embed, head, vocab_map, epochs: int, batch: int, lr: float,
 
 # ---- 5. report -------------------------------------------------------------------------------------------------
 def report(target_model, tok, drafter, prompts: list[dict], max_new_tokens: int, tau: int) -> dict:
-    from .costs import cost_model, verify_curve
     from .api import SpecDecoder
+    from .costs import cost_model, verify_curve
     from .trace import acceptance_by_position
     spec = SpecDecoder.from_models(target_model, tok, drafter, tau)
     base = SpecDecoder.from_models(target_model, tok, "none")

@@ -5,7 +5,13 @@ import torch
 
 from specdec import SpecDecoder, models
 from specdec.api import build_drafter
-from specdec.batch import BatchEngine, Sequence, default_budget, lower_envelope, measure_pass_curve
+from specdec.batch import (
+    BatchEngine,
+    Sequence,
+    default_budget,
+    lower_envelope,
+    measure_pass_curve,
+)
 from specdec.runtime.blocks import BLOCK
 from specdec.sampling import SamplingParams
 
@@ -29,7 +35,8 @@ def alone(rt, prompt, params, n):
 
 def feature_drafter(model):
     """A feature draft (random weights, full blocks) on the runtime model's embedding and head."""
-    from specdec.drafters.feature import FeatureDrafter, FeatureDraftNet
+    from specdec.drafters.feature import FeatureDrafter
+    from specdec.drafters.feature_net import FeatureDraftNet
     torch.manual_seed(0)
     c = model.config
     net = FeatureDraftNet(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, 32, 10000.0, 1e-5)

@@ -8,10 +8,11 @@ from tiny import VOCAB, reference_greedy
 from specdec import SpecDecoder
 from specdec.cli import main
 from specdec.distill import distill, reduced_vocab
-from specdec.models import tokenizer_fingerprint
-from specdec.drafters.feature import FeatureDrafter, net_for_target
+from specdec.drafters.feature import FeatureDrafter
+from specdec.drafters.feature_net import net_for_target
 from specdec.engine import Engine
 from specdec.errors import IncompatibleDraft, InvalidRequest, SpecDecError
+from specdec.models import tokenizer_fingerprint
 from specdec.sampling import SamplingParams
 
 PROMPTS = ["Hello", "abc", "The cat", "x = 1", "Once", "Why?", "def f(", "12345", "hi there", "ok"]
@@ -100,8 +101,9 @@ def test_generation_records_the_hidden_states_teacher_forcing_would_compute(tmp_
 
 def test_early_stopping_keeps_the_best_epoch(tmp_path, prompt_file, tok, target, monkeypatch):
     """The saved draft holds the weights of the epoch that scored best on the held-out split, not the last."""
-    import specdec.distill as d
     from safetensors.torch import load_file
+
+    import specdec.distill as d
     scores = iter([{"acc": 0.5, "acc2": 0.4}, {"acc": 0.1, "acc2": 0.1}, {"acc": 0.2, "acc2": 0.1}])
     monkeypatch.setattr(d, "evaluate", lambda *a: next(scores))
     rep = distill("tiny", str(tmp_path / "o"), [prompt_file], [], max_new_tokens=8, gen_batch=5, reduced=30,
@@ -176,6 +178,7 @@ def _joint_pvalue(sd, tok, target, samples: int, seeded: bool = False) -> float:
     Unseeded requests' rule (rejection sampling, the sampling generator seeded from torch's) unless `seeded`
     (per-position races, where the draft races on the same noise and q plays no part)."""
     from test_verification import chi2_pvalue
+
     from specdec.sampling import warp
     sp = SamplingParams(temperature=1.0, top_k=3)
     ids = tok("Hello").input_ids

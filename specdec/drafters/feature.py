@@ -10,24 +10,21 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
-from torch import nn
 from torch.nn import functional as F
 
-from ..errors import IncompatibleDraft, ModelLoadError
+from .. import kernels
+from ..errors import ModelLoadError
 from ..kv import common_prefix_len, few_row_linears, rows_linear
 from ..models import is_runtime
-from .. import kernels
-from ..runtime.model import LayerWeights, Llama
 from ..runtime.weights import QTensor, qlinear
 from ..sampling import draw, warp
 from .base import Draft
+from .feature_files import MARKER, check_target
+from .feature_net import FeatureDraftNet, quantized, runtime_layer, save_draft
 
-MARKER = "specdec_draft.json"
 # Stop a block once the draft's own probability that all of it is accepted falls below this. The shipped draft is
 # calibrated (bench prompts: draft confidence 0.2-0.4 -> 21% accepted, 0.8-0.9 -> 77%); at fixed tau=3 this
 # threshold took ngram+shipped from 1.06x to 1.18x and adaptive from 1.19x to 1.21x (one bench run).
@@ -57,71 +54,6 @@ class _CachedRows:
                 self.rows.clear()
             self.rows.update(zip(missing, self.table.rows(missing)))
         return torch.stack([self.rows[t] for t in ids])
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
-
-    def forward(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
-
-
-def rope(x: torch.Tensor, pos: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, rotate-half convention (as Llama). x [..., T, hd], pos [T], inv [hd/2] frequencies."""
-    hd = x.shape[-1]
-    ang = pos[:, None].float() * inv[None]
-    cos, sin = torch.cat([ang, ang], -1).cos().to(x.dtype), torch.cat([ang, ang], -1).sin().to(x.dtype)
-    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
-    return x * cos + torch.cat([-x2, x1], -1) * sin
-
-
-class FeatureDraftNet(nn.Module):
-    def __init__(self, hidden: int, heads: int, kv_heads: int, intermediate: int, rope_theta: float, eps: float):
-        super().__init__()
-        self.cfg = dict(hidden=hidden, heads=heads, kv_heads=kv_heads, intermediate=intermediate,
-                        rope_theta=rope_theta, eps=eps)
-        self.hd = hidden // heads
-        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
-        self.q = nn.Linear(hidden, heads * self.hd, bias=False)
-        self.k = nn.Linear(hidden, kv_heads * self.hd, bias=False)
-        self.v = nn.Linear(hidden, kv_heads * self.hd, bias=False)
-        self.o = nn.Linear(heads * self.hd, hidden, bias=False)
-        self.mlp_norm = RMSNorm(hidden, eps)
-        self.gate = nn.Linear(hidden, intermediate, bias=False)
-        self.up = nn.Linear(hidden, intermediate, bias=False)
-        self.down = nn.Linear(intermediate, hidden, bias=False)
-        self.out_norm = RMSNorm(hidden, eps)
-        self.register_buffer("inv_freq", 1.0 / rope_theta ** (torch.arange(0, self.hd, 2).float() / self.hd),
-                             persistent=False)
-
-    def forward(self, emb, feat, start: int, cache=None, mask=None):
-        """emb, feat [B, T, d] -> predicted next features [B, T, d], updated (k, v) cache.
-        Batched training passes mask=None with start=0 (causal); drafting passes B=1 and a cache."""
-        B, T, _ = emb.shape
-        h, kvh = self.cfg["heads"], self.cfg["kv_heads"]
-        x = self.fc(torch.cat([emb, feat], -1))
-        pos = torch.arange(start, start + T)
-        q = rope(self.q(x).view(B, T, h, self.hd).transpose(1, 2), pos, self.inv_freq)
-        k = rope(self.k(x).view(B, T, kvh, self.hd).transpose(1, 2), pos, self.inv_freq)
-        v = self.v(x).view(B, T, kvh, self.hd).transpose(1, 2)
-        if cache is not None:
-            k, v = torch.cat([cache[0], k], 2), torch.cat([cache[1], v], 2)
-        rep = h // kvh
-        ke, ve = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        if T == 1:
-            a = F.scaled_dot_product_attention(q, ke, ve)
-        elif cache is None or cache[0].shape[2] == 0:
-            a = F.scaled_dot_product_attention(q, ke, ve, is_causal=True)
-        else:  # new block after a cached prefix: causal within the block
-            L = ke.shape[2]
-            allowed = torch.ones(T, L, dtype=torch.bool).tril(L - T)
-            a = F.scaled_dot_product_attention(q, ke, ve, attn_mask=allowed)
-        x = x + self.o(a.transpose(1, 2).reshape(B, T, -1))
-        y = self.mlp_norm(x)
-        x = x + self.down(F.silu(self.gate(y)) * self.up(y))
-        return self.out_norm(x), (k, v)
 
 
 class FeatureDrafter:
@@ -368,83 +300,3 @@ class FeatureDrafter:
             head = target_model.get_output_embeddings().weight.detach()
         return cls(net.float(), embed, head, vocab_map, target_model.config.vocab_size, name or str(path),
                    max_len=getattr(target_model, "max_len", 8192))
-
-
-def _compact(w: torch.Tensor) -> torch.Tensor:
-    """bf16 where that keeps every value (the shipped draft is stored in bf16): half the bytes per draft step."""
-    w = w.detach().float()
-    b = w.bfloat16()
-    return b if torch.equal(b.float(), w) else w
-
-
-def quantized(w: torch.Tensor, fmt: int | None) -> QTensor:
-    """A draft matrix for the runtime: in ggml block format `fmt` (run in the q8 mode), or with fmt None (or rows
-    that are not whole blocks) bf16 where that keeps every value, run exactly."""
-    if fmt is None or w.shape[1] % 32:
-        return QTensor.from_float(_compact(w))
-    from ..runtime.quantize import quantize
-    w = w.detach().float()
-    return QTensor(fmt, torch.from_numpy(quantize(w.numpy(), fmt)), w.shape[0], w.shape[1])
-
-
-def runtime_layer(net: FeatureDraftNet, max_len: int, fmt: int | None = None) -> Llama:
-    """The draft layer as a one-layer runtime model: no norm before attention (EAGLE), out_norm as the final
-    norm; the caller applies fc before and the reduced head after. With a block format `fmt` it runs in the q8
-    mode."""
-    c = net.cfg
-    config = SimpleNamespace(model_type="llama", hidden_size=c["hidden"], intermediate_size=c["intermediate"],
-                             num_hidden_layers=1, num_attention_heads=c["heads"], num_key_value_heads=c["kv_heads"],
-                             head_dim=c["hidden"] // c["heads"], rms_norm_eps=c["eps"], max_position_embeddings=max_len,
-                             vocab_size=0, rope_parameters={"rope_type": "default", "rope_theta": c["rope_theta"]})
-    w = {name: quantized(getattr(net, name).weight, fmt) for name in ("q", "k", "v", "o", "gate", "up", "down")}
-    vec = lambda t: t.detach().float().contiguous()  # noqa: E731
-    layer = LayerWeights(None, w["q"], w["k"], w["v"], w["o"], vec(net.mlp_norm.weight), w["gate"], w["up"], w["down"])
-    return Llama(config, None, [layer], vec(net.out_norm.weight), None, max_len=max_len,
-                 numerics="exact" if fmt is None else "q8")
-
-
-def save_draft(net: FeatureDraftNet, vocab_map: torch.Tensor, out: Path, target_fingerprint: str,
-               target_name: str = "", dtype=torch.bfloat16, extra: dict | None = None) -> None:
-    from safetensors.torch import save_file
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to(dtype).contiguous() for k, v in net.state_dict().items()}
-    tensors["vocab_map"] = vocab_map.to(torch.int32).contiguous()
-    save_file(tensors, out / "model.safetensors")
-    meta = {"type": "feature", "net": net.cfg, "reduced_vocab": len(vocab_map),
-            "target_fingerprint": target_fingerprint, "target_name": target_name, **(extra or {})}
-    (out / MARKER).write_text(json.dumps(meta, indent=2))
-
-
-def check_target(meta: dict, path, target_fingerprint: str, what: str = "draft") -> None:
-    """A distill directory serves only the target (tokenizer) it was made from."""
-    if meta.get("target_fingerprint") != target_fingerprint:
-        raise IncompatibleDraft(f"{what} {path} was trained for another target/tokenizer "
-                                f"({meta.get('target_name', '?')})")
-
-
-def is_feature_draft(path) -> bool:
-    return (Path(path) / MARKER).is_file()
-
-
-def net_for_target(config, init_from=None) -> FeatureDraftNet:
-    """A draft layer shaped like one of the target's layers (optionally initialised from it)."""
-    net = FeatureDraftNet(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
-                          config.intermediate_size, float(getattr(config, "rope_theta", None) or
-                                                          (getattr(config, "rope_parameters", None) or {}).get(
-                                                              "rope_theta", 10000.0)), config.rms_norm_eps)
-    with torch.no_grad():
-        nn.init.normal_(net.fc.weight, std=1 / math.sqrt(2 * config.hidden_size))
-        # a Llama-family layer's weights are a head start; other layers (Gemma's (1 + w) norms and post-norms,
-        # Qwen3's q/k norms, Phi-3's fused matrices, head sizes apart from hidden / heads) start from random
-        if init_from is not None and getattr(config, "model_type", "llama") in ("llama", "mistral", "qwen2") \
-                and init_from[0].self_attn.q_proj.weight.shape == net.q.weight.shape:
-            layer, norm = init_from
-            for mine, theirs in [(net.q, layer.self_attn.q_proj), (net.k, layer.self_attn.k_proj),
-                                 (net.v, layer.self_attn.v_proj), (net.o, layer.self_attn.o_proj),
-                                 (net.gate, layer.mlp.gate_proj), (net.up, layer.mlp.up_proj),
-                                 (net.down, layer.mlp.down_proj)]:
-                mine.weight.copy_(theirs.weight)
-            net.mlp_norm.weight.copy_(layer.post_attention_layernorm.weight)
-            net.out_norm.weight.copy_(norm.weight)
-    return net

@@ -20,8 +20,10 @@ from ..cachedir import cache_root
 from ..errors import IncompatibleDraft
 from .base import NoDrafter
 from .chain import ChainDrafter
-from .datastore import FILE as DATASTORE_FILE, DatastoreDrafter
-from .feature import MARKER, FeatureDrafter, check_target, is_feature_draft
+from .datastore import FILE as DATASTORE_FILE
+from .datastore import DatastoreDrafter
+from .feature import FeatureDrafter
+from .feature_files import MARKER, check_target, is_feature_draft
 from .model import ModelDrafter
 from .ngram import NgramDrafter
 from .recycle import RecycleDrafter, RecycleTable
