@@ -103,7 +103,7 @@ def test_early_stopping_keeps_the_best_epoch(tmp_path, prompt_file, tok, target,
     """The saved draft holds the weights of the epoch that scored best on the held-out split, not the last."""
     from safetensors.torch import load_file
 
-    import specdec.distill as d
+    import specdec.distill.training as d
     scores = iter([{"acc": 0.5, "acc2": 0.4}, {"acc": 0.1, "acc2": 0.1}, {"acc": 0.2, "acc2": 0.1}])
     monkeypatch.setattr(d, "evaluate", lambda *a: next(scores))
     rep = distill("tiny", str(tmp_path / "o"), [prompt_file], [], max_new_tokens=8, gen_batch=5, reduced=30,
@@ -267,7 +267,7 @@ def test_feature_drafter_cache_matches_full_recompute(tok, target):
 def test_resume_from_checkpoint(tmp_path, prompt_file, tok, target, monkeypatch):
     """An interrupted run picks up where it stopped (data kept, training from the last epoch checkpoint) and ends
     where an uninterrupted run ends."""
-    import specdec.distill as d
+    import specdec.distill.training as d
     kw = dict(max_new_tokens=12, gen_batch=5, reduced=30, epochs=2, batch=5, lr=3e-3, seed=1, eval_limit=1,
               device="cpu", self_chat=0, loaded=(target, tok))
     straight = distill("tiny", str(tmp_path / "b"), [prompt_file], [], **kw)
@@ -415,7 +415,8 @@ def test_distill_writes_a_datastore_of_its_data_and_the_chain_stays_lossless(dis
 def test_the_draft_learns_response_positions_only(tok, target):
     """The chat template's assistant header marks where a response starts; training labels before it are
     ignored (position j predicts token j + 1), so the draft's capacity goes to what it will be asked to draft."""
-    from specdec.distill import _batch, after_last, assistant_header
+    from specdec.distill import after_last, assistant_header
+    from specdec.distill.training import _batch
     header = assistant_header(tok)
     assert tok.decode(header) == "<assistant>"
     ids = SpecDecoder.from_models(target, tok, "none").encode("hi <assistant> there")

@@ -1,0 +1,204 @@
+"""`specdec distill`: train a feature-conditioned draft (drafters/feature.py) for a target.
+
+1. data     — the target's own greedy responses to the shipped prompt sets (templated, and cut from Python's
+              standard library: prompts/stdlib.py) or user prompts, plus self-chat (the target writes the query
+              too) and optional plain-text files; generated in batches;
+2. labels   — one teacher-forcing pass of the target per sequence: its final hidden state and argmax at every
+              position;
+3. train    — the draft layer learns to predict the next hidden state (smooth L1) and the target's argmax through
+              the target's head over a reduced vocabulary (cross-entropy, at response positions by default: the
+              prompt is context), on target features and, in a second unrolled pass, on its own predicted
+              features (what it sees from draft position 2 on);
+4. save     — a model directory (safetensors + specdec_draft.json) that `--draft DIR` loads;
+5. report   — on held-out prompts (the bench sets, never used for training): acceptance by position, mean
+              accepted length, draft cost per token vs one target pass, predicted and measured speedup.
+Every phase resumes from what an interrupted run left in OUT/work.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from time import perf_counter
+
+import torch
+
+from .. import models
+from ..api import encode_prompt
+from ..drafters.datastore import DatastoreDrafter
+from ..drafters.feature import FeatureDrafter
+from ..drafters.feature_net import net_for_target, save_draft
+from ..errors import InvalidRequest, SpecDecError
+from ..prompts import load_prompts
+from .data import (
+    _keyed,
+    after_last,
+    assistant_header,
+    generate_responses,
+    pre_query,
+    reduced_vocab,
+    self_chat_data,
+    teacher_labels,
+    text_sequences,
+)
+from .progress import DEFAULT_PROMPTS
+from .training import train
+
+__all__ = ["after_last", "assistant_header", "distill", "generate_responses", "pre_query", "reduced_vocab", "report",
+           "self_chat_data", "teacher_labels", "text_sequences"]
+
+
+# ---- 5. report -------------------------------------------------------------------------------------------------
+def report(target_model, tok, drafter, prompts: list[dict], max_new_tokens: int, tau: int) -> dict:
+    from ..api import SpecDecoder
+    from ..costs import cost_model, verify_curve
+    from ..trace import acceptance_by_position
+    spec = SpecDecoder.from_models(target_model, tok, drafter, tau)
+    base = SpecDecoder.from_models(target_model, tok, "none")
+    spec.generate(prompts[0]["prompt"], max_new_tokens=4, chat=prompts[0]["chat"])  # warm-up
+    base.generate(prompts[0]["prompt"], max_new_tokens=4, chat=prompts[0]["chat"])
+    recs, base_recs, t_spec, t_base, n_spec, n_base, identical = [], [], 0.0, 0.0, 0, 0, True
+    for p in prompts:
+        a = spec.generate(p["prompt"], max_new_tokens=max_new_tokens, chat=p["chat"])
+        b = base.generate(p["prompt"], max_new_tokens=max_new_tokens, chat=p["chat"])
+        recs += a.records[1:]
+        base_recs += b.records[1:]
+        t_spec, t_base = t_spec + a.stats["wall_s"], t_base + b.stats["wall_s"]
+        n_spec, n_base = n_spec + len(a.token_ids), n_base + len(b.token_ids)
+        identical &= a.token_ids == b.token_ids
+    proposed = sum(len(r.proposed) for r in recs)
+    alphas = [a or 0.0 for a in acceptance_by_position(recs)]
+    t_target = sum(r.verify_ms for r in base_recs) / len(base_recs)
+    c_ms = sum(r.draft_ms for r in recs) / max(1, proposed)
+    curve = verify_curve(recs) | {1: t_target}
+    overhead = sum(r.cycle_ms - r.draft_ms - r.verify_ms for r in recs) / len(recs)
+    return {"prompts": len(prompts), "tau": tau, "acceptance_rate": round(sum(r.accepted for r in recs) / proposed, 4),
+            "acceptance_by_position": alphas, "mean_accepted_len": round(sum(r.accepted for r in recs) / len(recs), 4),
+            "draft_ms_per_token": round(c_ms, 3), "target_pass_ms": round(t_target, 3),
+            "draft_cost_ratio": round(c_ms / t_target, 4),
+            "predicted_speedup": round(cost_model(alphas, tau, c_ms, curve, overhead, t_target), 3),
+            "measured_speedup": round((n_spec / t_spec) / (n_base / t_base), 3), "identical_to_target": identical}
+
+
+# ---- the command -----------------------------------------------------------------------------------------------
+def _runtime_twin(target: str, device: str):
+    """The target on specdec's runtime for data generation on CPU, or None to use the transformers model."""
+    if device != "cpu":
+        return None
+    try:
+        model = models.load(target, backend="runtime")[0]
+    except SpecDecError:
+        return None
+    return model
+def distill(target: str, out: str, prompt_files: list[str], text_files: list[str], max_new_tokens: int = 128,
+            gen_batch: int = 64, reduced: int = 8192, epochs: int = 6, batch: int = 8, lr: float = 2e-3,
+            seed: int = 0, limit: int = 0, eval_limit: int = 0, eval_tau: int = 4, device: str = "auto",
+            self_chat: int = 1536, val_every: int = 50, loss_on: str = "response", loaded=None) -> dict:
+    if max_new_tokens < 1 or gen_batch < 1 or epochs < 1 or batch < 1 or lr <= 0 or eval_tau < 1:
+        raise InvalidRequest("--max-new-tokens, --gen-batch, --epochs, --batch and --eval-tau must be >= 1, "
+                             "--lr > 0")
+    if self_chat < 0 or val_every < 0:
+        raise InvalidRequest("--self-chat and --val-every must be >= 0")
+    if reduced < 2:
+        raise InvalidRequest("--reduced-vocab must be >= 2")
+    if loss_on not in ("response", "all"):
+        raise InvalidRequest(f"--loss-on must be 'response' or 'all', got {loss_on!r}")
+    out_dir, work = Path(out), Path(out) / "work"
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+        (work / ".write-test").write_text("ok")
+    except OSError as e:
+        raise SpecDecError(f"cannot write to {out}: {e.strerror}")
+    prompts = [p for f in (prompt_files or DEFAULT_PROMPTS) for p in load_prompts(f)]
+    if limit:
+        prompts = prompts[:limit]
+    model, tok = loaded[:2] if loaded else models.load(target, backend="transformers")  # training: transformers
+    if reduced > model.config.vocab_size:
+        raise InvalidRequest(f"--reduced-vocab {reduced} exceeds the target's vocabulary ({model.config.vocab_size})")
+    texts = text_sequences(tok, text_files or [])  # read before hours of generation, so a bad path fails fast
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    model.to(device)
+    # the data (generation with hidden states, labels) on specdec's runtime where it runs the target on this CPU
+    gen = loaded[2] if loaded and len(loaded) > 2 else None if loaded else _runtime_twin(target, device)
+    gen = gen or model
+    t0 = perf_counter()
+    # resumable data is keyed on what made it: other prompts, limits or lengths start that file again
+    _keyed(work / "sequences.jsonl", {"prompts": prompts, "max_new_tokens": max_new_tokens})
+    _keyed(work / "self_chat.jsonl", {"max_new_tokens": max_new_tokens, "gen_batch": gen_batch, "seed": seed})
+    seqs = generate_responses(gen, tok, prompts, work / "sequences.jsonl", max_new_tokens, gen_batch, device)
+    chats = self_chat_data(gen, tok, self_chat, work / "self_chat.jsonl", max_new_tokens, gen_batch, seed, device)
+    t_data = perf_counter() - t0
+    # where each response starts: drafts are only ever asked to continue responses (as EAGLE's loss mask)
+    starts = [len(encode_prompt(tok, p["prompt"], p["chat"])) for p in prompts]
+    header = assistant_header(tok)
+    starts += [after_last(it["ids"], header) for it in chats] + [0] * len(texts)
+    seqs += chats + texts
+    data = teacher_labels(gen, seqs, work / "labels.pt", device)
+    for d, start in zip(data, starts):
+        d["start"] = start if loss_on == "response" else 0
+    vocab_map = reduced_vocab(data, reduced, models.eos_ids(model, tok), model.config.vocab_size)
+    embed = model.get_input_embeddings().weight.detach().cpu()
+    head = model.get_output_embeddings().weight.detach().cpu()
+    decoder = model.get_decoder()
+    torch.manual_seed(seed)
+    net = net_for_target(model.config, init_from=(decoder.layers[-1], decoder.norm))
+    t1 = perf_counter()
+    # every val_every-th sequence is held out of training to pick the epoch (early stopping)
+    val = [d for i, d in enumerate(data) if val_every and i % val_every == val_every - 1]
+    train_data = [d for i, d in enumerate(data) if not (val_every and i % val_every == val_every - 1)] or data
+    hist = train(net, train_data, embed, head, vocab_map, epochs, batch, lr, seed, work / "checkpoint.pt", device,
+                 val)
+    t_train = perf_counter() - t1
+    model.cpu()
+    fp = models.tokenizer_fingerprint(tok)
+    meta = {"recipe": {"prompts": len(prompts), "self_chat": self_chat, "text_files": text_files or [],
+                       "max_new_tokens": max_new_tokens, "reduced_vocab": reduced, "loss_on": loss_on,
+                       "epochs": epochs, "batch": batch, "lr": lr, "seed": seed},
+            "sequences": len(data), "tokens": int(sum(len(d["ids"]) for d in data)),
+            "train_history": hist["epochs"], "best_epoch": hist["best_epoch"]}
+    save_draft(net, vocab_map, out_dir, fp, target_name=str(target), extra=meta)
+    DatastoreDrafter.save([d["ids"].tolist() for d in data], out_dir)  # for `--draft datastore:DIR` (retrieval)
+    drafter = FeatureDrafter.load(out_dir, gen, fp)  # measured as it will run: on the runtime where it can
+    held_out = load_prompts()[: eval_limit or None]
+    rep = {**meta, "seconds": {"data": round(t_data, 1), "labels": round(t1 - t0 - t_data, 1),
+                               "train": round(t_train, 1)},
+           "held_out": report(gen, tok, drafter, held_out, 64, eval_tau)}
+    (out_dir / "distill_report.json").write_text(json.dumps(rep, indent=2))
+    return rep
+
+
+def cmd_distill(args) -> int:
+    rep = distill(args.target, args.out, args.prompts or [], args.text or [], args.max_new_tokens, args.gen_batch,
+                  args.reduced_vocab, args.epochs, args.batch, args.lr, args.seed, args.limit, args.eval_limit,
+                  args.eval_tau, args.device, args.self_chat, args.val_every, args.loss_on)
+    h = rep["held_out"]
+    print(json.dumps(h, indent=2))
+    print(f"draft saved to {args.out}: acceptance {h['acceptance_rate']}, draft/target cost "
+          f"{h['draft_cost_ratio']}, measured speedup {h['measured_speedup']}x on {h['prompts']} held-out prompts")
+    return 0
+
+
+def register(sub, model_args, sampling_args):
+    d = sub.add_parser("distill", help="train a fast draft for a target on its own outputs")
+    d.add_argument("--target", default="default")
+    d.add_argument("--out", required=True, help="directory for the draft (and work/ for resumable state)")
+    d.add_argument("--prompts", action="append", help="JSONL prompt files (default: the shipped distill set)")
+    d.add_argument("--text", action="append", help="plain text files to add as training sequences")
+    d.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
+    d.add_argument("--max-new-tokens", type=int, default=128, help="length of the target's responses")
+    d.add_argument("--gen-batch", type=int, default=64, help="sequences generated together")
+    d.add_argument("--self-chat", type=int, default=1536,
+                   help="extra synthetic conversations: the target writes a query, then answers it")
+    d.add_argument("--val-every", type=int, default=50,
+                   help="hold every Nth sequence out of training to pick the best epoch (0 = no split)")
+    d.add_argument("--loss-on", choices=("response", "all"), default="response",
+                   help="positions whose next token the draft is trained to predict: responses only (default; "
+                        "prompts are context) or every position")
+    d.add_argument("--reduced-vocab", type=int, default=8192, help="draft head size (most frequent target tokens)")
+    d.add_argument("--epochs", type=int, default=6)
+    d.add_argument("--batch", type=int, default=8)
+    d.add_argument("--lr", type=float, default=2e-3)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--eval-limit", type=int, default=0, help="held-out prompts for the report (0 = all)")
+    d.add_argument("--eval-tau", type=int, default=4)
+    d.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda")
+    d.set_defaults(func=cmd_distill)

@@ -1,0 +1,127 @@
+"""`specdec distill`'s training (phase 3): the draft layer against the target's next hidden state and argmax, on the
+target's features and, unrolled, on its own; resumable from a checkpoint."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+from .progress import _progress, console
+
+
+# ---- 3. training -----------------------------------------------------------------------------------------------
+def _batch(items, embed, to_reduced, device):
+    T = max(len(d["ids"]) for d in items)
+    d_model = embed.shape[1]
+    B = len(items)
+    emb = torch.zeros(B, T, d_model)
+    feat_in = torch.zeros(B, T, d_model)
+    target_h = torch.zeros(B, T, d_model)
+    labels = torch.full((B, T), -100, dtype=torch.long)
+    for b, d in enumerate(items):
+        n = len(d["ids"])
+        emb[b, :n] = embed[d["ids"]]
+        h = d["h"].float()
+        feat_in[b, 1:n] = h[:-1]
+        target_h[b, :n] = h
+        labels[b, :n] = to_reduced[d["argmax"]]
+        labels[b, :max(0, d.get("start", 0) - 1)] = -100  # position j predicts token j + 1
+    return [t.to(device) for t in (emb, feat_in, target_h, labels)]
+
+
+def _loss(net, head_r, emb, feat_in, target_h, labels):
+    pred, _ = net(emb, feat_in, 0)
+    mask = target_h.abs().sum(-1, keepdim=True) > 0  # real positions (padding is all zeros)
+    reg = (F.smooth_l1_loss(pred, target_h, reduction="none") * mask).sum() / mask.sum() / pred.shape[-1]
+    logits = pred @ head_r.T
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    acc = (logits.argmax(-1) == labels)[labels != -100].float().mean()
+    return pred, reg, ce, acc
+
+
+@torch.no_grad()
+def evaluate(net, head_r, data, embed, to_reduced, batch: int, device: str) -> dict:
+    """Teacher-forced argmax agreement with the target on `data`: from target features (draft position 1) and
+    from the draft's own features (later positions)."""
+    net.eval()
+    hits = {"acc": 0.0, "acc2": 0.0}
+    n = 0
+    for i in range(0, len(data), batch):
+        emb, feat_in, target_h, labels = _batch(data[i:i + batch], embed, to_reduced, device)
+        pred, _, _, acc = _loss(net, head_r, emb, feat_in, target_h, labels)
+        own = torch.cat([torch.zeros_like(pred[:, :1]), pred[:, :-1]], 1)
+        _, _, _, acc2 = _loss(net, head_r, emb, own, target_h, labels)
+        m = int((labels != -100).sum())
+        hits["acc"], hits["acc2"], n = hits["acc"] + float(acc) * m, hits["acc2"] + float(acc2) * m, n + m
+    net.train()
+    return {k: round(v / max(1, n), 4) for k, v in hits.items()}
+
+
+def mixed_precision(device: str):
+    """bf16 autocast for training where the hardware does bf16 matmuls (weights and optimizer stay fp32):
+    1.45x the fp32 training throughput on this project's CPU (Zen 4, AVX512-BF16), same loss to 1e-3."""
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    ok = torch.cuda.is_bf16_supported() if kind == "cuda" else torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return torch.autocast(kind, dtype=torch.bfloat16, enabled=ok)
+
+
+def train(net, data, embed, head, vocab_map, epochs: int, batch: int, lr: float, seed: int, ckpt: Path,
+          device: str, val: list[dict] | None = None) -> dict:
+    """AdamW + one-cycle schedule; after each epoch the validation split (sequences never trained on) is scored
+    and the best epoch's weights are kept (early stopping)."""
+    torch.manual_seed(seed)
+    net.to(device).train()
+    embed, head_r = embed.float(), head[vocab_map].float().to(device)
+    to_reduced = torch.full((head.shape[0],), -100, dtype=torch.long)
+    to_reduced[vocab_map] = torch.arange(len(vocab_map))
+    opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.01)
+    order = sorted(range(len(data)), key=lambda i: len(data[i]["ids"]))  # similar lengths batch together
+    batches = [order[i:i + batch] for i in range(0, len(order), batch)]
+    total = epochs * len(batches)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=total, pct_start=0.05)
+    start_epoch, history, best = 0, [], None
+    if ckpt.exists():
+        state = torch.load(ckpt)
+        net.load_state_dict(state["net"])
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        start_epoch, history, best = state["epoch"], state["history"], state.get("best")
+        console.print(f"resuming training from epoch {start_epoch}")
+    with _progress() as bar:
+        task = bar.add_task("training", total=total, completed=start_epoch * len(batches))
+        for epoch in range(start_epoch, epochs):
+            rng_epoch = random.Random(seed * 1_000_003 + epoch)  # same order whether resumed or not
+            sums = {"reg": 0.0, "ce": 0.0, "acc": 0.0, "acc2": 0.0}
+            for idx in rng_epoch.sample(batches, len(batches)):
+                emb, feat_in, target_h, labels = _batch([data[i] for i in idx], embed, to_reduced, device)
+                with mixed_precision(device):
+                    pred, reg, ce, acc = _loss(net, head_r, emb, feat_in, target_h, labels)
+                    # unrolled pass: inputs are the draft's own predictions, as from draft position 2 on
+                    own = torch.cat([torch.zeros_like(pred[:, :1]), pred[:, :-1].detach()], 1)
+                    _, reg2, ce2, acc2 = _loss(net, head_r, emb, own, target_h, labels)
+                    loss = ce + reg + 0.5 * (ce2 + reg2)
+                opt.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+                opt.step()
+                sched.step()
+                for k, v in (("reg", reg), ("ce", ce), ("acc", acc), ("acc2", acc2)):
+                    sums[k] += float(v.detach())
+                bar.update(task, advance=1, description=f"training e{epoch + 1} acc {float(acc):.2f}")
+            row = {k: round(v / len(batches), 4) for k, v in sums.items()}
+            if val:
+                row["val"] = evaluate(net, head_r, val, embed, to_reduced, batch, device)
+                score = row["val"]["acc"] + row["val"]["acc2"]
+                if best is None or score > best["score"]:
+                    best = {"score": score, "epoch": epoch + 1,
+                            "net": {k: v.detach().clone() for k, v in net.state_dict().items()}}
+            history.append(row)
+            console.print(f"epoch {epoch + 1}: {row}")
+            torch.save({"net": net.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                        "epoch": epoch + 1, "history": history, "best": best}, ckpt)
+    if best is not None:
+        net.load_state_dict(best["net"])
+    net.cpu().eval()
+    return {"epochs": history, "best_epoch": best["epoch"] if best else epochs}
