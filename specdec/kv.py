@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from . import kernels
-from .runtime.model import common_prefix_len, fit_vocab
+from .runtime.slot_cache import common_prefix_len, fit_vocab
 
 
 def cached_model(model, vocab_size: int):
@@ -34,7 +34,9 @@ class CachedModel:
         self.reset()
 
     def reset(self) -> None:
-        from transformers import DynamicCache  # imported here: the runtime path never needs transformers' models
+        from transformers import (
+            DynamicCache,  # imported here: the runtime path never needs transformers' models
+        )
         self.cache = DynamicCache()
         self.tokens: list[int] = []
 

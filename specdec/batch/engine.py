@@ -12,7 +12,8 @@ from ..engine import cut
 from ..kernels import argmax as row_argmax
 from ..policy import AdaptivePolicy, Ema
 from ..runtime.blocks import BLOCK, OutOfBlocks
-from ..runtime.model import Llama, fit_vocab
+from ..runtime.model import Llama
+from ..runtime.slot_cache import fit_vocab
 from ..sampling import SamplingParams, token_logprobs
 from ..scheduler import Demand, plan
 from ..trace import CycleRecord, shortfall

@@ -3,7 +3,7 @@ llama3 and yarn scaling), grouped-query attention, SwiGLU, tied or untied head, 
 
 Weights stay in their file's form (weights.QTensor) and run on specdec's kernels: one C++ call per pass
 (kernels/rows.cpp, `decoder_layers`), which computes every row on its own, so a row of a verify pass gets bitwise the
-logits a one-token pass gives it. Without the kernels the same layer runs in torch below (`_layer_torch`), on the
+logits a one-token pass gives it. Without the kernels the same layer runs in torch below (torch_layer.py), on the
 same dequantized values.
 
 KV slots: each sequence owns a slot, a preallocated pair of tensors, keys [layers, kv_heads, max_len/16, head_dim, 16]
@@ -19,12 +19,14 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.nn import functional as F
 
 from .. import kernels
-from ..kernels import abi
 from ..cachedir import file_sha256
+from ..kernels import abi
+from . import torch_layer
 from .blocks import BLOCK, BlockPool, default_kv_memory, drop_pages
+from .rope import rope_tables
+from .slot_cache import SlotCache
 from .weights import QTensor, qlinear
 
 _Seg, _Lin, _Layer, _Dims = abi.Seg, abi.Lin, abi.Layer, abi.Dims  # the kernels' structs (kernels/abi.py)
@@ -63,37 +65,6 @@ def _lin(parts, q8: bool) -> _Lin:
                           None if b is None else b.data_ptr(), w.fmt, w.n)
     lin.count = len(parts)
     return lin
-
-
-def rope_tables(config, max_len: int, theta: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [max_len, head_dim / 2]: transformers' Llama tables (fp32 inv_freq x position, scaled), whose two
-    halves are equal, one half kept.
-    `theta`: a layer's own base, unscaled (Gemma 3's local layers). A GGUF's per-frequency factors
-    (config.rope_freq_factors, Llama 3.1+ files) divide the frequencies, as llama.cpp applies them."""
-    params = getattr(config, "rope_parameters", None) or {}
-    kind = params.get("rope_type", "default") if theta is None else "default"
-    hd = config.head_dim
-    if kind in ("default", "linear"):
-        base = params["rope_theta"] if theta is None else theta
-        inv = 1.0 / (base ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
-        factors = getattr(config, "rope_freq_factors", None)
-        if factors is not None and theta is None:
-            inv = inv / factors.float()
-        if kind == "linear":  # position interpolation: every frequency divided by the factor
-            inv = inv / params["factor"]
-        scale = 1.0
-    else:
-        from transformers import AutoConfig
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-        if not hasattr(config, "to_dict"):  # the GGUF loader's plain namespace
-            config = AutoConfig.for_model(config.model_type, **{k: v for k, v in vars(config).items()
-                                                                if k != "model_type"})
-        inv, scale = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
-    ang = torch.arange(max_len).float()[:, None] * inv.float()[None]
-    emb = torch.cat([ang, ang], -1)
-    # transformers' tables repeat each angle in both halves of a row: one half is kept (the kernel reads pair i's)
-    half = hd // 2
-    return (emb.cos() * scale)[:, :half].contiguous(), (emb.sin() * scale)[:, :half].contiguous()
 
 
 class Llama:
@@ -350,8 +321,8 @@ class Llama:
                 xr = x[r:r + 1].clone()  # a fresh, aligned [1, hidden]: the same BLAS call a one-token pass makes
                 path = None if paths is None else paths[r]
                 for i, w in enumerate(self.layers):
-                    xr = self._layer_torch(i, w, xr, slots[r], positions[r], path)
-                h[r] = _rmsnorm(xr, self.norm, self.eps)[0]
+                    xr = torch_layer.layer(self, i, w, xr, slots[r], positions[r], path)
+                h[r] = torch_layer.rmsnorm(xr, self.norm, self.eps)[0]
         rows = h if logit_rows is None else h[list(logit_rows)]
         logits = qlinear(rows.contiguous(), self.head, q8=self.q8) if len(rows) else None
         return (logits, h) if hidden else logits
@@ -386,41 +357,6 @@ class Llama:
                 self._vpool[bd, :, :, ld] = self._vpool[bs, :, :, ls]
 
     # ---- the same layer in torch (no kernels on this machine) --------------------------------------------------
-    def _layer_torch(self, i, w: LayerWeights, x, slot: int, pos: int, path: list[int] | None = None):
-        """One layer for ONE row x [1, hidden] at position `pos` of `slot` (rows go one by one: torch's matrix
-        products change their summation order with the number of rows, a single row's never does). A tree row's
-        `path` maps its last logical positions to where they are stored (forward())."""
-        hd = self.hd
-        h = x if w.attn_norm is None else _rmsnorm(x, w.attn_norm, self.eps)
-        q = F.linear(h, w.q.dequantize(), w.q_bias).view(self.heads, hd)
-        k = F.linear(h, w.k.dequantize(), w.k_bias).view(self.kv_heads, hd)
-        v = F.linear(h, w.v.dequantize(), w.v_bias).view(self.kv_heads, hd)
-        if w.q_norm is not None:
-            q, k = _rmsnorm(q, w.q_norm, self.eps), _rmsnorm(k, w.k_norm, self.eps)
-        cos, sin = self._layer_rope.get(w.rope_theta, (self.cos, self.sin))
-        cos, sin = _pairs(cos[pos], self.interleaved), _pairs(sin[pos], self.interleaved)
-        rot = _rotate_pairs if self.interleaved else _rotate_half
-        q, k = q * cos + rot(q) * sin, k * cos + rot(k) * sin
-        kc, vc, table = self._kpool, self._vpool, torch.from_numpy(self._tables[slot]).long()
-        st = pos if path is None else path[-1]
-        kc[table[st // BLOCK], i, :, :, st % BLOCK], vc[table[st // BLOCK], i, :, st % BLOCK] = k, v
-        rep = self.heads // self.kv_heads
-        # the logical key sequence: positions 0..pos, a tree row's last ones at its path's storage positions
-        at = torch.tensor(list(range(pos + 1 - len(path))) + list(path)) if path is not None else torch.arange(pos + 1)
-        keys = kc[table[at // BLOCK], i, :, :, at % BLOCK].transpose(0, 1)  # [kv_heads, L, hd]
-        vals = vc[table[at // BLOCK], i, :, at % BLOCK].transpose(0, 1)
-        keys, vals = keys.repeat_interleave(rep, 0), vals.repeat_interleave(rep, 0)
-        scores = (keys @ q[:, :, None])[..., 0] * (self.attn_scale or 1 / hd ** 0.5)  # [heads, L]
-        if w.window and len(at) > w.window:
-            scores[:, : len(at) - w.window] = float("-inf")
-        att = (torch.softmax(scores, -1)[:, None] @ vals)[:, 0].reshape(1, -1)
-        x = x + _post(F.linear(att, w.o.dequantize()), w.post_attn_norm, self.eps)
-        h = _rmsnorm(x, w.ffn_norm, self.eps)
-        gate = F.linear(h, w.gate.dequantize())
-        gate = F.gelu(gate, approximate="tanh") if self.act == "gelu_pytorch_tanh" else F.silu(gate)
-        return x + _post(F.linear(gate * F.linear(h, w.up.dequantize()), w.down.dequantize()), w.post_ffn_norm,
-                         self.eps)
-
     # ---- ctypes descriptions -----------------------------------------------------------------------------------
     def _layer_struct(self, w: LayerWeights) -> _Layer:
         q8 = self.q8
@@ -475,31 +411,6 @@ def _ptr(t: torch.Tensor | None):
     return None if t is None else t.data_ptr()
 
 
-def _post(out, norm, eps):
-    """A post-norm (Gemma's post-attention / post-MLP norms) or nothing."""
-    return out if norm is None else _rmsnorm(out, norm, eps)
-
-
-def _rmsnorm(x, w, eps):
-    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
-def _rotate_half(x):
-    h = x.shape[-1] // 2
-    return torch.cat([-x[..., h:], x[..., :h]], -1)
-
-
-def _rotate_pairs(x):
-    """(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...): rotate-half for llama.cpp's interleaved row order."""
-    pairs = x.unflatten(-1, (-1, 2))
-    return torch.stack([-pairs[..., 1], pairs[..., 0]], -1).flatten(-2)
-
-
-def _pairs(table, interleaved):
-    """A half table (c0..c_{h-1}) laid out for the row order: (c0..c_{h-1}, c0..c_{h-1}) or (c0, c0, c1, c1, ...)."""
-    return table.repeat_interleave(2, -1) if interleaved else torch.cat([table, table], -1)
-
-
 def _runs(ids: list[int]):
     """Sorted ids -> (first, last) of each run of consecutive ones."""
     start = prev = None
@@ -514,85 +425,3 @@ def _runs(ids: list[int]):
         yield start, prev
 
 
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    return next(i for i in range(n) if a[i] != b[i])
-
-
-class SlotCache:
-    """One sequence in one KV slot, with kv.CachedModel's interface (what the engine and drafters use):
-    `forward(tokens, n_logits)` runs only the tokens the slot lacks, rolling back past any divergence first."""
-
-    def __init__(self, model: Llama, vocab_size: int):
-        self.model, self.vocab_size = model, vocab_size
-        self.slot = model.acquire_slot()
-        self.tokens: list[int] = []
-        self.last_start = 0
-
-    def reset(self) -> None:
-        self.tokens = []
-
-    def rollback(self, length: int) -> None:
-        del self.tokens[length:]  # the slot's length; the positions beyond are overwritten by the next pass
-        self.model.truncate(self.slot, length)  # and their blocks go back to the pool
-
-    def forward(self, tokens: list[int], n_logits: int = 1, hidden: bool = False):
-        self.rollback(min(common_prefix_len(self.tokens, tokens), len(tokens) - n_logits))
-        start = self.last_start = len(self.tokens)
-        new = tokens[start:]
-        out = self.model.forward(new, [self.slot] * len(new), list(range(start, len(tokens))),
-                                 range(len(new) - n_logits, len(new)), hidden)
-        self.tokens.extend(new)
-        logits = out[0] if hidden else out
-        logits = fit_vocab(logits, self.vocab_size)
-        return (logits, out[1]) if hidden else logits
-
-    def forward_tree(self, tokens: list[int], tree: list[int], parents: list[int], hidden: bool = False):
-        """One pass over the tokens the slot lacks and a token tree after them -> logits [1 + len(tree), V]: the
-        row of tokens[-1] (which the tree hangs from, parent -1), then one per node (parents[i] < i is node i's
-        parent). Nodes are stored after the sequence in their order, and each attends to its own path only.
-        Only `tokens` count as cached afterwards; keep_path() then moves an accepted path into place. hidden=True
-        also returns every row's final hidden state (the rows the slot lacked, then the nodes)."""
-        self.rollback(min(common_prefix_len(self.tokens, tokens), len(tokens) - 1))
-        start = self.last_start = len(self.tokens)
-        new, base = tokens[start:], len(tokens)
-        paths, depth = [None] * len(new), []
-        for i, parent in enumerate(parents):
-            depth.append(1 if parent < 0 else depth[parent] + 1)
-            paths.append((paths[len(new) + parent] if parent >= 0 else []) + [base + i])
-        out = self.model.forward(new + list(tree), [self.slot] * (len(new) + len(tree)),
-                                 list(range(start, base)) + [base - 1 + d for d in depth],
-                                 range(len(new) - 1, len(new) + len(tree)), hidden, paths=paths)
-        self.tokens.extend(new)
-        self._tree = (base, tree, paths[len(new):])
-        return (fit_vocab(out[0], self.vocab_size), out[1]) if hidden else fit_vocab(out, self.vocab_size)
-
-    def keep_path(self, nodes: list[int]) -> None:
-        """After forward_tree: the accepted nodes (a root-to-node path, in order) join the cached sequence, their
-        keys and values moved to the positions they hold in it."""
-        base, tree, paths = self._tree
-        if nodes:
-            self.model.move_positions(self.slot, list(zip(paths[nodes[-1]], range(base, base + len(nodes)))))
-        del self.tokens[base:]
-        self.tokens.extend(tree[i] for i in nodes)
-        self.model.truncate(self.slot, len(self.tokens))  # the other nodes' blocks back to the pool
-
-    def close(self) -> None:
-        if self.slot is not None:
-            self.model.release_slot(self.slot)
-            self.slot = None
-
-    def __del__(self):
-        self.close()
-
-
-def fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Models may pad their output head; align every model to the target's vocabulary size."""
-    if logits.shape[-1] > vocab:
-        return logits[..., :vocab]
-    if logits.shape[-1] < vocab:
-        pad = logits.new_full((*logits.shape[:-1], vocab - logits.shape[-1]), float("-inf"))
-        return torch.cat([logits, pad], -1)
-    return logits

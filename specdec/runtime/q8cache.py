@@ -151,7 +151,13 @@ class _Progress:
 
     def __enter__(self):
         from rich.console import Console
-        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+        )
         print(f"specdec: preparing the q8 layout of {self.name} ({self.total / 1e6:.0f} MB; once, cached in "
               f"{self.where})", file=sys.stderr)
         self.bar = Progress(TextColumn("  repacking"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),

@@ -1,0 +1,94 @@
+"""One sequence in one KV slot of the runtime's model (kv.CachedModel's interface: what the engine and drafters
+call), and the helpers a slot's owner needs: the common prefix of two token lists, logits fitted to a vocabulary."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .model import Llama
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    return next(i for i in range(n) if a[i] != b[i])
+
+
+class SlotCache:
+    """One sequence in one KV slot, with kv.CachedModel's interface (what the engine and drafters use):
+    `forward(tokens, n_logits)` runs only the tokens the slot lacks, rolling back past any divergence first."""
+
+    def __init__(self, model: Llama, vocab_size: int):
+        self.model, self.vocab_size = model, vocab_size
+        self.slot = model.acquire_slot()
+        self.tokens: list[int] = []
+        self.last_start = 0
+
+    def reset(self) -> None:
+        self.tokens = []
+
+    def rollback(self, length: int) -> None:
+        del self.tokens[length:]  # the slot's length; the positions beyond are overwritten by the next pass
+        self.model.truncate(self.slot, length)  # and their blocks go back to the pool
+
+    def forward(self, tokens: list[int], n_logits: int = 1, hidden: bool = False):
+        self.rollback(min(common_prefix_len(self.tokens, tokens), len(tokens) - n_logits))
+        start = self.last_start = len(self.tokens)
+        new = tokens[start:]
+        out = self.model.forward(new, [self.slot] * len(new), list(range(start, len(tokens))),
+                                 range(len(new) - n_logits, len(new)), hidden)
+        self.tokens.extend(new)
+        logits = out[0] if hidden else out
+        logits = fit_vocab(logits, self.vocab_size)
+        return (logits, out[1]) if hidden else logits
+
+    def forward_tree(self, tokens: list[int], tree: list[int], parents: list[int], hidden: bool = False):
+        """One pass over the tokens the slot lacks and a token tree after them -> logits [1 + len(tree), V]: the
+        row of tokens[-1] (which the tree hangs from, parent -1), then one per node (parents[i] < i is node i's
+        parent). Nodes are stored after the sequence in their order, and each attends to its own path only.
+        Only `tokens` count as cached afterwards; keep_path() then moves an accepted path into place. hidden=True
+        also returns every row's final hidden state (the rows the slot lacked, then the nodes)."""
+        self.rollback(min(common_prefix_len(self.tokens, tokens), len(tokens) - 1))
+        start = self.last_start = len(self.tokens)
+        new, base = tokens[start:], len(tokens)
+        paths, depth = [None] * len(new), []
+        for i, parent in enumerate(parents):
+            depth.append(1 if parent < 0 else depth[parent] + 1)
+            paths.append((paths[len(new) + parent] if parent >= 0 else []) + [base + i])
+        out = self.model.forward(new + list(tree), [self.slot] * (len(new) + len(tree)),
+                                 list(range(start, base)) + [base - 1 + d for d in depth],
+                                 range(len(new) - 1, len(new) + len(tree)), hidden, paths=paths)
+        self.tokens.extend(new)
+        self._tree = (base, tree, paths[len(new):])
+        return (fit_vocab(out[0], self.vocab_size), out[1]) if hidden else fit_vocab(out, self.vocab_size)
+
+    def keep_path(self, nodes: list[int]) -> None:
+        """After forward_tree: the accepted nodes (a root-to-node path, in order) join the cached sequence, their
+        keys and values moved to the positions they hold in it."""
+        base, tree, paths = self._tree
+        if nodes:
+            self.model.move_positions(self.slot, list(zip(paths[nodes[-1]], range(base, base + len(nodes)))))
+        del self.tokens[base:]
+        self.tokens.extend(tree[i] for i in nodes)
+        self.model.truncate(self.slot, len(self.tokens))  # the other nodes' blocks back to the pool
+
+    def close(self) -> None:
+        if self.slot is not None:
+            self.model.release_slot(self.slot)
+            self.slot = None
+
+    def __del__(self):
+        self.close()
+
+
+def fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Models may pad their output head; align every model to the target's vocabulary size."""
+    if logits.shape[-1] > vocab:
+        return logits[..., :vocab]
+    if logits.shape[-1] < vocab:
+        pad = logits.new_full((*logits.shape[:-1], vocab - logits.shape[-1]), float("-inf"))
+        return torch.cat([logits, pad], -1)
+    return logits
