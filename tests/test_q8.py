@@ -8,7 +8,7 @@ import torch
 from test_runtime import assert_speculation_equals_target_only, gguf_pair  # noqa: F401 - gguf_pair: a fixture
 
 from specdec import kernels
-from specdec.kernels.reference.q8 import as_q8_layout, halves_reference, q8_reference
+from specdec.kernels.reference.q8 import q8_linear, q8_reference
 from specdec.kernels.reference.simd import fma32
 from specdec.runtime.load import load_gguf
 
@@ -172,15 +172,9 @@ def test_q8_runs_k_quants_and_5_bit_blocks_as_the_blocks_they_equal(fmt):
     n, k = 37, 512
     w = np.random.default_rng(fmt).standard_normal((n, k)).astype(F32)
     data = quantize(w, fmt)
-    lay, blocks = as_q8_layout(fmt, data, n, k)
     x = np.random.default_rng(2).standard_normal((29, k)).astype(F32)
     x[4, 64:96] = 0
-    if lay in (kernels.Q6_K, kernels.Q3_K, kernels.Q2_K):
-        want = halves_reference(x, *blocks)
-    elif fmt in (kernels.Q5_1, kernels.Q5_K):
-        want = q8_reference(lay, x, None, n, k, weights=blocks)
-    else:
-        want = q8_reference(lay, x, np.ascontiguousarray(blocks).reshape(n, -1), n, k)
+    want = q8_linear(fmt, x, data, n)  # reference/q8.py: the file's blocks rebuilt as the layout they run as
     for rows in (1, 2, 3, 4, 5, 8, 13, 29):
         got = kernels.linear(fmt, torch.from_numpy(x[:rows]), torch.from_numpy(data), n, q8=True)
         assert np.array_equal(got.numpy(), want[:rows]), rows

@@ -1,5 +1,5 @@
-"""specdec's own CPU kernels (rows.cpp): linears on GGUF blocks and float weights, and a whole Llama decoder layer,
-each output row computed independently of the rows beside it.
+"""specdec's own CPU kernels (rows.cpp and the headers it includes; docs/runtime.md maps them): linears on GGUF
+blocks and float weights, and whole decoder layers, each output row computed independently of the rows beside it.
 
 Built on first use with the system's C++ compiler (a few seconds) into $SPECDEC_CACHE/kernels and loaded with
 ctypes; no build step at install time. Two builds of the same source: AVX-512 and AVX2 (they give the same bits).
@@ -163,7 +163,7 @@ def q8_format(fmt: int) -> bool:
     """Weight formats the q8 mode runs in integers (int8 activations); the others keep the exact path. Q5_0 runs as
     Q8_0 blocks (the same weights), Q4_K as Q4_1 blocks with each sub-block's scale and min in fp16, Q6_K as bytes
     with its 16-column sub-blocks' scales in fp16, Q5_K and Q5_1 as bytes with Q4_1's scale and min, Q3_K and Q2_K
-    as nibbles with their sub-blocks' scales (and mins) in fp16 (rows.cpp q8_layout; a tensor whose scales fp16
+    as nibbles with their sub-blocks' scales (and mins) in fp16 (formats.h FORMAT_TABLE's q8 column; a tensor whose scales fp16
     cannot hold runs exact)."""
     return fmt in formats.BY_ID and formats.BY_ID[fmt].q8 != 0
 
@@ -179,7 +179,7 @@ def repacked_bytes(fmt: int, n: int, k: int, lib: Library | None = None) -> int:
 
 def repack(fmt: int, weight: torch.Tensor, n: int, k: int, lib: Library | None = None,
            out: torch.Tensor | None = None) -> torch.Tensor:
-    """`n` rows of GGUF blocks -> the q8 kernel's layout (rows.cpp `rows_repack`: groups of 16 rows, their quants
+    """`n` rows of GGUF blocks -> the q8 kernel's layout (q8_repack.h, `rows_repack`: groups of 16 rows, their quants
     interleaved 4 columns at a time): the same bytes, rows padded to a multiple of 16."""
     lib = lib or library()
     size = lib.rows_repacked_bytes(fmt, n, k)
@@ -237,7 +237,7 @@ def decoder_layers(lib: Library, dims: abi.Dims, layers, x: torch.Tensor, slots:
                    tree: list[int] | None = None) -> None:
     """Every decoder layer of one pass, in place on the residual stream x [R, hidden] (fp32, contiguous): row r at
     position positions[r] of KV slot slots[r], its K/V written there first. `layers`: a ctypes array of abi.Layer;
-    `tree`: [store R | kbase R | moff R | map...] for a tree pass (rows.cpp Tree), else None. The kernel checks
+    `tree`: [store R | kbase R | moff R | map...] for a tree pass (layer.h Tree), else None. The kernel checks
     every position and block against `dims` and refuses (RuntimeError) rather than read out of bounds."""
     R = len(slots)
     if x.dtype != torch.float32 or not x.is_contiguous() or x.dim() != 2 or len(x) != R or len(positions) != R:
@@ -249,7 +249,7 @@ def decoder_layers(lib: Library, dims: abi.Dims, layers, x: torch.Tensor, slots:
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, lib: Library | None = None) -> torch.Tensor:
-    """RMSNorm of each row of x [R, D] (fp32, contiguous) by weight [D]: rows.cpp's rmsnorm_row, row by row."""
+    """RMSNorm of each row of x [R, D] (fp32, contiguous) by weight [D]: norms.h's rmsnorm_row, row by row."""
     lib = lib or library()
     if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous() or weight.dtype != torch.float32 \
             or tuple(weight.shape) != (x.shape[1],) or not weight.is_contiguous():

@@ -5,7 +5,7 @@
 // ---- q8: int8 activations x integer weights (the `q8` numerics mode) ---------------------------------------------
 // Activations: each row quantized by itself in 32-element blocks (as ggml's Q8_0): s = max|x| / 127,
 // q = round-half-even(x * (127 / max|x|)); an all-zero block has s = 0 and q = 0.
-// Weights: Q4_0, Q4_1 and Q8_0 repacked once (rows_repack) into groups of 16 rows: per block of 32 columns, the 16
+// Weights: every format with a q8 layout (FORMAT_TABLE) repacked once (rows_repack) into groups of 16 rows: per block of 32 columns, the 16
 // rows' fp16 d (and m), then their quants interleaved 4 columns at a time, so one 64-byte load holds 4 columns of
 // all 16 rows and one dot-product instruction gives each row's lane its 4 products (Q4 bytes hold columns c and
 // c + 16 in their low and high nibbles, as in the file). Same bytes as the file.

@@ -70,7 +70,7 @@ extern "C" int rows_repack(int fmt, const uint8_t* W, int N, int K, uint8_t* out
 }
 
 // x: [R, K] row-major fp32; W: N rows of `fmt`; y: [R, N]; b: [N] or null. Wq: W repacked (rows_repack) for the q8
-// mode (int8 activations against Q4_0/Q4_1/Q8_0 weights), or null: exact (fp32 on the dequantized weights).
+// mode (int8 activations against the integer formats of FORMAT_TABLE), or null: exact (fp32 on the dequantized weights).
 // Returns 0, or -1 if fmt/K unsupported.
 extern "C" int rows_linear(int fmt, const float* x, int R, int K, const uint8_t* W, const uint8_t* Wq, int N, float* y,
                            const float* b, int threads) {

@@ -13,7 +13,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-BLOCK = 16  # positions per block: one transposed key block of the kernel (rows.cpp, Pages)
+BLOCK = 16  # positions per block: one transposed key block of the kernel (kernels/attention.h, Pages)
 
 
 class OutOfBlocks(RuntimeError):

@@ -2,7 +2,7 @@
 llama3 and yarn scaling), grouped-query attention, SwiGLU, tied or untied head, optional q/k/v bias.
 
 Weights stay in their file's form (weights.QTensor) and run on specdec's kernels: one C++ call per pass
-(kernels/rows.cpp, `decoder_layers`), which computes every row on its own, so a row of a verify pass gets bitwise the
+(kernels/, `decoder_layers`: rows.cpp and its headers), which computes every row on its own, so a row of a verify pass gets bitwise the
 logits a one-token pass gives it. Without the kernels the same layer runs in torch below (torch_layer.py), on the
 same dequantized values.
 
@@ -53,7 +53,7 @@ class LayerWeights:
     window: int = 0  # sliding-window attention over the last `window` positions; 0: full
     rope_theta: float | None = None  # this layer's rotary base (Gemma 3's local layers), None: the model's
 
-ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # the MLP gate's activation -> rows.cpp Dims.act
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # the MLP gate's activation -> kernels/abi.h Dims.act
 
 
 def _lin(parts, q8: bool) -> _Lin:
@@ -88,7 +88,7 @@ class Llama:
             raise ValueError(f"activation {self.act!r} is not one the runtime runs ({sorted(ACTIVATIONS)})")
         self.embed_scale = getattr(config, "embed_scale", None)  # Gemma: embeddings times sqrt(hidden), in fp32
         scalar = getattr(config, "query_pre_attn_scalar", None)
-        self.attn_scale = float(np.float32(scalar ** -0.5)) if scalar else 0.0  # 0: 1/sqrt(head_dim) (rows.cpp)
+        self.attn_scale = float(np.float32(scalar ** -0.5)) if scalar else 0.0  # 0: 1/sqrt(head_dim) (attention.h)
         self._tables: list[np.ndarray] = []  # per slot: block id of positions 16i..16i+15, -1 none (blocks.py)
         self._held: list[list[int]] = []  # per slot: its blocks in order (the table's filled entries)
         self._free: list[int] = []
@@ -378,7 +378,7 @@ class Llama:
     @property
     def q8(self) -> bool:
         """The numerics mode: exact (fp32 on dequantized weights, bitwise transformers' fp32) or q8 (int8
-        activations against integer weight blocks; rows.cpp). Both row-invariant."""
+        activations against integer weight blocks; kernels/q8_linear.h). Both row-invariant."""
         return self.numerics == "q8"
 
     def set_numerics(self, numerics: str) -> None:
