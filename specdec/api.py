@@ -20,8 +20,9 @@ from .drafters import ModelDrafter, registry
 from .drafters.feature_files import is_feature_draft
 from .drafters.registry import SHIPPED_DRAFT
 from .engine import Engine
-from .errors import InvalidRequest, PromptTooLong
+from .errors import InvalidRequest
 from .policy import make_policy
+from .prompts import encode_prompt  # noqa: F401 - part of the API (specdec.api.encode_prompt)
 from .sampling import SamplingParams
 from .text import StopText
 from .trace import CycleRecord, summarize
@@ -75,38 +76,6 @@ def build_drafter(draft: str, model, tok, target_spec: str | None = None, draft_
                                                  {} if draft_models is None else draft_models))
 
 
-def encode_prompt(tokenizer, prompt, chat: bool = True, context_window: int | None = None,
-                  max_token_chars: int | None = None) -> list[int]:
-    """A string or a list of {role, content} messages -> prompt token ids, as `generate` prompts the target (chat
-    template unless chat=False); PromptTooLong at or past `context_window`. With `max_token_chars` (the longest
-    token's text), a prompt too long to fit whatever its tokens is refused before it is tokenized."""
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str)
-            for m in messages):
-        raise InvalidRequest("prompt must be a non-empty string or a list of {role, content} messages")
-    if not any(m["content"].strip() for m in messages):
-        raise InvalidRequest("prompt is empty")
-    for m in messages:
-        try:
-            m["content"].encode("utf-8")
-        except UnicodeEncodeError:
-            raise InvalidRequest("prompt is not valid Unicode text (a lone surrogate such as \\ud800)") from None
-    chars = sum(len(m["content"]) for m in messages)
-    if context_window is not None and max_token_chars and chars >= context_window * max_token_chars:
-        raise PromptTooLong(f"prompt is {chars} characters, more than {context_window} tokens of at most "
-                            f"{max_token_chars} characters each: it cannot fit the target's context window")
-    if chat and tokenizer.chat_template:
-        try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # noqa: BLE001 - a template's own raise_exception ("roles must alternate") and the like
-            raise InvalidRequest(f"the chat template refused these messages: {e}") from None
-        ids = tokenizer(text, add_special_tokens=False).input_ids
-    else:
-        ids = tokenizer("\n".join(m["content"] for m in messages)).input_ids
-    if context_window is not None and len(ids) >= context_window:
-        raise PromptTooLong(f"prompt is {len(ids)} tokens; the target's context window is {context_window}")
-    return ids
 
 
 def longest_token_chars(tokenizer) -> int | None:

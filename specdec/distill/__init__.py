@@ -23,12 +23,11 @@ from time import perf_counter
 import torch
 
 from .. import models
-from ..api import encode_prompt
 from ..drafters.datastore import DatastoreDrafter
 from ..drafters.feature import FeatureDrafter
 from ..drafters.feature_net import net_for_target, save_draft
 from ..errors import InvalidRequest, SpecDecError
-from ..prompts import load_prompts
+from ..prompts import encode_prompt, load_prompts
 from .data import (
     _keyed,
     after_last,

@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 
 from .. import models
-from ..api import encode_prompt
 from ..errors import SpecDecError
 from ..generate import generate_batch
+from ..prompts import encode_prompt
 from ..runtime.weights import qlinear
 from ..sampling import SamplingParams
 from .progress import _progress, console

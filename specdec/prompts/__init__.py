@@ -1,10 +1,11 @@
-"""Prompt sets written for this project: conversational questions, code completion, summarising a given text."""
+"""Prompt sets written for this project (conversational questions, code completion, summarising a given text), and
+how a prompt becomes the target's token ids (`encode_prompt`)."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from ..errors import SpecDecError
+from ..errors import InvalidRequest, PromptTooLong, SpecDecError
 
 HERE = Path(__file__).parent
 SETS = ("chat", "code", "summarize")
@@ -36,3 +37,37 @@ def load_prompts(path=None) -> list[dict]:
     if not out:
         raise SpecDecError(f"no prompts in {path}")
     return out
+
+
+def encode_prompt(tokenizer, prompt, chat: bool = True, context_window: int | None = None,
+                  max_token_chars: int | None = None) -> list[int]:
+    """A string or a list of {role, content} messages -> prompt token ids, as `generate` prompts the target (chat
+    template unless chat=False); PromptTooLong at or past `context_window`. With `max_token_chars` (the longest
+    token's text), a prompt too long to fit whatever its tokens is refused before it is tokenized."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str)
+            for m in messages):
+        raise InvalidRequest("prompt must be a non-empty string or a list of {role, content} messages")
+    if not any(m["content"].strip() for m in messages):
+        raise InvalidRequest("prompt is empty")
+    for m in messages:
+        try:
+            m["content"].encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRequest("prompt is not valid Unicode text (a lone surrogate such as \\ud800)") from None
+    chars = sum(len(m["content"]) for m in messages)
+    if context_window is not None and max_token_chars and chars >= context_window * max_token_chars:
+        raise PromptTooLong(f"prompt is {chars} characters, more than {context_window} tokens of at most "
+                            f"{max_token_chars} characters each: it cannot fit the target's context window")
+    if chat and tokenizer.chat_template:
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - a template's own raise_exception ("roles must alternate") and the like
+            raise InvalidRequest(f"the chat template refused these messages: {e}") from None
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+    else:
+        ids = tokenizer("\n".join(m["content"] for m in messages)).input_ids
+    if context_window is not None and len(ids) >= context_window:
+        raise PromptTooLong(f"prompt is {len(ids)} tokens; the target's context window is {context_window}")
+    return ids
