@@ -498,3 +498,63 @@ def test_a_preempted_request_is_owed_its_blocks_before_a_newcomer_starts(rt):
         engine.step()
     assert first.generated == alone(rt, "A request that will be preempted, " * 3, SamplingParams(), 4)
     engine.close()
+
+
+def test_the_life_cycle_refuses_what_is_not_a_transition():
+    """requests.py: each transition method moves a request along the life cycle, and anything else is a bug."""
+    from specdec.batch.requests import BadTransition, State
+    s = Sequence([5, 6, 7, 8], 4, SamplingParams())
+    assert s.state == State.WAITING and not s.prefilling
+    with pytest.raises(BadTransition, match="emit in state waiting"):
+        s.emit([9])  # not in the batch yet
+    s.join(0)
+    assert s.state == State.PREFILLING
+    s.advance(3)
+    assert s.state == State.DECODING
+    with pytest.raises(BadTransition, match="resume in state decoding"):
+        s.resume(0)  # only a preempted request resumes
+    s.emit([9, 10])
+    assert s.fed == 5 and s.generated == [9, 10]
+    s.preempt()
+    assert s.state == State.PREEMPTED and s.fed == 0 and s.generated == [9, 10]  # what was sent stays
+    s.resume(0)
+    assert s.state == State.PREFILLING
+    s.finish("length")
+    assert s.state == State.FINISHED
+    with pytest.raises(BadTransition):
+        s.advance(1)
+    assert s.fed == 0 and s.generated == [9, 10]  # a refused transition changes nothing
+    twin = Sequence([5, 6, 7, 8], 4, SamplingParams())
+    twin.join(2, twin=s.id)
+    assert twin.state == State.WAITING_FOR_TWIN and twin.fed == 0 and twin.prefilling
+
+
+def test_n_choices_of_a_long_prompt_are_admitted_together_not_n_times_its_memory(rt):
+    """Waiting twins hold no blocks (issue "serve strangers safely", item 6): with KV memory for about two copies
+    of a long prompt, 12 choices of it join at once; the first prefills, the others copy its K/V, and each gets
+    what it gets alone."""
+    model, tok = rt
+    plain = SpecDecoder.from_models(model, tok, draft="none")
+    prompt = "The cat sat on the mat. " * 5 + "Then the dog came in."
+    ids = tok(prompt).input_ids
+    model.set_kv_memory(model.kv_bytes_per_position * max(model.max_len, 2 * len(ids) + 12 * 3 * BLOCK))
+    try:
+        engine = BatchEngine(model, plain.engine.drafter, model.config.vocab_size, plain.engine.eos_ids, 256,
+                             max_batch_rows=16, prefill_chunk=8)
+        model.pool.clear_hashes()
+        params = [SamplingParams(0.9, 1.0, 0, 100 + i) for i in range(12)]
+        seqs = []
+        for p in params:
+            assert engine.can_start(ids), f"choice {len(seqs)} refused"
+            seqs.append(engine.add(Sequence(ids, 6, p)))
+        assert all(s.after == seqs[0].id for s in seqs[1:])
+        assert all(not model.blocks_of(engine._state[s.id][0]) for s in seqs[1:])  # waiting twins hold nothing
+        assert 12 * -(-len(ids) // BLOCK) > model.pool.blocks  # n copies would not fit
+        while engine.running:
+            engine.step()
+            assert not engine.failed
+        for s, p in zip(seqs, params):
+            assert s.generated == alone(rt, prompt, p, 6)
+        engine.close()
+    finally:
+        model.set_kv_memory(None)

@@ -1,13 +1,15 @@
 """Random schedules against the batch engine under a KV pool of one context (hypothesis): arrivals at random steps,
 prompts sharing prefixes, choices of one prompt (twins), cancellations, and the preemptions and evictions a small
-pool forces. Every finished request equals the request served alone, and at the end the pool balances: no block
-held, every block free or cached."""
+pool forces. Every finished request equals the request served alone, every running request holds what its state
+says (a twin waiting or a preempted request nothing, the others blocks for their tokens), and at the end the pool
+balances: no block held, every block free or cached."""
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specdec import SpecDecoder, models
 from specdec.batch import BatchEngine, Sequence
+from specdec.batch.requests import State
 from specdec.drafters import NgramDrafter
 from specdec.sampling import SamplingParams
 
@@ -77,6 +79,12 @@ def test_random_schedules_equal_each_request_alone_and_the_pool_balances(rt, sch
         before = {s.id: s for s in engine.running}
         engine.step()
         assert not engine.failed
+        for s in engine.running:  # what each state holds (requests.py's life cycle)
+            held = len(model.blocks_of(engine._state[s.id][0]))
+            if s.state in (State.WAITING_FOR_TWIN, State.PREEMPTED):
+                assert held == 0, (s.state, held)
+            else:
+                assert s.state in (State.PREFILLING, State.DECODING) and held * 16 >= len(s.tokens) - 1
         done += [s for i, s in before.items() if s not in engine.running and i not in cancelled]
         step += 1
         assert step < 500, "the schedule never finished"

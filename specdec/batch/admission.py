@@ -23,7 +23,7 @@ class Admission:
     def prefill_full(self) -> bool:
         """Whether as many prompts are being computed as a pass has chunks for (prompts are computed in order of
         arrival; one admitted beyond these would only hold memory and wait)."""
-        busy = sum(1 for s in self.running if (s.prefilling and s.after is None) or s.preempted)
+        busy = sum(1 for s in self.running if s.state.value in ("prefilling", "preempted"))
         return busy >= max(1, self.max_batch_rows // self.prefill_chunk)
 
     def kv_bytes(self) -> int:
@@ -43,17 +43,32 @@ class Admission:
             raise InvalidRequest(f"the prompt's {len(prompt)} tokens need {need * BLOCK} KV positions; this server's "
                                  f"KV memory holds {self.model.pool.blocks * BLOCK}")
 
-    def can_start(self, prompt: list[int], salt: bytes = b"") -> bool:
+    def can_start(self, prompt: list[int], salt: bytes = b"", scoring: bool = False) -> bool:
         """Whether a request with this prompt could join now: its uncached blocks are free (or evictable). A cached
         block someone holds costs nothing; one nobody holds is counted in `available` (evictable) and leaves it when
-        shared, so it costs one as an uncached block does (counting it off the need too counted it twice)."""
-        need = -(-(len(prompt) + 1) // BLOCK)
-        if self.prefixes is not None:
-            pool = self.model.pool
-            need -= sum(1 for block in self.prefixes.lookup(prompt, salt) if pool.refs[block] > 0)
+        shared, so it costs one as an uncached block does (counting it off the need too counted it twice). A request
+        that will wait for a twin needs only what the twin's blocks cannot give it (its last, partial block and its
+        first token's): n choices of a long prompt are admitted together, not n times its memory."""
+        if self._twin_of(prompt, salt, scoring) is not None:
+            need = -(-(len(prompt) + 1) // BLOCK) - len(prompt) // BLOCK + 1
+        else:
+            need = -(-(len(prompt) + 1) // BLOCK)
+            if self.prefixes is not None:
+                pool = self.model.pool
+                need -= sum(1 for block in self.prefixes.lookup(prompt, salt) if pool.refs[block] > 0)
         # preempted requests come back first (step's _resume): what they need is not a newcomer's to take
         owed = sum(-(-(len(s.tokens) + 1) // BLOCK) for s in self.running if s.preempted)
         return need + owed <= self.model.pool.available
+
+    def _twin_of(self, prompt: list[int], salt: bytes, scoring: bool):
+        """The running request (same tenant) prefilling this very prompt, whose K/V a newcomer can copy when it is
+        done, or None: no cache, a prompt being scored (every row's logits), a prompt within one block, or one the
+        cache already holds whole."""
+        if self.prefixes is None or scoring or len(prompt) <= BLOCK \
+                or len(self.prefixes.lookup(prompt, salt)) * BLOCK >= len(prompt) - 1:
+            return None
+        return next((r for r in self.running if r.prompt == prompt and r.cache_salt == salt
+                     and r.state.value == "prefilling" and r.prompt_logprobs is None), None)
 
     def add(self, seq: Sequence) -> Sequence:
         if len(self.running) >= self.max_batch_rows:
@@ -68,13 +83,9 @@ class Admission:
         slot = self.model.acquire_slot()
         try:
             self._state[seq.id] = (slot, fork(self.drafter), est)
-            self._load(seq)
-            if self.prefixes is not None and seq.prompt_logprobs is None and seq.fed < len(seq.prompt) - 1 \
-                    and len(seq.prompt) > BLOCK:
-                # the same prompt being prefilled already (n choices, a retry): share its blocks when it is done
-                twin = next((r for r in self.running if r.prompt == seq.prompt and r.cache_salt == seq.cache_salt
-                             and r.prefilling and r.after is None and r.prompt_logprobs is None), None)
-                seq.after = twin.id if twin is not None else None
+            # the same prompt being prefilled already (n choices, a retry): wait, holding no blocks, and copy its K/V
+            twin = self._twin_of(seq.prompt, seq.cache_salt, seq.prompt_logprobs is not None)
+            seq.join(0 if twin is not None else self._load(seq), twin.id if twin is not None else None)
         except BaseException:  # nothing of a request that could not join stays behind
             self._state.pop(seq.id, None)
             self.model.release_slot(slot)
@@ -82,39 +93,37 @@ class Admission:
         self.running.append(seq)
         return seq
 
-    def _load(self, seq: Sequence) -> None:
+    def _load(self, seq: Sequence) -> int:
         """Put a request's tokens in its empty slot's blocks: the cached prefix shared, the rest reserved (its prefill
-        then needs no more memory). Raises blocks.OutOfBlocks, holding nothing, when they do not fit."""
+        then needs no more memory) -> the positions the cache gave. Raises blocks.OutOfBlocks, holding nothing, when
+        they do not fit."""
         slot = self._state[seq.id][0]
-        seq.fed = 0
+        fed = 0
         if self.prefixes is not None and (seq.prompt_logprobs is None or seq.cycle > 0):  # (scoring: every row)
-            seq.fed = self.prefixes.restore(seq.tokens, slot, seq.cache_salt)
+            fed = self.prefixes.restore(seq.tokens, slot, seq.cache_salt)
         try:
             self.model.reserve(slot, len(seq.tokens))
-            if seq.fed % BLOCK:  # the prefill goes on inside the last shared block: a private copy of it now
-                self.model.own(slot, seq.fed // BLOCK)
+            if fed % BLOCK:  # the prefill goes on inside the last shared block: a private copy of it now
+                self.model.own(slot, fed // BLOCK)
         except OutOfBlocks:
             self.model.truncate(slot, 0)
-            seq.fed = 0
             raise
+        return fed
 
     def _preempt(self, seq: Sequence) -> None:
         """Free a running request's blocks; it waits, and is recomputed from its tokens when memory allows (its
         output stays what it would have been: a position's K/V depend on the tokens alone)."""
         self.model.truncate(self._state[seq.id][0], 0)
-        seq.fed, seq.after, seq.preempted = 0, None, True
-        if seq.cycle == 0:  # a prompt being scored is scored again from its first token: what it had goes
-            seq.scored = []
+        seq.preempt()
         self.preemptions += 1
 
     def _resume(self) -> None:
         """Preempted requests come back, oldest first, while their tokens fit."""
         for s in sorted((s for s in self.running if s.preempted), key=lambda s: s.id):
             try:
-                self._load(s)
+                s.resume(self._load(s))
             except OutOfBlocks:
                 return
-            s.preempted = False
 
     def remove(self, seq: Sequence) -> None:
         """A finished, cancelled or timed-out request leaves: its slot and drafter state are freed."""
@@ -126,7 +135,7 @@ class Admission:
 
     def _fail(self, seq: Sequence, error: BaseException) -> None:
         """A request whose own work raised leaves the batch with its error; the others go on."""
-        seq.finish_reason = "error"
+        seq.finish("error")
         self.failed.append((seq, error))
         self.remove(seq)
 

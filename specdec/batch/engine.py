@@ -26,7 +26,7 @@ from ..verification import (
 )
 from .admission import Admission
 from .prefix_cache import PrefixCache
-from .requests import Sequence
+from .requests import Sequence, State
 
 PROBE_EVERY = 8  # a request denied draft rows this many cycles in a row gets one, to re-measure its acceptance
 
@@ -254,28 +254,28 @@ class BatchEngine(Admission):
                 self.model.reserve(slot(s), len(s.tokens) + len(drafts[s.id][2]))
 
     def _release_twins(self) -> None:
-        """Requests waiting for a twin's prefill copy its K/V (the prefix cache) once it is done, or prefill
+        """Requests waiting for a twin's prefill share its K/V (the prefix cache) once it is done, or prefill
         themselves should the twin have left."""
         ids = {r.id: r for r in self.running}
-        for s in self.running:
-            twin = ids.get(s.after) if s.after is not None else None
-            if s.after is not None and (twin is None or not twin.prefilling):
-                s.after = None
-                slot = self._state[s.id][0]
-                self.model.truncate(slot, 0)
-                try:
-                    self._load(s)  # the twin's full blocks shared, its own reserved
-                except OutOfBlocks:
-                    self._preempt(s)
-                    continue
-                # every block the cache could not give (evicted, or never registered: another request's copies held
-                # those hashes) copied from the twin, the last, partial one too; a twin that was preempted has
-                # nothing to give, and the request prefills the rest itself
-                end = len(s.prompt) - 1  # positions 0..end-1 are the prompt's K/V; the last token is fed next
-                if twin is not None and not twin.preempted and twin.fed >= end and s.fed < end:
-                    for index in range(s.fed // BLOCK, (end - 1) // BLOCK + 1):
-                        self.model.copy_block(self._state[twin.id][0], slot, index)
-                    s.fed = end
+        for s in [s for s in self.running if s.after is not None]:
+            twin = ids.get(s.after)
+            if twin is not None and twin.state == State.PREFILLING:
+                continue
+            slot = self._state[s.id][0]
+            try:
+                fed = self._load(s)  # the twin's full blocks shared, its own reserved
+            except OutOfBlocks:
+                self._preempt(s)
+                continue
+            # every block the cache could not give (evicted, or never registered: another request's copies held
+            # those hashes) copied from the twin, the last, partial one too; a twin that was preempted has nothing
+            # to give, and the request prefills the rest itself
+            end = len(s.prompt) - 1  # positions 0..end-1 are the prompt's K/V; the last token is fed next
+            if twin is not None and not twin.preempted and twin.fed >= end and fed < end:
+                for index in range(fed // BLOCK, (end - 1) // BLOCK + 1):
+                    self.model.copy_block(self._state[twin.id][0], slot, index)
+                fed = end
+            s.release(fed)
 
     def _predict(self, s: Sequence, room: int):
         """The request's prediction's next tokens, as deep as the pass curve pays for -> (draft, ms, depth asked),
@@ -342,7 +342,7 @@ class BatchEngine(Admission):
             s.scored += token_logprobs(block[: len(targets)], targets, SamplingParams(), s.prompt_logprobs)
             block = block[-1:] if s.fed + n_rows == len(s.tokens) else None
         if block is None:  # a prompt chunk: nothing to emit yet
-            s.fed += n_rows
+            s.advance(n_rows)
             if hidden is not None:
                 self._state[s.id][1].observe_target(fed_before, hidden[start: start + n_rows])
             return None
@@ -371,8 +371,7 @@ class BatchEngine(Admission):
             drafter.observe_verify(s.tokens, draft, block, nodes)
         emitted, finish = cut([proposed[i] for i in nodes] + [token], s.tokens, len(s.prompt), s.stop,
                               s.max_new_tokens, self.eos_ids, self.context_window)
-        s.tokens.extend(emitted)
-        s.fed = len(s.tokens) - 1  # the committed prefix stays; the newest token is fed next cycle
+        s.emit(emitted)  # the committed prefix stays; the newest token is fed next cycle
         self.model.truncate(self._state[s.id][0], len(s.tokens))  # rejected drafts' blocks back to the pool
         tree = draft is not None and draft.is_tree and bool(proposed)
         limit = 0 if getattr(drafter, "name", "") == "none" else s.max_tau  # the τ this request runs with
@@ -395,6 +394,6 @@ class BatchEngine(Admission):
             self._state[s.id][2].observe(rec)
             self.shared.observe(rec)
         if finish:
-            s.finish_reason = finish
+            s.finish(finish)
             self.remove(s)
         return rec

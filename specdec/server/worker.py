@@ -411,7 +411,8 @@ class BatchWorker(Worker):
                 req = job.req if hasattr(job, "req") else self.decoder.prepare(**job.kwargs)
                 job.req = req
                 self.engine.check_fits(req.prompt_ids)
-                if not self.engine.can_start(req.prompt_ids, getattr(job, "salt", b"")):
+                scoring = req.prompt_logprobs is not None
+                if not self.engine.can_start(req.prompt_ids, getattr(job, "salt", b""), scoring):
                     self.waiting.appendleft(job)  # first in line: it starts when blocks free up
                     return
                 policy = job.kwargs.get("policy")
