@@ -217,7 +217,8 @@ def test_a_request_that_cannot_finish_in_time_gets_429_with_retry_after(tiny_dir
         assert int(long.headers["retry-after"]) >= 10
         m = srv.metrics()
         assert m[("specdec_requests_refused_total", ())] == 2 and ("vllm:kv_cache_usage_perc", ()) in m
-        assert ("vllm:num_preemptions_total", ()) in m and m[("specdec_kv_cache_budget_bytes", ())] == model.kv_budget
+        assert ("vllm:num_preemptions_total", ()) in m
+        assert m[("specdec_kv_cache_budget_bytes", ())] == model.kv_pool_bytes()
         assert m[("vllm:request_queue_time_seconds_count", ())] >= 1
     finally:
         srv.stop()
@@ -240,4 +241,25 @@ def test_work_model_predicts_prefill_from_two_depths(tiny_dirs):
     while engine.running:
         engine.step()
     assert engine.backlog_ms() == 0 and engine.request_ms(prompt, 0) < before / 4  # 6 of 7 blocks are cached now
+    engine.close()
+
+
+def test_the_kv_budget_gauge_is_the_pools_size_read_once(tiny_dirs, monkeypatch):
+    """specdec_kv_cache_budget_bytes reports the pool the server made, not what free memory would allow now, and
+    a step's metrics never read /proc/meminfo (issue "serve strangers safely", item 7)."""
+    from specdec.batch import BatchEngine
+    from specdec.drafters import NgramDrafter
+    from specdec.runtime import model as model_module
+    from specdec.server.metrics import Metrics
+    model, tok = fresh(tiny_dirs)  # the default budget: a share of available memory
+    engine = BatchEngine(model, NgramDrafter(), model.config.vocab_size, {2}, 128)
+    size = model.pool.blocks * model.kv_bytes_per_position * BLOCK
+
+    def meminfo(*a):
+        raise AssertionError("a step's metrics read /proc/meminfo")
+    monkeypatch.setattr(model_module, "default_kv_memory", meminfo)
+    metrics = Metrics()
+    for _ in range(3):
+        metrics.observe_engine(engine)
+    assert metrics.kv_budget._value.get() == size == model.kv_pool_bytes()
     engine.close()

@@ -7,6 +7,7 @@ import torch
 from specdec import SpecDecoder, kernels
 from specdec.costs import PassCosts, best_tree_size
 from specdec.drafters.base import Draft
+from specdec.drafters import recycle
 from specdec.drafters.recycle import RecycleDrafter, RecycleTable
 from specdec.drafters.tree import best_first, depths, merge, path, prune
 from specdec.runtime.load import load_gguf
@@ -283,6 +284,33 @@ def test_recycle_table_round_trip_corrupt_and_foreign_files(tmp_path):
     assert (fresh.succ < 0).all() and "unreadable" in said[-1]
     RecycleTable.load_or_new(tmp_path / "none.safetensors", 50, "abc", log=said.append)  # absent: fresh, silent
     assert len(said) == 2
+
+
+@pytest.mark.parametrize("spoil", ["nan", "negative", "dtype", "successor"])
+def test_a_recycle_table_with_unusable_numbers_starts_fresh_in_one_line(tmp_path, spoil):
+    """A table whose file is whole but whose numbers a proposal cannot use (NaN, negative counts, another dtype,
+    successors past the vocabulary) is a fresh table and one line at load, not a failure of every request."""
+    from safetensors.torch import save_file
+    f = tmp_path / "t.safetensors"
+    t = RecycleTable(50, fingerprint="abc")
+    t.update([3, 4], torch.randn(2, 50))
+    tensors = {"succ": t.succ, "prob": t.prob, "offered": t.offered, "accepted": t.accepted}
+    if spoil == "nan":
+        tensors["prob"] = tensors["prob"].clone().fill_(float("nan"))
+    elif spoil == "negative":
+        tensors["offered"] = -tensors["offered"]
+    elif spoil == "dtype":
+        tensors["succ"] = tensors["succ"].to(torch.float16)
+    else:
+        tensors["succ"] = tensors["succ"].clone().fill_(50)
+    meta = {"format": str(recycle.FORMAT), "vocab": "50", "k": str(t.k), "fingerprint": "abc"}
+    save_file(tensors, str(f), metadata=meta)
+    said = []
+    table = RecycleTable.load_or_new(f, 50, "abc", log=said.append)
+    assert len(said) == 1 and "unreadable" in said[0] and "\n" not in said[0]
+    assert (table.succ < 0).all() and torch.isfinite(table.prob).all()
+    drafter = RecycleDrafter(table)
+    drafter.propose([3, 4, 3], 3, SamplingParams(), torch.Generator())  # proposes (nothing yet), never raises
 
 
 def test_saving_a_chain_persists_recycle_beside_a_datastore(tmp_path):

@@ -83,8 +83,9 @@ class RecycleTable:
                 log(f"specdec: recycle table {path} was made for another target; starting a fresh one")
                 return cls(vocab, fingerprint=fingerprint)
             if t["succ"].shape != (vocab, k) or t["prob"].shape != (vocab, k) or t["offered"].shape != (2, BUCKETS) \
-                    or t["accepted"].shape != (2, BUCKETS) or int(t["succ"].max()) >= vocab:
+                    or t["accepted"].shape != (2, BUCKETS):
                 raise ValueError("tensor shapes do not match")
+            _check_values(t, vocab)
         except Exception as e:  # noqa: BLE001 - any unreadable file: a fresh table, never a crash
             log(f"specdec: recycle table {path} is unreadable ({type(e).__name__}: {str(e)[:80]}); starting a "
                 f"fresh one")
@@ -93,6 +94,21 @@ class RecycleTable:
         table.succ, table.prob = t["succ"].int(), t["prob"].float()
         table.offered, table.accepted = t["offered"].double(), t["accepted"].double()
         return table
+
+
+def _check_values(t: dict, vocab: int) -> None:
+    """A table whose numbers a proposal cannot use (another dtype, NaN, negative counts, successors outside the
+    vocabulary) is refused at load: it would make every proposal fail."""
+    if t["succ"].dtype not in (torch.int32, torch.int64) or not all(
+            t[name].dtype in (torch.float32, torch.float64) for name in ("prob", "offered", "accepted")):
+        raise ValueError(f"dtypes {[str(t[n].dtype) for n in ('succ', 'prob', 'offered', 'accepted')]}")
+    if int(t["succ"].min()) < -1 or int(t["succ"].max()) >= vocab:
+        raise ValueError("successor ids outside the vocabulary")
+    prob, counts = t["prob"], torch.cat([t["offered"], t["accepted"]])
+    if not (torch.isfinite(prob).all() and (prob >= 0).all() and (prob <= 1).all()):
+        raise ValueError("probabilities not in [0, 1]")
+    if not (torch.isfinite(counts).all() and (counts >= 0).all() and (t["accepted"] <= t["offered"]).all()):
+        raise ValueError("counts not finite and non-negative")
 
 
 def token_paths(draft: Draft) -> list[tuple[int, ...]]:

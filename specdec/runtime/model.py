@@ -254,6 +254,10 @@ class Llama:
         """K/V bytes in use: the blocks held by slots or kept by the prefix cache."""
         return 0 if self._pool is None else self._pool.used * self.kv_bytes_per_position * BLOCK
 
+    def kv_pool_bytes(self) -> int:
+        """The KV pool's size in bytes, as it was made (kv_budget may since read other free memory)."""
+        return self.pool.blocks * self.kv_bytes_per_position * BLOCK
+
     def slot_kv(self, slot: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions 0..n-1 of `slot` as stored, [layers, kv_heads, n, head_dim] each."""
         at = torch.arange(n)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import threading
 import time
 
@@ -175,11 +176,13 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
         calling = kind == "chat" and bool(req.tools) and req.tool_choice != "none"
         echo = kind == "text" and req.echo
         response_format = tools.call_format(req.tools, req.tool_choice) if calling else req.response_format
+        # an unseeded sampled request gets a seed from the OS, reported in `specdec.seed`: any answer can be
+        # reproduced by sending it back (and a retry elsewhere regenerates the same text)
+        base = req.seed if req.seed is not None or req.temperature == 0 else secrets.randbits(63)
         jobs = []
         for prompt, prompt_ids, max_tokens in zip(prompts, encoded, limits):
             for c in range(req.n):
-                seed = None if req.seed is None else (req.seed + c if req.seed + c < SEED_RANGE else req.seed + c -
-                                                      SEED_RANGE)
+                seed = None if base is None else (base + c if base + c < SEED_RANGE else base + c - SEED_RANGE)
                 try:
                     job = worker.submit(dict(prompt=prompt, chat=chat, max_new_tokens=max_tokens,
                                              temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
@@ -195,7 +198,7 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
                     raise as_api_error(e) from None
                 jobs.append(job)
         meta = dict(id=("chatcmpl-" if kind == "chat" else "cmpl-") + jobs[0].id, created=int(time.time()),
-                    model=model_name)
+                    model=model_name, specdec={"seed": base})
         if req.stream:
             return StreamingResponse(sse(decoder, jobs, meta, kind, req.include_usage, sum(len(ids) for ids in encoded),
                                          overdue, req.tools if calling else None,
@@ -222,7 +225,7 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
                            {"index": i, "text": text, "logprobs": lp, "finish_reason": finish})
         return {**meta, "object": "chat.completion" if kind == "chat" else "text_completion", "choices": choices,
                 "usage": usage(sum(len(ids) for ids in encoded), [r for _, r in done]),
-                "specdec": spec_stats(done[0][1])}
+                "specdec": {**spec_stats(done[0][1]), "seed": base}}
 
     def _token_prompt(ids: list[int]) -> list[int]:
         vocab = decoder.model.config.vocab_size

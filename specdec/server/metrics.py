@@ -55,7 +55,7 @@ class Metrics:
     def observe_engine(self, engine) -> None:
         """The batch engine's memory and prefix-cache figures, after a step."""
         self.kv_bytes.set(engine.kv_bytes())
-        self.kv_budget.set(engine.model.kv_budget)
+        self.kv_budget.set(engine.model.kv_pool_bytes())  # the pool's size: no /proc/meminfo read a step
         usage = engine.kv_usage()
         self.kv_usage.set(usage)
         self.kv_usage_alias.set(usage)

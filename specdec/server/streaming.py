@@ -121,7 +121,7 @@ async def sse(decoder, jobs, meta, kind, include_usage, prompt_tokens: int, over
                 yield event(i, "", finish=finish)
         if include_usage and len(results) == len(jobs):
             last = {**meta, "object": obj, "choices": [], "usage": usage(prompt_tokens, list(results.values())),
-                    "specdec": spec_stats(results[0])}
+                    "specdec": {**spec_stats(results[0]), **meta.get("specdec", {})}}
             yield f"data: {json.dumps(last)}\n\n"
         yield "data: [DONE]\n\n"
     finally:
