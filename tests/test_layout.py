@@ -157,7 +157,6 @@ def test_the_build_covers_every_header_and_an_installed_copy_ships_them(monkeypa
     import shutil
     import tomllib
 
-    import pytest
 
     from specdec import kernels
     headers = kernels.headers()
