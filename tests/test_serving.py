@@ -143,6 +143,35 @@ def test_serve_refuses_bad_batching_and_ray_options(tiny_dirs, capsys, args):
     assert len(err.splitlines()) == 1 and ("must" in err or "Ray Serve is not installed" in err), err
 
 
+def test_each_api_key_is_a_tenant_of_its_own(rt_decoder):
+    """A server with two API keys: the same long system prompt sent with the second key gets no cache hit after the
+    first key's request (nor with a cache_salt the first used), the first key's repeat does; a wrong key is a 401."""
+    srv = LiveServer(create_app(rt_decoder, model_name="tiny", max_queue=8, max_batch_rows=8,
+                                api_key=["key-alice", "key-bob"]))
+    try:
+        rt_decoder.model.pool.clear_hashes()
+        system = "You are a careful assistant for ACME's internal billing team. " * 3
+        srv.auth = {"Authorization": "Bearer key-alice"}
+
+        def ask(key, **extra):
+            before = srv.metrics().get(("vllm:prefix_cache_hits_total", ()), 0)
+            r = httpx.post(srv.url + "/v1/completions", json={"prompt": system + "Hi", "max_tokens": 6,
+                                                              "temperature": 0, **extra},
+                           headers={"Authorization": f"Bearer {key}"}, timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"], srv.metrics()[("vllm:prefix_cache_hits_total", ())] - before
+        first, hits = ask("key-alice")
+        assert hits == 0
+        assert ask("key-bob") == (first, 0)  # bob learns nothing from alice's cached prompt
+        again, hits = ask("key-alice")
+        assert again == first and hits > 0  # each key's repeat is served from its own cache
+        assert ask("key-bob")[1] > 0 and ask("key-alice", cache_salt="other") == (first, 0)
+        assert httpx.post(srv.url + "/v1/completions", json={"prompt": "x"},
+                          headers={"Authorization": "Bearer key-carol"}).status_code == 401
+    finally:
+        srv.stop()
+
+
 def test_tenants_do_not_share_cached_prompts_over_http(rt_decoder):
     """Two tenants (cache_salt, or OpenAI's prompt_cache_key) with the same long system prompt: the second tenant's
     first request gets no cache hit, the first tenant's repeat does; answers are the same for both."""

@@ -57,7 +57,9 @@ def register(sub, model_args, sampling_args):
     model_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
+    s.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer KEY' (all but /health); repeatable: each key is a tenant "
+                        "whose prompts are cached apart from the others'")
     s.add_argument("--model-name", default="specdec", help="the model id clients send and /v1/models lists")
     s.add_argument("--max-queue", type=int, default=16, help="requests waiting or running; beyond: 429")
     s.add_argument("--timeout", type=float, default=300.0, help="seconds per request before it is stopped")

@@ -40,8 +40,8 @@ def _warm_grammars(decoder) -> None:
         pass
 
 
-def create_app(decoder, model_name: str = "specdec", api_key: str | None = None, max_queue: int = 16,
-               timeout_s: float = 300.0, max_tokens_default: int = 256, max_body_bytes: int = 1 << 20,
+def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | None = None,
+               max_queue: int = 16, timeout_s: float = 300.0, max_tokens_default: int = 256, max_body_bytes: int = 1 << 20,
                trace_dir: str | None = None, batch: bool = True, max_batch_rows: int | None = None,
                prefill_chunk: int = 32, max_tau: int = 8) -> FastAPI:
     """`decoder`: a SpecDecoder, or a function that makes one on the model worker's thread (what `specdec serve`
@@ -191,7 +191,7 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | None = None,
                                              prediction=req.prediction.text if req.prediction else None,
                                              logprobs=req.logprob_count,
                                              prompt_logprobs=req.logprob_count if echo else None),
-                                        salt=req.tenant_salt)
+                                        salt=req.tenant_salt(getattr(request.state, "tenant", b"")))
                 except Busy as e:
                     for j in jobs:
                         j.cancel()

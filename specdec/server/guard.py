@@ -1,6 +1,7 @@
 """The ASGI middleware in front of every route: API key, body size (however the body is sent), request counts."""
 from __future__ import annotations
 
+import hashlib
 import hmac
 
 from fastapi.responses import JSONResponse
@@ -19,8 +20,19 @@ class Guard:
     """Pure ASGI middleware (BaseHTTPMiddleware would hide client disconnects from the endpoints): API key and
     body-size checks before any parsing, and a request counter by endpoint and status."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int, metrics: Metrics):
-        self.app, self.api_key, self.max_body, self.metrics = app, api_key, max_body_bytes, metrics
+    def __init__(self, app, api_key: str | list[str] | None, max_body_bytes: int, metrics: Metrics):
+        self.app, self.max_body, self.metrics = app, max_body_bytes, metrics
+        self.keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+
+    def tenant(self, headers: dict) -> bytes | None:
+        """The tenant of a request's key (each key is one: its prompts are cached apart from every other key's), b""
+        when no keys are set, None for a missing or wrong key. Every key is compared in constant time."""
+        if not self.keys:
+            return b""
+        sent = headers.get(b"authorization", b"")
+        match = [hmac.compare_digest(sent, f"Bearer {k}".encode()) for k in self.keys]  # all of them: no timing
+        return hashlib.blake2b(b"key:" + self.keys[match.index(True)].encode(), digest_size=16).digest() \
+            if any(match) else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -49,8 +61,9 @@ class Guard:
             return b"".join(parts)
 
         try:
-            if self.api_key and path != "/health" and not hmac.compare_digest(  # constant time: no timing oracle
-                    headers.get(b"authorization", b""), f"Bearer {self.api_key}".encode()):
+            tenant = self.tenant(headers)
+            scope.setdefault("state", {})["tenant"] = tenant or b""  # the routes salt the prefix cache with it
+            if tenant is None and path != "/health":
                 await JSONResponse(error_body("missing or invalid API key", "authentication_error",
                                               "invalid_api_key"), 401)(scope, receive, send_counted)
             elif int(headers.get(b"content-length", b"0") or 0) > self.max_body:

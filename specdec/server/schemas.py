@@ -122,12 +122,14 @@ class _Request(BaseModel):
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    @property
-    def tenant_salt(self) -> bytes:
-        """The prefix cache's salt for this request: its prompts are cached, found and shared only with requests
-        naming the same tenant; none named: the shared tenant."""
+    def tenant_salt(self, key_tenant: bytes = b"") -> bytes:
+        """The prefix cache's salt for this request: its prompts are cached, found and shared only with requests of
+        the same API key (`key_tenant`, when the server has keys) naming the same tenant (`cache_salt`, else
+        `prompt_cache_key`); nothing named and no keys: the shared tenant."""
         name = self.cache_salt if self.cache_salt is not None else self.prompt_cache_key
-        return hashlib.blake2b(b"tenant:" + name.encode(), digest_size=16).digest() if name else b""
+        if not name and not key_tenant:
+            return b""
+        return hashlib.blake2b(key_tenant + b"|tenant:" + (name or "").encode(), digest_size=16).digest()
 
     @property
     def include_usage(self) -> bool:
