@@ -558,3 +558,24 @@ def test_n_choices_of_a_long_prompt_are_admitted_together_not_n_times_its_memory
         engine.close()
     finally:
         model.set_kv_memory(None)
+
+
+def test_a_prompts_block_hashes_are_computed_once(rt, monkeypatch):
+    """Admission, the 429 prediction, restore and store all walk one lookup, and the prompt's hashes are made once
+    (issue "serve strangers safely", item 2)."""
+    from specdec.batch import prefix_cache
+    model, tok = rt
+    plain = SpecDecoder.from_models(model, tok, draft="none")
+    engine = BatchEngine(model, plain.engine.drafter, model.config.vocab_size, plain.engine.eos_ids, 128)
+    model.pool.clear_hashes()
+    calls = []
+    real = prefix_cache.prefix_hashes
+    monkeypatch.setattr(prefix_cache, "prefix_hashes", lambda *a: calls.append(a) or real(*a))
+    ids = tok("The cat sat on the mat. " * 3 + "Then it slept.").input_ids
+    assert engine.can_start(ids) and engine.uncached(ids) == 0
+    seq = engine.add(Sequence(ids, 4, SamplingParams()))
+    while engine.running:
+        engine.step()
+    assert engine.uncached(ids) > 0 and len(calls) == 1  # stored, then found, from one hashing
+    assert seq.generated == alone(rt, "The cat sat on the mat. " * 3 + "Then it slept.", SamplingParams(), 4)
+    engine.close()

@@ -1,8 +1,12 @@
 """Prompts' K/V shared by block, within one tenant (vLLM's prefix caching with its cache_salt)."""
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from ..runtime.blocks import BLOCK, prefix_hashes
 from ..runtime.model import Llama
+
+MEMO = 256  # prompts whose block hashes are kept: admission, the 429 prediction, restore and store hash each once
 
 
 class PrefixCache:
@@ -15,13 +19,26 @@ class PrefixCache:
         self.model = model
         self.hits = self.reused = 0  # requests served from the cache, positions shared instead of computed
         self.queried = 0  # positions looked up (all of a prompt but its last token)
+        self._hashes: OrderedDict = OrderedDict()  # (salt, full blocks' tokens) -> their chain hashes
+
+    def hashes(self, tokens: list[int], salt: bytes = b"") -> list[bytes]:
+        """The prefix hashes of `tokens`' full blocks for this tenant, computed once per prompt (recently used)."""
+        key = (salt, tuple(tokens[: len(tokens) // BLOCK * BLOCK]))
+        found = self._hashes.get(key)
+        if found is None:
+            found = self._hashes[key] = prefix_hashes(tokens, len(tokens) // BLOCK, salt)
+            if len(self._hashes) > MEMO:
+                self._hashes.popitem(last=False)
+        else:
+            self._hashes.move_to_end(key)
+        return found
 
     def lookup(self, tokens: list[int], salt: bytes = b"") -> list[int]:
         """The cached blocks `tokens` starts with, for this tenant (`salt`: a tenant's prompts hash apart from every
         other's, so nothing of one can be found, shared or timed by another): the one walk of a prompt's hashes
         that admission, the 429 prediction and restore all use."""
         pool, found = self.model.pool, []
-        for digest in prefix_hashes(tokens, len(tokens) // BLOCK, salt):
+        for digest in self.hashes(tokens, salt):
             block = pool.by_hash.get(digest)
             if block is None:
                 break
@@ -43,5 +60,5 @@ class PrefixCache:
     def store(self, tokens: list[int], slot: int, salt: bytes = b"") -> None:
         """Name the full blocks of a prompt just computed in `slot`, for this tenant."""
         pool = self.model.pool
-        for digest, block in zip(prefix_hashes(tokens, len(tokens) // BLOCK, salt), self.model.blocks_of(slot)):
+        for digest, block in zip(self.hashes(tokens, salt), self.model.blocks_of(slot)):
             pool.register(block, digest)
