@@ -1,9 +1,10 @@
 """The kernels of a git revision against the working tree's, on one model, in ONE interleaved run: every pass's
 logits compared bitwise (prefill, a one-token step, an 8-row verify pass, a tree pass; exact and q8; both
-instruction sets), then the q8 pass curve (1..8 rows after a cached prompt) timed alternately, medians over rounds.
+instruction sets), then the pass curve (1..8 rows after a cached prompt; q8, or --numerics exact) timed
+alternately, medians over rounds.
 For refactors that must not change the library (a split that only moves code gives the same bits, at the same speed).
 
-    python benchmarks/same_kernels.py [--against REV] [--model default|FILE.gguf] [--rounds 7] [--json out.json]
+    python benchmarks/same_kernels.py [--against REV] [--model default|FILE.gguf] [--rounds 7] [--numerics q8|exact] [--json out.json]
 
 An older revision's build may lack entry points the current loader checks (rows_formats): they are added from a
 shim generated from kernels/formats.py, so that its bits can be loaded and compared at all.
@@ -104,6 +105,7 @@ def main() -> int:
     ap.add_argument("--against", default="HEAD", help="the git revision whose kernels are compared (default HEAD)")
     ap.add_argument("--model", default="default")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--numerics", default="q8", choices=("exact", "q8"), help="the pass curve's mode (default q8)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     path = models.resolve(args.model)
@@ -112,7 +114,7 @@ def main() -> int:
     (tmp / "then").mkdir()
     then_src, now_src = sources_at(args.against, tmp / "then"), kernels.SOURCE
     prompt = list(range(1000, 1040))
-    report = {"against": args.against, "model": str(path), "bitwise": {}, "q8_curve_ms": {}}
+    report = {"against": args.against, "model": str(path), "numerics": args.numerics, "bitwise": {}, "curve_ms": {}}
     for isa in isas:
         libs = {"then": build(then_src, isa, tmp), "now": build(now_src, isa, tmp)}
         for numerics in ("exact", "q8"):
@@ -123,19 +125,19 @@ def main() -> int:
                   f"{sum(len(t) for t in got['now'])} logit rows", flush=True)
     isa = isas[0]
     libs = {"then": build(then_src, isa, tmp), "now": build(now_src, isa, tmp)}
-    loaded = {name: with_library(lib, path, "q8") for name, lib in libs.items()}
+    loaded = {name: with_library(lib, path, args.numerics) for name, lib in libs.items()}
     times: dict[str, dict[int, list[float]]] = {name: {} for name in libs}
     for _ in range(args.rounds):  # rounds alternate the two libraries
         for name, model in loaded.items():
             kernels.library = lambda isa=None, lib=libs[name]: lib
             for r, s in curve(model, prompt).items():
                 times[name].setdefault(r, []).append(s)
-    print(f"q8 pass curve ({isa}, medians of {args.rounds} alternating rounds), ms by rows:")
+    print(f"{args.numerics} pass curve ({isa}, medians of {args.rounds} alternating rounds), ms by rows:")
     for name in libs:
         med = {r: statistics.median(v) * 1e3 for r, v in times[name].items()}
-        report["q8_curve_ms"][name] = med
+        report["curve_ms"][name] = med
         print(f"  {name:4s} " + "  ".join(f"{r}:{m:6.2f}" for r, m in med.items()))
-    ratio = {r: report["q8_curve_ms"]["now"][r] / report["q8_curve_ms"]["then"][r] for r in times["now"]}
+    ratio = {r: report["curve_ms"]["now"][r] / report["curve_ms"]["then"][r] for r in times["now"]}
     report["now_over_then"] = ratio
     print("  now/then " + "  ".join(f"{r}:{q:.3f}" for r, q in ratio.items()))
     if args.json:

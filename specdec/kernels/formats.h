@@ -105,9 +105,6 @@ struct FmtQ8_0 {  // block: d (fp16), 32 x int8
         w[1] = vmul(i8_to_f((const int8_t*)b + 18), d);
     }
 };
-#if defined(__AVX512F__)
-static const float IOTA[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-static const float IOTA_8[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
 struct FmtQ4_1 {  // block: d, m (fp16), 16 bytes: weight j < 16 is the low nibble of byte j, j >= 16 the high one
     static const int CH = 2, BLOCK = 20;
     static const bool TAIL = false;
@@ -115,9 +112,7 @@ struct FmtQ4_1 {  // block: d, m (fp16), 16 bytes: weight j < 16 is the low nibb
     static const int SPR = 2;
     static inline void scales(const uint8_t* row, int K, float* out) { block_scales<SPR>(row, K / 32, BLOCK, out); }
     static inline void chunk(const uint8_t* row, const float* sc, int c, int, V16* w) {
-        const uint8_t* b = row + 20 * (c / 2);
-        V16 table = vadd(vmul(vset1(sc[c]), vload(IOTA)), vset1(sc[c + 1]));  // d, m of block c/2
-        q4_pair(b + 4, table, &w[0], &w[1]);
+        q4_affine(row + 20 * (c / 2) + 4, sc[c], sc[c + 1], &w[0], &w[1]);  // d, m of block c/2
     }
 };
 struct FmtQ4_0 {  // block: d (fp16), 16 bytes; w = d * (q - 8)
@@ -127,40 +122,9 @@ struct FmtQ4_0 {  // block: d (fp16), 16 bytes; w = d * (q - 8)
     static const int SPR = 1;
     static inline void scales(const uint8_t* row, int K, float* out) { block_scales<SPR>(row, K / 32, BLOCK, out); }
     static inline void chunk(const uint8_t* row, const float* sc, int c, int, V16* w) {
-        const uint8_t* b = row + 18 * (c / 2);
-        q4_pair(b + 2, vmul(vset1(sc[c / 2]), vload(IOTA_8)), &w[0], &w[1]);
+        q4_centered(row + 18 * (c / 2) + 2, sc[c / 2], &w[0], &w[1]);
     }
 };
-#else
-struct FmtQ4_1 {
-    static const int CH = 2, BLOCK = 20;
-    static const bool TAIL = false;
-    static inline void tail(const uint8_t*, int, V16*) {}
-    static const int SPR = 2;
-    static inline void scales(const uint8_t* row, int K, float* out) { block_scales<SPR>(row, K / 32, BLOCK, out); }
-    static inline void chunk(const uint8_t* row, const float* sc, int c, int, V16* w) {
-        const uint8_t* b = row + 20 * (c / 2);
-        const V16 d = vset1(sc[c]), m = vset1(sc[c + 1]);
-        q4_nibbles(b + 4, &w[0], &w[1]);
-        w[0] = vadd(vmul(d, w[0]), m);
-        w[1] = vadd(vmul(d, w[1]), m);
-    }
-};
-struct FmtQ4_0 {
-    static const int CH = 2, BLOCK = 18;
-    static const bool TAIL = false;
-    static inline void tail(const uint8_t*, int, V16*) {}
-    static const int SPR = 1;
-    static inline void scales(const uint8_t* row, int K, float* out) { block_scales<SPR>(row, K / 32, BLOCK, out); }
-    static inline void chunk(const uint8_t* row, const float* sc, int c, int, V16* w) {
-        const uint8_t* b = row + 18 * (c / 2);
-        const V16 d = vset1(sc[c / 2]), minus8 = vset1(-8.f);
-        q4_nibbles(b + 2, &w[0], &w[1]);
-        w[0] = vmul(d, vadd(w[0], minus8));  // q - 8 is exact in fp32
-        w[1] = vmul(d, vadd(w[1], minus8));
-    }
-};
-#endif
 
 // K-quants (256-column super-blocks) and the 5-bit blocks: integer quants widened exactly, then w = D*q - M (or
 // D*q + m, or D*q), a multiply then an add as gguf's reference computes it, with D = d*sc and M = dmin*m per

@@ -50,6 +50,16 @@ static inline void q4_pair(const uint8_t* qs, V16 table, V16* lo, V16* hi) {
     lo->v = _mm512_permutexvar_ps(b, table.v);
     hi->v = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table.v);
 }
+static const float IOTA[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+static const float IOTA_8[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
+// The 32 weights of 16 packed bytes (low nibbles, then high): d*q + m (Q4_1), or d*(q - 8) (Q4_0), each product
+// rounded, then the add: a table of the 16 values, then a lookup
+static inline void q4_affine(const uint8_t* qs, float d, float m, V16* lo, V16* hi) {
+    q4_pair(qs, vadd(vmul(vset1(d), vload(IOTA)), vset1(m)), lo, hi);
+}
+static inline void q4_centered(const uint8_t* qs, float d, V16* lo, V16* hi) {
+    q4_pair(qs, vmul(vset1(d), vload(IOTA_8)), lo, hi);
+}
 #else
 struct V16 { __m256 lo, hi; };
 static inline V16 vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
@@ -98,6 +108,17 @@ static inline void q4_nibbles(const uint8_t* qs, V16* lo, V16* hi) {
     const __m256i f = _mm256_set1_epi32(15);
     *lo = {_mm256_cvtepi32_ps(_mm256_and_si256(a, f)), _mm256_cvtepi32_ps(_mm256_and_si256(b, f))};
     *hi = {_mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4))};
+}
+// The same values as AVX-512's table: the nibbles widened, then d*q + m or d*(q - 8) (q - 8 is exact in fp32)
+static inline void q4_affine(const uint8_t* qs, float d, float m, V16* lo, V16* hi) {
+    q4_nibbles(qs, lo, hi);
+    *lo = vadd(vmul(vset1(d), *lo), vset1(m));
+    *hi = vadd(vmul(vset1(d), *hi), vset1(m));
+}
+static inline void q4_centered(const uint8_t* qs, float d, V16* lo, V16* hi) {
+    q4_nibbles(qs, lo, hi);
+    *lo = vmul(vset1(d), vadd(*lo, vset1(-8.f)));
+    *hi = vmul(vset1(d), vadd(*hi, vset1(-8.f)));
 }
 #endif
 
