@@ -75,6 +75,26 @@ class BatchEngine(Admission):
         self._resume()
         self._release_twins()
         free = getattr(self.drafter, "free", False)
+        early, draft_ms, caps, asks = self._early_drafts(free)  # 1. model-free drafters propose first
+        decoding, chunks, taus, demands = self._plan_rows(early, caps, asks, free)  # 2. prompt chunks, draft rows
+        drafts = self._late_drafts(decoding, taus, demands, early, draft_ms, caps, asks)  # 3. the others, batched
+        self._fit_memory(drafts, chunks)
+        t1 = perf_counter()
+        tokens, slots, positions, logit_rows, spans, paths = self._pass_rows(drafts, chunks)
+        if not tokens:
+            return []
+        made = self._target_pass(tokens, slots, positions, logit_rows, spans, paths, t1)  # 4. one target pass
+        if made is None:
+            return []
+        logits, hidden, verify_ms = made
+        results = self._verify_all(drafts, spans, logits, hidden, free, draft_ms, verify_ms, t0, caps, asks)  # 5.
+        self.last = {"rows": len(tokens), "taus": [drafts[s.id][0] for s in decoding if s.id in drafts],
+                     "verify_ms": verify_ms}
+        return results
+
+    def _early_drafts(self, free: bool):
+        """Proposals made before the row split: a grammar's forced tokens, a prediction, a model-free drafter's
+        chain or tree -> (drafts, drafting ms, most draft rows, what each drafter was asked for and gave), by id."""
         early, draft_ms = {}, {}  # request id -> its draft, its drafting ms
         caps, asks = {}, {}  # request id -> most draft rows; what its drafter was asked for and gave (the trace's)
         for s in [s for s in self.running if not s.prefilling and not s.preempted]:
@@ -110,6 +130,11 @@ class BatchEngine(Admission):
                     caps[s.id] = min(len(early[s.id].tokens), self.context_window - len(s.tokens) - 1)
                 else:
                     caps[s.id] = min(caps[s.id], len(early[s.id].tokens))
+        return early, draft_ms, caps, asks
+
+    def _plan_rows(self, early: dict, caps: dict, asks: dict, free: bool):
+        """The rows of the pass: each decoding request's newest token, prompt chunks, then the verification budget's
+        split of the rest into draft rows -> (decoding requests, prompt chunks by id, their τ, their demands)."""
         decoding = [s for s in self.running if not s.prefilling and not s.preempted]
         rows_left = self.max_batch_rows - len(decoding)
         chunks = {}  # prefilling request id -> rows this pass
@@ -136,6 +161,11 @@ class BatchEngine(Admission):
             demands.append(Demand(est.alphas(), cost, cap, floor))
         taus = plan(demands, base, self.max_batch_rows, self.pass_ms)
 
+        return decoding, chunks, taus, demands
+
+    def _late_drafts(self, decoding, taus, demands, early, draft_ms, caps, asks) -> dict:
+        """The drafts of the requests that draft after the split (one batched call), and every draft cut to its
+        τ -> request id -> (τ, draft, proposed tokens)."""
         for s, tau, d in zip(decoding, taus, demands):
             s.idle = 0 if tau or not d.cap else s.idle + 1
         late = [(s, tau) for s, tau in zip(decoding, taus) if tau and s.id not in early and s.constraint is None]
@@ -155,9 +185,11 @@ class BatchEngine(Admission):
                 if d is not None and d.is_tree:
                     d = prune(d, tau)
                 drafts[s.id] = (tau, d, d.tokens[:tau] if d is not None else [])
-        self._fit_memory(drafts, chunks)
-        t1 = perf_counter()
+        return drafts
 
+    def _pass_rows(self, drafts: dict, chunks: dict):
+        """The pass's rows: per request its unfed tokens and drafts (tree nodes after the sequence, each attending
+        to its path), or its prompt chunk -> (tokens, slots, positions, logit rows, spans by id, tree paths)."""
         tokens, slots, positions, logit_rows, spans, paths = [], [], [], [], {}, []
         for s in self.running:
             if s.id in drafts:
@@ -184,14 +216,17 @@ class BatchEngine(Admission):
             else:
                 positions += range(s.fed, s.fed + len(new))
                 paths += [None] * len(new)
-        if not tokens:
-            return []
+        return tokens, slots, positions, logit_rows, spans, paths
+
+    def _target_pass(self, tokens, slots, positions, logit_rows, spans, paths, t1):
+        """The one target pass -> (logits, hidden states or None, its ms), or None when it raised (whose rows failed
+        leave; the others run again next step). Its time refines the pass curve and the work model."""
         try:
             out = self.model.forward(tokens, slots, positions, logit_rows, hidden=self.wants_hidden,
                                      paths=paths if any(q is not None for q in paths) else None)
         except Exception:  # find whose rows the pass cannot run; the others run again next step
             self._isolate(spans, tokens, slots, positions)
-            return []
+            return None
         logits, hidden = (out[0], out[1]) if self.wants_hidden else (out, None)
         logits = fit_vocab(logits, self.vocab_size) if logits is not None else None
         t2 = perf_counter()
@@ -202,7 +237,10 @@ class BatchEngine(Admission):
             predicted = len(tokens) * self.row_ms + self.key_ms * sum(positions)
             ratio = verify_ms / predicted if predicted > 0 else 1.0
             self._work_scale.update(min(2.0, max(0.5, ratio)))  # (one pass slowed by the machine moves it a little)
+        return logits, hidden, verify_ms
 
+    def _verify_all(self, drafts, spans, logits, hidden, free, draft_ms, verify_ms, t0, caps, asks) -> list:
+        """Each request verifies its rows, emits and rolls back (_finish_cycle) -> (request, record) pairs."""
         # every greedy chain's choices in one argmax call over the logit rows (torch's costs ~45 µs a row)
         greedy = any(s.params.greedy and s.constraint is None for s in self.running if s.id in drafts)
         argmax = row_argmax(logits) if greedy and logits is not None else None
@@ -227,8 +265,6 @@ class BatchEngine(Admission):
                 continue
             if rec is not None:
                 results.append((s, rec))
-        self.last = {"rows": len(tokens), "taus": [drafts[s.id][0] for s in decoding if s.id in drafts],
-                     "verify_ms": verify_ms}
         return results
 
     def _fit_memory(self, drafts: dict, chunks: dict) -> None:
