@@ -1,6 +1,8 @@
 """Scale-out on Ray Serve (`pip install specdec[ray]`): N replicas of the same FastAPI app, each a process with its
-own model and batching worker, behind Ray Serve's HTTP proxy. Ray routes requests, replaces a replica that dies and
-autoscales; specdec adds no router, balancer or supervisor of its own.
+own model and batching worker, behind a router (failover.py) behind Ray Serve's HTTP proxy. Ray balances requests
+over the replicas, replaces a replica that dies and autoscales; the router seeds every sampled request before a
+replica sees it and, when the replica serving a request dies, sends it to another and resumes its stream where the
+client is (one unbroken stream, equal to the request served alone).
 
     specdec serve --ray --replicas 2                                   # a local Ray instance, port 8000
     specdec serve --ray --ray-autoscaling '{"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8}'
@@ -59,10 +61,21 @@ def build(args: dict | None = None):
                           prefill_chunk=int(opts["prefill_chunk"]), max_tau=int(opts["max_tau"]))
 
     scaling = {"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": replicas}
+
     # each replica reserves its CPUs; Ray sets OMP_NUM_THREADS to them, so replicas do not oversubscribe the cores
-    deployment = serve.deployment(serve.ingress(make_app)(), name="specdec", max_ongoing_requests=int(opts["max_queue"]),
-                                  ray_actor_options={"num_cpus": float(opts["cpus_per_replica"])}, **scaling)
-    return deployment.bind()
+    @serve.deployment(name="specdec-model", max_ongoing_requests=int(opts["max_queue"]),
+                      ray_actor_options={"num_cpus": float(opts["cpus_per_replica"])}, **scaling)
+    class Replica:
+        def __init__(self):
+            self.app = make_app()
+
+        async def request(self, method: str, path: str, query: bytes, headers: list, body: bytes):
+            from .failover import asgi_stream
+            async for item in asgi_stream(self.app, method, path, query, headers, body):
+                yield item
+
+    from .router import router_deployment
+    return router_deployment(serve, float(opts["timeout"])).bind(Replica.bind())
 
 
 def run(args, host: str, port: int, address: str | None = None) -> None:

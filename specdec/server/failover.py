@@ -1,0 +1,138 @@
+"""Failover without a visible break (`serve --ray`): a router in front of the model replicas gives every sampled
+request a seed before it reaches one, so its answer is a function of (seed, prompt) alone (greedy answers are that
+already). When the replica serving a request dies, the request is sent again to another replica, which regenerates
+the same text; what the client already has is not sent again, and the stream goes on. Non-streamed requests are
+simply sent again.
+
+What the router needs of a replica is in `asgi_stream`: the replica's own FastAPI app (create_app), called with
+one request, its response's start and body chunks yielded as they come (server-sent events stay incremental).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from collections.abc import AsyncIterator
+
+SAMPLED_PATHS = ("/v1/chat/completions", "/v1/completions")
+DEFAULT_TEMPERATURE = {"/v1/chat/completions": 1.0, "/v1/completions": 1.0, "/infill": 0.8}  # schemas.py's
+
+
+class ReplicaLost(RuntimeError):
+    """Every attempt to serve a request ended with its replica gone."""
+
+
+async def asgi_stream(app, method: str, path: str, query: bytes, headers: list, body: bytes) -> AsyncIterator:
+    """Run one request through an ASGI app -> ("start", status, headers), then each body chunk (bytes) as the app
+    sends it. The request never disconnects on its own: cancelling the iteration cancels the app's handler."""
+    messages: asyncio.Queue = asyncio.Queue()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": query, "root_path": "", "headers": headers,
+             "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0)}
+    delivered = False
+
+    async def receive():
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()  # no disconnect: waits until cancelled
+
+    async def send(message):
+        await messages.put(message)
+
+    task = asyncio.create_task(app(scope, receive, send))
+    try:
+        while True:
+            getter = asyncio.create_task(messages.get())
+            done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+            if getter not in done:
+                getter.cancel()
+                task.result()  # the app ended without finishing its response: its error
+                return
+            message = getter.result()
+            if message["type"] == "http.response.start":
+                yield ("start", message["status"], [(k.decode(), v.decode()) for k, v in message.get("headers", [])])
+            elif message["type"] == "http.response.body":
+                if message.get("body"):
+                    yield message["body"]
+                if not message.get("more_body", False):
+                    return
+    finally:
+        task.cancel()
+
+
+def with_seed(path: str, body: bytes) -> bytes:
+    """A sampled completion request without a seed gets one here, before any replica sees it: every attempt at it
+    then samples the same text. Anything that is not such a request passes unchanged (the replica judges it)."""
+    if path not in DEFAULT_TEMPERATURE:
+        return body
+    try:
+        req = json.loads(body)
+    except ValueError:
+        return body
+    if not isinstance(req, dict) or req.get("seed") not in (None, -1):
+        return body
+    temperature = req.get("temperature", DEFAULT_TEMPERATURE[path])
+    if not isinstance(temperature, (int, float)) or temperature == 0:
+        return body
+    return json.dumps({**req, "seed": secrets.randbits(63)}).encode()
+
+
+class Resumer:
+    """The text each choice of a stream has sent so far, and what of a retried stream's events is new: a chunk's
+    text that the client already has is dropped, a chunk that straddles the point is cut, and every event after it
+    goes on unchanged but for the first attempt's id and timestamp (one stream to the client)."""
+
+    def __init__(self):
+        self.sent: dict[int, int] = {}  # choice -> characters the client has
+        self.seen: dict[int, int] = {}  # choice -> characters of the current attempt so far
+        self.done: set = set()  # (choice, "finish") and ("usage",) markers sent
+        self.ident: dict = {}
+
+    def restart(self) -> None:
+        self.seen = {}
+
+    def event(self, data: str) -> str | None:
+        """One `data: ...` payload of the current attempt -> what to send the client, or None."""
+        if data.strip() == "[DONE]":
+            return None if ("done",) in self.done else self._mark(("done",), data)
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            return data
+        if not isinstance(obj, dict) or "error" in obj:
+            return data
+        for k in ("id", "created"):
+            if k in obj:
+                obj[k] = self.ident.setdefault(k, obj[k])
+        if not obj.get("choices"):  # the usage chunk
+            return None if ("usage",) in self.done else self._mark(("usage",), json.dumps(obj))
+        choice = obj["choices"][0]
+        i = choice.get("index", 0)
+        delta = choice.get("delta")
+        text = (delta or {}).get("content") if delta is not None else choice.get("text")
+        if choice.get("finish_reason"):
+            return None if (i, "finish") in self.done else self._mark((i, "finish"), json.dumps(obj))
+        if delta is not None and "role" in delta:
+            return None if (i, "role") in self.done else self._mark((i, "role"), json.dumps(obj))
+        if not isinstance(text, str):
+            return json.dumps(obj)
+        start = self.seen.get(i, 0)
+        self.seen[i] = start + len(text)
+        have = self.sent.get(i, 0)
+        if self.seen[i] <= have:
+            return None  # the client has all of it
+        fresh = text[max(0, have - start):]
+        self.sent[i] = self.seen[i]
+        if delta is not None:
+            delta["content"] = fresh
+        else:
+            choice["text"] = fresh
+        if choice.get("logprobs") and fresh != text:  # a cut chunk: its tokens' logprobs no longer line up
+            choice["logprobs"] = None
+        return json.dumps(obj)
+
+    def _mark(self, key, data: str) -> str:
+        self.done.add(key)
+        return data

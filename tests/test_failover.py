@@ -1,0 +1,97 @@
+"""Failover's pieces without Ray (server/failover.py): a sampled request is seeded before any replica sees it, a
+replica's app streams through asgi_stream as it generates, and a stream cut mid-way and sent again to another
+replica resumes where the client is: one stream, no token repeated or missing, equal to the request served alone.
+The same across real Ray replicas, one killed mid-stream: test_ray.py."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from specdec import SpecDecoder
+from specdec.server import create_app
+from specdec.server.failover import Resumer, asgi_stream, with_seed
+
+
+def test_sampled_requests_get_a_seed_before_any_replica_and_nothing_else_changes():
+    seeded = json.loads(with_seed("/v1/completions", json.dumps({"prompt": "x", "temperature": 0.7}).encode()))
+    assert isinstance(seeded["seed"], int) and 0 <= seeded["seed"] < 2 ** 63
+    defaulted = json.loads(with_seed("/v1/chat/completions", b'{"messages": []}'))  # OpenAI's default: 1.0
+    assert "seed" in defaulted
+    for path, body in [("/v1/completions", b'{"prompt": "x", "temperature": 0}'),  # greedy
+                       ("/v1/completions", b'{"prompt": "x", "seed": 5}'),  # its own seed
+                       ("/v1/completions", b"not json"), ("/health", b""), ("/v1/models", b"")]:
+        assert with_seed(path, body) == body
+    assert json.loads(with_seed("/infill", b'{"input_prefix": "a", "seed": -1}'))["seed"] >= 0  # llama's "random"
+
+
+def sse(events: list[dict | str]) -> list[str]:
+    return [e if isinstance(e, str) else json.dumps(e) for e in events]
+
+
+def test_a_resumed_stream_sends_only_what_the_client_lacks():
+    r = Resumer()
+    first = sse([{"id": "a", "created": 1, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+                 {"id": "a", "created": 1, "choices": [{"index": 0, "delta": {"content": "Hel"}}]},
+                 {"id": "a", "created": 1, "choices": [{"index": 0, "delta": {"content": "lo, w"}}]}])
+    got = [r.event(e) for e in first]
+    r.restart()  # the replica died; the same request elsewhere, chunked differently
+    second = sse([{"id": "b", "created": 2, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+                  {"id": "b", "created": 2, "choices": [{"index": 0, "delta": {"content": "Hello"}}]},
+                  {"id": "b", "created": 2, "choices": [{"index": 0, "delta": {"content": ", wor"}}]},
+                  {"id": "b", "created": 2, "choices": [{"index": 0, "delta": {"content": "ld"}}]},
+                  {"id": "b", "created": 2, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+                  {"id": "b", "created": 2, "choices": [], "usage": {"completion_tokens": 4}}, "[DONE]"])
+    got += [r.event(e) for e in second]
+    sent = [json.loads(g) for g in got if g is not None and g != "[DONE]"]
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in sent if c["choices"])
+    assert text == "Hello, world"
+    assert sum(1 for c in sent if c["choices"] and "role" in c["choices"][0]["delta"]) == 1
+    assert sum(1 for c in sent if c["choices"] and c["choices"][0].get("finish_reason")) == 1
+    assert all(c["id"] == "a" and c["created"] == 1 for c in sent)  # one stream to the client
+    assert got[-1] == "[DONE]" and r.event("[DONE]") is None
+
+
+def run_stream(app, body: dict, cut_after: int | None = None) -> list[str]:
+    """The `data:` payloads of one streamed request through asgi_stream; cut_after: stop after that many (a replica
+    killed mid-stream)."""
+    async def go():
+        out, buffer, status = [], "", None
+        async for item in asgi_stream(app, "POST", "/v1/completions", b"",
+                                      [(b"content-type", b"application/json")], json.dumps(body).encode()):
+            if isinstance(item, tuple):
+                status = item[1]
+                continue
+            buffer += item.decode()
+            while "\n\n" in buffer:
+                event, buffer = buffer.split("\n\n", 1)
+                out.append(event[6:])
+                if cut_after is not None and len(out) >= cut_after:
+                    return status, out
+        return status, out
+    status, out = asyncio.run(go())
+    assert status == 200
+    return out
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_stream_cut_mid_way_resumes_on_another_replica_equal_to_the_request_alone(tok, target, draft_close, sampled):
+    """Two replicas (two apps on one model), a stream cut after a few events on the first: the same seeded request
+    on the second, through the Resumer, completes it. The client's text is the request's text alone, every token
+    once."""
+    replicas = [create_app(SpecDecoder.from_models(target, tok, draft=draft_close, tau=3), model_name="tiny")
+                for _ in range(2)]
+    body = json.loads(with_seed("/v1/completions", json.dumps(
+        {"prompt": "Once upon a time", "max_tokens": 40, "stream": True, "temperature": 0.9 if sampled else 0}
+    ).encode()))
+    alone = run_stream(replicas[1], body)
+    want = "".join(json.loads(e)["choices"][0]["text"] for e in alone if e != "[DONE]" and json.loads(e)["choices"])
+    r = Resumer()
+    client = [r.event(e) for e in run_stream(replicas[0], body, cut_after=4)]
+    r.restart()
+    client += [r.event(e) for e in run_stream(replicas[1], body)]
+    events = [json.loads(e) for e in client if e is not None and e != "[DONE]"]
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == want and len(want) > 20
+    assert sum(1 for e in events if e["choices"] and e["choices"][0]["finish_reason"]) == 1
+    assert client.count("[DONE]") == 1
