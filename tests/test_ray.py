@@ -26,6 +26,7 @@ def pids_seen(url, n=24, workers=12):
 
 def test_two_replicas_share_requests_and_survive_a_killed_replica(tiny_dirs):
     import ray
+
     from specdec.server.ray_serve import build
 
     with socket.socket() as s:
@@ -73,6 +74,7 @@ def test_streams_survive_a_replica_killed_mid_stream(tiny_dirs):
     import threading
 
     import ray
+
     from specdec import SpecDecoder
     from specdec.server.ray_serve import build
 

@@ -86,7 +86,9 @@ def router_deployment(serve, timeout_s: float):
                 except Exception as e:  # noqa: BLE001
                     tries += 1
                     if tries >= ATTEMPTS:
-                        yield f"data: {json.dumps(error_body('the replica serving this stream stopped; retry', 'server_error', 'worker_down'))}\n\n"
+                        lost = error_body("the replica serving this stream stopped; retry", "server_error",
+                                          "worker_down")
+                        yield f"data: {json.dumps(lost)}\n\n"
                         return
                     log.warning("a replica failed mid-stream (%s); resuming on another", type(e).__name__)
                     self.retries += 1
