@@ -42,8 +42,8 @@ def _warm_grammars(decoder) -> None:
 
 def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | None = None,
                max_queue: int = 16, timeout_s: float = 300.0, max_tokens_default: int = 256,
-               max_body_bytes: int = 1 << 20, trace_dir: str | None = None, batch: bool = True, max_batch_rows: int | None = None,
-               prefill_chunk: int = 32, max_tau: int = 8) -> FastAPI:
+               max_body_bytes: int = 1 << 20, trace_dir: str | None = None, batch: bool = True,
+               max_batch_rows: int | None = None, prefill_chunk: int = 32, max_tau: int = 8) -> FastAPI:
     """`decoder`: a SpecDecoder, or a function that makes one on the model worker's thread (what `specdec serve`
     passes: see worker.Worker). `batch`: on specdec's runtime, serve all admitted requests in each target pass
     (BatchWorker) with `max_batch_rows` rows per pass (default: from the pass curve measured at start,
