@@ -1,7 +1,6 @@
 """The Ray Serve router in front of the model replicas (ray_serve.py): every request passes through unchanged but
 for a seed given to sampled requests (failover.with_seed); a request whose replica dies is sent again, up to
 ATTEMPTS times, and a stream resumes where the client is (failover.Resumer)."""
-from __future__ import annotations
 
 import asyncio
 import json
@@ -36,6 +35,11 @@ def router_deployment(serve, timeout_s: float):
             headers.append((b"content-length", str(len(body)).encode()))
             return self.replica.options(stream=True).request.remote(request.method, path, request.url.query.encode(),
                                                                     headers, body)
+
+        @app.get("/router")
+        async def stats(self):
+            """The router's own figures: requests it sent again because their replica died."""
+            return {"retries": self.retries}
 
         @app.api_route("/{rest:path}", methods=["GET", "POST"])
         async def forward(self, rest: str, request: Request):
