@@ -579,3 +579,27 @@ def test_a_prompts_block_hashes_are_computed_once(rt, monkeypatch):
     assert engine.uncached(ids) > 0 and len(calls) == 1  # stored, then found, from one hashing
     assert seq.generated == alone(rt, "The cat sat on the mat. " * 3 + "Then it slept.", SamplingParams(), 4)
     engine.close()
+
+
+def test_a_request_preempted_while_decoding_never_resends_text_or_logprobs(rt):
+    """A decoding request with logprobs, preempted after it streamed some tokens, recomputes its K/V and goes on:
+    what its records emit, joined, is its output once (no token or logprob sent twice), equal to target-only's."""
+    model, tok = rt
+    plain = SpecDecoder.from_models(model, tok, draft="none")
+    want = plain.generate(PROMPTS[1], max_new_tokens=12, chat=False, logprobs=2)
+    engine = BatchEngine(model, build_drafter("ngram", model, tok), model.config.vocab_size, plain.engine.eos_ids,
+                         128, max_batch_rows=8, prefill_chunk=8)
+    model.pool.clear_hashes()
+    seq = engine.add(Sequence(tok(PROMPTS[1]).input_ids, 12, SamplingParams(), logprobs=2))
+    emitted, logprobs, preempted = [], [], False
+    while engine.running:
+        for _, rec in engine.step():
+            emitted += rec.emitted
+            logprobs += rec.logprobs
+        if not preempted and len(emitted) >= 3:
+            engine._preempt(seq)
+            preempted = True
+    assert preempted and engine.preemptions == 1
+    assert emitted == seq.generated == want.token_ids and len(logprobs) == len(emitted)
+    assert [lp for lp, _ in logprobs] == [lp for lp, _ in want.logprobs]
+    engine.close()

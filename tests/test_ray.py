@@ -67,8 +67,8 @@ def test_two_replicas_share_requests_and_survive_a_killed_replica(tiny_dirs):
 
 def test_streams_survive_a_replica_killed_mid_stream(tiny_dirs):
     """Failover without a visible break (issue "serve strangers safely", item 6): 16 concurrent streams, greedy and
-    unseeded sampled, over 2 replicas; one replica is killed with SIGKILL mid-stream. Every stream completes, equal
-    to the request served alone (the router seeded the sampled ones; `specdec.seed` says with what), with no token
+    unseeded sampled, and 4 non-streamed requests over 2 replicas; one replica is killed with SIGKILL mid-stream.
+    Every request completes, equal to the request served alone (the router seeded the sampled ones; `specdec.seed` says with what), with no token
     repeated or missing; the longest pause a client saw is printed."""
     import json
     import threading
@@ -110,7 +110,13 @@ def test_streams_survive_a_replica_killed_mid_stream(tiny_dirs):
                     streams[i]["seed"] = event.get("specdec", {}).get("seed", streams[i]["seed"])
                     if event.get("choices"):
                         streams[i]["text"].append(event["choices"][0]["text"])
+        whole = {}  # non-streamed requests in flight at the kill: answered whole, by the other replica if need be
+
+        def plain(i):
+            body = {"model": "tiny", "prompt": f"Plain {i}: the", "max_tokens": 96, "temperature": 0.9 * (i % 2)}
+            whole[i] = httpx.post(url + "/v1/completions", json=body, timeout=120)
         threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        threads += [threading.Thread(target=plain, args=(i,)) for i in range(4)]
         for t in threads:
             t.start()
         deadline = time.time() + 60
@@ -125,6 +131,12 @@ def test_streams_survive_a_replica_killed_mid_stream(tiny_dirs):
             want = alone.generate(prompts[i], max_new_tokens=48, chat=False, temperature=0 if i % 2 else 0.9,
                                   seed=s["seed"]).text
             assert "".join(s["text"]) == want, i
+        for i, r in whole.items():
+            assert r.status_code == 200, r.text
+            seed = r.json()["specdec"]["seed"]
+            want = alone.generate(f"Plain {i}: the", max_new_tokens=96, chat=False, temperature=0.9 * (i % 2),
+                                  seed=seed).text
+            assert r.json()["choices"][0]["text"] == want, i
         retries = httpx.get(url + "/router", timeout=10).json()["retries"]
         assert retries >= 1  # streams were cut by the kill and resumed elsewhere
         stall = max(b - a for s in streams for a, b in zip(s["times"], s["times"][1:]))
