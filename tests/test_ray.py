@@ -68,8 +68,8 @@ def test_two_replicas_share_requests_and_survive_a_killed_replica(tiny_dirs):
 def test_streams_survive_a_replica_killed_mid_stream(tiny_dirs):
     """Failover without a visible break (issue "serve strangers safely", item 6): 16 concurrent streams, greedy and
     unseeded sampled, and 4 non-streamed requests over 2 replicas; one replica is killed with SIGKILL mid-stream.
-    Every request completes, equal to the request served alone (the router seeded the sampled ones; `specdec.seed` says with what), with no token
-    repeated or missing; the longest pause a client saw is printed."""
+    Every request completes, equal to the request served alone (the router seeded the sampled ones; `specdec.seed`
+    says with what), with no token repeated or missing; the longest pause a client saw is printed."""
     import json
     import threading
 
