@@ -78,6 +78,8 @@ class Engine:
                         by = "prediction"
                     else:
                         draft = None
+                if draft is None and k and getattr(self.drafter, "sizes_own_depth", False):
+                    tau = k = max(1, min(self.drafter.depth(self.costs), room - 1))  # as deep as the curve pays for
                 if draft is None:
                     draft = self.drafter.propose(seq, k, params, gen) if k else None
                 drafted = len(draft.tokens) if draft is not None else 0

@@ -118,6 +118,9 @@ class BatchEngine(Admission):
                 asks[s.id] = (depth, len(early[s.id].tokens), "room", "budget", "prediction")
                 caps[s.id] = len(early[s.id].tokens)
             elif free and caps[s.id]:  # propose first: the scheduler then knows what there is to verify
+                drafter = self._state[s.id][1]
+                if getattr(drafter, "sizes_own_depth", False):  # (suffix) as deep as the pass curve pays for
+                    caps[s.id] = max(1, min(drafter.depth(self.pass_ms), room - 1, self.max_batch_rows - 1))
                 t = perf_counter()
                 try:
                     early[s.id] = self._state[s.id][1].propose(s.tokens, caps[s.id], s.params, s.generator)
@@ -152,6 +155,10 @@ class BatchEngine(Admission):
             tree = early.get(s.id)
             if asks.get(s.id, ())[-1:] == ("prediction",):  # its own running acceptance, not the drafter's
                 demands.append(Demand([s.predicted.acceptance()], 0.0, cap, min(floor, 1)))
+                continue
+            own = self._state[s.id][1]
+            if getattr(own, "sizes_own_depth", False) and s.id in early:  # (suffix) its own acceptance too
+                demands.append(Demand([own.acceptance()], 0.0, cap, min(floor, 1)))
                 continue
             if tree is not None and tree.is_tree:  # node k's value v_k = Π_{j≤k} α_j: α_k = v_k / v_{k-1}
                 v = [1.0] + list(tree.values or [1.0] * len(tree.tokens))

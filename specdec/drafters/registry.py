@@ -1,6 +1,7 @@
 """Drafters by name. `build(spec, target)` reads a spec the CLI, API and server accept:
 
-- `none`, `ngram`, `recycle` / `recycle:FILE` (token recycling; FILE keeps its table between runs),
+- `none`, `ngram`, `suffix` (suffix decoding: long drafts from the longest earlier match, this request's or an
+  earlier output's), `recycle` / `recycle:FILE` (token recycling; FILE keeps its table between runs),
   `datastore` / `datastore:DIR` (retrieval), `target`, `shipped` (the distilled draft shipped for the default
   target);
 - anything else names a `specdec distill` directory (a feature draft) or a draft model (directory, .gguf, name);
@@ -27,6 +28,7 @@ from .feature_files import MARKER, check_target, is_feature_draft
 from .model import ModelDrafter
 from .ngram import NgramDrafter
 from .recycle import RecycleDrafter, RecycleTable
+from .suffix import SuffixDrafter
 
 SHIPPED_DRAFT = Path(__file__).parent.parent / "drafts" / "smollm2-135m-instruct"  # trained by `specdec distill`
 
@@ -77,6 +79,11 @@ def _none(spec, target):
 @register("ngram")
 def _ngram(spec, target):
     return NgramDrafter()
+
+
+@register("suffix")
+def _suffix(spec, target):
+    return SuffixDrafter()
 
 
 @register("recycle")

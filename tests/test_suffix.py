@@ -1,0 +1,107 @@
+"""The suffix drafter (drafters/suffix.py): the longest earlier match against a brute force over random contexts
+(hypothesis), long drafts while the output copies its prompt, earlier requests' outputs drawn on (a bounded store),
+and speculation with it equal to target-only: greedy token for token, seeded sampling text for text, alone and in
+the batch engine."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specdec import SpecDecoder, models
+from specdec.batch import BatchEngine, Sequence
+from specdec.drafters.suffix import MIN_MATCH, OutputStore, SuffixDrafter, longest_match
+from specdec.sampling import SamplingParams
+
+
+def brute(context: list[int], tail_len: int) -> int:
+    """The length of the longest suffix (>= MIN_MATCH, <= tail_len) with an earlier occurrence followed by a token."""
+    best = 0
+    L = len(context)
+    for n in range(MIN_MATCH, min(tail_len, L - 1) + 1):
+        suffix = context[L - n:]
+        if any(context[i:i + n] == suffix for i in range(0, L - n)):
+            best = n
+    return best
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=0, max_size=40), st.integers(2, 12))
+def test_longest_match_is_the_longest_earlier_occurrence(context, tail_len):
+    a = np.asarray(context, np.int64)
+    n, start = longest_match(a, a[-tail_len:], len(a))
+    assert n == brute(context, tail_len)
+    if n:  # what follows is what followed that occurrence, the latest one
+        assert context[start - n:start] == context[-n:] and start < len(context)
+        assert not any(context[i:i + n] == context[-n:] for i in range(start - n + 1, len(context) - n))
+
+
+def test_an_output_copying_its_prompt_gets_long_drafts():
+    code = list(range(100, 160))  # a function the request asks to edit: its output repeats most of it
+    prompt = [1, 2] + code + [3]
+    d = SuffixDrafter()
+    out = code[:5]
+    draft = d.propose(prompt + out, 32, None, None)
+    assert draft.tokens == code[5:5 + len(draft.tokens)] and len(draft.tokens) >= 8
+    assert d.propose([7, 8, 9], 32, None, None).tokens == []  # nothing matches: nothing proposed
+
+
+def test_earlier_outputs_are_drawn_on_and_the_store_is_bounded():
+    store = OutputStore(limit=100)
+    first = SuffixDrafter(store)
+    first.propose([1, 2, 3], 8, None, None)
+    first._context = [1, 2, 3] + list(range(200, 240))  # what the request generated
+    first.close()  # its output joins the store
+    later = SuffixDrafter(store)  # another request: three tokens match, so up to MATCH_FACTOR x 3 are drafted
+    assert later.propose([9, 9, 200, 201, 202], 8, None, None).tokens == list(range(203, 209))
+    for i in range(5):  # older outputs leave, least recently used first
+        store.add(list(range(1000 * (i + 1), 1000 * (i + 1) + 40)))
+    assert store.tokens <= 100 and tuple(range(200, 240)) not in store.outputs
+
+
+@pytest.fixture(scope="module")
+def rt(tiny_dirs):
+    model, tok = models.load(tiny_dirs["target"], backend="runtime")
+    sd = SpecDecoder.from_models(model, tok, draft="suffix")
+    sd.engine.eos_ids = set()  # long outputs: the tiny model repeats itself, which the drafter copies
+    return sd
+
+
+PROMPT = "The cat sat on the mat. The cat sat on the mat. The cat"
+
+
+def test_speculation_with_suffix_equals_target_only_and_repeats_draw_on_earlier_outputs(rt):
+    """Alone (Engine): greedy and seeded outputs equal target-only's; asked again, a request finds its earlier
+    output in the store and drafts it deep (far fewer passes), still equal."""
+    plain = SpecDecoder.from_models(rt.model, rt.tokenizer, draft="none")
+    plain.engine.eos_ids = set()
+    for kw in (dict(), dict(temperature=0.8, seed=5)):
+        want = plain.generate(PROMPT, max_new_tokens=60, chat=False, **kw)
+        first = rt.generate(PROMPT, max_new_tokens=60, chat=False, **kw)
+        again = rt.generate(PROMPT, max_new_tokens=60, chat=False, **kw)
+        assert first.token_ids == want.token_ids == again.token_ids, kw
+    assert again.stats["target_passes"] <= len(again.token_ids) // 3  # the earlier output, drafted and accepted
+    assert max(len(r.proposed) for r in again.records) > 8  # deeper than any fixed τ
+
+
+def test_batched_requests_with_suffix_equal_each_alone(rt):
+    """The batch engine: every request equals target-only; repeats of an earlier request (greedy, and seeded with
+    the same seed) draft its output from the store and have most of it accepted."""
+    plain = SpecDecoder.from_models(rt.model, rt.tokenizer, draft="none")
+    plain.engine.eos_ids = set()
+    template = SuffixDrafter()
+    params = [SamplingParams(), SamplingParams(0.8, 1.0, 0, 9), SamplingParams(0.8, 1.0, 0, 10)]
+    ids = rt.tokenizer(PROMPT, add_special_tokens=False).input_ids
+    for round_ in range(2):  # the first round fills the store, the second repeats it
+        engine = BatchEngine(rt.model, template, rt.model.config.vocab_size, set(), 256, max_batch_rows=24)
+        seqs = [engine.add(Sequence(ids, 40, q)) for q in params]
+        accepted = 0
+        while engine.running:
+            accepted += sum(rec.accepted for _, rec in engine.step())
+            assert not engine.failed
+        for s, q in zip(seqs, params):
+            want = plain.generate(PROMPT, max_new_tokens=40, chat=False, temperature=q.temperature, seed=q.seed)
+            assert s.generated == want.token_ids, (round_, q)
+        engine.close()
+    assert accepted >= 60  # of the second round's 120 tokens
