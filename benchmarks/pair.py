@@ -143,6 +143,7 @@ def systems(target: Path, draft: Path, threads: int, previous: str | None = None
             "ours-none": ours + ["--draft", "none"],
             "ours": ours,
             "ours-0.5b": ours + ["--draft", str(draft)],
+            "ours-suffix": ours + ["--draft", "suffix"],
             **({} if previous is None else {
                 "prev-none": prev + ["--draft", "none"], "prev": prev})}
 
