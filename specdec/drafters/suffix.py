@@ -2,10 +2,11 @@
 The longest suffix of the context that occurred before, in this request's prompt and output or in what the server
 generated for earlier requests (a bounded store, least recently used first out), and what followed it there.
 
-The draft is long when the match is: up to MATCH_FACTOR tokens per matched token, at most MAX_DEPTH, and sized on
-the target's measured pass curve and this request's running acceptance (`depth(cost)`, as the prediction drafter
-is), so that an edit that copies the prompt drafts 16 tokens a pass while a chat with nothing to copy drafts
-none. Model-free: q is one-hot, and a proposal costs a few numpy scans.
+The draft is long when the match is: up to MATCH_FACTOR tokens per matched token, at most MAX_DEPTH, cut where
+the target's measured pass curve stops paying for rows at the acceptance this request has seen after matches of
+that length (a longer match is likelier to go on: SuffixDecoding scores its candidates the same way). So an edit
+that copies its prompt drafts a line a pass, while a chat with nothing to copy drafts nothing. Model-free: q is
+one-hot, and a proposal costs a few numpy scans.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ MIN_MATCH = 2  # a single matching token is right too rarely to pay for rows (as
 MAX_MATCH = 64  # the longest context suffix looked up
 MAX_DEPTH = 32  # the most tokens one proposal carries
 MATCH_FACTOR = 2.0  # draft tokens allowed per matched token (SuffixDecoding's max_spec_factor)
-PRIOR = 0.6  # acceptance assumed before this request's first verification
+BUCKETS = (2, 4, 8, 16)  # match lengths from which each acceptance estimate counts
+PRIORS = (0.55, 0.8, 0.9, 0.95)  # acceptance per bucket before this request's first verification there
 STORE_TOKENS = 1 << 20  # earlier outputs kept for every request to draw from
 
 
@@ -91,9 +93,14 @@ class SuffixDrafter:
             self.store.add(self._context[self._base:])
         self._base = None  # context length at the first proposal: the output starts there
         self._context: list[int] = []
-        self.hits, self.tries = PRIOR * 4, 4.0  # accepted / proposed, a prior worth four drafts
-        self._match = 0  # the last proposal's match length
+        self.hits = [p * 4 for p in PRIORS]  # per match-length bucket: accepted / proposed, a prior of four drafts
+        self.tries = [4.0] * len(PRIORS)
+        self._cost = None  # the target's pass curve (depth)
+        self._bucket = 0  # the last proposal's
         self._last = 0  # the last proposal's length
+        self._at = None  # (source, index) where the last proposal started in its source
+        self._next = None  # where the next proposal starts if the output stays in step with that source
+        self._in_step = False
 
     def fork(self) -> SuffixDrafter:
         return SuffixDrafter(self.store)  # one store; this request's own state
@@ -103,14 +110,16 @@ class SuffixDrafter:
         self.reset()
 
     def acceptance(self) -> float:
-        return min(0.99, self.hits / self.tries)
+        """The acceptance expected of the last proposal: this request's running rate after matches of its length
+        (a longer match is at least as reliable as a shorter one); in step with its source, the best it has seen."""
+        rates = [h / n for h, n in zip(self.hits, self.tries)]
+        return min(0.99, max(rates if self._in_step else rates[: self._bucket + 1]))
 
     def depth(self, cost) -> int:
-        """The chain length that maximises expected tokens per unit of pass time (`cost(rows)`, the measured pass
-        curve) at this request's running acceptance."""
-        from ..costs import best_tree_size
-        a = self.acceptance()
-        return max(1, best_tree_size([a ** (i + 1) for i in range(MAX_DEPTH)], cost))
+        """The engines ask for this many tokens; each proposal is then cut to the chain length that maximises
+        expected tokens per unit of pass time (`cost(rows)`, the measured pass curve) at its match's acceptance."""
+        self._cost = cost
+        return MAX_DEPTH
 
     def propose(self, context, k, params, generator) -> Draft:
         if self._base is None:
@@ -125,11 +134,19 @@ class SuffixDrafter:
             m, s = longest_match(flat, tail, len(flat))
             if m > n:
                 n, start, source = m, s, flat
-        self._match = n
         if not n:
-            self._last = 0
+            self._last, self._next = 0, None
             return Draft()
-        limit = min(k, MAX_DEPTH, max(1, int(MATCH_FACTOR * n)))
+        self._bucket = sum(n >= b for b in BUCKETS) - 1
+        # in step: the output went on exactly as the source did after the last proposal (its accepted tokens and the
+        # target's own next one): a copy under way, drafted as long as it pays, not only MATCH_FACTOR x its match
+        self._in_step = self._next == (id(source) if source is not a else 0, start)
+        self._at = (id(source) if source is not a else 0, start)
+        limit = min(k, MAX_DEPTH, MAX_DEPTH if self._in_step else max(1, int(MATCH_FACTOR * n)))
+        if self._cost is not None:  # as deep as the pass curve pays for at this match's acceptance
+            from ..costs import best_tree_size
+            p = self.acceptance()
+            limit = min(limit, max(1, best_tree_size([p ** (i + 1) for i in range(limit)], self._cost)))
         follow = source[start: start + limit]
         stop = np.flatnonzero(follow < 0)  # the end of a stored output
         tokens = (follow[: stop[0]] if len(stop) else follow).tolist()
@@ -137,9 +154,12 @@ class SuffixDrafter:
         return Draft(tokens)
 
     def observe_verify(self, context, draft, logits, accepted) -> None:
-        """This request's running acceptance: accepted / proposed over its recent drafts."""
+        """This request's running acceptance per position, for the bucket of the last proposal's match length."""
         if not self._last or draft is None or draft.is_tree:
             return
-        n = min(len(accepted), self._last)
-        self.hits, self.tries = 0.8 * self.hits + n, 0.8 * self.tries + self._last
+        # a position's chance of acceptance (geometric): the accepted ones succeeded, the first rejected one failed,
+        # and those after it were never tried (accepted / proposed would read long drafts as half wrong)
+        n, b = min(len(accepted), self._last), self._bucket
+        self.hits[b], self.tries[b] = 0.8 * self.hits[b] + n, 0.8 * self.tries[b] + n + (n < self._last)
+        self._next = (self._at[0], self._at[1] + n + 1)  # after the accepted tokens and the target's next one
         self._last = 0
