@@ -105,3 +105,24 @@ def test_batched_requests_with_suffix_equal_each_alone(rt):
             assert s.generated == want.token_ids, (round_, q)
         engine.close()
     assert accepted >= 60  # of the second round's 120 tokens
+
+
+def test_suffix_file_keeps_the_outputs_between_runs_and_refuses_a_bad_file_in_one_line(rt, tmp_path):
+    """`suffix:FILE`: what earlier runs generated is drafted from after a restart (the shutdown save writes it); a
+    file made for another target, or one that is not a store, is an empty store and one stderr line, never a crash."""
+    from specdec.api import build_drafter
+    from specdec.drafters.base import save
+    f = tmp_path / "store.npz"
+    first = build_drafter(f"suffix:{f}", rt.model, rt.tokenizer)
+    first.propose([5, 6, 7], 4, None, None)
+    first._context = [5, 6, 7] + list(range(40, 70))
+    save(first)  # what the server does at shutdown
+    again = build_drafter(f"suffix:{f}", rt.model, rt.tokenizer)
+    assert again.propose([9, 40, 41, 42], 4, None, None).tokens == list(range(43, 47))
+    said = []
+    meta = {"fingerprint": "another", "vocab": rt.model.config.vocab_size}
+    assert not OutputStore.load_or_new(f, meta, rt.model.config.vocab_size, log=said.append).outputs
+    f.write_bytes(b"\x00not a store" * 5)
+    assert not OutputStore.load_or_new(f, again.meta, rt.model.config.vocab_size, log=said.append).outputs
+    assert len(said) == 2 and "another target" in said[0] and "unreadable" in said[1]
+    assert all("\n" not in s for s in said)

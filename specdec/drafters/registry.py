@@ -1,8 +1,8 @@
 """Drafters by name. `build(spec, target)` reads a spec the CLI, API and server accept:
 
-- `none`, `ngram`, `suffix` (suffix decoding: long drafts from the longest earlier match, this request's or an
-  earlier output's), `recycle` / `recycle:FILE` (token recycling; FILE keeps its table between runs),
-  `datastore` / `datastore:DIR` (retrieval), `target`, `shipped` (the distilled draft shipped for the default
+- `none`, `ngram`, `suffix` / `suffix:FILE` (suffix decoding: long drafts from the longest earlier match, this
+  request's or an earlier output's; FILE keeps the outputs between runs), `recycle` / `recycle:FILE` (token
+  recycling; FILE keeps its table between runs), `datastore` / `datastore:DIR` (retrieval), `target`, `shipped` (the distilled draft shipped for the default
   target);
 - anything else names a `specdec distill` directory (a feature draft) or a draft model (directory, .gguf, name);
 - `A+B`: A first, B when A proposes nothing.
@@ -28,7 +28,7 @@ from .feature_files import MARKER, check_target, is_feature_draft
 from .model import ModelDrafter
 from .ngram import NgramDrafter
 from .recycle import RecycleDrafter, RecycleTable
-from .suffix import SuffixDrafter
+from .suffix import OutputStore, SuffixDrafter
 
 SHIPPED_DRAFT = Path(__file__).parent.parent / "drafts" / "smollm2-135m-instruct"  # trained by `specdec distill`
 
@@ -83,7 +83,11 @@ def _ngram(spec, target):
 
 @register("suffix")
 def _suffix(spec, target):
-    return SuffixDrafter()
+    """`suffix`: earlier outputs kept while the process runs; `suffix:FILE` keeps them in FILE between runs."""
+    if ":" not in spec:
+        return SuffixDrafter()
+    path, meta = Path(spec.split(":", 1)[1]), {"fingerprint": target.fingerprint, "vocab": target.vocab}
+    return SuffixDrafter(OutputStore.load_or_new(path, meta, target.vocab), path, meta)
 
 
 @register("recycle")

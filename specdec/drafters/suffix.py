@@ -10,7 +10,11 @@ one-hot, and a proposal costs a few numpy scans.
 """
 from __future__ import annotations
 
+import io
+import json
+import sys
 from collections import OrderedDict
+from pathlib import Path
 
 import numpy as np
 
@@ -46,6 +50,39 @@ class OutputStore:
         while self.tokens > self.limit and len(self.outputs) > 1:
             self.tokens -= len(self.outputs.popitem(last=False)[0])
         self._flat = None
+
+    def save(self, path: Path, meta: dict) -> None:
+        """The outputs, oldest first, as one .npz (`flat`, and `meta`: what target they are for), written atomically."""
+        from ..cachedir import write_atomically
+        buf = io.BytesIO()
+        np.savez(buf, flat=self.flat(), meta=np.frombuffer(json.dumps(meta).encode(), np.uint8))
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(Path(path), buf.getvalue())
+
+    @classmethod
+    def load_or_new(cls, path: Path, meta: dict, vocab: int, log=None) -> OutputStore:
+        """The store saved at `path` if it is whole and made for this target (`meta`), else an empty one (saying
+        why in one line; an absent file is simply a new store)."""
+        log = log or (lambda msg: print(msg, file=sys.stderr))
+        store = cls()
+        if not Path(path).exists():
+            return store
+        try:
+            with np.load(path, allow_pickle=False) as f:
+                flat, saved = f["flat"], json.loads(bytes(f["meta"]).decode())
+            if saved != meta:
+                log(f"specdec: suffix store {path} was made for another target; starting an empty one")
+                return store
+            if flat.dtype != np.int64 or flat.ndim != 1 or (len(flat) and (flat.min() < -1 or flat.max() >= vocab
+                                                                            or flat[-1] != -1)):
+                raise ValueError("not a store of this vocabulary's tokens")
+        except Exception as e:  # noqa: BLE001 - any unreadable file: an empty store, never a crash
+            log(f"specdec: suffix store {path} is unreadable ({type(e).__name__}: {str(e)[:80]}); starting an "
+                f"empty one")
+            return store
+        for part in np.split(flat, np.flatnonzero(flat < 0) + 1)[:-1]:
+            store.add(part[:-1].tolist())
+        return store
 
     def flat(self) -> np.ndarray:
         """All outputs, each followed by -1 (no token: a match never runs across two outputs)."""
@@ -83,8 +120,9 @@ class SuffixDrafter:
     free = True
     sizes_own_depth = True  # the engines ask it for depth(cost) tokens, not τ
 
-    def __init__(self, store: OutputStore | None = None):
+    def __init__(self, store: OutputStore | None = None, path: Path | None = None, meta: dict | None = None):
         self.store = store if store is not None else OutputStore()
+        self.path, self.meta = path, meta or {}  # suffix:FILE keeps the store there between runs
         self.reset()
 
     def reset(self) -> None:
@@ -103,7 +141,15 @@ class SuffixDrafter:
         self._in_step = False
 
     def fork(self) -> SuffixDrafter:
-        return SuffixDrafter(self.store)  # one store; this request's own state
+        return SuffixDrafter(self.store, self.path, self.meta)  # one store; this request's own state
+
+    def persist(self) -> None:
+        """Write the store (and the output under way) to the file it came from (drafters.base.save, the server at
+        shutdown)."""
+        if self._base is not None:
+            self.store.add(self._context[self._base:])
+        if self.path is not None:
+            self.store.save(self.path, self.meta)
 
     def close(self) -> None:
         """The request is over (a batch's fork leaves): its output joins the store."""
