@@ -2,8 +2,8 @@
 
 - `none`, `ngram`, `suffix` / `suffix:FILE` (suffix decoding: long drafts from the longest earlier match, this
   request's or an earlier output's; FILE keeps the outputs between runs), `recycle` / `recycle:FILE` (token
-  recycling; FILE keeps its table between runs), `datastore` / `datastore:DIR` (retrieval), `target`, `shipped` (the distilled draft shipped for the default
-  target);
+  recycling; FILE keeps its table between runs), `datastore` / `datastore:DIR` (retrieval), `target`, `shipped`
+  (the distilled draft shipped for the default target);
 - anything else names a `specdec distill` directory (a feature draft) or a draft model (directory, .gguf, name);
 - `A+B`: A first, B when A proposes nothing.
 
