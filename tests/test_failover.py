@@ -95,3 +95,15 @@ def test_a_stream_cut_mid_way_resumes_on_another_replica_equal_to_the_request_al
     assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == want and len(want) > 20
     assert sum(1 for e in events if e["choices"] and e["choices"][0]["finish_reason"]) == 1
     assert client.count("[DONE]") == 1
+
+
+def test_an_infill_stream_resumes_too():
+    """llama-server's /infill events ({content, stop}) resume like OpenAI chunks: text once, the stop once."""
+    r = Resumer()
+    got = [r.event(json.dumps({"content": c, "stop": False})) for c in ("def ", "f(x")]
+    r.restart()
+    got += [r.event(json.dumps(e)) for e in ({"content": "def f", "stop": False}, {"content": "(x):", "stop": False},
+                                             {"content": "", "stop": True, "tokens_predicted": 5})]
+    got.append(r.event(json.dumps({"content": "", "stop": True})))  # a stop again: not sent twice
+    sent = [json.loads(g) for g in got if g is not None]
+    assert "".join(e["content"] for e in sent) == "def f(x):" and sum(e["stop"] for e in sent) == 1

@@ -106,6 +106,14 @@ class Resumer:
         for k in ("id", "created"):
             if k in obj:
                 obj[k] = self.ident.setdefault(k, obj[k])
+        if "choices" not in obj and "content" in obj:  # llama-server's /infill events: {content, stop}
+            if obj.get("stop"):
+                return None if (0, "finish") in self.done else self._mark((0, "finish"), json.dumps(obj))
+            fresh = self._fresh(0, obj["content"])
+            if fresh is None:
+                return None
+            obj["content"] = fresh
+            return json.dumps(obj)
         if not obj.get("choices"):  # the usage chunk
             return None if ("usage",) in self.done else self._mark(("usage",), json.dumps(obj))
         choice = obj["choices"][0]
@@ -118,13 +126,9 @@ class Resumer:
             return None if (i, "role") in self.done else self._mark((i, "role"), json.dumps(obj))
         if not isinstance(text, str):
             return json.dumps(obj)
-        start = self.seen.get(i, 0)
-        self.seen[i] = start + len(text)
-        have = self.sent.get(i, 0)
-        if self.seen[i] <= have:
-            return None  # the client has all of it
-        fresh = text[max(0, have - start):]
-        self.sent[i] = self.seen[i]
+        fresh = self._fresh(i, text)
+        if fresh is None:
+            return None
         if delta is not None:
             delta["content"] = fresh
         else:
@@ -132,6 +136,16 @@ class Resumer:
         if choice.get("logprobs") and fresh != text:  # a cut chunk: its tokens' logprobs no longer line up
             choice["logprobs"] = None
         return json.dumps(obj)
+
+    def _fresh(self, i: int, text: str) -> str | None:
+        """What of choice i's next `text` the client lacks (None: all of it it has)."""
+        start = self.seen.get(i, 0)
+        self.seen[i] = start + len(text)
+        have = self.sent.get(i, 0)
+        if self.seen[i] <= have:
+            return None
+        self.sent[i] = self.seen[i]
+        return text[max(0, have - start):]
 
     def _mark(self, key, data: str) -> str:
         self.done.add(key)
