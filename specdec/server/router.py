@@ -72,8 +72,18 @@ def router_deployment(serve, timeout_s: float):
         async def resume(self, request: Request, path: str, body: bytes, gen, tries: int):
             """The stream's events; when its replica dies, the same request again on another, its events from where
             the client is (server-sent events: one `data: ...` per event)."""
-            resumer, buffer = Resumer(), ""
+            current = [gen]  # the attempt under way (this request's own)
+            try:
+                async for event in self._events(request, path, body, current, tries, Resumer()):
+                    yield event
+            finally:  # the client hung up, or the stream ended: the replica's work stops with it
+                if hasattr(current[0], "cancel"):
+                    current[0].cancel()
+
+        async def _events(self, request: Request, path: str, body: bytes, current: list, tries: int, resumer):
+            buffer = ""
             while True:
+                gen = current[0]
                 try:
                     async for chunk in gen:
                         if isinstance(chunk, tuple):
@@ -99,7 +109,7 @@ def router_deployment(serve, timeout_s: float):
                     await asyncio.sleep(RETRY_WAIT_S)
                     resumer.restart()
                     buffer = ""
-                    gen = self.attempt(request, path, body)
+                    current[0] = self.attempt(request, path, body)
 
     return Router
 
