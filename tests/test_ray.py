@@ -1,6 +1,7 @@
 """Scale-out on Ray Serve with a local Ray instance and 2 replicas of the tiny model: requests reach both, and when
 one replica process is killed the other keeps serving while Ray replaces the dead one. Skipped without Ray
 (`pip install -e ".[test,ray]"` runs it)."""
+import contextlib
 import os
 import signal
 import socket
@@ -24,7 +25,9 @@ def pids_seen(url, n=24, workers=12):
         return set(ex.map(one, range(n))) - {None}
 
 
-def test_two_replicas_share_requests_and_survive_a_killed_replica(tiny_dirs):
+@contextlib.contextmanager
+def two_replicas(tiny_dirs):
+    """A local Ray with 2 replicas of the tiny model behind Serve's proxy -> (url, the replicas' pids)."""
     import ray
 
     from specdec.server.ray_serve import build
@@ -39,11 +42,18 @@ def test_two_replicas_share_requests_and_survive_a_killed_replica(tiny_dirs):
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build({"target": tiny_dirs["target"], "draft": "ngram", "replicas": 2, "cpus_per_replica": 0.5,
                          "model_name": "tiny"}), name="specdec", route_prefix="/", blocking=False)
-        seen, deadline = set(), time.time() + 60
+        seen, deadline = set(), time.time() + 90
         while len(seen) < 2 and time.time() < deadline:
             seen |= pids_seen(url)
         assert len(seen) == 2, seen  # requests reached both replicas
+        yield url, seen
+    finally:
+        serve.shutdown()
+        ray.shutdown()
 
+
+def test_two_replicas_share_requests_and_survive_a_killed_replica(tiny_dirs):
+    with two_replicas(tiny_dirs) as (url, seen):
         body = {"model": "tiny", "prompt": "Hello", "max_tokens": 8, "temperature": 0}
         first = httpx.post(url + "/v1/completions", json=body, timeout=30)
         assert first.status_code == 200
@@ -60,9 +70,6 @@ def test_two_replicas_share_requests_and_survive_a_killed_replica(tiny_dirs):
             replaced |= pids_seen(url)
             time.sleep(0.5)
         assert replaced - seen and victim not in replaced  # Ray started a new replica in the dead one's place
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 def test_streams_survive_a_replica_killed_mid_stream(tiny_dirs):
@@ -73,25 +80,9 @@ def test_streams_survive_a_replica_killed_mid_stream(tiny_dirs):
     import json
     import threading
 
-    import ray
-
     from specdec import SpecDecoder
-    from specdec.server.ray_serve import build
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build({"target": tiny_dirs["target"], "draft": "ngram", "replicas": 2, "cpus_per_replica": 0.5,
-                         "model_name": "tiny"}), name="specdec", route_prefix="/", blocking=False)
-        seen, deadline = set(), time.time() + 90
-        while len(seen) < 2 and time.time() < deadline:
-            seen |= pids_seen(url)
-        assert len(seen) == 2, seen
+    with two_replicas(tiny_dirs) as (url, seen):
         prompts = [f"Story {i}: once upon a time" for i in range(16)]
         streams = [{"text": [], "seed": None, "times": [], "errors": []} for _ in prompts]
 
@@ -142,6 +133,3 @@ def test_streams_survive_a_replica_killed_mid_stream(tiny_dirs):
         stall = max(b - a for s in streams for a, b in zip(s["times"], s["times"][1:]))
         print(f"\nfailover: 16 streams complete and equal to each alone; {retries} requests resumed on the other "
               f"replica; the longest pause a client saw: {stall:.2f} s")
-    finally:
-        serve.shutdown()
-        ray.shutdown()
