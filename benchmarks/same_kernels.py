@@ -112,7 +112,14 @@ def main() -> int:
     isas = ["avx512", "avx2"] if kernels.best_isa() == "avx512" else ["avx2"]
     tmp = Path(tempfile.mkdtemp(prefix="specdec-same-kernels-"))
     (tmp / "then").mkdir()
-    then_src, now_src = sources_at(args.against, tmp / "then"), kernels.SOURCE
+    try:
+        then_src, now_src = sources_at(args.against, tmp / "then"), kernels.SOURCE
+    except subprocess.CalledProcessError:
+        print(f"same_kernels: no kernels at revision {args.against!r} of this checkout", file=sys.stderr)
+        return 2
+    if kernels.library() is None:
+        print("same_kernels: this machine builds no CPU kernels (no AVX2, or no C++ compiler)", file=sys.stderr)
+        return 2
     prompt = list(range(1000, 1040))
     report = {"against": args.against, "model": str(path), "numerics": args.numerics, "bitwise": {}, "curve_ms": {}}
     for isa in isas:
