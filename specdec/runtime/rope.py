@@ -28,8 +28,8 @@ def rope_tables(config, max_len: int, theta: float | None = None) -> tuple[torch
             config = AutoConfig.for_model(config.model_type, **{k: v for k, v in vars(config).items()
                                                                 if k != "model_type"})
         inv, scale = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
+    # transformers' tables repeat each angle in both halves of a row: one half is all the kernel reads (pair i's),
+    # and cos/sin are elementwise, so the half computed alone is the same numbers without the 4x transient memory
     ang = torch.arange(max_len).float()[:, None] * inv.float()[None]
-    emb = torch.cat([ang, ang], -1)
-    # transformers' tables repeat each angle in both halves of a row: one half is kept (the kernel reads pair i's)
-    half = hd // 2
-    return (emb.cos() * scale)[:, :half].contiguous(), (emb.sin() * scale)[:, :half].contiguous()
+    cos, sin = ang.cos(), ang.sin()
+    return (cos * scale if scale != 1.0 else cos), (sin * scale if scale != 1.0 else sin)
