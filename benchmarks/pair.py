@@ -144,6 +144,7 @@ def systems(target: Path, draft: Path, threads: int, previous: str | None = None
             "ours": ours,
             "ours-0.5b": ours + ["--draft", str(draft)],
             "ours-suffix": ours + ["--draft", "suffix"],
+            "ours-recycle": ours + ["--draft", "recycle"],
             **({} if previous is None else {
                 "prev-none": prev + ["--draft", "none"], "prev": prev})}
 
