@@ -126,3 +126,7 @@ def test_suffix_file_keeps_the_outputs_between_runs_and_refuses_a_bad_file_in_on
     assert not OutputStore.load_or_new(f, again.meta, rt.model.config.vocab_size, log=said.append).outputs
     assert len(said) == 2 and "another target" in said[0] and "unreadable" in said[1]
     assert all("\n" not in s for s in said)
+    from specdec.errors import InvalidRequest
+    for bad in ("suffix:", f"suffix:{tmp_path}"):  # no file name, or a directory
+        with pytest.raises(InvalidRequest, match="needs a file name"):
+            build_drafter(bad, rt.model, rt.tokenizer)

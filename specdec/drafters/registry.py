@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .. import models
 from ..cachedir import cache_root
-from ..errors import IncompatibleDraft
+from ..errors import IncompatibleDraft, InvalidRequest
 from .base import NoDrafter
 from .chain import ChainDrafter
 from .datastore import FILE as DATASTORE_FILE
@@ -86,7 +86,10 @@ def _suffix(spec, target):
     """`suffix`: earlier outputs kept while the process runs; `suffix:FILE` keeps them in FILE between runs."""
     if ":" not in spec:
         return SuffixDrafter()
-    path, meta = Path(spec.split(":", 1)[1]), {"fingerprint": target.fingerprint, "vocab": target.vocab}
+    name = spec.split(":", 1)[1]
+    if not name or Path(name).is_dir():
+        raise InvalidRequest(f"--draft {spec!r}: suffix:FILE needs a file name (the store is kept there)")
+    path, meta = Path(name), {"fingerprint": target.fingerprint, "vocab": target.vocab}
     return SuffixDrafter(OutputStore.load_or_new(path, meta, target.vocab), path, meta)
 
 
