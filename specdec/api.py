@@ -81,6 +81,8 @@ def build_drafter(draft: str, model, tok, target_spec: str | None = None, draft_
 def longest_token_chars(tokenizer) -> int | None:
     """Characters of the longest token's text (decoded), an upper bound on characters per token; None if unknown."""
     try:
+        if hasattr(tokenizer, "longest_token_chars"):  # the runtime's wrapper: without a vocabulary dict
+            return tokenizer.longest_token_chars()
         vocab = tokenizer.get_vocab()
         longest = max(vocab, key=len)
         return max(len(longest), len(tokenizer.decode([vocab[longest]])), 1)

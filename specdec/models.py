@@ -232,6 +232,8 @@ def eos_ids(model, tok) -> set[int]:
     ids = set(ids if isinstance(ids, (list, tuple)) else [ids] if ids is not None else [])
     if tok.eos_token_id is not None:
         ids.add(tok.eos_token_id)
+    if hasattr(tok, "token_to_id"):  # the runtime's wrapper: looked up one by one, no vocabulary dict
+        return ids | {i for i in map(tok.token_to_id, END_TOKENS) if i is not None}
     vocab = tok.get_vocab()
     return ids | {vocab[t] for t in END_TOKENS if t in vocab}
 

@@ -166,7 +166,8 @@ def test_q8_runs_k_quants_and_5_bit_blocks_as_the_blocks_they_equal(fmt):
     """Q5_0 in q8 is bitwise the Q8_0 q8 linear on the same weights; Q4_K is the Q4_1 q8 linear on its sub-blocks with
     fp16 scales, and Q5_1 / Q5_K the same sums on byte quants; Q6_K, Q3_K and Q2_K sum each 16-column half exactly
     and scale it by its fp16 d·sc, Q2_K adding its fp16 min times the half's Σx (numpy references), for 1..29 rows;
-    a tensor whose scales fp16 cannot hold runs exact instead."""
+    scales are stored times 2^8, so sub-block scales below fp16's normal numbers (down to 2^-22) still run q8, bitwise
+    the reference; a tensor whose scales even that cannot hold runs exact instead."""
     from specdec.runtime.quantize import quantize
     from specdec.runtime.weights import QTensor, qlinear
     n, k = 37, 512
@@ -179,9 +180,15 @@ def test_q8_runs_k_quants_and_5_bit_blocks_as_the_blocks_they_equal(fmt):
         got = kernels.linear(fmt, torch.from_numpy(x[:rows]), torch.from_numpy(data), n, q8=True)
         assert np.array_equal(got.numpy(), want[:rows]), rows
     if fmt in (kernels.Q2_K, kernels.Q3_K, kernels.Q4_K, kernels.Q5_K, kernels.Q6_K):
-        tiny = quantize(w * 1e-4, fmt)  # sub-block scales ~3e-5: below fp16's normal numbers
-        qt = QTensor(fmt, torch.from_numpy(tiny), n, k)
         xt = torch.from_numpy(x)
+        small = quantize(w * 1e-4, fmt)  # sub-block scales ~3e-5: below fp16's normal numbers (2^-14)
+        qt = QTensor(fmt, torch.from_numpy(small), n, k)
+        assert qt.packed() is not None
+        assert np.array_equal(qlinear(xt, qt, q8=True).numpy(), q8_linear(fmt, x, small, n))
+        huge = small.copy()  # one super-block's d at 1000: its d·sc (times 2^8) pass fp16's largest number
+        size, (d_at, *_) = FP16_FIELDS[fmt]
+        huge.reshape(n, -1, size)[0, 0, d_at:d_at + 2] = np.array([1000], np.float16).view(np.uint8)
+        qt = QTensor(fmt, torch.from_numpy(huge), n, k)
         assert qt.packed() is None and torch.equal(qlinear(xt, qt, q8=True), qlinear(xt, qt))
 
 

@@ -208,6 +208,8 @@ static inline void q8_tile(const QX& Q, int m0, const uint8_t* G, float* y, long
             }
         }
     }
+    if constexpr (q8_scaled_up(FMT))  // the scales were stored times Q8_SCALE_UP (q8_repack.h): exact
+        for (int m = 0; m < M; m++) acc[m] = vmul(acc[m], vset1(1.0f / Q8_SCALE_UP));
     for (int m = 0; m < M; m++) {
         float* out = y + (long)(m0 + m) * ldy;
         if (cols == 16) {

@@ -6,7 +6,7 @@
 // Activations: each row quantized by itself in 32-element blocks (as ggml's Q8_0): s = max|x| / 127,
 // q = round-half-even(x * (127 / max|x|)); an all-zero block has s = 0 and q = 0.
 // Weights: every format with a q8 layout (FORMAT_TABLE) repacked once (rows_repack) into groups of 16 rows: per block of 32 columns, the 16
-// rows' fp16 d (and m), then their quants interleaved 4 columns at a time, so one 64-byte load holds 4 columns of
+// rows' fp16 d (and m; times Q8_SCALE_UP but in Q4_0's and Q8_0's layouts), then their quants interleaved 4 columns at a time, so one 64-byte load holds 4 columns of
 // all 16 rows and one dot-product instruction gives each row's lane its 4 products (Q4 bytes hold columns c and
 // c + 16 in their low and high nibbles, as in the file). Same bytes as the file.
 // Per (x row m, weight row n, block b): isum = Σ_i w_q[i] x_q[i], an exact integer (Q4_0's -8 and Q8_0's u8 offset
@@ -100,19 +100,39 @@ template <> struct Q8W<Q5_K> { static const int BLOCK = 36, QS = 4, SCALES = 64,
 template <> struct Q8W<Q3_K> { static const int BLOCK = 20, QS = 4, SCALES = 64, CHUNKS = 4; };  // d_a, d_b, nibbles
 template <> struct Q8W<Q2_K> { static const int BLOCK = 24, QS = 8, SCALES = 128, CHUNKS = 4; };  // + m_a, m_b
 
+// Scales stored 2^8 times larger: every layout but Q4_0's and Q8_0's (whose d are the file's own bytes) keeps its
+// scales (and mins) times Q8_SCALE_UP in fp16, and q8_tile multiplies its result by 1 / Q8_SCALE_UP. Powers of two
+// scale fp32 exactly, so the bits are those of an fp16 with a wider exponent: K-quant products d·sc down to 2^-22
+// (fp16's normal numbers start at 2^-14; one Q6_K sub-block of Qwen2.5-Coder-1.5B's blk.24.ffn_down has 5.05e-5)
+// run q8 instead of sending the whole tensor to the exact kernels, and up to 255.9.
+#define Q8_SCALE_UP 256.0f
+static constexpr bool q8_scaled_up(int lay) { return lay != Q4_0 && lay != Q8_0; }
+
 // Block b of a file row in the layout FMT's bytes: the row's own block, or a converted copy in `tmp` (Q5_0, Q4_K).
-// Returns null where a Q4_K sub-block's scale or min is not an fp16 number within fp16's relative precision.
+// Returns null where a computed scale or min times Q8_SCALE_UP is not an fp16 number within fp16's relative
+// precision, or a copied one times Q8_SCALE_UP is not exactly one.
 static inline bool fp16_exact_enough(float v, uint16_t* h) {
     *h = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
     const float back = _cvtsh_ss(*h);
     return v == 0.0f || (fabsf(v) >= 6.103515625e-05f && fabsf(back - v) <= fabsf(v) * 0x1p-11f);
 }
-// Q4_K / Q5_K sub-block j of super-block sb: d·sc_j and -dmin·m_j as fp16 into out[0..3], or false
+static inline bool fp16_scaled_up(float v, uint16_t* h) { return fp16_exact_enough(v * Q8_SCALE_UP, h); }
+// n fp16 fields copied from the file, each times Q8_SCALE_UP (exact, or false where fp16 cannot hold it)
+static inline bool fp16_copy_scaled_up(const uint8_t* from, int n, uint8_t* to) {
+    for (int i = 0; i < n; i++) {
+        const float v = h2f(from + 2 * i) * Q8_SCALE_UP;
+        const uint16_t h = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
+        if (_cvtsh_ss(h) != v) return false;
+        memcpy(to + 2 * i, &h, 2);
+    }
+    return true;
+}
+// Q4_K / Q5_K sub-block j of super-block sb: d·sc_j and -dmin·m_j (times Q8_SCALE_UP) as fp16 into out[0..3], or false
 static inline bool k4_scale_min_fp16(const uint8_t* sb, int j, uint8_t* out) {
     int sc, m;
     scale_min_k4(sb + 4, j, &sc, &m);
     uint16_t d16, m16;
-    if (!fp16_exact_enough(h2f(sb) * (float)sc, &d16) || !fp16_exact_enough(-(h2f(sb + 2) * (float)m), &m16))
+    if (!fp16_scaled_up(h2f(sb) * (float)sc, &d16) || !fp16_scaled_up(-(h2f(sb + 2) * (float)m), &m16))
         return false;
     memcpy(out, &d16, 2);
     memcpy(out + 2, &m16, 2);
@@ -145,7 +165,7 @@ static const uint8_t* layout_block(int src, const uint8_t* row, int b, uint8_t* 
         const float d = h2f(sb + 208);
         for (int k = 0; k < 2; k++) {
             uint16_t dk;
-            if (!fp16_exact_enough(d * (float)(int8_t)sb[192 + o / 16 + k], &dk)) return nullptr;
+            if (!fp16_scaled_up(d * (float)(int8_t)sb[192 + o / 16 + k], &dk)) return nullptr;
             memcpy(tmp + 2 * k, &dk, 2);
         }
         for (int i = 0; i < 32; i++)
@@ -173,7 +193,7 @@ static const uint8_t* layout_block(int src, const uint8_t* row, int b, uint8_t* 
                 D = h2f(sb + 80) * (float)(sb[j] & 15), M = -(h2f(sb + 82) * (float)(sb[j] >> 4));
             }
             uint16_t dk, mk;
-            if (!fp16_exact_enough(D, &dk) || (src == Q2_K && !fp16_exact_enough(M, &mk))) return nullptr;
+            if (!fp16_scaled_up(D, &dk) || (src == Q2_K && !fp16_scaled_up(M, &mk))) return nullptr;
             memcpy(tmp + 2 * k, &dk, 2);
             if (src == Q2_K) memcpy(tmp + 4 + 2 * k, &mk, 2);
         }
@@ -181,10 +201,10 @@ static const uint8_t* layout_block(int src, const uint8_t* row, int b, uint8_t* 
         for (int i = 0; i < 16; i++) nib[i] = (uint8_t)(u[i] | u[16 + i] << 4);
         return tmp;
     }
-    if (src == Q5_1) {  // d, m as they are, then q = low nibble | fifth bit << 4
+    if (src == Q5_1) {  // d, m (times Q8_SCALE_UP), then q = low nibble | fifth bit << 4
         const uint8_t* blk = row + 24L * b;
         uint32_t qh;
-        memcpy(tmp, blk, 4);
+        if (!fp16_copy_scaled_up(blk, 2, tmp)) return nullptr;
         memcpy(&qh, blk + 4, 4);
         for (int i = 0; i < 32; i++) tmp[4 + i] = (uint8_t)((i < 16 ? blk[8 + i] & 15 : blk[8 + i - 16] >> 4) | ((qh >> i) & 1) << 4);
         return tmp;
@@ -197,7 +217,13 @@ static const uint8_t* layout_block(int src, const uint8_t* row, int b, uint8_t* 
             tmp[4 + i] = (uint8_t)(((sb[48 + 32 * (j / 2) + i] >> (4 * (j % 2))) & 15) | ((sb[16 + i] >> j) & 1) << 4);
         return tmp;
     }
-    return row + (long)(src == Q4_0 ? 18 : src == Q4_1 ? 20 : 34) * b;
+    if (src == Q4_1) {  // d, m times Q8_SCALE_UP, the nibbles as they are
+        const uint8_t* blk = row + 20L * b;
+        if (!fp16_copy_scaled_up(blk, 2, tmp)) return nullptr;
+        memcpy(tmp + 4, blk + 4, 16);
+        return tmp;
+    }
+    return row + (long)(src == Q4_0 ? 18 : 34) * b;
 }
 
 // Row j's 32 values u (0..63, column order) into Q6_K's layout at `q`: nibbles as Q4 (chunk c byte 4j+i: columns

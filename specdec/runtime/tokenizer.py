@@ -53,6 +53,17 @@ class Tokenizer:
     def get_vocab(self) -> dict[str, int]:
         return self._tok.get_vocab(with_added_tokens=True)
 
+    def token_to_id(self, token: str) -> int | None:
+        """One token's id (None if the vocabulary lacks it), without building get_vocab()'s dict: a 152k
+        vocabulary's costs about 40 MB that the allocator keeps after it is freed."""
+        return self._tok.token_to_id(token)
+
+    def longest_token_chars(self) -> int:
+        """Characters of the longest token, as a token string or decoded: one token at a time, so no vocabulary
+        dict is ever built (see token_to_id)."""
+        longest = max(range(len(self)), key=lambda i: len(self._tok.id_to_token(i) or ""))
+        return max(len(self._tok.id_to_token(longest) or ""), len(self.decode([longest])), 1)
+
     def __len__(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
