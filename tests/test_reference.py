@@ -13,7 +13,7 @@ from test_runtime import gguf_pair  # noqa: F401 - a fixture
 
 from specdec import kernels
 from specdec.kernels import formats
-from specdec.kernels.reference import attention, layer, linear, norms, selection, simd
+from specdec.kernels.reference import attention, layer, linear, norms, q8, selection, simd
 from specdec.runtime.load import load_gguf
 from specdec.runtime.quantize import quantize
 
@@ -65,6 +65,25 @@ def test_exact_linear_equals_its_twin_on_every_format(fmt):
         for rows in (1, 2, 5, 8, 12, 13):
             got = kernels.linear(fmt, torch.from_numpy(x[:rows]), torch.from_numpy(np.ascontiguousarray(data)), n,
                                  torch.from_numpy(bias), lib=lib)
+            assert np.array_equal(got.numpy(), want[:rows]), (lib.isa, rows)
+
+
+@pytest.mark.parametrize("fmt", [f.id for f in formats.TABLE if f.q8], ids=lambda f: formats.NAMES[f])
+def test_q8_linear_equals_its_twin_on_every_format(fmt):
+    """q8_linear.h (tiles of 1..8 rows on AVX-512, 1..4 on AVX2; a 16-row group with padding rows) against
+    reference/q8.py, both builds: the same bits whichever instructions sum the blocks."""
+    k = 512 if formats.of(fmt).block == 256 else 96
+    n = 21
+    data = blocks_of(fmt, n, k, seed=fmt)
+    bias = np.random.default_rng(1).standard_normal(n).astype(F32)
+    x = np.random.default_rng(2).standard_normal((13, k)).astype(F32)
+    x[3, 32:64] = 0  # an all-zero block: s = 0
+    want = q8.q8_linear(fmt, x, data, n, bias)
+    for lib in builds():
+        kernels.repack(fmt, torch.from_numpy(np.ascontiguousarray(data)), n, k, lib)  # NotRepackable: not q8 at all
+        for rows in (1, 2, 5, 8, 9, 13):
+            got = kernels.linear(fmt, torch.from_numpy(x[:rows]), torch.from_numpy(np.ascontiguousarray(data)), n,
+                                 torch.from_numpy(bias), lib=lib, q8=True)
             assert np.array_equal(got.numpy(), want[:rows]), (lib.isa, rows)
 
 

@@ -161,10 +161,10 @@ def path_name() -> str:
 
 def q8_format(fmt: int) -> bool:
     """Weight formats the q8 mode runs in integers (int8 activations); the others keep the exact path. Q5_0 runs as
-    Q8_0 blocks (the same weights), Q4_K as Q4_1 blocks with each sub-block's scale and min in fp16, Q6_K as bytes
-    with its 16-column sub-blocks' scales in fp16, Q5_K and Q5_1 as bytes with Q4_1's scale and min, Q3_K and Q2_K
-    as nibbles with their sub-blocks' scales (and mins) in fp16 (formats.h FORMAT_TABLE's q8 column; a tensor whose scales fp16
-    cannot hold runs exact)."""
+    Q8_0 blocks (the same weights), Q4_K as its own bytes (scales decoded in the tile, exact fp32 products), Q6_K as
+    bytes with its 16-column sub-blocks' scales in fp16, Q5_K and Q5_1 as bytes with Q4_1's scale and min, Q3_K and
+    Q2_K as nibbles with their sub-blocks' scales (and mins) in fp16 (formats.h FORMAT_TABLE's q8 column; fp16 scales
+    are stored times 2^8, and a tensor whose scales even that cannot hold runs exact)."""
     return fmt in formats.BY_ID and formats.BY_ID[fmt].q8 != 0
 
 

@@ -173,6 +173,54 @@ static inline void q8_block_sums(const QX& Q, int m0, int bl, const uint8_t* qs,
 }
 #endif
 
+// Q4_K's super-block header (repack_q4k) -> each sub-block b's D[b] = d·sc_b and M[b] = -(dmin·m_b) for the 16 rows,
+// in fp32: products of an fp16 and a 6-bit integer, so exact (the exact kernels' D and M). The 6-bit fields as
+// ggml's get_scale_min_k4, on the three dwords of each row's 12 scale bytes.
+#if defined(__AVX512F__)
+template <int B>  // sub-block B: its 6-bit scale and min in each lane (the shifts are immediates), times d and -dmin
+static inline void q4k_scale(__m512i w0, __m512i w1, __m512i w2, __m512 d, __m512 neg_dmin, float (*D)[16],
+                             float (*M)[16]) {
+    constexpr int sh = 8 * (B % 4);
+    const __m512i k63 = _mm512_set1_epi32(63), k15 = _mm512_set1_epi32(15), k48 = _mm512_set1_epi32(48);
+    __m512i s, m;
+    if constexpr (B < 4) {
+        s = _mm512_and_si512(_mm512_srli_epi32(w0, sh), k63);
+        m = _mm512_and_si512(_mm512_srli_epi32(w1, sh), k63);
+    } else {  // low 4 bits from the third dword, top 2 from the top bits of the first (scale) or second (min)
+        s = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(w2, sh), k15), _mm512_and_si512(_mm512_srli_epi32(w0, sh + 2), k48));
+        m = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(w2, sh + 4), k15), _mm512_and_si512(_mm512_srli_epi32(w1, sh + 2), k48));
+    }
+    _mm512_store_ps(D[B], _mm512_mul_ps(d, _mm512_cvtepi32_ps(s)));
+    _mm512_store_ps(M[B], _mm512_mul_ps(neg_dmin, _mm512_cvtepi32_ps(m)));
+}
+static inline void q4k_scales(const uint8_t* h, float (*D)[16], float (*M)[16]) {
+    const __m512i w0 = _mm512_loadu_si512(h + 64), w1 = _mm512_loadu_si512(h + 128), w2 = _mm512_loadu_si512(h + 192);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)h));
+    const __m512 nd = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(h + 32))), _mm512_set1_ps(-1.0f));
+    q4k_scale<0>(w0, w1, w2, d, nd, D, M), q4k_scale<1>(w0, w1, w2, d, nd, D, M);
+    q4k_scale<2>(w0, w1, w2, d, nd, D, M), q4k_scale<3>(w0, w1, w2, d, nd, D, M);
+    q4k_scale<4>(w0, w1, w2, d, nd, D, M), q4k_scale<5>(w0, w1, w2, d, nd, D, M);
+    q4k_scale<6>(w0, w1, w2, d, nd, D, M), q4k_scale<7>(w0, w1, w2, d, nd, D, M);
+}
+#else
+static inline void q4k_scales(const uint8_t* h, float (*D)[16], float (*M)[16]) {
+    alignas(64) uint32_t w[3][16];
+    memcpy(w, h + 64, sizeof w);
+    const V16 d = f16_to_f((const uint16_t*)h), neg_dmin = vmul(f16_to_f((const uint16_t*)(h + 32)), vset1(-1.0f));
+    for (int b = 0; b < 8; b++) {
+        alignas(64) float sc[16], mn[16];
+        const int sh = 8 * (b % 4);
+        for (int j = 0; j < 16; j++) {
+            const uint32_t s = b < 4 ? (w[0][j] >> sh) & 63 : ((w[2][j] >> sh) & 15) | ((w[0][j] >> (sh + 2)) & 48);
+            const uint32_t m = b < 4 ? (w[1][j] >> sh) & 63 : ((w[2][j] >> (sh + 4)) & 15) | ((w[1][j] >> (sh + 2)) & 48);
+            sc[j] = (float)s, mn[j] = (float)m;
+        }
+        vstore(D[b], vmul(d, vload(sc)));
+        vstore(M[b], vmul(neg_dmin, vload(mn)));
+    }
+}
+#endif
+
 // One group of 16 weight rows (cols of them real, the rest padding) against M rows of x from m0: each block is
 // unpacked once for the M rows. y, b: at the group's first output column.
 template <int FMT, int M>
@@ -183,14 +231,23 @@ static inline void q8_tile(const QX& Q, int m0, const uint8_t* G, float* y, long
     const long bb = 16L * F::BLOCK;
     V16 acc[M];
     for (int m = 0; m < M; m++) acc[m] = vzero();
+    alignas(64) float kd[FMT == Q4_K ? 8 : 1][16], km[FMT == Q4_K ? 8 : 1][16];  // Q4_K: a super-block's scales
     for (int bl = 0; bl < nb; bl++) {
-        const uint8_t* blk = G + bl * bb;
+        const uint8_t* blk;  // the block's quants (Q4_K: after its super-block's header), less F::SCALES
+        V16 d, second;       // Q4_1 / Q5_K / Q4_K: d and m; Q6_K, Q3_K, Q2_K: the two halves' d
+        if constexpr (FMT == Q4_K) {
+            const uint8_t* super = G + (long)(bl / 8) * Q4K_SUPER;
+            if (bl % 8 == 0) q4k_scales(super, kd, km);
+            blk = super + 256 + 256 * (bl % 8);
+            d = vload(kd[bl % 8]), second = vload(km[bl % 8]);
+        } else {
+            blk = G + bl * bb;
+            d = f16_to_f((const uint16_t*)blk);
+            second = FMT == Q4_0 || FMT == Q8_0 ? d : f16_to_f((const uint16_t*)blk + 16);
+        }
         for (int o = 0; o < (int)bb; o += 64) _mm_prefetch((const char*)blk + Q8_AHEAD + o, _MM_HINT_T0);
-        const V16 d = f16_to_f((const uint16_t*)blk);
         I16 ia[M], ib[M];
-        q8_block_sums<FMT, M>(Q, m0, bl, blk + F::SCALES, ia, ib);
-        // Q4_1 / Q5_K: m; Q6_K: d of the second half
-        const V16 second = FMT == Q4_0 || FMT == Q8_0 ? d : f16_to_f((const uint16_t*)blk + 16);
+        q8_block_sums<FMT == Q4_K ? Q4_1 : FMT, M>(Q, m0, bl, blk + F::SCALES, ia, ib);  // Q4_K's quants are Q4_1's
         for (int m = 0; m < M; m++) {
             const long at = (long)(m0 + m) * nb + bl;
             const V16 sv = vset1(Q.s[at]);
@@ -204,7 +261,7 @@ static inline void q8_tile(const QX& Q, int m0, const uint8_t* G, float* y, long
                 }
             } else {
                 acc[m] = vfma(i16_to_f(ia[m]), vmul(d, sv), acc[m]);
-                if (FMT == Q4_1 || FMT == Q5_K) acc[m] = vfma(second, vset1(Q.sq[at]), acc[m]);
+                if (FMT == Q4_1 || FMT == Q5_K || FMT == Q4_K) acc[m] = vfma(second, vset1(Q.sq[at]), acc[m]);
             }
         }
     }

@@ -78,10 +78,10 @@ static void q8_quantize(const float* x, int R, const QX& Q) {
 }
 
 // The layout a file format runs as in q8: Q4_0, Q4_1 and Q8_0 as themselves; Q5_0 as Q8_0 (d, q - 16 as int8: the
-// same weights); Q4_K as Q4_1 (sub-block j: d = d·sc_j, m = -dmin·m_j, rounded to fp16 once at repack; refused, so
-// the tensor runs exact, where that rounding would lose more than fp16's 11 bits); Q6_K as its own layout: per 32
-// columns the two 16-column sub-blocks' d·sc in fp16 (the same rounding rule) and q + 32 in [0, 63] as Q4
-// nibbles plus a 2-bit plane (Q8W<Q6_K>);
+// same weights); Q4_K as its own bytes (repack_q4k: sub-block j's d·sc_j and -dmin·m_j computed in fp32 in the
+// tile, exact products, nothing rounded); Q6_K as its own layout: per 32 columns the two 16-column sub-blocks' d·sc in
+// fp16 (refused, so the tensor runs exact, where that rounding would lose more than fp16's 11 bits) and q + 32 in
+// [0, 63] as Q4 nibbles plus a 2-bit plane (Q8W<Q6_K>);
 // Q5_K and Q5_1 as a byte layout of Q4_1's: d and m (fp16: Q5_1's own, Q5_K's d·sc_j and -dmin·m_j by the rule) and
 // 32 bytes q in [0, 31]; Q3_K and Q2_K as Q4 nibbles (Q3_K: q + 4 in [0, 7]; Q2_K: q in [0, 3]) with both
 // 16-column sub-blocks' d·sc in fp16 (Q2_K: and -dmin·m). The halves of a nibble block are its low (columns 0-15)
@@ -91,6 +91,8 @@ static inline bool q8_format(int fmt) { return q8_layout(fmt) != 0; }
 template <int FMT> struct Q8W;  // a file block's bytes and where its quants start; a repacked block's scale bytes
 template <> struct Q8W<Q4_0> { static const int BLOCK = 18, QS = 2, SCALES = 32, CHUNKS = 4; };
 template <> struct Q8W<Q4_1> { static const int BLOCK = 20, QS = 4, SCALES = 64, CHUNKS = 4; };
+// Q4_K: the file's own bytes, 18 a row per 32 columns (144 per super-block): see repack_q4k
+template <> struct Q8W<Q4_K> { static const int BLOCK = 18, QS = 0, SCALES = 0, CHUNKS = 4; };
 template <> struct Q8W<Q8_0> { static const int BLOCK = 34, QS = 2, SCALES = 32, CHUNKS = 8; };
 // Q6_K: d_a, d_b; then u = q + 32 split: its low 4 bits as Q4 nibbles (4 chunks), its top 2 bits as 8 planes of 16
 // bytes, plane e for the 64 bytes of unpacked chunk e (byte p's bits at plane byte p % 16, bits 2·(p / 16)): 7 bits a
@@ -100,15 +102,15 @@ template <> struct Q8W<Q5_K> { static const int BLOCK = 36, QS = 4, SCALES = 64,
 template <> struct Q8W<Q3_K> { static const int BLOCK = 20, QS = 4, SCALES = 64, CHUNKS = 4; };  // d_a, d_b, nibbles
 template <> struct Q8W<Q2_K> { static const int BLOCK = 24, QS = 8, SCALES = 128, CHUNKS = 4; };  // + m_a, m_b
 
-// Scales stored 2^8 times larger: every layout but Q4_0's and Q8_0's (whose d are the file's own bytes) keeps its
+// Scales stored 2^8 times larger: every layout but Q4_0's, Q8_0's and Q4_K's (whose d are the file's own bytes) keeps its
 // scales (and mins) times Q8_SCALE_UP in fp16, and q8_tile multiplies its result by 1 / Q8_SCALE_UP. Powers of two
 // scale fp32 exactly, so the bits are those of an fp16 with a wider exponent: K-quant products d·sc down to 2^-22
 // (fp16's normal numbers start at 2^-14; one Q6_K sub-block of Qwen2.5-Coder-1.5B's blk.24.ffn_down has 5.05e-5)
 // run q8 instead of sending the whole tensor to the exact kernels, and up to 255.9.
 #define Q8_SCALE_UP 256.0f
-static constexpr bool q8_scaled_up(int lay) { return lay != Q4_0 && lay != Q8_0; }
+static constexpr bool q8_scaled_up(int lay) { return lay != Q4_0 && lay != Q8_0 && lay != Q4_K; }
 
-// Block b of a file row in the layout FMT's bytes: the row's own block, or a converted copy in `tmp` (Q5_0, Q4_K).
+// Block b of a file row in the layout FMT's bytes: the row's own block, or a converted copy in `tmp` (Q5_0, Q6_K, ...).
 // Returns null where a computed scale or min times Q8_SCALE_UP is not an fp16 number within fp16's relative
 // precision, or a copied one times Q8_SCALE_UP is not exactly one.
 static inline bool fp16_exact_enough(float v, uint16_t* h) {
@@ -127,7 +129,7 @@ static inline bool fp16_copy_scaled_up(const uint8_t* from, int n, uint8_t* to) 
     }
     return true;
 }
-// Q4_K / Q5_K sub-block j of super-block sb: d·sc_j and -dmin·m_j (times Q8_SCALE_UP) as fp16 into out[0..3], or false
+// Q5_K sub-block j of super-block sb: d·sc_j and -dmin·m_j (times Q8_SCALE_UP) as fp16 into out[0..3], or false
 static inline bool k4_scale_min_fp16(const uint8_t* sb, int j, uint8_t* out) {
     int sc, m;
     scale_min_k4(sb + 4, j, &sc, &m);
@@ -148,15 +150,6 @@ static const uint8_t* layout_block(int src, const uint8_t* row, int b, uint8_t* 
             const int lo = i < 16 ? blk[6 + i] & 15 : blk[6 + i - 16] >> 4;
             tmp[2 + i] = (uint8_t)(int8_t)((lo | ((qh >> i) & 1) << 4) - 16);
         }
-        return tmp;
-    }
-    if (src == Q4_K) {  // -> Q4_1: sub-block j's 32 nibbles with column i in byte i % 16 (low nibble for i < 16)
-        const uint8_t* sb = row + 144L * (b / 8);
-        const int j = b % 8;
-        if (!k4_scale_min_fp16(sb, j, tmp)) return nullptr;
-        const uint8_t* q = sb + 16 + 32 * (j / 2);
-        const int sh = 4 * (j % 2);
-        for (int i = 0; i < 16; i++) tmp[4 + i] = (uint8_t)(((q[i] >> sh) & 15) | (((q[16 + i] >> sh) & 15) << 4));
         return tmp;
     }
     if (src == Q6_K) {  // -> d_a, d_b (fp16), then u = q + 32 of the 32 columns, in column order
@@ -269,3 +262,37 @@ static bool repack(int src, const uint8_t* W, int N, int K, uint8_t* out) {
         }
     return ok;
 }
+
+// Q4_K as its own bytes, in groups of 16 rows. Per group and super-block (256 columns), Q4K_SUPER bytes:
+//   d[16] fp16, dmin[16] fp16, then the 12 scale bytes of each row as three dword vectors (vector k, lane j: row j's
+//   bytes 4k..4k+3), so the 16 rows' 6-bit scales and mins decode lane-parallel (q4k_scales);
+//   then per 32-column sub-block 4 chunks of 64 bytes as Q4_1's (chunk c bytes 4j..4j+3: row j's nibble bytes
+//   4c..4c+3; nibble byte i holds column i low, i + 16 high).
+// 144 bytes a row per super-block, as the file: nothing is rounded, and a tensor is always servable.
+#define Q4K_SUPER (16 * 144)
+static bool repack_q4k(const uint8_t* W, int N, int K, uint8_t* out) {
+    const int ns = K / 256, G = (N + 15) / 16;
+    const long rb = row_bytes_of(Q4_K, K);
+    static const uint8_t ZERO[144] = {0};
+#pragma omp for schedule(static)
+    for (int g = 0; g < G; g++)
+        for (int t = 0; t < ns; t++) {
+            uint8_t* o = out + ((long)g * ns + t) * Q4K_SUPER;
+            for (int j = 0; j < 16; j++) {
+                const int n = 16 * g + j;
+                const uint8_t* sb = n < N ? W + n * rb + 144L * t : ZERO;
+                memcpy(o + 2 * j, sb, 2);            // d
+                memcpy(o + 32 + 2 * j, sb + 2, 2);   // dmin
+                for (int k = 0; k < 3; k++) memcpy(o + 64 + 64 * k + 4 * j, sb + 4 + 4 * k, 4);
+                for (int b = 0; b < 8; b++) {
+                    const uint8_t* q = sb + 16 + 32 * (b / 2);
+                    const int sh = 4 * (b % 2);
+                    uint8_t nib[16];
+                    for (int i = 0; i < 16; i++) nib[i] = (uint8_t)(((q[i] >> sh) & 15) | (((q[16 + i] >> sh) & 15) << 4));
+                    for (int c = 0; c < 4; c++) memcpy(o + 256 + 256 * b + 64 * c + 4 * j, nib + 4 * c, 4);
+                }
+            }
+        }
+    return true;
+}
+

@@ -2,7 +2,7 @@
 (s = max|x| / 127, q = round-half-even(x·127/max|x|)), every weight format rebuilt as the q8 layout it runs as
 (FORMAT_TABLE's q8 column), exact integer block sums, then one fp32 chain per output over the blocks in order:
 acc = fma(isum, d·s, acc) (Q4_1's layout: then acc = fma(m, s·Σq, acc); the 16-column halves of Q6_K, Q3_K and
-Q2_K each with their own scale, Q2_K adding its mins), + bias. Every layout but Q4_0's and Q8_0's holds its scales
+Q2_K each with their own scale, Q2_K adding its mins), + bias. Every layout but Q4_0's, Q8_0's and Q4_K's holds its scales
 and mins times UP = 2^8 in fp16, and the chain's result is multiplied by 1 / UP (q8_repack.h's Q8_SCALE_UP)."""
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def q8_reference(fmt, x: np.ndarray, data: np.ndarray, n: int, k: int, bias=None
         acc = fma32(isum[..., b].astype(F32), (dw[None, :, b] * s[:, None, b]).astype(F32), acc)
         if mw is not None:
             acc = fma32(np.broadcast_to(mw[None, :, b], acc.shape), np.broadcast_to(sq[:, None, b], acc.shape), acc)
-    if fmt != kernels.Q4_0 and fmt != kernels.Q8_0:
+    if fmt == kernels.Q4_1:  # Q4_0's, Q8_0's and Q4_K's scales are not scaled up
         acc = (acc * (F32(1) / UP)).astype(F32)
     return acc if bias is None else (acc + bias.astype(F32)[None]).astype(F32)
 
@@ -90,7 +90,8 @@ def halves_reference(x: np.ndarray, q: np.ndarray, dsc: np.ndarray, mins=None) -
 
 def as_q8_layout(fmt, data: np.ndarray, n: int, k: int) -> tuple[int, np.ndarray]:
     """What the q8 mode runs a tensor as, rebuilt in numpy from the file's bytes: Q5_0 -> Q8_0 blocks (d, q - 16);
-    Q4_K, Q5_K, Q5_1 -> Q4_1's sums on (q [n, k], d, m per 32 columns: fp16 of d·sc and of -dmin·m, times UP);
+    Q5_K, Q5_1 -> Q4_1's sums on (q [n, k], d, m per 32 columns: fp16 of d·sc and of -dmin·m, times UP); Q4_K ->
+    the same sums on its own scales, d·sc and -dmin·m in fp32 (exact products, nothing rounded);
     Q6_K, Q3_K, Q2_K -> (q, fp16 d·sc per 16 columns[, fp16 -dmin·m]), times UP."""
     if fmt in (kernels.Q3_K, kernels.Q2_K):  # (q [n, k], fp16 d·sc per 16 columns[, fp16 -dmin·m])
         sbytes = 110 if fmt == kernels.Q3_K else 84
@@ -145,7 +146,7 @@ def as_q8_layout(fmt, data: np.ndarray, n: int, k: int) -> tuple[int, np.ndarray
     sc, m = sc.reshape(n, -1, 8).astype(F32), m.reshape(n, -1, 8).astype(F32)
     qs = sb[..., 16:].reshape(n, -1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1) & 15
     q = qs.reshape(n, k).astype(np.int64)
-    return kernels.Q4_1, (q, fp16_up(d * sc).reshape(n, -1), fp16_up(-(dmin * m)).reshape(n, -1))
+    return kernels.Q4_K, (q, (d * sc).astype(F32).reshape(n, -1), (-(dmin * m)).astype(F32).reshape(n, -1))
 
 
 def q8_linear(fmt: int, x: np.ndarray, data: np.ndarray, n: int, bias=None, out=None) -> np.ndarray:
