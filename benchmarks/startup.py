@@ -1,7 +1,9 @@
 """Start-up on the real target, alternating the systems round by round: time until `specdec serve` and llama-server
 answer /health, and a cold `specdec generate` (a new process, 32 tokens): wall time and peak RSS. With --previous, an
-earlier release's checkout is measured beside this one. Caches (the q8 layout, measured pass costs) are whatever
-the cache directory holds: the first round after a kernel or file change pays for building them.
+earlier release's checkout is measured beside this one. Each specdec system gets its own cache directory, filled
+by one untimed warm-up (the q8 layout, measured pass costs, the tokenizer): two releases sharing one would delete
+each other's q8 layouts (a build removes the same file's layouts from other kernel builds), so every timed start
+would repack.
 
     python benchmarks/startup.py --rounds 3 --previous /tmp/prev --out docs/startup.json
 """
@@ -9,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from statistics import median
@@ -44,12 +48,17 @@ def main(argv=None) -> int:
     target = fetch_model("coder15")
     logs = Path("/tmp/specdec-startup-logs")
     logs.mkdir(exist_ok=True)
+    caches = Path(tempfile.mkdtemp(prefix="specdec-startup-"))
     systems = {"ours": specdec_cmd(None), **({"prev": specdec_cmd(args.previous)} if args.previous else {})}
+    systems = {name: ["env", f"SPECDEC_CACHE={caches / name}", *cmd] for name, cmd in systems.items()}
     serve = {name: [*cmd, "serve", "--target", str(target), "--host", "127.0.0.1", "--port", "PORT"]
              for name, cmd in systems.items()}
     serve["llama-server"] = [str(llama_bin()), "-m", str(target), "-c", "4096", "-np", "1", "--host", "127.0.0.1",
                              "--port", "PORT"]
     ready, gen = {n: [] for n in serve}, {n: [] for n in systems}
+    for name, cmd in systems.items():  # warm-up, untimed: each system's cache built once
+        Server(name, serve[name], logs).stop()
+        peak_rss_mb(cmd, target)
     for r in range(args.rounds):
         for name, cmd in serve.items():  # one server at a time, nothing else running
             s = Server(name, cmd, logs)
@@ -66,6 +75,7 @@ def main(argv=None) -> int:
               "generate": {n: {"wall_s_median": round(median(w for w, _ in v), 2),
                                "peak_rss_mb_median": round(median(m for _, m in v)),
                                "all": [[round(w, 2), round(m)] for w, m in v]} for n, v in gen.items()}}
+    shutil.rmtree(caches, ignore_errors=True)
     print(json.dumps(report, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

@@ -165,7 +165,7 @@ def resident_pages(t: torch.Tensor) -> int:
 def test_q8_runs_k_quants_and_5_bit_blocks_as_the_blocks_they_equal(fmt):
     """Q5_0 in q8 is bitwise the Q8_0 q8 linear on the same weights; Q4_K is the Q4_1 q8 linear on its sub-blocks with
     fp32 scales (exact products d·sc, -dmin·m), and Q5_1 / Q5_K the same sums on byte quants with fp16 ones; Q6_K, Q3_K and Q2_K sum each 16-column half exactly
-    and scale it by its fp16 d·sc, Q2_K adding its fp16 min times the half's Σx (numpy references), for 1..29 rows;
+    and scale it by its d·sc (Q6_K fp32, exact; the others fp16), Q2_K adding its fp16 min times the half's Σx (numpy references), for 1..29 rows;
     scales are stored times 2^8, so sub-block scales below fp16's normal numbers (down to 2^-22) still run q8, bitwise
     the reference; a tensor whose scales even that cannot hold runs exact instead."""
     from specdec.runtime.quantize import quantize
@@ -189,7 +189,7 @@ def test_q8_runs_k_quants_and_5_bit_blocks_as_the_blocks_they_equal(fmt):
         size, (d_at, *_) = FP16_FIELDS[fmt]
         huge.reshape(n, -1, size)[0, 0, d_at:d_at + 2] = np.array([1000], np.float16).view(np.uint8)
         qt = QTensor(fmt, torch.from_numpy(huge), n, k)
-        if fmt == kernels.Q4_K:  # its own bytes, scales computed in fp32: any block runs q8
+        if fmt in (kernels.Q4_K, kernels.Q6_K):  # its own bytes, scales computed in fp32: any block runs q8
             assert np.array_equal(qlinear(xt, qt, q8=True).numpy(), q8_linear(fmt, x, huge, n))
         else:
             assert qt.packed() is None and torch.equal(qlinear(xt, qt, q8=True), qlinear(xt, qt))

@@ -240,6 +240,12 @@ static inline void q8_tile(const QX& Q, int m0, const uint8_t* G, float* y, long
             if (bl % 8 == 0) q4k_scales(super, kd, km);
             blk = super + 256 + 256 * (bl % 8);
             d = vload(kd[bl % 8]), second = vload(km[bl % 8]);
+        } else if constexpr (FMT == Q6_K) {  // d·sc of the two halves: an fp16 times an int8, exact in fp32
+            const uint8_t* super = G + (long)(bl / 8) * Q6K_SUPER;
+            const int8_t* sc = (const int8_t*)super + 32 + 32 * (bl % 8);
+            const V16 dsup = f16_to_f((const uint16_t*)super);
+            blk = super + 288 + 384 * (bl % 8);
+            d = vmul(dsup, i8_to_f(sc)), second = vmul(dsup, i8_to_f(sc + 16));
         } else {
             blk = G + bl * bb;
             d = f16_to_f((const uint16_t*)blk);
@@ -289,7 +295,7 @@ static inline void q8_tile(const QX& Q, int m0, const uint8_t* G, float* y, long
 template <int FMT>
 static void q8_group(const QX& Q, int R, const uint8_t* Wq, int g, int N, float* y, long ldy, const float* b,
                      bool acc_out) {
-    const uint8_t* G = Wq + (long)g * Q.nb * 16 * Q8W<FMT>::BLOCK;
+    const uint8_t* G = Wq + g * q8_group_bytes<FMT>(Q.nb);
     const int n0 = 16 * g, cols = N - n0 < 16 ? N - n0 : 16;
     float* yn = y + n0;
     const float* bn = b ? b + n0 : nullptr;

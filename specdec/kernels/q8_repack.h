@@ -79,9 +79,10 @@ static void q8_quantize(const float* x, int R, const QX& Q) {
 
 // The layout a file format runs as in q8: Q4_0, Q4_1 and Q8_0 as themselves; Q5_0 as Q8_0 (d, q - 16 as int8: the
 // same weights); Q4_K as its own bytes (repack_q4k: sub-block j's d·sc_j and -dmin·m_j computed in fp32 in the
-// tile, exact products, nothing rounded); Q6_K as its own layout: per 32 columns the two 16-column sub-blocks' d·sc in
-// fp16 (refused, so the tensor runs exact, where that rounding would lose more than fp16's 11 bits) and q + 32 in
-// [0, 63] as Q4 nibbles plus a 2-bit plane (Q8W<Q6_K>);
+// tile, exact products, nothing rounded); Q6_K as its own bytes rearranged (repack_q6k: per super-block the 16 rows'
+// d and int8 scales, d·sc computed in fp32 in the tile, exact; per block q + 32 in [0, 63] as Q4 nibbles plus a
+// 2-bit plane, Q8W<Q6_K>); fp16 scales below are refused, so the tensor runs exact, where rounding would lose more
+// than fp16's 11 bits;
 // Q5_K and Q5_1 as a byte layout of Q4_1's: d and m (fp16: Q5_1's own, Q5_K's d·sc_j and -dmin·m_j by the rule) and
 // 32 bytes q in [0, 31]; Q3_K and Q2_K as Q4 nibbles (Q3_K: q + 4 in [0, 7]; Q2_K: q in [0, 3]) with both
 // 16-column sub-blocks' d·sc in fp16 (Q2_K: and -dmin·m). The halves of a nibble block are its low (columns 0-15)
@@ -94,21 +95,21 @@ template <> struct Q8W<Q4_1> { static const int BLOCK = 20, QS = 4, SCALES = 64,
 // Q4_K: the file's own bytes, 18 a row per 32 columns (144 per super-block): see repack_q4k
 template <> struct Q8W<Q4_K> { static const int BLOCK = 18, QS = 0, SCALES = 0, CHUNKS = 4; };
 template <> struct Q8W<Q8_0> { static const int BLOCK = 34, QS = 2, SCALES = 32, CHUNKS = 8; };
-// Q6_K: d_a, d_b; then u = q + 32 split: its low 4 bits as Q4 nibbles (4 chunks), its top 2 bits as 8 planes of 16
-// bytes, plane e for the 64 bytes of unpacked chunk e (byte p's bits at plane byte p % 16, bits 2·(p / 16)): 7 bits a
-// weight, against the file's 6.56
-template <> struct Q8W<Q6_K> { static const int BLOCK = 28, QS = 4, SCALES = 64, CHUNKS = 4; };
+// Q6_K: per block u = q + 32 split: its low 4 bits as Q4 nibbles (4 chunks), its top 2 bits as 8 planes of 16
+// bytes, plane e for the 64 bytes of unpacked chunk e (byte p's bits at plane byte p % 16, bits 2·(p / 16)); the
+// scales per super-block (repack_q6k): 210 bytes a row per 256 columns, as the file
+template <> struct Q8W<Q6_K> { static const int BLOCK = 26, QS = 0, SCALES = 0, CHUNKS = 4; };  // ~210 / 8: see repack_q6k
 template <> struct Q8W<Q5_K> { static const int BLOCK = 36, QS = 4, SCALES = 64, CHUNKS = 8; };  // d, m, 32 u8
 template <> struct Q8W<Q3_K> { static const int BLOCK = 20, QS = 4, SCALES = 64, CHUNKS = 4; };  // d_a, d_b, nibbles
 template <> struct Q8W<Q2_K> { static const int BLOCK = 24, QS = 8, SCALES = 128, CHUNKS = 4; };  // + m_a, m_b
 
-// Scales stored 2^8 times larger: every layout but Q4_0's, Q8_0's and Q4_K's (whose d are the file's own bytes) keeps its
+// Scales stored 2^8 times larger: every layout but Q4_0's, Q8_0's, Q4_K's and Q6_K's (the file's own scales) keeps its
 // scales (and mins) times Q8_SCALE_UP in fp16, and q8_tile multiplies its result by 1 / Q8_SCALE_UP. Powers of two
 // scale fp32 exactly, so the bits are those of an fp16 with a wider exponent: K-quant products d·sc down to 2^-22
 // (fp16's normal numbers start at 2^-14; one Q6_K sub-block of Qwen2.5-Coder-1.5B's blk.24.ffn_down has 5.05e-5)
 // run q8 instead of sending the whole tensor to the exact kernels, and up to 255.9.
 #define Q8_SCALE_UP 256.0f
-static constexpr bool q8_scaled_up(int lay) { return lay != Q4_0 && lay != Q8_0 && lay != Q4_K; }
+static constexpr bool q8_scaled_up(int lay) { return lay != Q4_0 && lay != Q8_0 && lay != Q4_K && lay != Q6_K; }
 
 // Block b of a file row in the layout FMT's bytes: the row's own block, or a converted copy in `tmp` (Q5_0, Q6_K, ...).
 // Returns null where a computed scale or min times Q8_SCALE_UP is not an fp16 number within fp16's relative
@@ -150,20 +151,6 @@ static const uint8_t* layout_block(int src, const uint8_t* row, int b, uint8_t* 
             const int lo = i < 16 ? blk[6 + i] & 15 : blk[6 + i - 16] >> 4;
             tmp[2 + i] = (uint8_t)(int8_t)((lo | ((qh >> i) & 1) << 4) - 16);
         }
-        return tmp;
-    }
-    if (src == Q6_K) {  // -> d_a, d_b (fp16), then u = q + 32 of the 32 columns, in column order
-        const uint8_t* sb = row + 210L * (b / 8);
-        const int o = 32 * (b % 8), h = o / 128, r0 = o % 128;
-        const float d = h2f(sb + 208);
-        for (int k = 0; k < 2; k++) {
-            uint16_t dk;
-            if (!fp16_scaled_up(d * (float)(int8_t)sb[192 + o / 16 + k], &dk)) return nullptr;
-            memcpy(tmp + 2 * k, &dk, 2);
-        }
-        for (int i = 0; i < 32; i++)
-            tmp[4 + i] = (uint8_t)(((sb[64 * h + r0 % 64 + i] >> (4 * (r0 / 64))) & 15) |
-                                   (((sb[128 + 32 * h + i] >> (2 * (r0 / 32))) & 3) << 4));
         return tmp;
     }
     if (src == Q3_K || src == Q2_K) {  // 16-column sub-blocks' scales (and mins), then u as Q4 nibbles
@@ -246,17 +233,12 @@ static bool repack(int src, const uint8_t* W, int N, int K, uint8_t* out) {
     for (int g = 0; g < G; g++)
         for (int b = 0; b < nb; b++) {
             uint8_t* o = out + (long)g * nb * bb + b * bb;
-            if (FMT == Q6_K) memset(o + F::SCALES + 256, 0, 128);  // the 2-bit planes are or-ed in row by row
             for (int j = 0; j < 16; j++) {
                 const int n = 16 * g + j;
                 uint8_t tmp[36];
                 const uint8_t* blk = n < N ? layout_block(src, W + n * rb, b, tmp) : ZERO;
                 if (!blk) { ok = false; blk = ZERO; }
                 for (int f = 0; f < F::SCALES / 32; f++) memcpy(o + 32 * f + 2 * j, blk + 2 * f, 2);  // d (m, d_b, ...)
-                if constexpr (FMT == Q6_K) {
-                    q6_split(blk + F::QS, j, o + F::SCALES);
-                    continue;
-                }
                 for (int c = 0; c < F::CHUNKS; c++) memcpy(o + F::SCALES + 64 * c + 4 * j, blk + F::QS + 4 * c, 4);
             }
         }
@@ -290,6 +272,41 @@ static bool repack_q4k(const uint8_t* W, int N, int K, uint8_t* out) {
                     uint8_t nib[16];
                     for (int i = 0; i < 16; i++) nib[i] = (uint8_t)(((q[i] >> sh) & 15) | (((q[16 + i] >> sh) & 15) << 4));
                     for (int c = 0; c < 4; c++) memcpy(o + 256 + 256 * b + 64 * c + 4 * j, nib + 4 * c, 4);
+                }
+            }
+        }
+    return true;
+}
+
+// Q6_K as its own bytes rearranged, in groups of 16 rows. Per group and super-block, Q6K_SUPER bytes: d[16] fp16,
+// then the 16 sub-blocks' int8 scales of the 16 rows (sub-block i, row j at 32 + 16i + j), then per 32-column block
+// u = q + 32 as Q4 nibbles (256 bytes, q6_split) and 2-bit planes (128). 210 bytes a row, as the file.
+#define Q6K_SUPER (16 * 210)
+// Bytes of one group of 16 rows with nb blocks of 32 columns in layout FMT (Q6_K counts whole super-blocks)
+template <int FMT> static constexpr long q8_group_bytes(int nb) {
+    return FMT == Q6_K ? (long)(nb / 8) * Q6K_SUPER : (long)nb * 16 * Q8W<FMT>::BLOCK;
+}
+static bool repack_q6k(const uint8_t* W, int N, int K, uint8_t* out) {
+    const int ns = K / 256, G = (N + 15) / 16;
+    const long rb = row_bytes_of(Q6_K, K);
+    static const uint8_t ZERO[210] = {0};
+#pragma omp for schedule(static)
+    for (int g = 0; g < G; g++)
+        for (int t = 0; t < ns; t++) {
+            uint8_t* o = out + ((long)g * ns + t) * Q6K_SUPER;
+            for (int b = 0; b < 8; b++) memset(o + 288 + 384 * b + 256, 0, 128);  // the planes are or-ed in
+            for (int j = 0; j < 16; j++) {
+                const int n = 16 * g + j;
+                const uint8_t* sb = n < N ? W + n * rb + 210L * t : ZERO;
+                memcpy(o + 2 * j, sb + 208, 2);
+                for (int i = 0; i < 16; i++) o[32 + 16 * i + j] = sb[192 + i];
+                for (int b = 0; b < 8; b++) {  // u = q + 32 of block b's 32 columns, in column order
+                    const int c0 = 32 * b, h = c0 / 128, r0 = c0 % 128;
+                    uint8_t u[32];
+                    for (int i = 0; i < 32; i++)
+                        u[i] = (uint8_t)(((sb[64 * h + r0 % 64 + i] >> (4 * (r0 / 64))) & 15) |
+                                         (((sb[128 + 32 * h + i] >> (2 * (r0 / 32))) & 3) << 4));
+                    q6_split(u, j, o + 288 + 384 * b);
                 }
             }
         }

@@ -2,7 +2,7 @@
 (s = max|x| / 127, q = round-half-even(x·127/max|x|)), every weight format rebuilt as the q8 layout it runs as
 (FORMAT_TABLE's q8 column), exact integer block sums, then one fp32 chain per output over the blocks in order:
 acc = fma(isum, d·s, acc) (Q4_1's layout: then acc = fma(m, s·Σq, acc); the 16-column halves of Q6_K, Q3_K and
-Q2_K each with their own scale, Q2_K adding its mins), + bias. Every layout but Q4_0's, Q8_0's and Q4_K's holds its scales
+Q2_K each with their own scale, Q2_K adding its mins), + bias. Every layout but Q4_0's, Q8_0's, Q4_K's and Q6_K's holds its scales
 and mins times UP = 2^8 in fp16, and the chain's result is multiplied by 1 / UP (q8_repack.h's Q8_SCALE_UP)."""
 from __future__ import annotations
 
@@ -56,16 +56,16 @@ def q8_reference(fmt, x: np.ndarray, data: np.ndarray, n: int, k: int, bias=None
         acc = fma32(isum[..., b].astype(F32), (dw[None, :, b] * s[:, None, b]).astype(F32), acc)
         if mw is not None:
             acc = fma32(np.broadcast_to(mw[None, :, b], acc.shape), np.broadcast_to(sq[:, None, b], acc.shape), acc)
-    if fmt == kernels.Q4_1:  # Q4_0's, Q8_0's and Q4_K's scales are not scaled up
+    if fmt == kernels.Q4_1:  # Q4_0's, Q8_0's and Q4_K's scales are not scaled up (the Q4_1 sums' other users)
         acc = (acc * (F32(1) / UP)).astype(F32)
     return acc if bias is None else (acc + bias.astype(F32)[None]).astype(F32)
 
 
-def halves_reference(x: np.ndarray, q: np.ndarray, dsc: np.ndarray, mins=None) -> np.ndarray:
+def halves_reference(x: np.ndarray, q: np.ndarray, dsc: np.ndarray, mins=None, up: bool = True) -> np.ndarray:
     """Q6_K's / Q3_K's / Q2_K's q8 linear in numpy: per 32-column block of x (quantized as for every format), each
     16-column half's exact integer dot product, then acc = fma(isum_a, d_a·s, acc), acc = fma(isum_b, d_b·s, acc),
-    and for Q2_K acc = fma(m_a, s·Σx_a, acc), acc = fma(m_b, s·Σx_b, acc), in block order (d, m times UP); then
-    acc / UP."""
+    and for Q2_K acc = fma(m_a, s·Σx_a, acc), acc = fma(m_b, s·Σx_b, acc), in block order; `up`: d, m are times UP
+    (Q3_K's, Q2_K's fp16 scales), and then acc / UP (Q6_K: its fp32 d·sc as they are)."""
     n, k = q.shape
     nb = k // 32
     xb = x.astype(F32).reshape(len(x), nb, 32)
@@ -85,14 +85,15 @@ def halves_reference(x: np.ndarray, q: np.ndarray, dsc: np.ndarray, mins=None) -
             for h in (2 * b, 2 * b + 1):
                 sx = np.broadcast_to((s[:, None, b] * xsum[:, None, h]).astype(F32), acc.shape)
                 acc = fma32(np.broadcast_to(mh[None, :, h], acc.shape), sx, acc)
-    return (acc * (F32(1) / UP)).astype(F32)
+    return (acc * (F32(1) / UP)).astype(F32) if up else acc
 
 
 def as_q8_layout(fmt, data: np.ndarray, n: int, k: int) -> tuple[int, np.ndarray]:
     """What the q8 mode runs a tensor as, rebuilt in numpy from the file's bytes: Q5_0 -> Q8_0 blocks (d, q - 16);
     Q5_K, Q5_1 -> Q4_1's sums on (q [n, k], d, m per 32 columns: fp16 of d·sc and of -dmin·m, times UP); Q4_K ->
     the same sums on its own scales, d·sc and -dmin·m in fp32 (exact products, nothing rounded);
-    Q6_K, Q3_K, Q2_K -> (q, fp16 d·sc per 16 columns[, fp16 -dmin·m]), times UP."""
+    Q3_K, Q2_K -> (q, fp16 d·sc per 16 columns[, fp16 -dmin·m]), times UP; Q6_K -> (q, fp32 d·sc per 16 columns:
+    exact products)."""
     if fmt in (kernels.Q3_K, kernels.Q2_K):  # (q [n, k], fp16 d·sc per 16 columns[, fp16 -dmin·m])
         sbytes = 110 if fmt == kernels.Q3_K else 84
         sb = data.reshape(n, k // 256, sbytes)
@@ -117,7 +118,7 @@ def as_q8_layout(fmt, data: np.ndarray, n: int, k: int) -> tuple[int, np.ndarray
         d = blocks[..., 208:210].copy().view(np.float16).astype(F32)
         sc = blocks[..., 192:208].copy().view(np.int8).astype(F32)
         q = gguf.quants.dequantize(data, T.Q6_K).reshape(n, k // 256, 16, 16) / (d * sc)[..., None]
-        return kernels.Q6_K, (np.rint(q).astype(np.int64).reshape(n, k), fp16_up(d * sc), None)
+        return kernels.Q6_K, (np.rint(q).astype(np.int64).reshape(n, k), (d * sc).astype(F32), None)
     if fmt in (kernels.Q5_1, kernels.Q5_K):  # -> (q [n, k] in [0, 31], d, m per 32 columns): Q4_1's sums
         if fmt == kernels.Q5_1:
             blocks = data.reshape(n, k // 32, 24)
@@ -159,7 +160,7 @@ def q8_linear(fmt: int, x: np.ndarray, data: np.ndarray, n: int, bias=None, out=
     else:
         lay, blocks = as_q8_layout(fmt, data, n, k)
         if lay in (kernels.Q6_K, kernels.Q3_K, kernels.Q2_K):
-            y = halves_reference(x, *blocks)
+            y = halves_reference(x, *blocks, up=lay != kernels.Q6_K)
         elif fmt in (kernels.Q5_1, kernels.Q5_K, kernels.Q4_K):
             y = q8_reference(lay, x, None, n, k, weights=blocks)
         else:
