@@ -92,7 +92,8 @@ def main(argv=None) -> int:
     print(f"| rows | A ms ({args.against}) | B ms (tree) | B/A (median of pairs) |\n|---|---|---|---|")
     for n, (ta, tb) in times.items():
         row = {"a_ms": round(statistics.median(ta), 2), "b_ms": round(statistics.median(tb), 2),
-               "ratio": round(statistics.median(y / x for x, y in zip(ta, tb)), 3)}
+               "ratio": round(statistics.median(y / x for x, y in zip(ta, tb)), 3),
+               "a_all": [round(x, 3) for x in ta], "b_all": [round(y, 3) for y in tb]}
         report["sizes"][n] = row
         print(f"| {n} | {row['a_ms']} | {row['b_ms']} | {row['ratio']} |")
     a1, b1 = report["sizes"].get(1), report["sizes"].get(8)

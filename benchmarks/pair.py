@@ -135,8 +135,11 @@ def systems(target: Path, draft: Path, threads: int, previous: str | None = None
              "--port", "PORT"]
     ours = [str(Path(sys.executable).with_name("specdec")), "serve", "--target", str(target), "--host", "127.0.0.1",
             "--port", "PORT"]
-    prev = [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(previous)!r}); from specdec.cli import main; "
-            "sys.exit(main())", *ours[1:]]  # its source before this checkout's (the working directory, an editable install)
+    # its source before this checkout's (the working directory, an editable install), with a cache of its own: two
+    # kernel builds sharing one would delete each other's q8 layouts at every start
+    prev = ["env", f"SPECDEC_CACHE={cache() / 'previous-release-cache'}", sys.executable, "-c",
+            f"import sys; sys.path.insert(0, {str(previous)!r}); from specdec.cli import main; sys.exit(main())",
+            *ours[1:]]
     return {"llama": llama,
             "llama-md": llama + ["-md", str(draft), "--spec-type", "draft-simple"],
             "llama-ngram": llama + ["--spec-type", "ngram-mod"],

@@ -6,9 +6,11 @@
 // Activations: each row quantized by itself in 32-element blocks (as ggml's Q8_0): s = max|x| / 127,
 // q = round-half-even(x * (127 / max|x|)); an all-zero block has s = 0 and q = 0.
 // Weights: every format with a q8 layout (FORMAT_TABLE) repacked once (rows_repack) into groups of 16 rows: per block of 32 columns, the 16
-// rows' fp16 d (and m; times Q8_SCALE_UP but in Q4_0's and Q8_0's layouts), then their quants interleaved 4 columns at a time, so one 64-byte load holds 4 columns of
+// rows' fp16 d (and m), then their quants interleaved 4 columns at a time, so one 64-byte load holds 4 columns of
 // all 16 rows and one dot-product instruction gives each row's lane its 4 products (Q4 bytes hold columns c and
-// c + 16 in their low and high nibbles, as in the file). Same bytes as the file.
+// c + 16 in their low and high nibbles, as in the file). Same bytes as the file, but for the scales: Q4_K and Q6_K
+// keep their super-blocks' (repack_q4k, repack_q6k), the layouts whose scales are fp16 numbers hold them times
+// Q8_SCALE_UP.
 // Per (x row m, weight row n, block b): isum = Σ_i w_q[i] x_q[i], an exact integer (Q4_0's -8 and Q8_0's u8 offset
 // taken back in integers) whatever the instructions (VNNI `vpdpbusd`, or AVX2 `maddubs` + `madd`). Then one float
 // chain per output over the blocks in order: acc = fma(float(isum), d_b * s_b, acc), and for Q4_1 also
@@ -81,8 +83,8 @@ static void q8_quantize(const float* x, int R, const QX& Q) {
 // same weights); Q4_K as its own bytes (repack_q4k: sub-block j's d·sc_j and -dmin·m_j computed in fp32 in the
 // tile, exact products, nothing rounded); Q6_K as its own bytes rearranged (repack_q6k: per super-block the 16 rows'
 // d and int8 scales, d·sc computed in fp32 in the tile, exact; per block q + 32 in [0, 63] as Q4 nibbles plus a
-// 2-bit plane, Q8W<Q6_K>); fp16 scales below are refused, so the tensor runs exact, where rounding would lose more
-// than fp16's 11 bits;
+// 2-bit plane, Q8W<Q6_K>). The layouts below hold scales rounded to fp16 once at repack (times Q8_SCALE_UP); where
+// that rounding would lose more than fp16's 11 bits the repack is refused and the tensor runs exact.
 // Q5_K and Q5_1 as a byte layout of Q4_1's: d and m (fp16: Q5_1's own, Q5_K's d·sc_j and -dmin·m_j by the rule) and
 // 32 bytes q in [0, 31]; Q3_K and Q2_K as Q4 nibbles (Q3_K: q + 4 in [0, 7]; Q2_K: q in [0, 3]) with both
 // 16-column sub-blocks' d·sc in fp16 (Q2_K: and -dmin·m). The halves of a nibble block are its low (columns 0-15)
@@ -106,8 +108,8 @@ template <> struct Q8W<Q2_K> { static const int BLOCK = 24, QS = 8, SCALES = 128
 // Scales stored 2^8 times larger: every layout but Q4_0's, Q8_0's, Q4_K's and Q6_K's (the file's own scales) keeps its
 // scales (and mins) times Q8_SCALE_UP in fp16, and q8_tile multiplies its result by 1 / Q8_SCALE_UP. Powers of two
 // scale fp32 exactly, so the bits are those of an fp16 with a wider exponent: K-quant products d·sc down to 2^-22
-// (fp16's normal numbers start at 2^-14; one Q6_K sub-block of Qwen2.5-Coder-1.5B's blk.24.ffn_down has 5.05e-5)
-// run q8 instead of sending the whole tensor to the exact kernels, and up to 255.9.
+// (fp16's normal numbers start at 2^-14) run q8 instead of sending the whole tensor to the exact kernels, and up
+// to 255.9.
 #define Q8_SCALE_UP 256.0f
 static constexpr bool q8_scaled_up(int lay) { return lay != Q4_0 && lay != Q8_0 && lay != Q4_K && lay != Q6_K; }
 
