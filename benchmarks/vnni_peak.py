@@ -69,9 +69,10 @@ def main(argv=None) -> int:
     floor = {int(n): round(1e3 * args.params * int(n) / 64 / (rate * args.threads), 2) for n in args.rows.split(",")}
     report = {"vpdpbusd_per_s_per_core": rate, "cores": args.threads, "params": args.params,
               "compute_floor_ms": floor}
-    print(json.dumps(report, indent=1))
+    text = json.dumps(report, indent=1)
+    print(text)
     if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        Path(args.out).write_text(text + "\n")
     return 0
 
 

@@ -90,3 +90,21 @@ def test_runtime_tokenizer_copies_after_its_chat_template_was_used():
     assert copy.deepcopy(tok).apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == text
     sd = SpecDecoder.from_models(model, tok, "ngram", tau=2)
     assert sd.generate("hi", max_new_tokens=3).token_ids
+
+
+@pytest.mark.real
+def test_runtime_tokenizer_lookups_build_no_vocabulary_dict_and_agree_with_it():
+    """eos_ids and the longest-token bound read the runtime tokenizer token by token (a 152k vocabulary's dict is
+    about 40 MB the allocator keeps): the same answers as from get_vocab(), and get_vocab is never called."""
+    from unittest import mock
+
+    from specdec.api import longest_token_chars
+    from specdec.runtime.tokenizer import Tokenizer
+    model, tok = models.load("default")
+    assert isinstance(tok, Tokenizer)
+    vocab = tok.get_vocab()
+    want_eos = {i for i in [tok.eos_token_id, *[vocab[t] for t in models.END_TOKENS if t in vocab]] if i is not None}
+    with mock.patch.object(Tokenizer, "get_vocab", side_effect=AssertionError("built the vocabulary dict")):
+        assert longest_token_chars(tok) >= max(map(len, vocab))  # a bound: the longest token, or its decoded text
+        assert want_eos <= models.eos_ids(model, tok)
+        assert tok.token_to_id("<|no such token|>") is None

@@ -247,7 +247,25 @@ static bool repack(int src, const uint8_t* W, int N, int K, uint8_t* out) {
     return ok;
 }
 
-// Q4_K as its own bytes, in groups of 16 rows. Per group and super-block (256 columns), Q4K_SUPER bytes:
+// The super-block layouts (Q4_K, Q6_K): per group of 16 rows and super-block (256 columns), SB bytes of each row
+// (SB: the file's bytes per super-block), so a layout is as large as the file. `prepare(o)` once per output
+// super-block, then `row(o, j, sb)` for its 16 rows (sb: row j's super-block in the file; zeros past N).
+template <int FMT, typename Prepare, typename Row>
+static void each_super_row(const uint8_t* W, int N, int K, uint8_t* out, Prepare prepare, Row row) {
+    constexpr int SB = FMT == Q4_K ? 144 : 210;
+    const int ns = K / 256, G = (N + 15) / 16;
+    const long rb = row_bytes_of(FMT, K);
+    static const uint8_t ZERO[SB] = {0};
+#pragma omp for schedule(static)
+    for (int g = 0; g < G; g++)
+        for (int t = 0; t < ns; t++) {
+            uint8_t* o = out + ((long)g * ns + t) * 16 * SB;
+            prepare(o);
+            for (int j = 0; j < 16; j++) row(o, j, 16 * g + j < N ? W + (16 * g + j) * rb + (long)SB * t : ZERO);
+        }
+}
+
+// Q4_K as its own bytes, in groups of 16 rows. Per group and super-block, Q4K_SUPER bytes:
 //   d[16] fp16, dmin[16] fp16, then the 12 scale bytes of each row as three dword vectors (vector k, lane j: row j's
 //   bytes 4k..4k+3), so the 16 rows' 6-bit scales and mins decode lane-parallel (q4k_scales);
 //   then per 32-column sub-block 4 chunks of 64 bytes as Q4_1's (chunk c bytes 4j..4j+3: row j's nibble bytes
@@ -255,28 +273,18 @@ static bool repack(int src, const uint8_t* W, int N, int K, uint8_t* out) {
 // 144 bytes a row per super-block, as the file: nothing is rounded, and a tensor is always servable.
 #define Q4K_SUPER (16 * 144)
 static bool repack_q4k(const uint8_t* W, int N, int K, uint8_t* out) {
-    const int ns = K / 256, G = (N + 15) / 16;
-    const long rb = row_bytes_of(Q4_K, K);
-    static const uint8_t ZERO[144] = {0};
-#pragma omp for schedule(static)
-    for (int g = 0; g < G; g++)
-        for (int t = 0; t < ns; t++) {
-            uint8_t* o = out + ((long)g * ns + t) * Q4K_SUPER;
-            for (int j = 0; j < 16; j++) {
-                const int n = 16 * g + j;
-                const uint8_t* sb = n < N ? W + n * rb + 144L * t : ZERO;
-                memcpy(o + 2 * j, sb, 2);            // d
-                memcpy(o + 32 + 2 * j, sb + 2, 2);   // dmin
-                for (int k = 0; k < 3; k++) memcpy(o + 64 + 64 * k + 4 * j, sb + 4 + 4 * k, 4);
-                for (int b = 0; b < 8; b++) {
-                    const uint8_t* q = sb + 16 + 32 * (b / 2);
-                    const int sh = 4 * (b % 2);
-                    uint8_t nib[16];
-                    for (int i = 0; i < 16; i++) nib[i] = (uint8_t)(((q[i] >> sh) & 15) | (((q[16 + i] >> sh) & 15) << 4));
-                    for (int c = 0; c < 4; c++) memcpy(o + 256 + 256 * b + 64 * c + 4 * j, nib + 4 * c, 4);
-                }
-            }
+    each_super_row<Q4_K>(W, N, K, out, [](uint8_t*) {}, [](uint8_t* o, int j, const uint8_t* sb) {
+        memcpy(o + 2 * j, sb, 2);            // d
+        memcpy(o + 32 + 2 * j, sb + 2, 2);   // dmin
+        for (int k = 0; k < 3; k++) memcpy(o + 64 + 64 * k + 4 * j, sb + 4 + 4 * k, 4);
+        for (int b = 0; b < 8; b++) {
+            const uint8_t* q = sb + 16 + 32 * (b / 2);
+            const int sh = 4 * (b % 2);
+            uint8_t nib[16];
+            for (int i = 0; i < 16; i++) nib[i] = (uint8_t)(((q[i] >> sh) & 15) | (((q[16 + i] >> sh) & 15) << 4));
+            for (int c = 0; c < 4; c++) memcpy(o + 256 + 256 * b + 64 * c + 4 * j, nib + 4 * c, 4);
         }
+    });
     return true;
 }
 
@@ -289,29 +297,21 @@ template <int FMT> static constexpr long q8_group_bytes(int nb) {
     return FMT == Q6_K ? (long)(nb / 8) * Q6K_SUPER : (long)nb * 16 * Q8W<FMT>::BLOCK;
 }
 static bool repack_q6k(const uint8_t* W, int N, int K, uint8_t* out) {
-    const int ns = K / 256, G = (N + 15) / 16;
-    const long rb = row_bytes_of(Q6_K, K);
-    static const uint8_t ZERO[210] = {0};
-#pragma omp for schedule(static)
-    for (int g = 0; g < G; g++)
-        for (int t = 0; t < ns; t++) {
-            uint8_t* o = out + ((long)g * ns + t) * Q6K_SUPER;
-            for (int b = 0; b < 8; b++) memset(o + 288 + 384 * b + 256, 0, 128);  // the planes are or-ed in
-            for (int j = 0; j < 16; j++) {
-                const int n = 16 * g + j;
-                const uint8_t* sb = n < N ? W + n * rb + 210L * t : ZERO;
-                memcpy(o + 2 * j, sb + 208, 2);
-                for (int i = 0; i < 16; i++) o[32 + 16 * i + j] = sb[192 + i];
-                for (int b = 0; b < 8; b++) {  // u = q + 32 of block b's 32 columns, in column order
-                    const int c0 = 32 * b, h = c0 / 128, r0 = c0 % 128;
-                    uint8_t u[32];
-                    for (int i = 0; i < 32; i++)
-                        u[i] = (uint8_t)(((sb[64 * h + r0 % 64 + i] >> (4 * (r0 / 64))) & 15) |
-                                         (((sb[128 + 32 * h + i] >> (2 * (r0 / 32))) & 3) << 4));
-                    q6_split(u, j, o + 288 + 384 * b);
-                }
-            }
+    auto planes_cleared = [](uint8_t* o) {  // the planes are or-ed in row by row
+        for (int b = 0; b < 8; b++) memset(o + 288 + 384 * b + 256, 0, 128);
+    };
+    each_super_row<Q6_K>(W, N, K, out, planes_cleared, [](uint8_t* o, int j, const uint8_t* sb) {
+        memcpy(o + 2 * j, sb + 208, 2);
+        for (int i = 0; i < 16; i++) o[32 + 16 * i + j] = sb[192 + i];
+        for (int b = 0; b < 8; b++) {  // u = q + 32 of block b's 32 columns, in column order
+            const int c0 = 32 * b, h = c0 / 128, r0 = c0 % 128;
+            uint8_t u[32];
+            for (int i = 0; i < 32; i++)
+                u[i] = (uint8_t)(((sb[64 * h + r0 % 64 + i] >> (4 * (r0 / 64))) & 15) |
+                                 (((sb[128 + 32 * h + i] >> (2 * (r0 / 32))) & 3) << 4));
+            q6_split(u, j, o + 288 + 384 * b);
         }
+    });
     return true;
 }
 
