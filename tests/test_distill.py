@@ -99,6 +99,25 @@ def test_generation_records_the_hidden_states_teacher_forcing_would_compute(tmp_
     assert all(torch.equal(a["h"], b["h"]) for a, b in zip(reloaded, items))
 
 
+def test_a_narrower_draft_ffn_is_trained_saved_and_lossless(tmp_path, prompt_file, tok, target):
+    """--draft-ffn: the draft layer's feed-forward is narrower than the target's (128 here), initialised from its
+    first units; the saved draft has that width and drafts losslessly. Wider than the target's is refused."""
+    out = tmp_path / "narrow"
+    distill("tiny", str(out), [prompt_file], [], max_new_tokens=8, gen_batch=5, reduced=30, epochs=1, batch=5,
+            seed=0, eval_limit=1, val_every=0, self_chat=0, loaded=(target, tok), ffn=32)
+    meta = json.loads((out / "specdec_draft.json").read_text())
+    assert meta["net"]["intermediate"] == 32 < target.config.intermediate_size
+    engine = Engine(target, FeatureDrafter.load(out, target, tokenizer_fingerprint(tok)), VOCAB, set(), 256)
+    for prompt in PROMPTS[:3]:
+        ids = tok(prompt).input_ids
+        recs = list(engine.run(ids, 20, SamplingParams(), 3))
+        assert [t for r in recs for t in r.emitted] == reference_greedy(target, ids, 20)
+        assert any(r.proposed for r in recs)
+    with pytest.raises(InvalidRequest, match="wider"):
+        distill("tiny", str(tmp_path / "w"), [prompt_file], [], max_new_tokens=8, gen_batch=5, reduced=30,
+                epochs=1, self_chat=0, val_every=0, loaded=(target, tok), ffn=4096)
+
+
 def test_early_stopping_keeps_the_best_epoch(tmp_path, prompt_file, tok, target, monkeypatch):
     """The saved draft holds the weights of the epoch that scored best on the held-out split, not the last."""
     from safetensors.torch import load_file
@@ -306,6 +325,9 @@ def test_bad_input(tmp_path, prompt_file, tok, target, tiny_dirs, capsys):
                 loaded=(target, tok))
     with pytest.raises(InvalidRequest, match="exceeds"):
         distill("tiny", str(tmp_path / "o"), [prompt_file], [], reduced=10 ** 6, loaded=(target, tok))
+    for ffn in (0, 48, True):
+        with pytest.raises(InvalidRequest, match="draft-ffn"):
+            distill("tiny", str(tmp_path / "o"), [prompt_file], [], ffn=ffn, loaded=(target, tok))
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(0o500)

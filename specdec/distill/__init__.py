@@ -91,7 +91,8 @@ def _runtime_twin(target: str, device: str):
 def distill(target: str, out: str, prompt_files: list[str], text_files: list[str], max_new_tokens: int = 128,
             gen_batch: int = 64, reduced: int = 8192, epochs: int = 6, batch: int = 8, lr: float = 2e-3,
             seed: int = 0, limit: int = 0, eval_limit: int = 0, eval_tau: int = 4, device: str = "auto",
-            self_chat: int = 1536, val_every: int = 50, loss_on: str = "response", loaded=None) -> dict:
+            self_chat: int = 1536, val_every: int = 50, loss_on: str = "response", loaded=None,
+            ffn: int | None = None) -> dict:
     if max_new_tokens < 1 or gen_batch < 1 or epochs < 1 or batch < 1 or lr <= 0 or eval_tau < 1:
         raise InvalidRequest("--max-new-tokens, --gen-batch, --epochs, --batch and --eval-tau must be >= 1, "
                              "--lr > 0")
@@ -99,6 +100,8 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
         raise InvalidRequest("--self-chat and --val-every must be >= 0")
     if reduced < 2:
         raise InvalidRequest("--reduced-vocab must be >= 2")
+    if ffn is not None and (isinstance(ffn, bool) or not isinstance(ffn, int) or ffn < 32 or ffn % 32):
+        raise InvalidRequest(f"--draft-ffn must be a positive multiple of 32 (the kernels' block), got {ffn!r}")
     if loss_on not in ("response", "all"):
         raise InvalidRequest(f"--loss-on must be 'response' or 'all', got {loss_on!r}")
     out_dir, work = Path(out), Path(out) / "work"
@@ -139,7 +142,10 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
     head = model.get_output_embeddings().weight.detach().cpu()
     decoder = model.get_decoder()
     torch.manual_seed(seed)
-    net = net_for_target(model.config, init_from=(decoder.layers[-1], decoder.norm))
+    if ffn is not None and ffn > model.config.intermediate_size:
+        raise InvalidRequest(f"--draft-ffn {ffn} is wider than the target's own {model.config.intermediate_size}")
+    net = net_for_target(model.config, init_from=(decoder.layers[-1], decoder.norm), ffn=ffn)
+    _keyed(work / "checkpoint.pt", {"net": net.cfg})  # a resumed run with another shape starts training again
     t1 = perf_counter()
     # every val_every-th sequence is held out of training to pick the epoch (early stopping)
     val = [d for i, d in enumerate(data) if val_every and i % val_every == val_every - 1]
@@ -168,7 +174,7 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
 def cmd_distill(args) -> int:
     rep = distill(args.target, args.out, args.prompts or [], args.text or [], args.max_new_tokens, args.gen_batch,
                   args.reduced_vocab, args.epochs, args.batch, args.lr, args.seed, args.limit, args.eval_limit,
-                  args.eval_tau, args.device, args.self_chat, args.val_every, args.loss_on)
+                  args.eval_tau, args.device, args.self_chat, args.val_every, args.loss_on, ffn=args.draft_ffn)
     h = rep["held_out"]
     print(json.dumps(h, indent=2))
     print(f"draft saved to {args.out}: acceptance {h['acceptance_rate']}, draft/target cost "
@@ -193,6 +199,8 @@ def register(sub, model_args, sampling_args):
                    help="positions whose next token the draft is trained to predict: responses only (default; "
                         "prompts are context) or every position")
     d.add_argument("--reduced-vocab", type=int, default=8192, help="draft head size (most frequent target tokens)")
+    d.add_argument("--draft-ffn", type=int, default=None,
+                   help="the draft layer's feed-forward width (default: the target's; narrower is a cheaper step)")
     d.add_argument("--epochs", type=int, default=6)
     d.add_argument("--batch", type=int, default=8)
     d.add_argument("--lr", type=float, default=2e-3)
