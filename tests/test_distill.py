@@ -118,6 +118,15 @@ def test_a_narrower_draft_ffn_is_trained_saved_and_lossless(tmp_path, prompt_fil
                 epochs=1, self_chat=0, val_every=0, loaded=(target, tok), ffn=4096)
 
 
+def test_report_of_a_draft_that_proposes_nothing(tok, target):
+    """A draft too unsure to propose anything (an undertrained one stops below its confidence bound) has no
+    acceptance rate; the report says so instead of dividing by zero after hours of training."""
+    from specdec.distill import report
+    prompts = [{"prompt": p, "chat": False} for p in PROMPTS[:2]]
+    rep = report(target, tok, "none", prompts, 6, 3)
+    assert rep["acceptance_rate"] is None and rep["mean_accepted_len"] == 0 and rep["identical_to_target"]
+
+
 def test_early_stopping_keeps_the_best_epoch(tmp_path, prompt_file, tok, target, monkeypatch):
     """The saved draft holds the weights of the epoch that scored best on the held-out split, not the last."""
     from safetensors.torch import load_file

@@ -70,8 +70,9 @@ def report(target_model, tok, drafter, prompts: list[dict], max_new_tokens: int,
     c_ms = sum(r.draft_ms for r in recs) / max(1, proposed)
     curve = verify_curve(recs) | {1: t_target}
     overhead = sum(r.cycle_ms - r.draft_ms - r.verify_ms for r in recs) / len(recs)
-    return {"prompts": len(prompts), "tau": tau, "acceptance_rate": round(sum(r.accepted for r in recs) / proposed, 4),
-            "acceptance_by_position": alphas, "mean_accepted_len": round(sum(r.accepted for r in recs) / len(recs), 4),
+    accepted = sum(r.accepted for r in recs)  # a draft too unsure to propose anything has no acceptance rate
+    return {"prompts": len(prompts), "tau": tau, "acceptance_rate": round(accepted / proposed, 4) if proposed else None,
+            "acceptance_by_position": alphas, "mean_accepted_len": round(accepted / len(recs), 4),
             "draft_ms_per_token": round(c_ms, 3), "target_pass_ms": round(t_target, 3),
             "draft_cost_ratio": round(c_ms / t_target, 4),
             "predicted_speedup": round(cost_model(alphas, tau, c_ms, curve, overhead, t_target), 3),
@@ -177,7 +178,8 @@ def cmd_distill(args) -> int:
                   args.eval_tau, args.device, args.self_chat, args.val_every, args.loss_on, ffn=args.draft_ffn)
     h = rep["held_out"]
     print(json.dumps(h, indent=2))
-    print(f"draft saved to {args.out}: acceptance {h['acceptance_rate']}, draft/target cost "
+    rate = "n/a (it proposed nothing)" if h["acceptance_rate"] is None else h["acceptance_rate"]
+    print(f"draft saved to {args.out}: acceptance {rate}, draft/target cost "
           f"{h['draft_cost_ratio']}, measured speedup {h['measured_speedup']}x on {h['prompts']} held-out prompts")
     return 0
 
