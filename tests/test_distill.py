@@ -125,6 +125,7 @@ def test_report_of_a_draft_that_proposes_nothing(tok, target):
     prompts = [{"prompt": p, "chat": False} for p in PROMPTS[:2]]
     rep = report(target, tok, "none", prompts, 6, 3)
     assert rep["acceptance_rate"] is None and rep["mean_accepted_len"] == 0 and rep["identical_to_target"]
+    assert rep["draft_ms_per_token"] is None and rep["draft_cost_ratio"] is None and rep["predicted_speedup"] is None
 
 
 def test_early_stopping_keeps_the_best_epoch(tmp_path, prompt_file, tok, target, monkeypatch):

@@ -67,15 +67,18 @@ def report(target_model, tok, drafter, prompts: list[dict], max_new_tokens: int,
     proposed = sum(len(r.proposed) for r in recs)
     alphas = [a or 0.0 for a in acceptance_by_position(recs)]
     t_target = sum(r.verify_ms for r in base_recs) / len(base_recs)
-    c_ms = sum(r.draft_ms for r in recs) / max(1, proposed)
     curve = verify_curve(recs) | {1: t_target}
     overhead = sum(r.cycle_ms - r.draft_ms - r.verify_ms for r in recs) / len(recs)
-    accepted = sum(r.accepted for r in recs)  # a draft too unsure to propose anything has no acceptance rate
+    accepted = sum(r.accepted for r in recs)
+    # a draft too unsure to propose anything has no acceptance rate and no cost per drafted token
+    c_ms = sum(r.draft_ms for r in recs) / proposed if proposed else None
+    per_token = None if c_ms is None else {
+        "draft_ms_per_token": round(c_ms, 3), "draft_cost_ratio": round(c_ms / t_target, 4),
+        "predicted_speedup": round(cost_model(alphas, tau, c_ms, curve, overhead, t_target), 3)}
     return {"prompts": len(prompts), "tau": tau, "acceptance_rate": round(accepted / proposed, 4) if proposed else None,
             "acceptance_by_position": alphas, "mean_accepted_len": round(accepted / len(recs), 4),
-            "draft_ms_per_token": round(c_ms, 3), "target_pass_ms": round(t_target, 3),
-            "draft_cost_ratio": round(c_ms / t_target, 4),
-            "predicted_speedup": round(cost_model(alphas, tau, c_ms, curve, overhead, t_target), 3),
+            "target_pass_ms": round(t_target, 3),
+            **(per_token or dict.fromkeys(("draft_ms_per_token", "draft_cost_ratio", "predicted_speedup"))),
             "measured_speedup": round((n_spec / t_spec) / (n_base / t_base), 3), "identical_to_target": identical}
 
 
@@ -178,9 +181,12 @@ def cmd_distill(args) -> int:
                   args.eval_tau, args.device, args.self_chat, args.val_every, args.loss_on, ffn=args.draft_ffn)
     h = rep["held_out"]
     print(json.dumps(h, indent=2))
-    rate = "n/a (it proposed nothing)" if h["acceptance_rate"] is None else h["acceptance_rate"]
-    print(f"draft saved to {args.out}: acceptance {rate}, draft/target cost "
-          f"{h['draft_cost_ratio']}, measured speedup {h['measured_speedup']}x on {h['prompts']} held-out prompts")
+    if h["acceptance_rate"] is None:
+        drafted = "it proposed nothing (too unsure: train it on more data)"
+    else:
+        drafted = f"acceptance {h['acceptance_rate']}, draft/target cost {h['draft_cost_ratio']}"
+    print(f"draft saved to {args.out}: {drafted}, measured speedup {h['measured_speedup']}x on {h['prompts']} "
+          "held-out prompts")
     return 0
 
 
