@@ -350,6 +350,8 @@ def test_bad_input(tmp_path, prompt_file, tok, target, tiny_dirs, capsys):
         if not writable:
             with pytest.raises(SpecDecError, match="cannot write"):
                 distill("tiny", str(ro / "out"), [prompt_file], [], loaded=(target, tok))
+    assert main(["distill", "--target", tiny_dirs["target"], "--out", str(tmp_path / "o"), "--draft-ffn", "48"]) == 2
+    assert "--draft-ffn must be a positive multiple of 32" in capsys.readouterr().err
     assert main(["distill", "--target", str(tmp_path / "missing"), "--out", str(tmp_path / "o")]) == 2
     assert "model path not found" in capsys.readouterr().err
     assert main(["distill", "--target", tiny_dirs["target"], "--out", "/proc/forbidden"]) == 2

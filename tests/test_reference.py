@@ -85,6 +85,10 @@ def test_q8_linear_equals_its_twin_on_every_format(fmt):
             got = kernels.linear(fmt, torch.from_numpy(x[:rows]), torch.from_numpy(np.ascontiguousarray(data)), n,
                                  torch.from_numpy(bias), lib=lib, q8=True)
             assert np.array_equal(got.numpy(), want[:rows]), (lib.isa, rows)
+        for r in range(13):  # row-invariance, directly: row r of the 13-row pass is the one-row pass of x[r]
+            alone = kernels.linear(fmt, torch.from_numpy(x[r:r + 1]), torch.from_numpy(np.ascontiguousarray(data)),
+                                   n, torch.from_numpy(bias), lib=lib, q8=True)
+            assert np.array_equal(alone.numpy()[0], got.numpy()[r]), (lib.isa, r)
 
 
 @pytest.mark.parametrize("d", [16, 37, 64, 576])
