@@ -141,9 +141,11 @@ def test_early_stopping_keeps_the_best_epoch(tmp_path, prompt_file, tok, target,
     best = torch.load(tmp_path / "o" / "work" / "checkpoint.pt")["best"]
     saved = load_file(tmp_path / "o" / "model.safetensors")
     assert best["epoch"] == 1
-    assert torch.equal(saved["fc.weight"], best["net"]["fc.weight"].to(torch.bfloat16))
+    d_model = target.config.hidden_size  # fc's embedding half carries the folded embedding gain
+    assert torch.equal(saved["fc.weight"][:, d_model:], best["net"]["fc.weight"][:, d_model:].to(torch.bfloat16))
+    assert torch.equal(saved["q.weight"], best["net"]["q.weight"].to(torch.bfloat16))
     last = torch.load(tmp_path / "o" / "work" / "checkpoint.pt")["net"]
-    assert not torch.equal(saved["fc.weight"], last["fc.weight"].to(torch.bfloat16))
+    assert not torch.equal(saved["q.weight"], last["q.weight"].to(torch.bfloat16))
 
 
 def test_transformers_assisted_loop_runs_the_same_feature_draft(distilled, tok, target):
@@ -488,23 +490,36 @@ def test_stdlib_prompts_are_cut_from_code_and_prose_and_never_a_bench_prompt(tmp
     assert bench not in {p["prompt"] for p in out}
 
 
-def test_resumed_data_is_keyed_on_its_inputs(tmp_path, prompt_file, tok, target, capsys):
-    """A resumed run with another --limit or length regenerates the data instead of pairing old items with new
-    prompts; the same inputs reuse it."""
+def test_resumed_data_is_keyed_on_its_inputs(tmp_path, prompt_file, tok, target, capsys, monkeypatch):
+    """A resumed run keeps the responses to the prompts it shares with the stored run (a smaller or larger --limit:
+    only new prompts are generated) and regenerates everything for another length,
+    instead of pairing old items with new prompts."""
     kw = dict(gen_batch=5, reduced=30, epochs=1, batch=5, seed=1, eval_limit=1, device="cpu", self_chat=0,
               val_every=0, loaded=(target, tok))
     out = str(tmp_path / "o")
     seqs = tmp_path / "o" / "work" / "sequences.jsonl"
     distill("tiny", out, [prompt_file], [], max_new_tokens=8, limit=3, **kw)
-    first = seqs.read_text()
-    assert len(first.splitlines()) == 3
+    first = seqs.read_text().splitlines()
+    assert len(first) == 3
+    from specdec.distill import data as data_mod
+    made, labelled = [], []
+    real_batch = data_mod._greedy_batch
+    monkeypatch.setattr(data_mod, "_greedy_batch", lambda m, chunk, *a: made.extend(chunk) or real_batch(m, chunk, *a))
     distill("tiny", out, [prompt_file], [], max_new_tokens=8, limit=3, **kw)
-    assert seqs.read_text() == first and "other inputs" not in capsys.readouterr().err  # reused
+    assert seqs.read_text().splitlines() == first and not made and "other inputs" not in capsys.readouterr().err
     distill("tiny", out, [prompt_file], [], max_new_tokens=8, limit=2, **kw)
-    assert len(seqs.read_text().splitlines()) == 2 and "made from other inputs" in capsys.readouterr().err
+    assert seqs.read_text().splitlines() == first[:2] and not made  # the first two kept, nothing generated
+    distill("tiny", out, [prompt_file], [], max_new_tokens=8, limit=4, **kw)
+    lines = seqs.read_text().splitlines()
+    assert lines[:2] == first[:2] and lines[2] == first[2] and len(lines) == 4
+    assert len(made) == 2  # prompts 3 and 4 only
+    labels = torch.load(tmp_path / "o" / "work" / "labels.pt")
+    assert [json.loads(x)["ids"][:len(d["ids"])] for x, d in zip(lines, labels)] == [d["ids"].tolist() for d in labels]
+    made.clear()
     distill("tiny", out, [prompt_file], [], max_new_tokens=5, limit=2, **kw)
     lines = seqs.read_text().splitlines()
-    assert len(lines) == 2 and lines != first.splitlines()[:2]  # shorter responses: generated again
+    assert len(lines) == 2 and lines != first[:2] and len(made) == 2  # shorter responses: generated again
+    assert "made from other inputs" in capsys.readouterr().err
 
 
 def test_datastore_build_makes_the_targets_default_draft(tiny_dirs, tmp_path, monkeypatch, capsys):
@@ -544,3 +559,20 @@ def test_datastore_build_makes_the_targets_default_draft(tiny_dirs, tmp_path, mo
         assert "must be >=" in err and len(err.strip().splitlines()) == 1
     assert main(["datastore", "build", "--target", target, "--prompts", str(tmp_path / "missing.jsonl")]) != 0
     assert "cannot read prompts file" in capsys.readouterr().err
+
+
+def test_the_embedding_gain_folds_into_fc_so_the_saved_draft_takes_raw_embeddings(target, tok):
+    """Training feeds [g·embedding; hidden]; the saved draft must give the same prediction from the raw embedding,
+    and the gain is the hidden states' RMS over the embeddings' (so a tiny-embedding target's tokens are seen)."""
+    from specdec.distill.training import embedding_gain, fold_embedding_gain
+    net = net_for_target(target.config).eval()
+    d = target.config.hidden_size
+    emb, h = torch.randn(1, 5, d) * 0.02, torch.randn(1, 5, d) * 4
+    gain = embedding_gain(emb[0] * 1, [{"h": h[0]}])
+    assert gain == pytest.approx(float(h.pow(2).mean().sqrt() / emb.pow(2).mean().sqrt()))
+    with torch.no_grad():
+        before = net(emb * gain, h, 0)[0]
+        fold_embedding_gain(net, gain)
+        after = net(emb, h, 0)[0]
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(net(emb * gain, h, 0)[0], before, atol=1e-3)  # the fold changed the weights

@@ -30,6 +30,7 @@ from ..errors import InvalidRequest, SpecDecError
 from ..prompts import encode_prompt, load_prompts
 from .data import (
     _keyed,
+    _keyed_per_item,
     after_last,
     assistant_header,
     generate_responses,
@@ -40,7 +41,7 @@ from .data import (
     text_sequences,
 )
 from .progress import DEFAULT_PROMPTS
-from .training import train
+from .training import default_lr, train
 
 __all__ = ["after_last", "assistant_header", "distill", "generate_responses", "pre_query", "reduced_vocab", "report",
            "self_chat_data", "teacher_labels", "text_sequences"]
@@ -93,11 +94,12 @@ def _runtime_twin(target: str, device: str):
         return None
     return model
 def distill(target: str, out: str, prompt_files: list[str], text_files: list[str], max_new_tokens: int = 128,
-            gen_batch: int = 64, reduced: int = 8192, epochs: int = 6, batch: int = 8, lr: float = 2e-3,
+            gen_batch: int = 64, reduced: int = 8192, epochs: int = 6, batch: int = 8, lr: float | None = None,
             seed: int = 0, limit: int = 0, eval_limit: int = 0, eval_tau: int = 4, device: str = "auto",
             self_chat: int = 1536, val_every: int = 50, loss_on: str = "response", loaded=None,
             ffn: int | None = None) -> dict:
-    if max_new_tokens < 1 or gen_batch < 1 or epochs < 1 or batch < 1 or lr <= 0 or eval_tau < 1:
+    if max_new_tokens < 1 or gen_batch < 1 or epochs < 1 or batch < 1 or (lr is not None and lr <= 0) \
+            or eval_tau < 1:
         raise InvalidRequest("--max-new-tokens, --gen-batch, --epochs, --batch and --eval-tau must be >= 1, "
                              "--lr > 0")
     if self_chat < 0 or val_every < 0:
@@ -128,7 +130,7 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
     gen = gen or model
     t0 = perf_counter()
     # resumable data is keyed on what made it: other prompts, limits or lengths start that file again
-    _keyed(work / "sequences.jsonl", {"prompts": prompts, "max_new_tokens": max_new_tokens})
+    _keyed_per_item(work / "sequences.jsonl", {"max_new_tokens": max_new_tokens}, prompts)
     _keyed(work / "self_chat.jsonl", {"max_new_tokens": max_new_tokens, "gen_batch": gen_batch, "seed": seed})
     seqs = generate_responses(gen, tok, prompts, work / "sequences.jsonl", max_new_tokens, gen_batch, device)
     chats = self_chat_data(gen, tok, self_chat, work / "self_chat.jsonl", max_new_tokens, gen_batch, seed, device)
@@ -149,11 +151,14 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
     if ffn is not None and ffn > model.config.intermediate_size:
         raise InvalidRequest(f"--draft-ffn {ffn} is wider than the target's own {model.config.intermediate_size}")
     net = net_for_target(model.config, init_from=(decoder.layers[-1], decoder.norm), ffn=ffn)
-    _keyed(work / "checkpoint.pt", {"net": net.cfg})  # a resumed run with another shape starts training again
     t1 = perf_counter()
     # every val_every-th sequence is held out of training to pick the epoch (early stopping)
     val = [d for i, d in enumerate(data) if val_every and i % val_every == val_every - 1]
     train_data = [d for i, d in enumerate(data) if not (val_every and i % val_every == val_every - 1)] or data
+    lr = lr or default_lr(model.config.hidden_size)
+    # a resumed run with another shape, schedule or data starts training again
+    _keyed(work / "checkpoint.pt", {"net": net.cfg, "lr": lr, "epochs": epochs, "batch": batch, "seed": seed,
+                                    "data": [len(d["ids"]) for d in train_data]})
     hist = train(net, train_data, embed, head, vocab_map, epochs, batch, lr, seed, work / "checkpoint.pt", device,
                  val)
     t_train = perf_counter() - t1
@@ -161,7 +166,8 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
     fp = models.tokenizer_fingerprint(tok)
     meta = {"recipe": {"prompts": len(prompts), "self_chat": self_chat, "text_files": text_files or [],
                        "max_new_tokens": max_new_tokens, "reduced_vocab": reduced, "loss_on": loss_on,
-                       "epochs": epochs, "batch": batch, "lr": lr, "seed": seed},
+                       "epochs": epochs, "batch": batch, "lr": lr, "seed": seed,
+                       "embedding_gain": hist["embedding_gain"]},
             "sequences": len(data), "tokens": int(sum(len(d["ids"]) for d in data)),
             "train_history": hist["epochs"], "best_epoch": hist["best_epoch"]}
     save_draft(net, vocab_map, out_dir, fp, target_name=str(target), extra=meta)
@@ -211,7 +217,8 @@ def register(sub, model_args, sampling_args):
                    help="the draft layer's feed-forward width (default: the target's; narrower is a cheaper step)")
     d.add_argument("--epochs", type=int, default=6)
     d.add_argument("--batch", type=int, default=8)
-    d.add_argument("--lr", type=float, default=2e-3)
+    d.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate (default: 2e-3 for a 576-wide target, scaled as 1/width above that)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--eval-limit", type=int, default=0, help="held-out prompts for the report (0 = all)")
     d.add_argument("--eval-tau", type=int, default=4)

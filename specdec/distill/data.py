@@ -22,17 +22,40 @@ from .progress import _progress, console
 # A data item is {"ids": [...], "h": final hidden states [len(ids), d] or None}. Generation records the target's
 # hidden states as it goes (the same computation teacher forcing would repeat), so generated data needs no
 # separate labelling pass; plain text gets one in phase 2.
+def _key(inputs) -> str:
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def _keyed(path: Path, inputs: dict) -> None:
     """Keep a stored data file (and its hidden-state shards) only if it was made from these inputs: a resumed run
-    with another --limit, prompt set or length would otherwise pair old items with new prompts. The self-chat data
-    may grow or shrink with --self-chat (it is seeded per batch), so that count is not part of its key."""
-    key = hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    with another length would otherwise pair old items with new settings. The self-chat data may grow or shrink
+    with --self-chat (it is seeded per batch), so that count is not part of its key."""
+    key = _key(inputs)
     stamp = path.with_suffix(".key")
     if path.exists() and (not stamp.exists() or stamp.read_text() != key):
         console.print(f"{path.name} was made from other inputs: generating it again")
         path.unlink()
         shutil.rmtree(path.parent / f"{path.stem}_hidden", ignore_errors=True)
     stamp.write_text(key)
+
+
+def _keyed_per_item(path: Path, inputs: dict, items: list) -> None:
+    """As _keyed, for data made item by item in order (one response per prompt): items made from the same
+    settings and the same leading prompts are kept, so a run with a larger --limit or more prompt files only
+    generates what is new; a changed prompt drops it and everything after it."""
+    stamp = path.with_suffix(".key")
+    new = {"settings": _key(inputs), "items": [_key(x) for x in items]}
+    try:
+        old = json.loads(stamp.read_text()) if path.exists() else None
+    except (OSError, ValueError):
+        old = None
+    if path.exists() and (not isinstance(old, dict) or old.get("settings") != new["settings"]):
+        _keyed(path, {"settings": new["settings"]})  # other settings: all of it again
+    elif path.exists():
+        same = next((i for i, (a, b) in enumerate(zip(old["items"], new["items"])) if a != b),
+                    min(len(old["items"]), len(new["items"])))
+        _Store(path).truncate(same)
+    stamp.write_text(json.dumps(new))
 
 
 class _Store:
@@ -50,6 +73,17 @@ class _Store:
                 if first + j < len(self.items):  # the item keeps the positions that have a hidden state
                     item = self.items[first + j]
                     item["ids"], item["h"] = item["ids"][:len(h)], h
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n items (one shard for them), dropping the rest."""
+        if n >= len(self.items):
+            return
+        self.items = self.items[:n]
+        shutil.rmtree(self.shards, ignore_errors=True)
+        if n:
+            self.shards.mkdir()
+            torch.save([it["h"] for it in self.items], self.shards / f"{0:07d}.pt")
+        self.path.write_text("".join(line + "\n" for line in self.path.read_text().splitlines()[:n]))
 
     def add(self, batch: list[tuple[list[int], torch.Tensor]]) -> None:
         self.shards.mkdir(exist_ok=True)
@@ -180,11 +214,10 @@ def text_sequences(tok, files: list[str], length: int = 256) -> list[dict]:
 @torch.inference_mode()
 def teacher_labels(model, items: list[dict], path: Path, device: str) -> list[dict]:
     """Per sequence: final hidden states (fp16; one teacher-forcing pass where generation did not record them)
-    and the target's argmax at every position."""
+    and the target's argmax at every position; sequences labelled before (in `path`) are not labelled again."""
+    done = {}  # labels already made for a sequence (an interrupted or smaller run) are reused
     if path.exists():
-        out = torch.load(path)
-        if [d["ids"].tolist() for d in out] == [list(it["ids"]) for it in items]:
-            return out  # labels of exactly this data (an interrupted run); more or other data is relabelled
+        done = {tuple(d["ids"].tolist()): d for d in torch.load(path)}
     if models.is_runtime(model):
         def features(ids):
             cache = model.new_cache()
@@ -207,6 +240,10 @@ def teacher_labels(model, items: list[dict], path: Path, device: str) -> list[di
     with _progress() as bar:
         task = bar.add_task("teacher labels", total=len(items))
         for it in items:
+            if (old := done.get(tuple(it["ids"]))) is not None:
+                out.append(old)
+                bar.advance(task)
+                continue
             h = it["h"]
             if h is None:
                 h = features(list(it["ids"]))
