@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from specdec import SpecDecoder, models
 from specdec.batch import BatchEngine, Sequence
-from specdec.drafters.suffix import MIN_MATCH, OutputStore, SuffixDrafter, longest_match
+from specdec.drafters.suffix import MIN_MATCH, OutputStore, SuffixDrafter, continuation_tree, longest_match, matches
 from specdec.sampling import SamplingParams
 
 
@@ -35,6 +35,45 @@ def test_longest_match_is_the_longest_earlier_occurrence(context, tail_len):
     if n:  # what follows is what followed that occurrence, the latest one
         assert context[start - n:start] == context[-n:] and start < len(context)
         assert not any(context[i:i + n] == context[-n:] for i in range(start - n + 1, len(context) - n))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 2), min_size=0, max_size=40), st.integers(2, 12))
+def test_matches_are_every_earlier_occurrence_of_the_longest_match(context, tail_len):
+    a = np.asarray(context, np.int64)
+    n, starts = matches(a, a[-tail_len:], len(a))
+    assert n == brute(context, tail_len)
+    want = [i + n for i in range(len(context) - n) if context[i:i + n] == context[-n:]] if n else []
+    assert starts.tolist() == want
+
+
+def test_continuation_tree_weighs_each_branch_by_how_often_it_followed():
+    """Three earlier occurrences of a match went on as 5 6 7, 5 6 8 and 9: one tree, each node worth p per level
+    times the share of its parent's occurrences that took it, best first with parents before children."""
+    p = 0.9
+    source = np.asarray([1, 2, 5, 6, 7, 0, 1, 2, 5, 6, 8, 0, 1, 2, 9, -1], np.int64)
+    tree = continuation_tree(source, np.asarray([2, 8, 14]), 3, p, 32)
+    nodes = {(tree.parents[i], t): (i, v) for i, (t, v) in enumerate(zip(tree.tokens, tree.values))}
+    five, v5 = nodes[(-1, 5)]
+    six, v6 = nodes[(five, 6)]
+    assert v5 == pytest.approx(p * 2 / 3) and nodes[(-1, 9)][1] == pytest.approx(p / 3)
+    assert v6 == pytest.approx(p * p * 2 / 3)
+    assert nodes[(six, 7)][1] == pytest.approx(p ** 3 / 3) == nodes[(six, 8)][1]
+    assert len(tree.tokens) == 5 and tree.values == sorted(tree.values, reverse=True)
+    assert all(up < i for i, up in enumerate(tree.parents))
+    assert tree.tokens[0] == 5  # the likeliest continuation first
+    small = continuation_tree(source, np.asarray([2, 8, 14]), 3, p, 2)  # cut to 2 nodes: still a tree of ancestors
+    assert small.tokens == [5, 6] and small.parents == [-1, 0]
+
+
+def test_a_greedy_request_drafts_every_continuation_its_match_had_as_a_tree():
+    """The latest occurrence of `0 1 2` went on with 9, two earlier ones with 5 6: greedy requests get one tree with
+    both (5 first: it followed twice); sampled requests a chain, the latest continuation."""
+    context = [0, 1, 2, 5, 6, 0, 1, 2, 5, 6, 0, 1, 2, 9, 0, 1, 2]
+    tree = SuffixDrafter().propose(context, 8, SamplingParams(), None)
+    assert tree.is_tree and tree.tokens[0] == 5 and 9 in tree.tokens
+    chain = SuffixDrafter().propose(context, 8, SamplingParams(0.8, 1.0, 0, 1), None)
+    assert not chain.is_tree and chain.tokens[0] == 9
 
 
 def test_an_output_copying_its_prompt_gets_long_drafts():
@@ -65,7 +104,18 @@ def rt(tiny_dirs):
     model, tok = models.load(tiny_dirs["target"], backend="runtime")
     sd = SpecDecoder.from_models(model, tok, draft="suffix")
     sd.engine.eos_ids = set()  # long outputs: the tiny model repeats itself, which the drafter copies
+    sd.engine.costs = CheapRows()  # drafts sized by a fixed curve: a busy machine's measured one varies run to run
     return sd
+
+
+class CheapRows:
+    """A pass curve where each added row costs 5% of a one-row pass (the 1.5B's rows 2-4 cost 5-14%)."""
+
+    def __call__(self, rows: int) -> float:
+        return 1.0 + 0.05 * (rows - 1)
+
+    def observe(self, rows: int, ms: float) -> None:
+        pass
 
 
 PROMPT = "The cat sat on the mat. The cat sat on the mat. The cat"
@@ -83,6 +133,32 @@ def test_speculation_with_suffix_equals_target_only_and_repeats_draw_on_earlier_
         assert first.token_ids == want.token_ids == again.token_ids, kw
     assert again.stats["target_passes"] <= len(again.token_ids) // 3  # the earlier output, drafted and accepted
     assert max(len(r.proposed) for r in again.records) > 8  # deeper than any fixed τ
+
+
+def test_greedy_suffix_trees_are_verified_and_lossless(rt):
+    """Earlier outputs went on three ways after the context's last tokens: the first proposal is one tree of them,
+    verified as one, and the output equals target-only's, alone and in the batch engine."""
+    plain = SpecDecoder.from_models(rt.model, rt.tokenizer, draft="none")
+    plain.engine.eos_ids = set()
+    want = plain.generate(PROMPT, max_new_tokens=40, chat=False).token_ids
+    ids = rt.tokenizer(PROMPT, add_special_tokens=False).input_ids
+    store = OutputStore()
+    z = (want[1] + 1) % rt.model.config.vocab_size  # a wrong continuation
+    for out in ([*ids[-2:], *want[:6]], [*ids[-2:], want[0], z, z], [*ids[-2:], *want[:2], z]):
+        store.add(list(out))
+    sd = SpecDecoder.from_models(rt.model, rt.tokenizer, draft=SuffixDrafter(store))
+    sd.engine.eos_ids, sd.engine.costs = set(), CheapRows()
+    out = sd.generate(PROMPT, max_new_tokens=40, chat=False)
+    assert out.token_ids == want
+    tree = out.records[1]  # (cycle 0 is the prefill's)
+    assert tree.parents is not None and len(set(tree.parents)) < len(tree.parents) and tree.accepted >= 2
+    engine = BatchEngine(rt.model, SuffixDrafter(store), rt.model.config.vocab_size, set(), 256, max_batch_rows=24)
+    seq = engine.add(Sequence(ids, 40, SamplingParams()))
+    trees = 0
+    while engine.running:
+        trees += sum(rec.parents is not None for _, rec in engine.step())
+    assert seq.generated == want and trees and not engine.failed
+    engine.close()
 
 
 def test_batched_requests_with_suffix_equal_each_alone(rt):

@@ -19,10 +19,12 @@ from pathlib import Path
 import numpy as np
 
 from .base import Draft
+from .tree import chain_parents, depths, prune
 
 MIN_MATCH = 2  # a single matching token is right too rarely to pay for rows (as ngram's min_ngram)
 MAX_MATCH = 64  # the longest context suffix looked up
 MAX_DEPTH = 32  # the most tokens one proposal carries
+MAX_BRANCHES = 8  # the latest occurrences of a match whose continuations make a greedy request's token tree
 MATCH_FACTOR = 2.0  # draft tokens allowed per matched token (SuffixDecoding's max_spec_factor)
 BUCKETS = (2, 4, 8, 16)  # match lengths from which each acceptance estimate counts
 PRIORS = (0.55, 0.8, 0.9, 0.95)  # acceptance per bucket before this request's first verification there
@@ -92,27 +94,62 @@ class OutputStore:
         return self._flat
 
 
-def longest_match(hay: np.ndarray, tail: np.ndarray, end: int) -> tuple[int, int]:
-    """(length, start of what followed) of the longest suffix of `tail` (at least MIN_MATCH tokens) occurring in
-    hay[:end] with a token after it, its latest occurrence; (0, -1) when none."""
+def matches(hay: np.ndarray, tail: np.ndarray, end: int) -> tuple[int, np.ndarray]:
+    """(length, starts of what followed each occurrence, in order) of the longest suffix of `tail` (at least
+    MIN_MATCH tokens) occurring in hay[:end] with a token after it; (0, []) when none."""
+    none = (0, np.empty(0, np.int64))
     if len(tail) < MIN_MATCH or end <= MIN_MATCH:
-        return 0, -1
+        return none
     n = MIN_MATCH
     span = hay[:end]
     match = span[: end - n] == tail[-n]
     for j in range(1, n):
         match &= span[j: end - n + j] == tail[-n + j]
     hits = np.flatnonzero(match)  # starts i of tail[-n:] with a follower (i + n < end)
+    best = none
     while len(hits):
-        best = (n, int(hits[-1]) + n)
+        best = (n, hits + n)
         if n == len(tail):
             return best
         n += 1
         hits = hits[hits >= 1] - 1  # extend one token to the left
         hits = hits[span[hits] == tail[-n]]
-        if not len(hits):
-            return best
-    return 0, -1
+    return best
+
+
+def longest_match(hay: np.ndarray, tail: np.ndarray, end: int) -> tuple[int, int]:
+    """(length, start of what followed) of the longest match (`matches`), its latest occurrence; (0, -1) when
+    none."""
+    n, starts = matches(hay, tail, end)
+    return (n, int(starts[-1])) if n else (0, -1)
+
+
+def continuation_tree(source: np.ndarray, starts: np.ndarray, depth: int, p: float, max_nodes: int) -> Draft:
+    """What followed the latest MAX_BRANCHES occurrences of a match, as one token tree (SuffixDecoding's
+    frequency-weighted tree): a node's value is p per level times the share of the occurrences through its parent
+    that went on with its token; nodes best-first (parents before children), at most max_nodes. One distinct
+    continuation is a chain valued p, p², ..."""
+    tokens, parents, values, count, used = [], [], [], [], 0
+    child: dict[tuple[int, int], int] = {}
+    for s in starts[::-1][:MAX_BRANCHES]:  # latest first: on a tie the latest continuation comes first
+        node = -1
+        for t in source[s: s + depth].tolist():
+            if t < 0:
+                break  # the end of a stored output
+            key = (node, t)
+            if key not in child:
+                child[key] = len(tokens)
+                tokens.append(t), parents.append(node), count.append(0)
+            node = child[key]
+            count[node] += 1
+        used += node >= 0
+    for i, up in enumerate(parents):  # parents come before children: their values are known
+        values.append((1.0 if up < 0 else values[up]) * p * count[i] / (used if up < 0 else count[up]))
+    # p < 1, so a child is worth less than its parent and sorts after it: any first n nodes keep their ancestors
+    order = sorted(range(len(tokens)), key=lambda i: (-values[i], i))[:max_nodes]
+    where = {old: new for new, old in enumerate(order)}
+    return Draft([tokens[i] for i in order], parents=[-1 if parents[i] < 0 else where[parents[i]] for i in order],
+                 values=[values[i] for i in order])
 
 
 class SuffixDrafter:
@@ -168,44 +205,59 @@ class SuffixDrafter:
         return MAX_DEPTH
 
     def propose(self, context, k, params, generator) -> Draft:
+        """The continuation of the longest match, cut where the pass curve stops paying; for a greedy request whose
+        match occurred before with different continuations, all of them as one token tree (continuation_tree)."""
         if self._base is None:
             self._base = len(context)
         self._context = list(context)
         a = np.asarray(context, np.int64)
         tail = a[-MAX_MATCH:]
-        n, start = longest_match(a, tail, len(a))  # an earlier occurrence, with a token after it
+        n, starts = matches(a, tail, len(a))  # earlier occurrences, each with a token after it
         source = a
         if n < MAX_MATCH // 4 and self.store.outputs:  # earlier requests' outputs may match longer
             flat = self.store.flat()
-            m, s = longest_match(flat, tail, len(flat))
+            m, s = matches(flat, tail, len(flat))
             if m > n:
-                n, start, source = m, s, flat
+                n, starts, source = m, s, flat
         if not n:
             self._last, self._next = 0, None
             return Draft()
+        start = int(starts[-1])  # the latest occurrence
         self._bucket = sum(n >= b for b in BUCKETS) - 1
         # in step: the output went on exactly as the source did after the last proposal (its accepted tokens and the
         # target's own next one): a copy under way, drafted as long as it pays, not only MATCH_FACTOR x its match
         self._in_step = self._next == (id(source) if source is not a else 0, start)
         self._at = (id(source) if source is not a else 0, start)
         limit = min(k, MAX_DEPTH, MAX_DEPTH if self._in_step else max(1, int(MATCH_FACTOR * n)))
-        if self._cost is not None:  # as deep as the pass curve pays for at this match's acceptance
-            from ..costs import best_tree_size
-            p = self.acceptance()
-            limit = min(limit, max(1, best_tree_size([p ** (i + 1) for i in range(limit)], self._cost)))
+        p = self.acceptance()
         follow = source[start: start + limit]
         stop = np.flatnonzero(follow < 0)  # the end of a stored output
-        tokens = (follow[: stop[0]] if len(stop) else follow).tolist()
+        self._follow = (follow[: stop[0]] if len(stop) else follow).tolist()
+        if params is not None and params.greedy and len(starts) > 1 and not self._in_step:
+            tree = continuation_tree(source, starts, limit, p, MAX_DEPTH)
+            if tree.parents != chain_parents(len(tree.tokens)):  # the occurrences went on differently
+                if self._cost is not None:  # as many nodes as the pass curve pays for
+                    from ..costs import best_tree_size
+                    tree = prune(tree, max(1, best_tree_size(tree.values, self._cost)))
+                self._last = max(depths(tree.parents))
+                return tree
+        if self._cost is not None:  # as deep as the pass curve pays for at this match's acceptance
+            from ..costs import best_tree_size
+            limit = min(limit, max(1, best_tree_size([p ** (i + 1) for i in range(limit)], self._cost)))
+        tokens = self._follow[:limit]
         self._last = len(tokens)
         return Draft(tokens)
 
     def observe_verify(self, context, draft, logits, accepted) -> None:
         """This request's running acceptance per position, for the bucket of the last proposal's match length."""
-        if not self._last or draft is None or draft.is_tree:
+        if not self._last or draft is None:
             return
         # a position's chance of acceptance (geometric): the accepted ones succeeded, the first rejected one failed,
-        # and those after it were never tried (accepted / proposed would read long drafts as half wrong)
+        # and those after it were never tried (accepted / proposed would read long drafts as half wrong); a tree's
+        # accepted path counts as a chain as deep as the tree
         n, b = min(len(accepted), self._last), self._bucket
         self.hits[b], self.tries[b] = 0.8 * self.hits[b] + n, 0.8 * self.tries[b] + n + (n < self._last)
-        self._next = (self._at[0], self._at[1] + n + 1)  # after the accepted tokens and the target's next one
+        path = [draft.tokens[i] for i in accepted] if draft.is_tree else self._follow[:n]
+        in_step = path == self._follow[:n]  # the latest occurrence's continuation, not another branch's
+        self._next = (self._at[0], self._at[1] + n + 1) if in_step else None  # after them and the target's next one
         self._last = 0
