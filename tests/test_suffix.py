@@ -28,23 +28,15 @@ def brute(context: list[int], tail_len: int) -> int:
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(0, 3), min_size=0, max_size=40), st.integers(2, 12))
-def test_longest_match_is_the_longest_earlier_occurrence(context, tail_len):
+def test_longest_match_is_the_longest_earlier_occurrence_and_matches_are_all_of_them(context, tail_len):
     a = np.asarray(context, np.int64)
     n, start = longest_match(a, a[-tail_len:], len(a))
     assert n == brute(context, tail_len)
     if n:  # what follows is what followed that occurrence, the latest one
         assert context[start - n:start] == context[-n:] and start < len(context)
         assert not any(context[i:i + n] == context[-n:] for i in range(start - n + 1, len(context) - n))
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, 2), min_size=0, max_size=40), st.integers(2, 12))
-def test_matches_are_every_earlier_occurrence_of_the_longest_match(context, tail_len):
-    a = np.asarray(context, np.int64)
-    n, starts = matches(a, a[-tail_len:], len(a))
-    assert n == brute(context, tail_len)
-    want = [i + n for i in range(len(context) - n) if context[i:i + n] == context[-n:]] if n else []
-    assert starts.tolist() == want
+    m, starts = matches(a, a[-tail_len:], len(a))  # every occurrence, for trees
+    assert m == n and starts.tolist() == [i + n for i in range(len(context) - n) if context[i:i + n] == context[-n:]]
 
 
 def test_continuation_tree_weighs_each_branch_by_how_often_it_followed():
