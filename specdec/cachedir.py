@@ -13,6 +13,14 @@ def cache_root() -> Path:
     return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
 
 
+def per_target(kind: str, target: str) -> Path:
+    """The cache directory of `kind` (datastores, drafts) for `target`: a file or directory path (by its resolved
+    path) or a model name."""
+    path = Path(target).expanduser()
+    key = str(path.resolve()) if path.exists() else str(target)
+    return cache_root() / kind / f"{path.stem or 'model'}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
 def write_atomically(path: Path, data: bytes) -> None:
     """Write a small file so that a reader sees the old bytes or the new, never a part (rename into place)."""
     path.parent.mkdir(parents=True, exist_ok=True)

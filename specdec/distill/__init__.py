@@ -184,6 +184,8 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
 
 
 def cmd_distill(args) -> int:
+    from ..drafters.feature_files import installed_draft
+    args.out = args.out or str(installed_draft(args.target))
     rep = distill(args.target, args.out, args.prompts or [], args.text or [], args.max_new_tokens, args.gen_batch,
                   args.reduced_vocab, args.epochs, args.batch, args.lr, args.seed, args.limit, args.eval_limit,
                   args.eval_tau, args.device, args.self_chat, args.val_every, args.loss_on, ffn=args.draft_ffn)
@@ -201,7 +203,9 @@ def cmd_distill(args) -> int:
 def register(sub, model_args, sampling_args):
     d = sub.add_parser("distill", help="train a fast draft for a target on its own outputs")
     d.add_argument("--target", default="default")
-    d.add_argument("--out", required=True, help="directory for the draft (and work/ for resumable state)")
+    d.add_argument("--out", default=None,
+                   help="directory for the draft (and work/ for resumable state); default: the target's own draft "
+                        "directory in the cache, which makes it the target's default draft (after ngram)")
     d.add_argument("--prompts", action="append", help="JSONL prompt files (default: the shipped distill set)")
     d.add_argument("--text", action="append", help="plain text files to add as training sequences")
     d.add_argument("--limit", type=int, default=0, help="use only the first N prompts")

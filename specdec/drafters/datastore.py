@@ -8,14 +8,13 @@ The walk stops at the first token that fewer than `min_count` matches (default 2
 datastore (the 561k tokens it was trained on): docs/benchmarks.md, docs/draft.md."""
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..cachedir import cache_root
+from ..cachedir import per_target
 from ..errors import ModelLoadError
 from .base import Draft
 
@@ -166,9 +165,7 @@ class DatastoreDrafter:
 
 def datastore_dir(target: str) -> Path:
     """Where `datastore build` keeps the datastore of `target` (a file or directory path, or a model name)."""
-    path = Path(target).expanduser()
-    key = str(path.resolve()) if path.exists() else str(target)
-    return cache_root() / "datastores" / f"{path.stem or 'model'}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    return per_target("datastores", target)
 
 
 def check_datastore(path: Path, fingerprint: str) -> None:

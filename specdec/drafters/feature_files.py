@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..cachedir import per_target
 from ..errors import IncompatibleDraft
 
 MARKER = "specdec_draft.json"
@@ -18,3 +19,9 @@ def check_target(meta: dict, path, target_fingerprint: str, what: str = "draft")
 
 def is_feature_draft(path) -> bool:
     return (Path(path) / MARKER).is_file()
+
+
+def installed_draft(target: str) -> Path:
+    """Where `specdec distill --target T` without --out keeps T's feature draft; once there, T's default draft
+    runs it after the n-gram copy (api.default_draft)."""
+    return per_target("drafts", target)
