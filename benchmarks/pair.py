@@ -55,7 +55,7 @@ LLAMA_FLAGS = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_A
 WORKLOADS = ("completion", "chat", "edits", "fim", "edits-predicted", "chat-sampled")
 SAMPLED = {"temperature": 0.7, "top_p": 1.0}
 # The feature draft for the 1.5B (issue "drafts for real work"), built once by `specdec distill` into the target's
-# draft directory, where `specdec serve`'s default finds it (ngram, then the draft):
+# draft directory, where `--draft distilled` finds it:
 # the shipped prompt sets' responses and 1,024 self-chat conversations at 96 tokens, a 2,048-wide feed-forward
 # (a step costs ~0.044 of a target pass), 6 epochs; about an hour on 2 cores.
 FEATURE_RECIPE = ["--max-new-tokens", "96", "--self-chat", "1024", "--draft-ffn", "2048", "--epochs", "6",
@@ -137,7 +137,7 @@ def llama_bin(tool: str = "llama-server") -> Path:
 
 def feature_draft(target: Path) -> Path:
     """The 1.5B's feature draft (FEATURE_RECIPE), trained once into the target's own draft directory in specdec's
-    cache, which makes it the target's default draft (after ngram); resumable if interrupted."""
+    cache, where `--draft distilled` finds it; resumable if interrupted."""
     from specdec.drafters.feature_files import installed_draft, is_feature_draft
     out = installed_draft(str(target))
     if is_feature_draft(out):
@@ -149,10 +149,9 @@ def feature_draft(target: Path) -> Path:
 
 
 # ---- servers ------------------------------------------------------------------------------------------------------
-def systems(target: Path, draft: Path, threads: int, previous: str | None = None,
-            feature: Path | str = "FEATURE") -> dict[str, list[str]]:
+def systems(target: Path, draft: Path, threads: int, previous: str | None = None) -> dict[str, list[str]]:
     """name -> command line (PORT filled in later); `previous`: another checkout of specdec (an earlier release),
-    served as prev-none and prev from its own source; `feature`: the feature draft's directory."""
+    served as prev-none and prev from its own source."""
     llama = [str(llama_bin()), "-m", str(target), "-t", str(threads), "-c", "4096", "-np", "1", "--host", "127.0.0.1",
              "--port", "PORT"]
     ours = [str(Path(sys.executable).with_name("specdec")), "serve", "--target", str(target), "--host", "127.0.0.1",
@@ -170,8 +169,8 @@ def systems(target: Path, draft: Path, threads: int, previous: str | None = None
             "ours-0.5b": ours + ["--draft", str(draft)],
             "ours-suffix": ours + ["--draft", "suffix"],
             "ours-recycle": ours + ["--draft", "recycle"],
-            "ours-ngram": ours + ["--draft", "ngram"],
-            "ours-feature": ours + ["--draft", str(feature)],
+            "ours-feature": ours + ["--draft", "distilled"],
+            "ours-ngram-feature": ours + ["--draft", "ngram+distilled"],
             **({} if previous is None else {
                 "prev-none": prev + ["--draft", "none"], "prev": prev})}
 
@@ -283,8 +282,8 @@ def main(argv=None) -> int:
     workloads = args.workloads.split(",")
     if any(w not in WORKLOADS for w in workloads):
         raise Refused(f"workloads are {', '.join(WORKLOADS)}")
-    if any(n in ("ours", "ours-feature") for n in names):  # the default runs it once it exists
-        table = systems(target, draft, args.threads, args.previous, feature_draft(target))
+    if any("feature" in n for n in names):
+        feature_draft(target)
     if args.fetch_only:
         print(target, draft, llama_bin(), sep="\n")
         return 0

@@ -40,17 +40,14 @@ DEFAULT_NUMERICS = "auto"  # q8 where the runtime's kernels run: faster, perplex
 def default_draft(target: str) -> str:
     """For the default target: the shipped datastore's continuation when it has a confident one, else a copy from
     the context when an n-gram matches (the fastest measured setup on the runtime, docs/benchmarks.md: the shipped
-    distilled draft, `datastore+ngram+shipped`, costs more per step than its extra accepted tokens save there). For
-    any other target: the n-gram drafter, after the datastore once `specdec datastore build` made one, and before
-    the feature draft once `specdec distill` installed one (on Qwen2.5-Coder-1.5B, `ngram+` its draft decodes 1.47x
-    target-only where `ngram` alone gives 1.19x: docs/pair.md)."""
+    distilled draft, `datastore+ngram+shipped`, costs more per step than its extra accepted tokens save there); for
+    any other target the same pair once `specdec datastore build` made its datastore, else the n-gram drafter.
+    A draft `specdec distill` installed for the target (`ngram+distilled`) is not the default: on
+    Qwen2.5-Coder-1.5B it gives 1.40x target-only at one stream but 0.61x at 16 (docs/pair.md)."""
     from .drafters.datastore import FILE, datastore_dir
-    from .drafters.feature_files import installed_draft
     if target == models.DEFAULT_MODEL and is_feature_draft(SHIPPED_DRAFT):
         return "datastore+ngram"
-    spec = "datastore+ngram" if (datastore_dir(target) / FILE).exists() else "ngram"
-    feature = installed_draft(target)
-    return f"{spec}+{feature}" if is_feature_draft(feature) else spec
+    return "datastore+ngram" if (datastore_dir(target) / FILE).exists() else "ngram"
 
 
 @dataclass

@@ -502,7 +502,7 @@ def test_resumed_data_is_keyed_on_its_inputs(tmp_path, prompt_file, tok, target,
     first = seqs.read_text().splitlines()
     assert len(first) == 3
     from specdec.distill import data as data_mod
-    made, labelled = [], []
+    made = []
     real_batch = data_mod._greedy_batch
     monkeypatch.setattr(data_mod, "_greedy_batch", lambda m, chunk, *a: made.extend(chunk) or real_batch(m, chunk, *a))
     distill("tiny", out, [prompt_file], [], max_new_tokens=8, limit=3, **kw)
@@ -578,22 +578,23 @@ def test_the_embedding_gain_folds_into_fc_so_the_saved_draft_takes_raw_embedding
     assert not torch.allclose(net(emb * gain, h, 0)[0], before, atol=1e-3)  # the fold changed the weights
 
 
-def test_distill_without_out_installs_the_targets_default_draft(tiny_dirs, tmp_path, monkeypatch, capsys):
-    """`specdec distill` without --out writes the draft to the target's draft directory in the cache; the default
-    draft then runs it after the n-gram copy, token-identical to target-only."""
+def test_distill_without_out_installs_the_targets_distilled_draft(tiny_dirs, tmp_path, monkeypatch, capsys):
+    """`specdec distill` without --out writes the draft to the target's draft directory in the cache; `--draft
+    distilled` (and `ngram+distilled`) then runs it, token-identical to target-only; the default draft stays
+    ngram; asking for it before one is installed is one line and exit 2."""
     from specdec.api import default_draft
     from specdec.drafters.feature_files import installed_draft, is_feature_draft
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     target = tiny_dirs["target"]
+    assert main(["generate", "Hi", "--target", target, "--draft", "ngram+distilled", "--max-new-tokens", "4"]) == 2
+    assert "no distilled draft" in capsys.readouterr().err
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p, "mode": "chat"}) + "\n" for p in PROMPTS))
-    assert default_draft(target) == "ngram"
     assert main(["distill", "--target", target, "--prompts", str(prompts), "--max-new-tokens", "12", "--self-chat",
                  "0", "--epochs", "1", "--eval-limit", "1", "--reduced-vocab", "40", "--val-every", "0"]) == 0
     capsys.readouterr()
     assert is_feature_draft(installed_draft(target)) and str(tmp_path) in str(installed_draft(target))
-    assert default_draft(target) == f"ngram+{installed_draft(target)}"
+    assert default_draft(target) == "ngram"
     plain = SpecDecoder(target=target, draft="none").generate("Hello", max_new_tokens=16)
-    sd = SpecDecoder(target=target)
-    assert sd.draft_name == f"ngram+{installed_draft(target)}"
+    sd = SpecDecoder(target=target, draft="ngram+distilled")
     assert sd.generate("Hello", max_new_tokens=16).token_ids == plain.token_ids

@@ -205,7 +205,7 @@ def register(sub, model_args, sampling_args):
     d.add_argument("--target", default="default")
     d.add_argument("--out", default=None,
                    help="directory for the draft (and work/ for resumable state); default: the target's own draft "
-                        "directory in the cache, which makes it the target's default draft (after ngram)")
+                        "directory in the cache, which `--draft distilled` runs")
     d.add_argument("--prompts", action="append", help="JSONL prompt files (default: the shipped distill set)")
     d.add_argument("--text", action="append", help="plain text files to add as training sequences")
     d.add_argument("--limit", type=int, default=0, help="use only the first N prompts")

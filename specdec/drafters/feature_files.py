@@ -22,6 +22,5 @@ def is_feature_draft(path) -> bool:
 
 
 def installed_draft(target: str) -> Path:
-    """Where `specdec distill --target T` without --out keeps T's feature draft; once there, T's default draft
-    runs it after the n-gram copy (api.default_draft)."""
+    """Where `specdec distill --target T` without --out keeps T's feature draft: `--draft distilled` runs it."""
     return per_target("drafts", target)

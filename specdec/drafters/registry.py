@@ -3,7 +3,8 @@
 - `none`, `ngram`, `suffix` / `suffix:FILE` (suffix decoding: long drafts from the longest earlier match, this
   request's or an earlier output's; FILE keeps the outputs between runs), `recycle` / `recycle:FILE` (token
   recycling; FILE keeps its table between runs), `datastore` / `datastore:DIR` (retrieval), `target`, `shipped`
-  (the distilled draft shipped for the default target);
+  (the distilled draft shipped for the default target), `distilled` (the draft `specdec distill` installed for
+  this target);
 - anything else names a `specdec distill` directory (a feature draft) or a draft model (directory, .gguf, name);
 - `A+B`: A first, B when A proposes nothing.
 
@@ -69,6 +70,16 @@ def build(spec: str, target: Target):
     if head in BUILDERS and not Path(spec).exists():
         return BUILDERS[head](spec, target)
     return _draft_model(spec, target)
+
+
+@register("distilled")
+def _distilled(spec, target):
+    from .feature_files import installed_draft
+    path = installed_draft(target.spec) if target.spec else None
+    if path is None or not is_feature_draft(path):
+        raise InvalidRequest(f"no distilled draft for this target: `specdec distill --target {target.spec or 'T'}` "
+                             "(without --out) installs one")
+    return _draft_model(str(path), target)
 
 
 @register("none")
