@@ -54,7 +54,8 @@ def _keyed_per_item(path: Path, inputs: dict, items: list) -> None:
     elif path.exists():
         same = next((i for i, (a, b) in enumerate(zip(old["items"], new["items"])) if a != b),
                     min(len(old["items"]), len(new["items"])))
-        _Store(path).truncate(same)
+        if same < len(old["items"]):  # (loading the store reads every hidden state: only when some must go)
+            _Store(path).truncate(same)
     stamp.write_text(json.dumps(new))
 
 
