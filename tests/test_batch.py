@@ -90,8 +90,8 @@ def test_requests_joining_and_leaving_get_what_they_get_alone(rt, tiny_dirs, dra
         assert trees > 0
     if "feature" in draft:
         assert proposed > 0  # the batched feature drafting ran
-    # the prompts' blocks stay named for later requests (no cache for drafters reading target features)
-    assert (len(model.pool.by_hash) > 0) == (engine.prefixes is not None) == ("feature" not in draft)
+    # the prompts' blocks stay named for later requests; for a drafter reading target features, with theirs
+    assert len(model.pool.by_hash) > 0 and (set(model.pool.kept) == set(model.pool.by_hash)) == ("feature" in draft)
     assert model.held_slots == held
     engine.close()
     assert model.held_slots == held
@@ -152,6 +152,39 @@ def test_prefix_cache_copies_a_shared_prompt_prefix_and_changes_nothing(rt):
     assert engine.prefixes.hits == 2 and engine.prefixes.reused == 2 * shared
     assert engine.prefixes.queried == sum(len(tok(p).input_ids) - 1 for p in prompts)
     engine.close()
+
+
+def test_a_feature_drafter_shares_cached_prefixes_with_their_hidden_states(rt):
+    """With a drafter that reads the target's hidden states, a prompt sharing cached blocks gets their hidden states
+    too: fewer prefill rows, and every cycle's draft (hence the output) bitwise what it is without the cache."""
+    from specdec.drafters import ChainDrafter, NgramDrafter
+    model, tok = rt
+    system = "You are a careful assistant. Answer briefly and clearly. "
+    prompts = [system + "Hello there", system + "abcabc", "Unrelated " + system, system + "Hello there"]
+
+    def run(cache: bool):
+        drafter = ChainDrafter([NgramDrafter(), feature_drafter(model)])
+        engine = BatchEngine(model, drafter, model.config.vocab_size, {2}, 128, max_batch_rows=16, prefill_chunk=8,
+                             prefix_cache=cache)
+        drafts, rows = [], []
+        for p in prompts:
+            seq = engine.add(Sequence(tok(p).input_ids, 16, SamplingParams(), max_tau=4, fixed_tau=True))
+            rows.append(len(seq.prompt) - seq.fed)
+            while engine.running:
+                drafts += [rec.proposed for _, rec in engine.step()]
+            assert seq.generated == alone(rt, p, SamplingParams(), 16)
+        kept = dict(model.pool.kept)
+        engine.close()
+        return drafts, rows, kept
+
+    drafts, rows, kept = run(cache=True)
+    plain, full, _ = run(cache=False)
+    assert drafts == plain and sum(map(len, drafts)) > 0  # the restored hidden states are the computed ones
+    shared = len(tok(system).input_ids) // BLOCK * BLOCK
+    whole = min(full[3] // BLOCK * BLOCK, full[3] - 1)  # a prompt seen before: all its full blocks
+    assert rows[1] == full[1] - shared and rows[2] == full[2] and rows[3] == full[3] - whole < BLOCK
+    assert kept and all(f.shape == (BLOCK, model.config.hidden_size) for f in kept.values())
+    assert not model.pool.kept  # forgotten with the blocks' names
 
 
 def test_feature_drafts_batched_across_requests_equal_each_alone(rt):

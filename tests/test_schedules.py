@@ -2,15 +2,17 @@
 prompts sharing prefixes, choices of one prompt (twins), cancellations, and the preemptions and evictions a small
 pool forces. Every finished request equals the request served alone, every running request holds what its state
 says (a twin waiting or a preempted request nothing, the others blocks for their tokens), and at the end the pool
-balances: no block held, every block free or cached."""
+balances: no block held, every block free or cached. With a drafter that reads the target's hidden states (whose
+cached prefixes carry them), each finished request's drafter holds exactly the hidden states of its tokens."""
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specdec import SpecDecoder, models
 from specdec.batch import BatchEngine, Sequence
 from specdec.batch.requests import State
-from specdec.drafters import NgramDrafter
+from specdec.drafters import ChainDrafter, NgramDrafter
 from specdec.sampling import SamplingParams
 
 BASE = "The cat sat on the mat and looked at the door. "
@@ -46,13 +48,36 @@ request = st.tuples(st.integers(0, 6),  # arrival step
                     st.one_of(st.none(), st.integers(1, 8)))  # cancelled after this many steps, or never
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+def feature_chain(model):
+    """ngram + a random feature draft that always proposes (it reads the target's hidden states)."""
+    from specdec.drafters.feature import FeatureDrafter
+    from specdec.drafters.feature_net import FeatureDraftNet
+    torch.manual_seed(0)
+    c = model.config
+    net = FeatureDraftNet(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, 32, 10000.0, 1e-5)
+    return ChainDrafter([NgramDrafter(), FeatureDrafter(net, model.embed, model.head, torch.arange(c.vocab_size),
+                                                        c.vocab_size, min_confidence=0.0, max_len=256)])
+
+
+def hidden_alone(model, tokens: list[int]) -> torch.Tensor:
+    """The target's final hidden states of `tokens` computed in a slot of their own."""
+    slot = model.acquire_slot()
+    try:
+        model.reserve(slot, len(tokens))
+        return model.forward(tokens, [slot] * len(tokens), list(range(len(tokens))), [], hidden=True)[1]
+    finally:
+        model.truncate(slot, 0)
+        model.release_slot(slot)
+
+
+@pytest.mark.parametrize("features", [False, True])
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(schedule=st.lists(request, min_size=1, max_size=6))
-def test_random_schedules_equal_each_request_alone_and_the_pool_balances(rt, schedule):
+def test_random_schedules_equal_each_request_alone_and_the_pool_balances(rt, features, schedule):
     model, tok = rt
     eos = SpecDecoder.from_models(model, tok, draft="none").engine.eos_ids
-    engine = BatchEngine(model, NgramDrafter(), model.config.vocab_size, eos, 256, max_batch_rows=12,
-                         prefill_chunk=8)
+    engine = BatchEngine(model, feature_chain(model) if features else NgramDrafter(), model.config.vocab_size, eos,
+                         256, max_batch_rows=12, prefill_chunk=8)
     model.pool.clear_hashes()
     waiting = []  # (arrival, sequence, cancel after)
     for arrival, p, n, seed, new, cancel in schedule:
@@ -61,7 +86,7 @@ def test_random_schedules_equal_each_request_alone_and_the_pool_balances(rt, sch
         for c in range(n):  # n choices of one prompt: one seed each, as the server gives them
             choice = params if seed is None else SamplingParams(0.9, 1.0, 0, seed + c)
             waiting.append((arrival, Sequence(ids, new, choice), cancel, PROMPTS[p]))
-    started, done, cancelled = {}, [], set()
+    started, done, cancelled, held_features = {}, [], set(), []
     step = 0
     while waiting or engine.running:
         for item in [w for w in waiting if w[0] <= step]:  # in order, while the pool and the rows allow
@@ -77,6 +102,7 @@ def test_random_schedules_equal_each_request_alone_and_the_pool_balances(rt, sch
                 engine.remove(s)
                 cancelled.add(s.id)
         before = {s.id: s for s in engine.running}
+        drafters = {s.id: engine._state[s.id][1] for s in engine.running}
         engine.step()
         assert not engine.failed
         for s in engine.running:  # what each state holds (requests.py's life cycle)
@@ -85,7 +111,9 @@ def test_random_schedules_equal_each_request_alone_and_the_pool_balances(rt, sch
                 assert held == 0, (s.state, held)
             else:
                 assert s.state in (State.PREFILLING, State.DECODING) and held * 16 >= len(s.tokens) - 1
-        done += [s for i, s in before.items() if s not in engine.running and i not in cancelled]
+        left = [s for i, s in before.items() if s not in engine.running and i not in cancelled]
+        done += left
+        held_features += [(s, drafters[s.id].members[1].feats.clone()) for s in left if features]
         step += 1
         assert step < 500, "the schedule never finished"
     for s in done:
@@ -94,3 +122,5 @@ def test_random_schedules_equal_each_request_alone_and_the_pool_balances(rt, sch
     assert all(r == 0 for r in pool.refs)  # nothing held once every request left
     assert len(pool.free) + len(pool.evictable) == pool.blocks
     engine.close()
+    for s, feats in held_features:  # all but the newest token's: computed, restored or both, the same bits
+        assert len(feats) >= len(s.tokens) - 1 and torch.equal(feats, hidden_alone(model, s.tokens[: len(feats)]))

@@ -101,6 +101,11 @@ class Admission:
         fed = 0
         if self.prefixes is not None and (seq.prompt_logprobs is None or seq.cycle > 0):  # (scoring: every row)
             fed = self.prefixes.restore(seq.tokens, slot, seq.cache_salt)
+        if self.prefixes is not None and self.prefixes.features:  # the drafter's share of the cache
+            feats = self.prefixes.features_of(seq.tokens, fed, seq.cache_salt) if fed else None
+            if feats is not None:
+                self._state[seq.id][1].observe_target(0, feats)
+            self._prompt_hidden[seq.id] = [feats] if feats is not None else []
         try:
             self.model.reserve(slot, len(seq.tokens))
             if fed % BLOCK:  # the prefill goes on inside the last shared block: a private copy of it now
@@ -129,6 +134,7 @@ class Admission:
         """A finished, cancelled or timed-out request leaves: its slot and drafter state are freed."""
         if seq.id in self._state:
             slot, drafter, _ = self._state.pop(seq.id)
+            self._prompt_hidden.pop(seq.id, None)
             self.model.release_slot(slot)
             close(drafter)
             self.running.remove(seq)

@@ -37,15 +37,16 @@ class BatchEngine(Admission):
                  prefix_cache: bool = True):
         """`drafter` is the template each request's drafter is forked from (drafters.base.fork); `pass_curve`
         the measured ms of a pass by rows (measure_pass_curve), refined online; `prefix_cache` whether prompts'
-        K/V blocks are kept for reuse (never for a drafter that reads the target's hidden states, which a shared
-        prefix does not give it). Memory is the model's KV pool (Llama.set_kv_memory)."""
+        K/V blocks are kept for reuse (with their positions' hidden states for a drafter that reads them). Memory
+        is the model's KV pool (Llama.set_kv_memory)."""
         if max_batch_rows < 1 or prefill_chunk < 1:
             raise ValueError("max_batch_rows and prefill_chunk must be >= 1")
         self.model, self.drafter, self.vocab_size = model, drafter, vocab_size
         self.eos_ids, self.context_window = set(eos_ids), context_window
         self.max_batch_rows, self.prefill_chunk = max_batch_rows, prefill_chunk
         self.wants_hidden = getattr(drafter, "wants_target_hidden", False)
-        self.prefixes = PrefixCache(model) if prefix_cache and not self.wants_hidden else None
+        self.prefixes = PrefixCache(model, features=self.wants_hidden) if prefix_cache else None
+        self._prompt_hidden: dict[int, list] = {}  # id -> its prompt's hidden states so far (features cache only)
         self.preemptions = 0
         # the work of a row at position p: row_ms + key_ms·p (attention grows with the keys it reads), scaled by what
         # passes measure (calibrate(), measure_row_cost); what admission predicts finishing times with
@@ -274,6 +275,13 @@ class BatchEngine(Admission):
                 results.append((s, rec))
         return results
 
+    def _keep_prompt_hidden(self, s: Sequence, start: int, hidden: torch.Tensor) -> None:
+        """A prompt's hidden states, kept until its blocks are named with them (prefix_cache.py's features)."""
+        if self.prefixes is not None and self.prefixes.features and s.cycle == 0:
+            kept = self._prompt_hidden.setdefault(s.id, [])
+            if sum(len(h) for h in kept) == start:  # in order (a preempted prompt starts again from _load's)
+                kept.append(hidden)
+
     def _fit_memory(self, drafts: dict, chunks: dict) -> None:
         """Blocks for every row of the pass (prompts have theirs since they joined). When the pool is short, draft
         rows go first, then the newest requests are preempted until the oldest ones' committed rows fit."""
@@ -312,9 +320,11 @@ class BatchEngine(Admission):
                 continue
             # every block the cache could not give (evicted, or never registered: another request's copies held
             # those hashes) copied from the twin, the last, partial one too; a twin that was preempted has nothing
-            # to give, and the request prefills the rest itself
+            # to give, and the request prefills the rest itself (as it does with a features cache: copied blocks
+            # would come without the hidden states its drafter needs)
             end = len(s.prompt) - 1  # positions 0..end-1 are the prompt's K/V; the last token is fed next
-            if twin is not None and not twin.preempted and twin.fed >= end and fed < end:
+            if twin is not None and not twin.preempted and twin.fed >= end and fed < end \
+                    and not self.prefixes.features:
                 for index in range(fed // BLOCK, (end - 1) // BLOCK + 1):
                     self.model.copy_block(self._state[twin.id][0], slot, index)
                 fed = end
@@ -388,9 +398,15 @@ class BatchEngine(Admission):
             s.advance(n_rows)
             if hidden is not None:
                 self._state[s.id][1].observe_target(fed_before, hidden[start: start + n_rows])
+                self._keep_prompt_hidden(s, fed_before, hidden[start: start + n_rows])
             return None
         if s.cycle == 0 and self.prefixes is not None:  # the prompt is in the slot now
-            self.prefixes.store(s.prompt, self._state[s.id][0], s.cache_salt)
+            feats = None
+            if self.prefixes.features:
+                self._keep_prompt_hidden(s, fed_before, hidden[start: start + len(s.prompt) - fed_before])
+                kept = self._prompt_hidden.pop(s.id, [])
+                feats = torch.cat(kept) if kept else None
+            self.prefixes.store(s.prompt, self._state[s.id][0], s.cache_salt, feats)
         drafter = self._state[s.id][1]
         masked = [] if s.constraint is not None and s.logprobs is not None else None
         if s.constraint is not None:

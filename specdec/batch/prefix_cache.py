@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import torch
+
 from ..runtime.blocks import BLOCK, prefix_hashes
 from ..runtime.model import Llama
 
@@ -13,10 +15,17 @@ class PrefixCache:
     """Prompts' K/V shared by block (runtime/blocks.py, as vLLM's prefix caching): once a prompt is in its slot, its
     full blocks are named by their prefix hashes; a joining request whose prompt starts with named blocks holds them
     instead of computing them (bitwise the same keys and values). Blocks nobody holds stay named until the pool needs
-    them, least recently used first: the cache lives within the KV budget."""
+    them, least recently used first: the cache lives within the KV budget.
 
-    def __init__(self, model: Llama):
+    With `features` (a drafter that reads the target's final hidden states, drafters/feature.py) each named block
+    also keeps its positions' hidden states, and a block is found only with them: a request that shares the K/V
+    hands its drafter the features its prefill would have computed (bitwise: the runtime is row-invariant). They
+    live beside the block's name (BlockPool.kept) and go with it: hidden/(2·layers·kv_width) of the K/V they
+    accompany, in the K/V's own dtype's bytes or more (fp32)."""
+
+    def __init__(self, model: Llama, features: bool = False):
         self.model = model
+        self.features = features  # named blocks keep their positions' hidden states (pool.kept: digest -> tensor)
         self.hits = self.reused = 0  # requests served from the cache, positions shared instead of computed
         self.queried = 0  # positions looked up (all of a prompt but its last token)
         self._hashes: OrderedDict = OrderedDict()  # (salt, full blocks' tokens) -> their chain hashes
@@ -40,7 +49,7 @@ class PrefixCache:
         pool, found = self.model.pool, []
         for digest in self.hashes(tokens, salt):
             block = pool.by_hash.get(digest)
-            if block is None:
+            if block is None or (self.features and digest not in pool.kept):
                 break
             found.append(block)
         return found
@@ -57,8 +66,17 @@ class PrefixCache:
         self.hits, self.reused = self.hits + 1, self.reused + n
         return n
 
-    def store(self, tokens: list[int], slot: int, salt: bytes = b"") -> None:
-        """Name the full blocks of a prompt just computed in `slot`, for this tenant."""
+    def features_of(self, tokens: list[int], n: int, salt: bytes = b"") -> torch.Tensor:
+        """The hidden states of positions 0..n-1 of `tokens`, from the blocks restore() just shared."""
+        kept = self.model.pool.kept
+        return torch.cat([kept[d] for d in self.hashes(tokens, salt)[: -(-n // BLOCK)]])[:n]
+
+    def store(self, tokens: list[int], slot: int, salt: bytes = b"", hidden: torch.Tensor | None = None) -> None:
+        """Name the full blocks of a prompt just computed in `slot`, for this tenant; with features, `hidden` holds
+        the target's hidden states of its positions (at least its full blocks')."""
         pool = self.model.pool
-        for digest, block in zip(self.hashes(tokens, salt), self.model.blocks_of(slot)):
+        for i, (digest, block) in enumerate(zip(self.hashes(tokens, salt), self.model.blocks_of(slot))):
             pool.register(block, digest)
+            if self.features and digest in pool.by_hash and digest not in pool.kept and hidden is not None \
+                    and len(hidden) >= (i + 1) * BLOCK:
+                pool.kept[digest] = hidden[i * BLOCK: (i + 1) * BLOCK].clone()

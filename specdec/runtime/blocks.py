@@ -30,6 +30,7 @@ class BlockPool:
         self.evictable: OrderedDict[int, bytes] = OrderedDict()  # hashed, held by none: block -> hash, LRU first
         self.by_hash: dict[bytes, int] = {}
         self.hash_of: dict[int, bytes] = {}
+        self.kept: dict[bytes, object] = {}  # what is kept beside a named block's K/V (hidden states), gone with its name
         self.evictions = 0
 
     @property
@@ -48,6 +49,7 @@ class BlockPool:
         elif self.evictable:
             block, digest = self.evictable.popitem(last=False)
             del self.by_hash[digest], self.hash_of[block]
+            self.kept.pop(digest, None)
             self.evictions += 1
         else:
             raise OutOfBlocks("the KV memory budget is full")
@@ -82,6 +84,7 @@ class BlockPool:
         self.evictable.clear()
         self.by_hash.clear()
         self.hash_of.clear()
+        self.kept.clear()
 
 
 def prefix_hashes(tokens: list[int], blocks: int, salt: bytes = b"") -> list[bytes]:
