@@ -636,3 +636,21 @@ def test_a_request_preempted_while_decoding_never_resends_text_or_logprobs(rt):
     assert emitted == seq.generated == want.token_ids and len(logprobs) == len(emitted)
     assert [lp for lp, _ in logprobs] == [lp for lp, _ in want.logprobs]
     engine.close()
+
+
+def test_a_pass_probes_at_most_one_request_denied_draft_rows(rt):
+    """Where draft rows never pay (each costs as much as a pass), requests get none but probes, one a pass, the
+    longest denied first: each is re-measured now and then, and the probes stay a row a pass whatever the load."""
+    model, tok = rt
+    engine = BatchEngine(model, build_drafter("target", model, tok, backend="runtime"), model.config.vocab_size, {2},
+                         128, max_batch_rows=16)
+    engine.pass_ms = lambda rows: 10.0 * rows  # (not refined by the tiny model's passes)
+    seqs = [engine.add(Sequence(tok("abcabcabcabc " * (i + 1)).input_ids, 40, SamplingParams())) for i in range(6)]
+    probed, per_pass = set(), []
+    while engine.running:
+        drafted = [s.id for s, rec in engine.step() if rec.proposed]
+        per_pass.append(len(drafted))
+        probed.update(drafted)
+    assert max(per_pass) == 1 and probed == {s.id for s in seqs}
+    for i, s in enumerate(seqs):
+        assert s.generated == alone(rt, "abcabcabcabc " * (i + 1), SamplingParams(), 40)

@@ -58,3 +58,14 @@ def test_budget_and_floors():
     taus = plan([fixed, good], 2, 6, curve())
     assert sum(taus) + 2 <= 6 and taus[0] == 3
     assert plan([good, good], 2, 2, curve()) == [0, 0]  # no room beyond the rows the pass carries anyway
+
+
+def test_a_prompt_chunk_in_the_pass_does_not_make_draft_rows_look_cheap():
+    """16 decoding rows past the knee: α = 0.5 drafts do not pay. A 32-row prompt chunk in the same pass emits
+    nothing; charged to its prompt, it leaves the choice as it was (charged to the cycle, it bought drafts)."""
+    half = Demand([0.5] * 8, draft_ms=0.05, cap=8)
+    assert plan([half] * 16, 16, 64, curve()) == [0] * 16
+    assert sum(plan([half] * 16, 48, 64, curve())) > 0  # the whole pass charged: the chunk's time dilutes the rows'
+    assert plan([half] * 16, 48, 64, curve(), chunk_rows=32) == [0] * 16
+    light = Demand([0.9] * 8, draft_ms=0.05, cap=8)  # one request still drafts beside a chunk (its rows past the knee
+    assert plan([light], 1, 64, curve()) == [7] and plan([light], 33, 64, curve(), chunk_rows=32) == [6]  # dearer)
