@@ -654,3 +654,20 @@ def test_a_pass_probes_at_most_one_request_denied_draft_rows(rt):
     assert max(per_pass) == 1 and probed == {s.id for s in seqs}
     for i, s in enumerate(seqs):
         assert s.generated == alone(rt, "abcabcabcabc " * (i + 1), SamplingParams(), 40)
+
+
+def test_the_online_pass_curve_stays_on_its_grid_and_never_dips():
+    """Passes between two measured sizes scale the nearer one; noise at one row count makes no dip for the
+    scheduler to buy, and a lasting slowdown moves the curve."""
+    from specdec.batch.calibration import OnlineCurve
+    curve = OnlineCurve({1: 20.0, 8: 30.0, 16: 60.0, 32: 120.0})
+    curve.observe(21, 40.0)  # one fast pass: 40 ms where 78.75 was predicted
+    assert sorted(curve.grid) == [1, 8, 16, 32]  # no point of its own
+    values = [curve(r) for r in range(1, 40)]
+    assert all(a <= b for a, b in zip(values, values[1:]))  # nondecreasing
+    assert curve(16) < 60.0 and curve(32) == 120.0  # the nearer size moved
+    for _ in range(60):
+        curve.observe(28, 2 * 112.5)  # the machine got twice as slow around 28 rows
+    assert 200 < curve(28) < 240 and curve(32) > 200
+    curve.observe(64, 300.0)  # beyond the grid: a new size
+    assert curve(64) == 300.0

@@ -5,7 +5,6 @@ from time import perf_counter
 
 import torch
 
-from ..costs import interpolate
 from ..drafters.base import Draft, propose_many
 from ..drafters.tree import best_chain, depths, path, prune
 from ..engine import cut
@@ -25,12 +24,14 @@ from ..verification import (
     verify_tree,
 )
 from .admission import Admission
+from .calibration import OnlineCurve
 from .prefix_cache import PrefixCache
 from .requests import Sequence, State
 
 PROBE_EVERY = 8  # a request denied draft rows this many cycles in a row gets one, to re-measure its acceptance
-# (one such probe a pass, the longest denied first: at 16 streams a probe a request every 8 cycles was 38% of the
-# draft rows on Qwen2.5-1.5B, each a row past the pass curve's knee)
+# (one such probe a pass, the longest denied first, and rarer in a bigger batch: PROBE_EVERY cycles per 4 decoding
+# requests. At 16 streams on Qwen2.5-1.5B a probe per request every 8 cycles was 38% of the draft rows, each past
+# the pass curve's knee, and each a feature-draft call of ~2 ms)
 
 
 class BatchEngine(Admission):
@@ -58,15 +59,14 @@ class BatchEngine(Admission):
         self._recent_pass = Ema(min(curve.values()), decay=0.8)  # ms of the passes lately, whatever their rows
         self.running: list[Sequence] = []
         self._state: dict[int, tuple] = {}  # id -> (slot, drafter, acceptance estimates)
-        self._pass = {n: Ema(ms, weight=2.0, decay=0.9) for n, ms in (pass_curve or {1: 10.0}).items()}
+        self._pass = OnlineCurve(pass_curve or {1: 10.0})
         self.shared = AdaptivePolicy(1, 16)  # acceptance by position over all requests: a new request's prior
         self.last = {}  # the last step's figures (rows, taus, verify_ms), for metrics; {} when it ran no pass
         self.failed: list[tuple[Sequence, BaseException]] = []  # the last step's requests that failed on their own
 
     # ---- the cycle --------------------------------------------------------------------------------------------
     def pass_ms(self, rows: int) -> float:
-        # a copy first (one C call under the GIL): the event loop asks while the worker adds row counts
-        return interpolate({n: e.value for n, e in dict(self._pass).items()}, rows)
+        return self._pass(rows)
 
     @torch.inference_mode()
     def step(self) -> list[tuple[Sequence, CycleRecord]]:
@@ -149,7 +149,8 @@ class BatchEngine(Admission):
                 chunks[s.id] = min(len(s.tokens) - s.fed, self.prefill_chunk, rows_left)
                 rows_left -= chunks[s.id]
         base = self.max_batch_rows - rows_left
-        denied = [s for s in decoding if s.idle >= PROBE_EVERY and caps[s.id] and not s.fixed_tau]
+        every = PROBE_EVERY * max(1, -(-len(decoding) // 4))
+        denied = [s for s in decoding if s.idle >= every and caps[s.id] and not s.fixed_tau]
         probe = max(denied, key=lambda s: (s.idle, -s.id)).id if denied else None
         demands = []
         for s in decoding:
@@ -243,7 +244,7 @@ class BatchEngine(Admission):
         logits = fit_vocab(logits, self.vocab_size) if logits is not None else None
         t2 = perf_counter()
         verify_ms = (t2 - t1) * 1e3
-        self._pass.setdefault(len(tokens), Ema(verify_ms, weight=0.0, decay=0.9)).update(verify_ms)
+        self._pass.observe(len(tokens), verify_ms)
         self._recent_pass.update(verify_ms)
         if len(tokens) >= 16:  # a big pass's time is its rows' work: the prediction's scale follows it
             predicted = len(tokens) * self.row_ms + self.key_ms * sum(positions)
