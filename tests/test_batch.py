@@ -90,6 +90,8 @@ def test_requests_joining_and_leaving_get_what_they_get_alone(rt, tiny_dirs, dra
         assert trees > 0
     if "feature" in draft:
         assert proposed > 0  # the batched feature drafting ran
+    if draft == "feature" and drafter._rt is not None:
+        assert trees > 0  # greedy requests drafted batched trees
     # the prompts' blocks stay named for later requests; for a drafter reading target features, with theirs
     assert len(model.pool.by_hash) > 0 and (set(model.pool.kept) == set(model.pool.by_hash)) == ("feature" in draft)
     assert model.held_slots == held
@@ -188,8 +190,8 @@ def test_a_feature_drafter_shares_cached_prefixes_with_their_hidden_states(rt):
 
 
 def test_feature_drafts_batched_across_requests_equal_each_alone(rt):
-    """propose_many over several forks (one layer pass per step for all) = each fork's chain alone, bitwise, greedy
-    and sampled; the forks keep their own state."""
+    """propose_many over several forks (one layer pass per step for all) = each fork's draft alone, bitwise: a tree
+    for greedy requests (on the kernels), a chain for sampled ones; the forks keep their own state."""
     from specdec.drafters.base import fork, propose_many
     model, tok = rt
     template = feature_drafter(model)
@@ -208,10 +210,11 @@ def test_feature_drafts_batched_across_requests_equal_each_alone(rt):
     together = propose_many(primed(), contexts, ks, params, [p.generator() for p in params])
     alone = [d.propose_many([d], [c], [k], [p], [p.generator()])[0] for d, c, k, p in zip(primed(), contexts, ks,
                                                                                             params)]
-    assert [d.tokens for d in together] == [d.tokens for d in alone] and all(len(d.tokens) == k for d, k in
-                                                                                zip(together, ks))
-    for a, b in zip(together, alone):
+    assert [(d.tokens, d.parents, d.values) for d in together] == [(d.tokens, d.parents, d.values) for d in alone]
+    trees = template._rt is not None
+    for a, b, k, p in zip(together, alone, ks, params):
         assert (a.q is None and b.q is None) or torch.equal(a.q, b.q)
+        assert a.is_tree == (trees and p.greedy) and (a.is_tree or len(a.tokens) == k)
 
 
 def test_feature_draft_runs_as_q4_0_blocks_and_keeps_every_feature(rt):
@@ -424,7 +427,7 @@ def test_feature_draft_grows_a_best_first_tree_whose_paths_are_its_chain_steps(r
     _, h = model.forward(ctx, [s] * len(ctx), list(range(len(ctx))), [], hidden=True)
     model.release_slot(s)
     d.observe_target(0, h[:-1])
-    chain = d.propose_many([d], [ctx], [4], [SamplingParams()], [None])[0].tokens
+    chain = d.chains([d], [ctx], [4], [SamplingParams()], [None])[0].tokens
     monkeypatch.setattr(feature, "TREE_WIDTH", 64)
     monkeypatch.setattr(feature, "TREE_EXPAND", 0.0)
     monkeypatch.setattr(feature, "TREE_NODES", 10 ** 4)

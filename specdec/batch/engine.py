@@ -1,6 +1,7 @@
 """BatchEngine: one cycle (step) for every running request, sharing one target pass (the package's docstring)."""
 from __future__ import annotations
 
+from dataclasses import replace
 from time import perf_counter
 
 import torch
@@ -453,10 +454,12 @@ class BatchEngine(Admission):
             rec.logprobs = token_logprobs(choice_rows(block, nodes, tree and s.constraint is None, masked), emitted,
                                           s.params, s.logprobs)
         s.cycle += 1
-        # a model-free drafter's estimates: over the cycles it proposed in (a tree's nodes carry the drafter's own)
-        if (proposed or not free) and not tree and by is None:
-            self._state[s.id][2].observe(rec)
-            self.shared.observe(rec)
+        # a model-free drafter's estimates: over the cycles it proposed in (its trees' nodes carry its own values);
+        # a model draft's trees (sized on these estimates: it drafts after the split) count as chains of their depth
+        if (proposed or not free) and by is None and not (tree and free):
+            seen = replace(rec, proposed=proposed[: max(depths(draft.parents))]) if tree else rec
+            self._state[s.id][2].observe(seen)
+            self.shared.observe(seen)
         if finish:
             s.finish(finish)
             self.remove(s)

@@ -144,53 +144,74 @@ class FeatureDrafter:
         return self._rt is not None
 
     def propose(self, context, k, params, generator) -> Draft:
-        if self._rt is not None and params.greedy:
-            return self.grow_tree(context, k)
         return FeatureDrafter.propose_many([self], [context], [k], [params], [generator])[0]
 
-    @torch.inference_mode()
     def grow_tree(self, context, depth: int) -> Draft:
-        """A dynamic token tree (EAGLE-2, Li et al. 2024): the draft's top TREE_TOP children of the context, then,
-        depth by depth, the TREE_WIDTH likeliest nodes expanded (one draft pass for all of them, each row attending
-        to the context and its own path), while a node is worth at least TREE_EXPAND. A node's value is the
-        product of the draft's probabilities along its path (its own estimate that the path is the target's);
-        nodes come best-first, and the engine's cost model verifies as many as pay (costs.best_tree_size)."""
-        if depth < 1 or not self._catch_up([self], [context], [depth]):
-            return Draft()
-        L, slot = len(context), self._slot
-        feat = self._advance([self], [self._rows])[0]
-        tokens, parents, values, storage = [], [], [], {}  # storage: an expanded node's draft K/V position
-        frontier = [(-1, feat)]  # expanded nodes whose children are still to be read: (node, predicted feature)
-        for d in range(1, depth + 1):
-            probs = self._logits(torch.stack([f for _, f in frontier])).softmax(-1)
+        """A dynamic token tree (EAGLE-2, Li et al. 2024): grow_trees for this draft alone."""
+        return FeatureDrafter.grow_trees([self], [context], [depth])[0]
+
+    @staticmethod
+    @torch.inference_mode()
+    def grow_trees(drafters, contexts, depths: list[int]) -> list[Draft]:
+        """Dynamic token trees (EAGLE-2, Li et al. 2024), one per fork, grown together: the draft's top TREE_TOP
+        children of each context, then, depth by depth, each tree's TREE_WIDTH likeliest nodes expanded (one draft
+        pass for every tree's, each row attending to its context and its own path), while a node is worth at least
+        TREE_EXPAND. A node's value is the product of the draft's probabilities along its path (its own estimate
+        that the path is the target's); nodes come best-first, and the engine's cost model verifies as many as pay
+        (costs.best_tree_size; the batch engine's budget). Every row is computed as alone (row-invariant kernels),
+        so each tree equals that fork's tree grown alone."""
+        out = [Draft() for _ in drafters]
+        live = FeatureDrafter._catch_up(drafters, contexts, depths)
+        if not live:
+            return out
+        rt = drafters[live[0]]._rt
+        feats = FeatureDrafter._advance([drafters[i] for i in live], [drafters[i]._rows for i in live])
+        grown = {i: ([], [], [], {}) for i in live}  # tokens, parents, values, storage (an expanded node's position)
+        frontier = {i: [(-1, f)] for i, f in zip(live, feats)}  # expanded nodes whose children are to be read
+        for d in range(1, max(depths[i] for i in live) + 1):
+            rows = [(i, node, f) for i in frontier for node, f in frontier[i]]
+            probs = drafters[live[0]]._logits(torch.stack([f for _, _, f in rows])).softmax(-1)
             top = probs.topk(min(TREE_TOP, probs.shape[-1]), -1)
-            born = []
-            for (node, f), ps, ids in zip(frontier, top.values.tolist(), top.indices.tolist()):
+            born = {i: [] for i in frontier}
+            for (i, node, f), ps, ids in zip(rows, top.values.tolist(), top.indices.tolist()):
+                tokens, parents, values, _ = grown[i]
                 base = values[node] if node >= 0 else 1.0
                 for p, j in zip(ps, ids):
-                    tokens.append(int(self.vocab_map[j])), parents.append(node), values.append(base * p)
-                    born.append((len(tokens) - 1, f))
-            grow = sorted((b for b in born if values[b[0]] >= TREE_EXPAND), key=lambda b: -values[b[0]])[:TREE_WIDTH]
-            if d == depth or not grow or L + len(storage) + len(grow) >= self._rt.max_len:
+                    tokens.append(int(drafters[i].vocab_map[j])), parents.append(node), values.append(base * p)
+                    born[i].append((len(tokens) - 1, f))
+            expand = []  # (fork, node, its predicted feature, its path's storage positions, its rotary position)
+            for i, nodes in born.items():
+                tokens, parents, values, storage = grown[i]
+                L = len(contexts[i])
+                grow = sorted((b for b in nodes if values[b[0]] >= TREE_EXPAND), key=lambda b: -values[b[0]])
+                grow = grow[:TREE_WIDTH]
+                if d == depths[i] or not grow or L + len(storage) + len(grow) >= rt.max_len:
+                    continue
+                for node, f in grow:
+                    storage[node] = L + len(storage)
+                    up, chain = parents[node], [storage[node]]
+                    while up >= 0:
+                        chain.append(storage[up])
+                        up = parents[up]
+                    expand.append((i, node, f, chain[::-1], L - 1 + d))
+            if not expand:
                 break
-            paths, positions = [], []
-            for node, _ in grow:
-                storage[node] = L + len(storage)
-                up, chain = parents[node], [storage[node]]
-                while up >= 0:
-                    chain.append(storage[up])
-                    up = parents[up]
-                paths.append(chain[::-1])
-                positions.append(L - 1 + d)
-            x = torch.cat([self._embed([tokens[n] for n, _ in grow]), torch.stack([f for _, f in grow])], -1)
-            h = self._rt.forward_rows(qlinear(x.contiguous(), self._fc, q8=self._q8), [slot] * len(grow), positions,
-                                      logit_rows=[], hidden=True, paths=paths)[1]
-            frontier = list(zip([n for n, _ in grow], h))
-        self._truncate(L)
-        order = sorted(range(len(tokens)), key=lambda i: (-values[i], i))[:TREE_NODES]  # parents before children
-        where = {old: new for new, old in enumerate(order)}
-        return Draft([tokens[i] for i in order], parents=[-1 if parents[i] < 0 else where[parents[i]] for i in order],
-                     values=[values[i] for i in order])
+            x = torch.cat([torch.cat([drafters[i]._embed([grown[i][0][n]]) for i, n, _, _, _ in expand]),
+                           torch.stack([f for _, _, f, _, _ in expand])], -1)
+            h = rt.forward_rows(qlinear(x.contiguous(), drafters[live[0]]._fc, q8=drafters[live[0]]._q8),
+                                [drafters[i]._slot for i, _, _, _, _ in expand], [pos for *_, pos in expand],
+                                logit_rows=[], hidden=True, paths=[path for _, _, _, path, _ in expand])[1]
+            frontier = {}
+            for (i, node, _, _, _), hf in zip(expand, h):
+                frontier.setdefault(i, []).append((node, hf))
+        for i in live:
+            tokens, parents, values, _ = grown[i]
+            drafters[i]._truncate(len(contexts[i]))
+            order = sorted(range(len(tokens)), key=lambda n: (-values[n], n))[:TREE_NODES]  # parents before children
+            where = {old: new for new, old in enumerate(order)}
+            out[i] = Draft([tokens[n] for n in order], values=[values[n] for n in order],
+                           parents=[-1 if parents[n] < 0 else where[parents[n]] for n in order])
+        return out
 
     @staticmethod
     def _catch_up(drafters, contexts, ks) -> list[int]:
@@ -212,11 +233,26 @@ class FeatureDrafter:
         return live
 
     @staticmethod
-    @torch.inference_mode()
     def propose_many(drafters, contexts, ks, params, generators) -> list[Draft]:
-        """The draft as a chain for several sequences at once (continuous batching), each with its own drafter fork.
-        On the runtime the forks share one draft layer, so each step runs the layer and the head once for all of
-        them; every row is computed as alone (row-invariant kernels), so each draft equals that fork's chain."""
+        """Drafts for several sequences at once (continuous batching), each with its own drafter fork: greedy ones
+        on the runtime as trees (grow_trees), the others as chains (chains), each kind in one batched call."""
+        out = [Draft() for _ in drafters]
+        tree = [d._rt is not None and p.greedy for d, p in zip(drafters, params)]
+        for kind, grow in ((True, FeatureDrafter.grow_trees), (False, FeatureDrafter.chains)):
+            group = [i for i, t in enumerate(tree) if t == kind]
+            if group:
+                pick = lambda xs: [xs[i] for i in group]  # noqa: E731
+                args = (pick(drafters), pick(contexts), pick(ks)) + ((pick(params), pick(generators)) if not kind else ())
+                for i, draft in zip(group, grow(*args)):
+                    out[i] = draft
+        return out
+
+    @staticmethod
+    @torch.inference_mode()
+    def chains(drafters, contexts, ks, params, generators) -> list[Draft]:
+        """The draft as a chain for several sequences at once, each with its own drafter fork. On the runtime the
+        forks share one draft layer, so each step runs the layer and the head once for all of them; every row is
+        computed as alone (row-invariant kernels), so each draft equals that fork's chain."""
         out = [Draft() for _ in drafters]
         live = FeatureDrafter._catch_up(drafters, contexts, ks)
         if not live:
