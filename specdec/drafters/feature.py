@@ -23,7 +23,7 @@ from ..runtime.weights import QTensor, qlinear
 from ..sampling import draw, warp
 from .base import Draft
 from .feature_files import MARKER, check_target
-from .feature_net import FeatureDraftNet, quantized, runtime_layer, save_draft
+from .feature_net import FeatureDraftNet, quantized, runtime_layer
 
 # Stop a block once the draft's own probability that all of it is accepted falls below this. The shipped draft is
 # calibrated (bench prompts: draft confidence 0.2-0.4 -> 21% accepted, 0.8-0.9 -> 77%); at fixed tau=3 this
@@ -313,9 +313,6 @@ class FeatureDrafter:
         return [d._logits(f) for d, f in zip(drafters, feats)]
 
     # ---- persistence ---------------------------------------------------------------------------------------
-    def save(self, out: Path, target_fingerprint: str) -> None:
-        save_draft(self.net, self.vocab_map, out, target_fingerprint)
-
     @classmethod
     def load(cls, path, target_model, target_fingerprint: str, name: str | None = None) -> FeatureDrafter:
         path = Path(path)
@@ -334,5 +331,8 @@ class FeatureDrafter:
         else:
             embed = target_model.get_input_embeddings().weight.detach()
             head = target_model.get_output_embeddings().weight.detach()
-        return cls(net.float(), embed, head, vocab_map, target_model.config.vocab_size, name or str(path),
-                   max_len=getattr(target_model, "max_len", 8192))
+        drafter = cls(net.float(), embed, head, vocab_map, target_model.config.vocab_size, name or str(path),
+                      max_len=getattr(target_model, "max_len", 8192))
+        if drafter._rt is not None:  # the runtime layer holds the weights now: the fp32 copy goes (75 MB on the 1.5B)
+            drafter.net.to("meta")
+        return drafter
