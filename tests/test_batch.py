@@ -6,6 +6,7 @@ import torch
 from specdec import SpecDecoder, models
 from specdec.api import build_drafter
 from specdec.batch import (
+    EARLY_MODEL_BATCH,
     BatchEngine,
     Sequence,
     default_budget,
@@ -674,3 +675,28 @@ def test_the_online_pass_curve_stays_on_its_grid_and_never_dips():
     assert 200 < curve(28) < 240 and curve(32) > 200
     curve.observe(64, 300.0)  # beyond the grid: a new size
     assert curve(64) == 300.0
+
+
+@pytest.mark.parametrize("batch", [1, EARLY_MODEL_BATCH + 1])
+def test_a_small_batch_sizes_a_model_drafts_tree_on_its_node_values(rt, batch):
+    """In a small batch a tree-growing model draft proposes before the split, and the scheduler reads its node
+    values: a request whose running acceptance says 0 still verifies a tree its draft values at 0.99. In a larger
+    batch the draft runs after the split, on the running acceptance: no rows."""
+    model, tok = rt
+    prompt = tok(PROMPTS[2]).input_ids
+    ref = alone(rt, PROMPTS[2], SamplingParams(), 12)
+    engine = BatchEngine(model, OracleTreeDraft(prompt + ref, model.config.vocab_size), model.config.vocab_size,
+                         set(), 128, max_batch_rows=32)
+    seqs = [engine.add(Sequence(prompt, 12, SamplingParams())) for _ in range(batch)]
+    for s in seqs:
+        for a in engine._state[s.id][2].alpha:
+            a.value, a.n = 0.0, 10
+    first = {}
+    while engine.running and len(first) < batch:
+        for s, rec in engine.step():
+            if s.cycle > 1:  # (cycle 0 emits the prompt's first token)
+                first.setdefault(s.id, rec)
+    assert all(bool(rec.proposed) == (batch <= EARLY_MODEL_BATCH) for rec in first.values())
+    while engine.running:
+        engine.step()
+    assert all(s.generated == ref for s in seqs)

@@ -34,9 +34,9 @@ from .calibration import (
            measure_pass_curve,
            measure_row_cost,
 )
-from .engine import PROBE_EVERY, BatchEngine
+from .engine import EARLY_MODEL_BATCH, PROBE_EVERY, BatchEngine
 from .prefix_cache import PrefixCache
 from .requests import Sequence
 
-__all__ = ["PROBE_EVERY", "Admission", "BatchEngine", "PrefixCache", "Sequence", "default_budget", "lower_envelope",
+__all__ = ["EARLY_MODEL_BATCH", "PROBE_EVERY", "Admission", "BatchEngine", "PrefixCache", "Sequence", "default_budget", "lower_envelope",
            "measure_pass_curve", "measure_row_cost"]

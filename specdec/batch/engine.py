@@ -29,6 +29,12 @@ from .calibration import OnlineCurve
 from .prefix_cache import PrefixCache
 from .requests import Sequence, State
 
+# A model draft that grows valued trees (the feature draft) proposes before the row split for greedy requests while
+# at most this many decode: the scheduler then sizes each tree on the draft's own node values, cycle by cycle, instead
+# of on the request's running acceptance (a few rejections had left a request without rows for long stretches of an
+# edit that its draft would have copied). A larger batch drafts after the split: a proposal the split then refuses
+# costs every request's draft pass.
+EARLY_MODEL_BATCH = 4
 PROBE_EVERY = 8  # a request denied draft rows this many cycles in a row gets one, to re-measure its acceptance
 # (one such probe a pass, the longest denied first, and rarer in a bigger batch: PROBE_EVERY cycles per 4 decoding
 # requests. At 16 streams on Qwen2.5-1.5B a probe per request every 8 cycles was 38% of the draft rows, each past
@@ -49,6 +55,8 @@ class BatchEngine(Admission):
         self.eos_ids, self.context_window = set(eos_ids), context_window
         self.max_batch_rows, self.prefill_chunk = max_batch_rows, prefill_chunk
         self.wants_hidden = getattr(drafter, "wants_target_hidden", False)
+        self.early_model = not getattr(drafter, "free", False) and any(  # (EARLY_MODEL_BATCH)
+            getattr(m, "makes_trees", False) for m in getattr(drafter, "members", [drafter]))
         self.prefixes = PrefixCache(model, features=self.wants_hidden) if prefix_cache else None
         self._prompt_hidden: dict[int, list] = {}  # id -> its prompt's hidden states so far (features cache only)
         self.preemptions = 0
@@ -137,7 +145,29 @@ class BatchEngine(Admission):
                     caps[s.id] = min(len(early[s.id].tokens), self.context_window - len(s.tokens) - 1)
                 else:
                     caps[s.id] = min(caps[s.id], len(early[s.id].tokens))
+        self._early_model_drafts(early, draft_ms, caps, asks)
         return early, draft_ms, caps, asks
+
+    def _early_model_drafts(self, early: dict, draft_ms: dict, caps: dict, asks: dict) -> None:
+        """A tree-growing model draft's proposals for greedy requests in a small batch (EARLY_MODEL_BATCH), in one
+        batched call before the split: their node values are what the scheduler sizes them by."""
+        decoding = [s for s in self.running if not s.prefilling and not s.preempted]
+        if not self.early_model or len(decoding) > EARLY_MODEL_BATCH:
+            return
+        group = [(s, caps[s.id]) for s in decoding if s.params.greedy and s.constraint is None and s.id not in early
+                 and caps.get(s.id)]
+        if not group:
+            return
+        t = perf_counter()
+        made = self._propose_late(group)
+        share = (perf_counter() - t) * 1e3 / len(group)
+        for (s, depth), draft in zip(group, made):
+            if draft is None:
+                continue
+            early[s.id], draft_ms[s.id] = draft, share
+            asks[s.id] = (depth, len(draft.tokens), "room", "budget", None)
+            room = self.context_window - len(s.tokens) - 1
+            caps[s.id] = min(len(draft.tokens), room) if draft.is_tree else min(depth, len(draft.tokens))
 
     def _plan_rows(self, early: dict, caps: dict, asks: dict, free: bool):
         """The rows of the pass: each decoding request's newest token, prompt chunks, then the verification budget's
@@ -156,7 +186,7 @@ class BatchEngine(Admission):
         demands = []
         for s in decoding:
             est = self._state[s.id][2]
-            cost = 0.0 if free else est.draft_ms.value if est.draft_ms is not None else 0.1
+            cost = 0.0 if free or s.id in early else est.draft_ms.value if est.draft_ms is not None else 0.1
             cap = caps[s.id]
             floor = cap if s.fixed_tau else min(cap, 1) if s.id == probe else 0
             tree = early.get(s.id)
