@@ -7,7 +7,9 @@ One `step()` is one cycle for every request in it:
 3. each request's own drafter proposes up to τ_i tokens, all requests' drafts in one batched call (the feature
    draft runs its layer once per step for all of them). A model-free drafter (n-gram, datastore) proposes before
    step 2 instead, as far as the request may draft: its proposal costs next to nothing, so the scheduler sees what
-   there is to verify and acceptance is estimated over the cycles that had a proposal;
+   there is to verify and acceptance is estimated over the cycles that had a proposal. So does a model draft that
+   grows valued trees (the feature draft) for greedy requests while at most EARLY_MODEL_BATCH decode: the
+   scheduler then sizes each tree on the draft's own node values;
 4. ONE target pass over all rows, each at its own position in its own slot;
 5. each request verifies its block with its own rule and randomness, emits, and rolls its slot back.
 

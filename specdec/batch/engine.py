@@ -55,6 +55,7 @@ class BatchEngine(Admission):
         self.eos_ids, self.context_window = set(eos_ids), context_window
         self.max_batch_rows, self.prefill_chunk = max_batch_rows, prefill_chunk
         self.wants_hidden = getattr(drafter, "wants_target_hidden", False)
+        self._valued: set[int] = set()  # this cycle's requests whose tree the scheduler sized on its node values
         self.early_model = not getattr(drafter, "free", False) and any(  # (EARLY_MODEL_BATCH)
             getattr(m, "makes_trees", False) for m in getattr(drafter, "members", [drafter]))
         self.prefixes = PrefixCache(model, features=self.wants_hidden) if prefix_cache else None
@@ -146,6 +147,7 @@ class BatchEngine(Admission):
                 else:
                     caps[s.id] = min(caps[s.id], len(early[s.id].tokens))
         self._early_model_drafts(early, draft_ms, caps, asks)
+        self._valued = {i for i, d in early.items() if d is not None and d.is_tree}  # trees sized on their values
         return early, draft_ms, caps, asks
 
     def _early_model_drafts(self, early: dict, draft_ms: dict, caps: dict, asks: dict) -> None:
@@ -484,9 +486,10 @@ class BatchEngine(Admission):
             rec.logprobs = token_logprobs(choice_rows(block, nodes, tree and s.constraint is None, masked), emitted,
                                           s.params, s.logprobs)
         s.cycle += 1
-        # a model-free drafter's estimates: over the cycles it proposed in (its trees' nodes carry its own values);
-        # a model draft's trees (sized on these estimates: it drafts after the split) count as chains of their depth
-        if (proposed or not free) and by is None and not (tree and free):
+        # a model-free drafter's estimates: over the cycles it proposed in; trees sized on their own node values
+        # (proposed before the split) leave them to the chains; a model draft's trees drafted after the split (sized
+        # on these estimates) count as chains of their depth
+        if (proposed or not free) and by is None and not (tree and s.id in self._valued):
             seen = replace(rec, proposed=proposed[: max(depths(draft.parents))]) if tree else rec
             self._state[s.id][2].observe(seen)
             self.shared.observe(seen)
