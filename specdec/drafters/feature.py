@@ -34,7 +34,7 @@ MIN_CONFIDENCE = 0.5
 # verified, so its numerics cost acceptance only: 0.48 accepted drafts per pass against 0.49 in bf16 (17 chat and
 # code prompts, τ=3), at 0.68 ms a step against 1.05 (docs/trees.md).
 DRAFT_FORMAT = kernels.Q4_0
-# EAGLE-2 trees (grow_tree): children read per expanded node, nodes expanded per depth, the least value worth a
+# EAGLE-2 trees (grow_trees): children read per expanded node, nodes expanded per depth, the least value worth a
 # draft pass to expand, and the most nodes offered (the cost model verifies those that pay their rows).
 TREE_TOP, TREE_WIDTH, TREE_EXPAND, TREE_NODES = 4, 2, 0.4, 16
 
@@ -140,15 +140,11 @@ class FeatureDrafter:
 
     @property
     def makes_trees(self) -> bool:
-        """On the runtime's kernels a greedy proposal is a token tree (EAGLE-2, grow_tree)."""
+        """On the runtime's kernels a greedy proposal is a token tree (EAGLE-2, grow_trees)."""
         return self._rt is not None
 
     def propose(self, context, k, params, generator) -> Draft:
         return FeatureDrafter.propose_many([self], [context], [k], [params], [generator])[0]
-
-    def grow_tree(self, context, depth: int) -> Draft:
-        """A dynamic token tree (EAGLE-2, Li et al. 2024): grow_trees for this draft alone."""
-        return FeatureDrafter.grow_trees([self], [context], [depth])[0]
 
     @staticmethod
     @torch.inference_mode()
