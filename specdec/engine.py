@@ -40,7 +40,7 @@ class Engine:
         self.target.reset()
         self.drafter.reset()
         gen = params.generator()
-        predicted = PredictionDrafter(prediction) if prediction and constraint is None else None
+        predicted = PredictionDrafter(prediction, len(prompt)) if prediction and constraint is None else None
         if not params.greedy and not isinstance(gen, PositionNoise) and (
                 constraint is not None or self.trees and getattr(self.drafter, "makes_trees", False)):
             gen = PositionNoise.fresh()  # trees and grammars verify by the race rule; unseeded requests draw a seed

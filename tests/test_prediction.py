@@ -114,6 +114,22 @@ def test_batched_requests_with_predictions_equal_the_engine_alone(rt):
     assert sum(r.accepted for r in records["exact"] if r.by == "prediction") > 20
 
 
+def test_the_batch_engine_drafts_the_prediction_from_where_the_output_stands(rt):
+    """The prefill pass emits the first token before the first proposal: the prediction continues after it."""
+    base = rt.generate(PROMPT, max_new_tokens=40, chat=False).token_ids
+    engine = BatchEngine(rt.model, NgramDrafter(), rt.model.config.vocab_size, set(), 128)
+    s = engine.add(Sequence(rt.tokenizer(PROMPT, add_special_tokens=False).input_ids, 40, SamplingParams(),
+                            prediction=list(base)))
+    proposals = []
+    while engine.running:
+        for _, rec in engine.step():
+            if rec.by == "prediction":
+                proposals.append((len(s.generated) - len(rec.emitted), list(rec.proposed)))
+    assert s.generated == base and proposals
+    for at, proposed in proposals:  # every proposal is the output's own continuation, all of it accepted
+        assert proposed == base[at: at + len(proposed)], at
+
+
 @pytest.fixture(scope="module")
 def live(rt):
     srv = LiveServer(create_app(rt, model_name="tiny", max_batch_rows=16))

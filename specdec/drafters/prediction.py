@@ -27,12 +27,15 @@ class PredictionDrafter:
     free = True
     sizes_own_depth = True  # the engines ask it for depth(cost) tokens, not τ
 
-    def __init__(self, prediction: list[int]):
+    def __init__(self, prediction: list[int], start: int | None = None):
+        """`start`: the prompt's length, where the output starts (the batch engine's first proposal comes after the
+        prefill has emitted a token); None: at the context of the first proposal."""
         self.pred = np.asarray(prediction, dtype=np.int64)
+        self.start = start
         self.reset()
 
     def reset(self) -> None:
-        self.base = None  # context length at the first proposal: the output starts there
+        self.base = self.start  # the output starts there (None: at the first proposal's context)
         self.at = 0  # prediction index of the next expected token
         self.aligned = True  # the output is at `at` (it starts at the prediction's start)
         self.seen = 0  # output tokens accounted for by `at`
@@ -41,7 +44,7 @@ class PredictionDrafter:
         self._last = 0
 
     def fork(self) -> PredictionDrafter:
-        return PredictionDrafter(self.pred.tolist())
+        return PredictionDrafter(self.pred.tolist(), self.start)
 
     # ---- where the output stands in the prediction ----------------------------------------------------------
     def _align(self, out: list[int]) -> int | None:
