@@ -255,7 +255,8 @@ def request(server: Server, prompt: dict, max_tokens: int, extra: dict | None = 
            "e2e_tps": tokens / (end - t0)}
     if "specdec" in extra:
         s = extra["specdec"]
-        out.update(passes=s["target_passes"], proposed=s["proposed"], accepted=s["accepted"])
+        out.update(passes=s["target_passes"], proposed=s["proposed"], accepted=s["accepted"],
+                   draft_ms=s.get("draft_ms", 0.0), verify_ms=s.get("verify_ms"))
     elif "timings" in extra and "draft_n" in extra["timings"]:
         out.update(proposed=extra["timings"]["draft_n"], accepted=extra["timings"]["draft_n_accepted"])
     return out
@@ -352,8 +353,13 @@ def summarize(names, workloads, results, ready, rss) -> dict:
                 cell["acceptance"] = round(sum(r.get("accepted", 0) for r in rs) / prop, 3) if prop else None
             counted = [r for r in rs if "passes" in r]  # (/infill answers carry no specdec figures)
             if counted:
-                cell["tokens_per_pass"] = round(sum(r["tokens"] for r in counted) /
-                                                sum(r["passes"] for r in counted), 2)
+                passes = sum(r["passes"] for r in counted)
+                cell["tokens_per_pass"] = round(sum(r["tokens"] for r in counted) / passes, 2)
+                timed = [r for r in counted if r.get("verify_ms")]
+                if timed and any(r["draft_ms"] for r in timed):  # the draft's time a cycle, and beside the pass's
+                    drafting = sum(r["draft_ms"] for r in timed)
+                    cell["draft_ms_per_pass"] = round(drafting / sum(r["passes"] for r in timed), 2)
+                    cell["draft_share_of_pass"] = round(drafting / sum(r["verify_ms"] for r in timed), 3)
             rows[n][w] = cell
     return {"systems": rows}
 

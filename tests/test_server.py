@@ -115,6 +115,7 @@ def test_openai_client_chat_and_completions_equal_generate(live, decoder):
     assert r.choices[0].message.content == want.text and r.choices[0].finish_reason == want.finish_reason
     assert r.usage.completion_tokens == len(want.token_ids) and r.usage.prompt_tokens == want.prompt_tokens
     assert r.model_extra["specdec"]["target_passes"] == want.stats["target_passes"]
+    assert r.model_extra["specdec"]["verify_ms"] > 0 <= r.model_extra["specdec"]["draft_ms"]  # (benchmarks/pair.py)
     stream = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=20,
                                        temperature=0, stream=True, stream_options={"include_usage": True})
     chunks = list(stream)

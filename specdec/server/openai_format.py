@@ -62,7 +62,7 @@ def usage(prompt_tokens: int, results: list) -> dict:
 def spec_stats(result) -> dict:
     s = result.stats
     return {k: s[k] for k in ("acceptance_rate", "mean_accepted_len", "target_passes", "proposed", "accepted",
-                              "acceptance_by_position", "tokens_per_s")}
+                              "acceptance_by_position", "tokens_per_s", "draft_ms", "verify_ms")}
 
 
 def as_infill(out, model_name: str):
