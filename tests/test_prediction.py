@@ -115,7 +115,7 @@ def test_batched_requests_with_predictions_equal_the_engine_alone(rt):
 
 
 def test_the_batch_engine_drafts_the_prediction_from_where_the_output_stands(rt):
-    """The prefill pass emits the first token before the first proposal: the prediction continues after it."""
+    """The prediction is drafted from the prompt's last chunk on, and always from where the output stands."""
     base = rt.generate(PROMPT, max_new_tokens=40, chat=False).token_ids
     engine = BatchEngine(rt.model, NgramDrafter(), rt.model.config.vocab_size, set(), 128)
     s = engine.add(Sequence(rt.tokenizer(PROMPT, add_special_tokens=False).input_ids, 40, SamplingParams(),
@@ -126,6 +126,7 @@ def test_the_batch_engine_drafts_the_prediction_from_where_the_output_stands(rt)
             if rec.by == "prediction":
                 proposals.append((len(s.generated) - len(rec.emitted), list(rec.proposed)))
     assert s.generated == base and proposals
+    assert proposals[0][0] == 0  # the first proposal rides on the prompt's last chunk, before the first token
     for at, proposed in proposals:  # every proposal is the output's own continuation, all of it accepted
         assert proposed == base[at: at + len(proposed)], at
 

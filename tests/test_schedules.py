@@ -2,7 +2,8 @@
 prompts sharing prefixes, choices of one prompt (twins), cancellations, and the preemptions and evictions a small
 pool forces. Every finished request equals the request served alone, every running request holds what its state
 says (a twin waiting or a preempted request nothing, the others blocks for their tokens), and at the end the pool
-balances: no block held, every block free or cached. With a drafter that reads the target's hidden states (whose
+balances: no block held, every block free or cached. Requests may carry a prediction (their own output, or another
+prompt's), drafted from their prompt's last chunk on. With a drafter that reads the target's hidden states (whose
 cached prefixes carry them), each finished request's drafter holds exactly the hidden states of its tokens."""
 import pytest
 import torch
@@ -45,7 +46,8 @@ request = st.tuples(st.integers(0, 6),  # arrival step
                     st.integers(1, 3),  # choices (twins)
                     st.sampled_from([None, 3, 11]),  # greedy, or a seed
                     st.integers(2, 10),  # max new tokens
-                    st.one_of(st.none(), st.integers(1, 8)))  # cancelled after this many steps, or never
+                    st.one_of(st.none(), st.integers(1, 8)),  # cancelled after this many steps, or never
+                    st.sampled_from([None, "own", "other"]))  # a prediction: none, its own output, another's
 
 
 def feature_chain(model):
@@ -80,12 +82,13 @@ def test_random_schedules_equal_each_request_alone_and_the_pool_balances(rt, fea
                          256, max_batch_rows=12, prefill_chunk=8)
     model.pool.clear_hashes()
     waiting = []  # (arrival, sequence, cancel after)
-    for arrival, p, n, seed, new, cancel in schedule:
+    for arrival, p, n, seed, new, cancel, predicted in schedule:
         params = SamplingParams() if seed is None else SamplingParams(0.9, 1.0, 0, seed)
         ids = tok(PROMPTS[p]).input_ids
         for c in range(n):  # n choices of one prompt: one seed each, as the server gives them
             choice = params if seed is None else SamplingParams(0.9, 1.0, 0, seed + c)
-            waiting.append((arrival, Sequence(ids, new, choice), cancel, PROMPTS[p]))
+            pred = None if predicted is None else alone(rt, PROMPTS[p if predicted == "own" else p - 1], choice, 12)
+            waiting.append((arrival, Sequence(ids, new, choice, prediction=pred), cancel, PROMPTS[p]))
     started, done, cancelled, held_features = {}, [], set(), []
     step = 0
     while waiting or engine.running:

@@ -110,7 +110,7 @@ class BatchEngine(Admission):
         chain or tree -> (drafts, drafting ms, most draft rows, what each drafter was asked for and gave), by id."""
         early, draft_ms = {}, {}  # request id -> its draft, its drafting ms
         caps, asks = {}, {}  # request id -> most draft rows; what its drafter was asked for and gave (the trace's)
-        for s in [s for s in self.running if not s.prefilling and not s.preempted]:
+        for s in [s for s in self.running if not s.prefilling and not s.preempted or self._finishing(s)]:
             room = min(s.max_new_tokens - len(s.generated), self.context_window - len(s.tokens))
             caps[s.id] = max(0, min(s.max_tau, room - 1))  # never draft more than can be emitted
             if getattr(self._state[s.id][1], "name", "") == "none":
@@ -146,9 +146,18 @@ class BatchEngine(Admission):
                     caps[s.id] = min(len(early[s.id].tokens), self.context_window - len(s.tokens) - 1)
                 else:
                     caps[s.id] = min(caps[s.id], len(early[s.id].tokens))
+        for s in self.running:  # a prompt's last chunk carries only what was drafted now (a model draft needs the
+            if s.prefilling and s.id in caps and s.id not in early:  # hidden states this pass computes)
+                caps[s.id] = 0
         self._early_model_drafts(early, draft_ms, caps, asks)
         self._valued = {i for i, d in early.items() if d is not None and d.is_tree}  # trees sized on their values
         return early, draft_ms, caps, asks
+
+    def _finishing(self, s: Sequence) -> bool:
+        """A prompt whose rest fits in one chunk: model-free drafts (a prediction, an n-gram copy) may ride on the
+        pass that emits its first token (_plan_rows keeps them if the chunk does take all of the rest)."""
+        return s.state is State.PREFILLING and s.constraint is None and len(s.tokens) - s.fed <= self.prefill_chunk \
+            and (s.prompt_logprobs is None or s.cycle > 0)
 
     def _early_model_drafts(self, early: dict, draft_ms: dict, caps: dict, asks: dict) -> None:
         """A tree-growing model draft's proposals for greedy requests in a small batch (EARLY_MODEL_BATCH), in one
@@ -181,6 +190,8 @@ class BatchEngine(Admission):
             if s.prefilling and s.after is None and rows_left > 0:
                 chunks[s.id] = min(len(s.tokens) - s.fed, self.prefill_chunk, rows_left)
                 rows_left -= chunks[s.id]
+                if s.id in caps and chunks[s.id] == len(s.tokens) - s.fed:  # its prompt's last chunk, drafts after it
+                    decoding.append(s)
         base = self.max_batch_rows - rows_left
         every = PROBE_EVERY * max(1, -(-len(decoding) // 4))
         denied = [s for s in decoding if s.idle >= every and caps[s.id] and not s.fixed_tau]
@@ -246,8 +257,8 @@ class BatchEngine(Admission):
                 continue
             start = len(tokens)
             spans[s.id] = (start, len(new))
-            if s.id in drafts:
-                logit_rows.extend(range(start, start + len(new)))
+            if s.id in drafts:  # its newest token's row and its drafts' (a prompt's last chunk: after the chunk)
+                logit_rows.extend(range(start + len(new) - len(drafts[s.id][2]) - 1, start + len(new)))
             elif s.prompt_logprobs is not None and s.cycle == 0:  # scoring the prompt: every row's logits
                 logit_rows.extend(range(start, start + len(new)))
             elif s.fed + len(new) == len(s.tokens):  # the prompt's last chunk: its last row gives the first token
