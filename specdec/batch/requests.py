@@ -68,7 +68,8 @@ class Sequence:
         self.idle = 0  # cycles in a row it could have drafted and got no rows
         self.generator = self.params.generator()
         self.scored: list = []  # prompt logprobs so far
-        self.predicted = PredictionDrafter(self.prediction, len(self.prompt)) if self.prediction and self.constraint is None else None
+        self.predicted = PredictionDrafter(self.prediction, len(self.prompt)) \
+            if self.prediction and self.constraint is None else None
         self.joined = False  # in the batch (join)
         self.after: int | None = None  # waits for this request's prefill of the same prompt, then copies its K/V
         self.preempted = False  # its blocks were taken back: it waits for memory, then recomputes its tokens
