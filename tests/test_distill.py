@@ -598,3 +598,33 @@ def test_distill_without_out_installs_the_targets_distilled_draft(tiny_dirs, tmp
     plain = SpecDecoder(target=target, draft="none").generate("Hello", max_new_tokens=16)
     sd = SpecDecoder(target=target, draft="ngram+distilled")
     assert sd.generate("Hello", max_new_tokens=16).token_ids == plain.token_ids
+
+
+def test_feature_noise_perturbs_the_target_features_the_draft_reads_within_its_bound(target, tok, tmp_path,
+                                                                                     monkeypatch):
+    """EAGLE's training noise: uniform, half-width `noise` x the hidden states' RMS, on the target features of the
+    first pass only (the unrolled pass reads the draft's own predictions); none at 0."""
+    import specdec.distill.training as tr
+    d = target.config.hidden_size
+    torch.manual_seed(0)
+    data = [{"ids": torch.randint(0, VOCAB, (12,)), "h": torch.randn(12, d) * 3,
+             "argmax": torch.randint(0, VOCAB, (12,))} for _ in range(4)]
+    embed = target.get_input_embeddings().weight.detach()
+    head = target.get_output_embeddings().weight.detach()
+    seen, real = [], tr._loss
+    monkeypatch.setattr(tr, "_loss", lambda net, head_r, emb, feat_in, *a: seen.append(feat_in.detach().clone())
+                        or real(net, head_r, emb, feat_in, *a))
+    to_reduced = torch.arange(VOCAB)
+    clean = tr._batch(data, embed.float() * tr.embedding_gain(embed, data), to_reduced, "cpu")[1]
+    bound = 0.2 * tr.hidden_rms(data)
+    for noise in (0.0, 0.2):
+        seen.clear()
+        tr.train(net_for_target(target.config), data, embed, head, to_reduced, 1, 4, 1e-3, 0,
+                 tmp_path / f"ckpt{noise}.pt", "cpu", noise=noise)
+        shift = (seen[0] - clean).abs()
+        if noise:
+            assert shift.max() <= bound and shift.max() > 0.9 * bound and shift.mean() > 0.4 * bound
+        else:
+            assert shift.max() == 0
+    with pytest.raises(InvalidRequest, match="feature-noise"):
+        distill("tiny", "/tmp/unused", [], [], noise=1.5, loaded=(None, tok))

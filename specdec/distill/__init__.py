@@ -99,13 +99,15 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
             gen_batch: int = 64, reduced: int = 8192, epochs: int = 6, batch: int = 8, lr: float | None = None,
             seed: int = 0, limit: int = 0, eval_limit: int = 0, eval_tau: int = 4, device: str = "auto",
             self_chat: int = 1536, val_every: int = 50, loss_on: str = "response", loaded=None,
-            ffn: int | None = None) -> dict:
+            ffn: int | None = None, noise: float = 0.0) -> dict:
     if max_new_tokens < 1 or gen_batch < 1 or epochs < 1 or batch < 1 or (lr is not None and lr <= 0) \
             or eval_tau < 1:
         raise InvalidRequest("--max-new-tokens, --gen-batch, --epochs, --batch and --eval-tau must be >= 1, "
                              "--lr > 0")
     if self_chat < 0 or val_every < 0:
         raise InvalidRequest("--self-chat and --val-every must be >= 0")
+    if not 0 <= noise < 1:
+        raise InvalidRequest(f"--feature-noise must be in [0, 1), got {noise}")
     if reduced < 2:
         raise InvalidRequest("--reduced-vocab must be >= 2")
     if ffn is not None and (isinstance(ffn, bool) or not isinstance(ffn, int) or ffn < 32 or ffn % 32):
@@ -160,15 +162,15 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
     lr = lr or default_lr(model.config.hidden_size)
     # a resumed run with another shape, schedule or data starts training again
     _keyed(work / "checkpoint.pt", {"net": net.cfg, "lr": lr, "epochs": epochs, "batch": batch, "seed": seed,
-                                    "data": [len(d["ids"]) for d in train_data]})
+                                    **({"noise": noise} if noise else {}), "data": [len(d["ids"]) for d in train_data]})
     hist = train(net, train_data, embed, head, vocab_map, epochs, batch, lr, seed, work / "checkpoint.pt", device,
-                 val)
+                 val, noise)
     t_train = perf_counter() - t1
     model.cpu()
     fp = models.tokenizer_fingerprint(tok)
     meta = {"recipe": {"prompts": len(prompts), "self_chat": self_chat, "text_files": text_files or [],
                        "max_new_tokens": max_new_tokens, "reduced_vocab": reduced, "loss_on": loss_on,
-                       "epochs": epochs, "batch": batch, "lr": lr, "seed": seed,
+                       "epochs": epochs, "batch": batch, "lr": lr, "seed": seed, "feature_noise": noise,
                        "embedding_gain": hist["embedding_gain"]},
             "sequences": len(data), "tokens": int(sum(len(d["ids"]) for d in data)),
             "train_history": hist["epochs"], "best_epoch": hist["best_epoch"]}
@@ -188,7 +190,8 @@ def cmd_distill(args) -> int:
     args.out = args.out or str(installed_draft(args.target))
     rep = distill(args.target, args.out, args.prompts or [], args.text or [], args.max_new_tokens, args.gen_batch,
                   args.reduced_vocab, args.epochs, args.batch, args.lr, args.seed, args.limit, args.eval_limit,
-                  args.eval_tau, args.device, args.self_chat, args.val_every, args.loss_on, ffn=args.draft_ffn)
+                  args.eval_tau, args.device, args.self_chat, args.val_every, args.loss_on, ffn=args.draft_ffn,
+                  noise=args.feature_noise)
     h = rep["held_out"]
     print(json.dumps(h, indent=2))
     if h["acceptance_rate"] is None:
@@ -221,6 +224,9 @@ def register(sub, model_args, sampling_args):
     d.add_argument("--reduced-vocab", type=int, default=8192, help="draft head size (most frequent target tokens)")
     d.add_argument("--draft-ffn", type=int, default=None,
                    help="the draft layer's feed-forward width (default: the target's; narrower is a cheaper step)")
+    d.add_argument("--feature-noise", type=float, default=0.0,
+                   help="EAGLE's training noise on the target features: uniform, this half-width in units of their "
+                        "RMS (a regulariser; 0 = none)")
     d.add_argument("--epochs", type=int, default=6)
     d.add_argument("--batch", type=int, default=8)
     d.add_argument("--lr", type=float, default=None,

@@ -79,8 +79,11 @@ def embedding_gain(embed: torch.Tensor, data: list[dict]) -> float:
     input is [embedding; hidden state]: Qwen2.5's embeddings are 250x smaller than its final hidden states, so
     the token just chosen is all but invisible to a freshly initialised fc. Training feeds embeddings times this
     gain, and fold_embedding_gain moves it into fc's weights, so the saved draft takes the raw embedding."""
-    h = torch.cat([d["h"][:256].float() for d in data[:64]])
-    return float(h.pow(2).mean().sqrt() / embed.float().pow(2).mean().sqrt())
+    return hidden_rms(data) / float(embed.float().pow(2).mean().sqrt())
+
+
+def hidden_rms(data: list[dict]) -> float:
+    return float(torch.cat([d["h"][:256].float() for d in data[:64]]).pow(2).mean().sqrt())
 
 
 @torch.no_grad()
@@ -89,13 +92,16 @@ def fold_embedding_gain(net, gain: float) -> None:
 
 
 def train(net, data, embed, head, vocab_map, epochs: int, batch: int, lr: float, seed: int, ckpt: Path,
-          device: str, val: list[dict] | None = None) -> dict:
+          device: str, val: list[dict] | None = None, noise: float = 0.0) -> dict:
     """AdamW + one-cycle schedule; after each epoch the validation split (sequences never trained on) is scored
     and the best epoch's weights are kept (early stopping). Trains on embeddings scaled by embedding_gain and
-    returns a net that takes raw ones."""
+    returns a net that takes raw ones. `noise`: EAGLE's feature noise, uniform with this half-width in units of
+    the hidden states' RMS, added to the target features the draft reads (a regulariser, and what the draft's
+    own inexact features look like from position 2 on)."""
     torch.manual_seed(seed)
     net.to(device).train()
     gain = embedding_gain(embed, data)
+    half_width = noise * hidden_rms(data)
     embed, head_r = embed.float() * gain, head[vocab_map].float().to(device)
     to_reduced = torch.full((head.shape[0],), -100, dtype=torch.long)
     to_reduced[vocab_map] = torch.arange(len(vocab_map))
@@ -119,6 +125,8 @@ def train(net, data, embed, head, vocab_map, epochs: int, batch: int, lr: float,
             sums = {"reg": 0.0, "ce": 0.0, "acc": 0.0, "acc2": 0.0}
             for idx in rng_epoch.sample(batches, len(batches)):
                 emb, feat_in, target_h, labels = _batch([data[i] for i in idx], embed, to_reduced, device)
+                if half_width:
+                    feat_in = feat_in + (torch.rand_like(feat_in) * 2 - 1) * half_width
                 with mixed_precision(device):
                     pred, reg, ce, acc = _loss(net, head_r, emb, feat_in, target_h, labels)
                     # unrolled pass: inputs are the draft's own predictions, as from draft position 2 on
