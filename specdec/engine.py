@@ -5,7 +5,7 @@ from collections.abc import Callable, Iterator
 from time import perf_counter
 
 from .costs import PassCosts, best_tree_size
-from .drafters.base import Draft, Drafter
+from .drafters.base import Draft, Drafter, makes_trees
 from .drafters.prediction import PredictionDrafter
 from .drafters.tree import best_chain, chain_parents, prune
 from .kv import cached_model
@@ -42,7 +42,7 @@ class Engine:
         gen = params.generator()
         predicted = PredictionDrafter(prediction, len(prompt)) if prediction and constraint is None else None
         if not params.greedy and not isinstance(gen, PositionNoise) and (
-                constraint is not None or self.trees and getattr(self.drafter, "makes_trees", False)):
+                constraint is not None or self.trees and makes_trees(self.drafter)):
             gen = PositionNoise.fresh()  # trees and grammars verify by the race rule; unseeded requests draw a seed
         seq, n_prompt = list(prompt), len(prompt)
         scored = None

@@ -65,7 +65,7 @@ def test_requests_joining_and_leaving_get_what_they_get_alone(rt, tiny_dirs, dra
     seqs = [Sequence(tok(p).input_ids, 24 + 3 * i, params, max_tau=4 + i % 3)
             for i, (p, params) in enumerate(zip(PROMPTS, PARAMS))]
     joins = {0: [0, 1], 2: [2], 5: [3, 4]}  # step -> requests joining then
-    cancelled, done, accepted, proposed, rows, trees = seqs[4], [], 0, 0, [], 0
+    cancelled, done, accepted, proposed, rows, trees, sampled_trees = seqs[4], [], 0, 0, [], 0, 0
     for step in range(400):
         for i in joins.get(step, []):
             engine.add(seqs[i])
@@ -75,6 +75,7 @@ def test_requests_joining_and_leaving_get_what_they_get_alone(rt, tiny_dirs, dra
             accepted += rec.accepted
             proposed += len(rec.proposed)
             trees += bool(rec.parents)
+            sampled_trees += bool(rec.parents) and not s.params.greedy
             if rec.finish_reason:
                 done.append(s)
         rows.append(engine.last.get("rows", 0))
@@ -92,7 +93,7 @@ def test_requests_joining_and_leaving_get_what_they_get_alone(rt, tiny_dirs, dra
     if "feature" in draft:
         assert proposed > 0  # the batched feature drafting ran
     if draft == "feature" and drafter._rt is not None:
-        assert trees > 0  # greedy requests drafted batched trees
+        assert trees > 0 and sampled_trees > 0  # greedy and seeded sampled requests drafted batched trees
     # the prompts' blocks stay named for later requests; for a drafter reading target features, with theirs
     assert len(model.pool.by_hash) > 0 and (set(model.pool.kept) == set(model.pool.by_hash)) == ("feature" in draft)
     assert model.held_slots == held
@@ -191,14 +192,16 @@ def test_a_feature_drafter_shares_cached_prefixes_with_their_hidden_states(rt):
     assert not model.pool.kept  # forgotten with the blocks' names
 
 
-def test_feature_drafts_batched_across_requests_equal_each_alone(rt):
+def test_feature_drafts_batched_across_requests_equal_each_alone(rt, monkeypatch):
     """propose_many over several forks (one layer pass per step for all) = each fork's draft alone, bitwise: a tree
-    for greedy requests (on the kernels), a chain for sampled ones; the forks keep their own state."""
+    for greedy and seeded sampled requests (on the kernels), a chain for unseeded sampled ones (no race noise to
+    rank children by); the forks keep their own state."""
     from specdec.drafters.base import fork, propose_many
     model, tok = rt
     template = feature_drafter(model)
-    contexts = [tok(p).input_ids for p in PROMPTS[:4]]
-    params = [SamplingParams(), SamplingParams(0.9, 1.0, 0, 5), SamplingParams(), SamplingParams(1.0, 1.0, 0, 2)]
+    contexts = [tok(p).input_ids for p in PROMPTS[:5]]
+    params = [SamplingParams(), SamplingParams(0.9, 1.0, 0, 5), SamplingParams(), SamplingParams(1.0, 1.0, 0, 2),
+              SamplingParams(0.8, 1.0, 0, None)]
 
     def primed():  # forks that have seen the target's features of their contexts
         forks = [fork(template) for _ in contexts]
@@ -208,15 +211,43 @@ def test_feature_drafts_batched_across_requests_equal_each_alone(rt):
             model.release_slot(s)
             d.observe_target(0, h)
         return forks
-    ks = [4, 3, 1, 5]
-    together = propose_many(primed(), contexts, ks, params, [p.generator() for p in params])
-    alone = [d.propose_many([d], [c], [k], [p], [p.generator()])[0] for d, c, k, p in zip(primed(), contexts, ks,
-                                                                                            params)]
+    ks = [4, 3, 1, 5, 3]
+    seeded = lambda p: p.generator() if p.seed is not None else torch.Generator().manual_seed(9)  # noqa: E731
+    from specdec.drafters import feature
+    positions, real = [], feature.race_children
+    monkeypatch.setattr(feature, "race_children", lambda *a: positions.append(a[-1]) or real(*a))
+    together = propose_many(primed(), contexts, ks, params, [seeded(p) for p in params])
+    if template._rt is not None:  # a sampled child of depth d sits at len(context) - 1 + d: the noise it races on
+        firsts = {len(c) for c, p in zip(contexts, params) if p.seed is not None}
+        assert firsts <= set(positions) <= {len(c) + d for c, p, k in zip(contexts, params, ks) if p.seed is not None
+                                            for d in range(k)}
+    alone = [d.propose_many([d], [c], [k], [p], [seeded(p)])[0] for d, c, k, p in zip(primed(), contexts, ks,
+                                                                                         params)]
     assert [(d.tokens, d.parents, d.values) for d in together] == [(d.tokens, d.parents, d.values) for d in alone]
     trees = template._rt is not None
     for a, b, k, p in zip(together, alone, ks, params):
         assert (a.q is None and b.q is None) or torch.equal(a.q, b.q)
-        assert a.is_tree == (trees and p.greedy) and (a.is_tree or len(a.tokens) == k)
+        assert a.is_tree == (trees and p.seed is not None or trees and p.greedy) and (a.is_tree or len(a.tokens) == k)
+
+
+def test_a_sampled_trees_first_child_is_the_drafts_own_race_winner_at_that_position(monkeypatch):
+    """race_children ranks a seeded request's children by the draft's race on the request's noise at the child's
+    position, over full-vocabulary ids: with the target's own logits as the draft (and no sharpening) its first
+    child is the token target-only sampling draws there, at every position, with top-k and top-p too."""
+    from specdec.drafters import feature
+    from specdec.sampling import PositionNoise, warp
+    monkeypatch.setattr(feature, "SHARPEN", 1.0)
+    torch.manual_seed(0)
+    vocab_map = torch.randperm(300)[:64].sort().values  # a reduced vocabulary inside a 300-token one
+    noise = PositionNoise(5)
+    for params in (SamplingParams(0.7, 1.0, 0, 5), SamplingParams(1.0, 0.9, 20, 5)):
+        for position in range(40):
+            logits = torch.randn(64) * 2
+            full = torch.full((300,), float("-inf"))
+            full[vocab_map] = logits
+            values, ids = feature.race_children(logits, vocab_map, params, noise, position)
+            assert int(vocab_map[ids[0]]) == noise.pick(warp(full, params)[None], [position])[0]
+            assert values == sorted(values, reverse=True) and 0 < sum(values) <= 1 + 1e-9
 
 
 def test_feature_draft_runs_as_q4_0_blocks_and_keeps_every_feature(rt):

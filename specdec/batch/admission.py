@@ -3,7 +3,7 @@ and resumption, leaving; and the predicted work admission and the 429 prediction
 (engine.py's __init__) is what these methods read and change."""
 from __future__ import annotations
 
-from ..drafters.base import close, fork
+from ..drafters.base import close, fork, makes_trees
 from ..errors import InvalidRequest
 from ..policy import AdaptivePolicy
 from ..runtime.blocks import BLOCK, OutOfBlocks
@@ -77,7 +77,7 @@ class Admission:
         for mine, ours in zip(est.alpha, self.shared.alpha):
             mine.value = ours.value
         if not seq.params.greedy and not isinstance(seq.generator, PositionNoise) and (
-                seq.constraint is not None or getattr(self.drafter, "makes_trees", False)):
+                seq.constraint is not None or makes_trees(self.drafter)):
             seq.generator = PositionNoise.fresh()  # trees and grammars verify by the race rule
         self.check_fits(seq.prompt)
         slot = self.model.acquire_slot()

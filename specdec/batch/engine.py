@@ -6,7 +6,7 @@ from time import perf_counter
 
 import torch
 
-from ..drafters.base import Draft, propose_many
+from ..drafters.base import Draft, makes_trees, propose_many
 from ..drafters.tree import best_chain, depths, path, prune
 from ..engine import cut
 from ..kernels import argmax as row_argmax
@@ -14,7 +14,7 @@ from ..policy import AdaptivePolicy, Ema
 from ..runtime.blocks import BLOCK, OutOfBlocks
 from ..runtime.model import Llama
 from ..runtime.slot_cache import fit_vocab
-from ..sampling import SamplingParams, token_logprobs
+from ..sampling import PositionNoise, SamplingParams, token_logprobs
 from ..scheduler import Demand, plan
 from ..trace import CycleRecord, shortfall
 from ..verification import (
@@ -56,8 +56,7 @@ class BatchEngine(Admission):
         self.max_batch_rows, self.prefill_chunk = max_batch_rows, prefill_chunk
         self.wants_hidden = getattr(drafter, "wants_target_hidden", False)
         self._valued: set[int] = set()  # this cycle's requests whose tree the scheduler sized on its node values
-        self.early_model = not getattr(drafter, "free", False) and any(  # (EARLY_MODEL_BATCH)
-            getattr(m, "makes_trees", False) for m in getattr(drafter, "members", [drafter]))
+        self.early_model = not getattr(drafter, "free", False) and makes_trees(drafter)  # (EARLY_MODEL_BATCH)
         self.prefixes = PrefixCache(model, features=self.wants_hidden) if prefix_cache else None
         self._prompt_hidden: dict[int, list] = {}  # id -> its prompt's hidden states so far (features cache only)
         self.preemptions = 0
@@ -160,13 +159,14 @@ class BatchEngine(Admission):
             and (s.prompt_logprobs is None or s.cycle > 0)
 
     def _early_model_drafts(self, early: dict, draft_ms: dict, caps: dict, asks: dict) -> None:
-        """A tree-growing model draft's proposals for greedy requests in a small batch (EARLY_MODEL_BATCH), in one
-        batched call before the split: their node values are what the scheduler sizes them by."""
+        """A tree-growing model draft's proposals for greedy and seeded sampled requests in a small batch
+        (EARLY_MODEL_BATCH), in one batched call before the split: their node values are what the scheduler sizes
+        them by."""
         decoding = [s for s in self.running if not s.prefilling and not s.preempted]
         if not self.early_model or len(decoding) > EARLY_MODEL_BATCH:
             return
-        group = [(s, caps[s.id]) for s in decoding if s.params.greedy and s.constraint is None and s.id not in early
-                 and caps.get(s.id)]
+        group = [(s, caps[s.id]) for s in decoding if (s.params.greedy or isinstance(s.generator, PositionNoise))
+                 and s.constraint is None and s.id not in early and caps.get(s.id)]
         if not group:
             return
         t = perf_counter()

@@ -61,6 +61,12 @@ def save(drafter) -> None:
             member.persist()
 
 
+def makes_trees(drafter) -> bool:
+    """Whether the drafter, or a member of a chain, proposes token trees (a sampled request then verifies by the
+    race rule, on PositionNoise)."""
+    return any(getattr(m, "makes_trees", False) for m in getattr(drafter, "members", [drafter]))
+
+
 def close(drafter) -> None:
     """Give back what a forked drafter holds (KV slots)."""
     if hasattr(drafter, "close"):

@@ -20,7 +20,7 @@ from ..errors import ModelLoadError
 from ..kv import common_prefix_len, few_row_linears, rows_linear
 from ..models import is_runtime
 from ..runtime.weights import QTensor, qlinear
-from ..sampling import draw, warp
+from ..sampling import PositionNoise, draw, warp
 from .base import Draft
 from .feature_files import MARKER, check_target
 from .feature_net import FeatureDraftNet, quantized, runtime_layer
@@ -42,6 +42,21 @@ TREE_TOP, TREE_WIDTH, TREE_EXPAND, TREE_NODES = 4, 2, 0.4, 16
 # positions), the first draft's acceptance Σ min(p, q) was 0.373 with 1.0, 0.391 with 0.6 and 0.393 with 0.4; in
 # process, 16 sampled requests made 1.50 / 1.54 / 1.57 tokens a pass (docs/draft.md). Any q keeps the output exact.
 SHARPEN = 0.4
+RACE_SPREAD = 4.0  # (race_children)
+
+
+def race_children(logits: torch.Tensor, vocab_map: torch.Tensor, params, noise: PositionNoise, position: int):
+    """A sampled request's children of a tree node whose token sits at `position`: the target's token there is the
+    race winner argmax p/E on the request's noise E (sampling.PositionNoise), so the draft bets on its own race's
+    leaders, argmax q/E with q = warp(draft logits / SHARPEN), best first -> (values, reduced-vocabulary ids).
+    A child's value is its share of exp((log q - log E) / RACE_SPREAD) among the node's candidates: the chance,
+    calibrated on the 1.5B's draft, that it is the target's winner (docs/draft.md)."""
+    q = warp(logits / SHARPEN, params)
+    score = q.log() - noise.exponentials(position, vocab_map).log()
+    top = score.topk(min(TREE_TOP, len(score)))
+    value = torch.softmax(score / RACE_SPREAD, -1)[top.indices]
+    keep = top.values > float("-inf")  # outside the request's top-k / top-p: never the winner
+    return value[keep].tolist(), top.indices[keep].tolist()
 
 
 class _CachedRows:
@@ -153,15 +168,17 @@ class FeatureDrafter:
 
     @staticmethod
     @torch.inference_mode()
-    def grow_trees(drafters, contexts, depths: list[int]) -> list[Draft]:
+    def grow_trees(drafters, contexts, depths: list[int], params=None, generators=None) -> list[Draft]:
         """Dynamic token trees (EAGLE-2, Li et al. 2024), one per fork, grown together: the draft's top TREE_TOP
         children of each context, then, depth by depth, each tree's TREE_WIDTH likeliest nodes expanded (one draft
         pass for every tree's, each row attending to its context and its own path), while a node is worth at least
         TREE_EXPAND. A node's value is the product of the draft's probabilities along its path (its own estimate
         that the path is the target's); nodes come best-first, and the engine's cost model verifies as many as pay
         (costs.best_tree_size; the batch engine's budget). Every row is computed as alone (row-invariant kernels),
-        so each tree equals that fork's tree grown alone."""
+        so each tree equals that fork's tree grown alone. A seeded sampled request (race_children) ranks children by
+        the draft's own race on the request's noise, as the target's token is that noise's race winner."""
         out = [Draft() for _ in drafters]
+        noise = {i: g for i, g in enumerate(generators or []) if isinstance(g, PositionNoise)}
         live = FeatureDrafter._catch_up(drafters, contexts, depths)
         if not live:
             return out
@@ -171,10 +188,13 @@ class FeatureDrafter:
         frontier = {i: [(-1, f)] for i, f in zip(live, feats)}  # expanded nodes whose children are to be read
         for d in range(1, max(depths[i] for i in live) + 1):
             rows = [(i, node, f) for i in frontier for node, f in frontier[i]]
-            probs = drafters[live[0]]._logits(torch.stack([f for _, _, f in rows])).softmax(-1)
-            top = probs.topk(min(TREE_TOP, probs.shape[-1]), -1)
+            logits = drafters[live[0]]._logits(torch.stack([f for _, _, f in rows]))
+            top = logits.softmax(-1).topk(min(TREE_TOP, logits.shape[-1]), -1)
+            tops = [race_children(lg, drafters[i].vocab_map, params[i], noise[i], len(contexts[i]) - 1 + d)
+                    if i in noise else (ps, ids)
+                    for (i, _, _), lg, ps, ids in zip(rows, logits, top.values.tolist(), top.indices.tolist())]
             born = {i: [] for i in frontier}
-            for (i, node, f), ps, ids in zip(rows, top.values.tolist(), top.indices.tolist()):
+            for (i, node, f), (ps, ids) in zip(rows, tops):
                 tokens, parents, values, _ = grown[i]
                 base = values[node] if node >= 0 else 1.0
                 for p, j in zip(ps, ids):
@@ -235,16 +255,18 @@ class FeatureDrafter:
 
     @staticmethod
     def propose_many(drafters, contexts, ks, params, generators) -> list[Draft]:
-        """Drafts for several sequences at once (continuous batching), each with its own drafter fork: greedy ones
-        on the runtime as trees (grow_trees), the others as chains (chains), each kind in one batched call."""
+        """Drafts for several sequences at once (continuous batching), each with its own drafter fork: greedy and
+        seeded sampled ones on the runtime as trees (grow_trees), the others as chains (chains), each kind in one
+        batched call."""
         out = [Draft() for _ in drafters]
-        tree = [d._rt is not None and p.greedy for d, p in zip(drafters, params)]
+        tree = [d._rt is not None and (p.greedy or isinstance(g, PositionNoise))
+                for d, p, g in zip(drafters, params, generators)]
         for kind, grow in ((True, FeatureDrafter.grow_trees), (False, FeatureDrafter.chains)):
             group = [i for i, t in enumerate(tree) if t == kind]
             if group:
                 pick = lambda xs: [xs[i] for i in group]  # noqa: E731
-                args = (pick(drafters), pick(contexts), pick(ks)) + ((pick(params), pick(generators)) if not kind else ())
-                for i, draft in zip(group, grow(*args)):
+                for i, draft in zip(group, grow(pick(drafters), pick(contexts), pick(ks), pick(params),
+                                                pick(generators))):
                     out[i] = draft
         return out
 
