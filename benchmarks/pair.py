@@ -56,10 +56,11 @@ WORKLOADS = ("completion", "chat", "edits", "fim", "edits-predicted", "chat-samp
 SAMPLED = {"temperature": 0.7, "top_p": 1.0}
 # The feature draft for the 1.5B (issue "drafts for real work"), built once by `specdec distill` into the target's
 # draft directory, where `--draft distilled` finds it:
-# the shipped prompt sets' responses and 1,024 self-chat conversations at 96 tokens, a 2,048-wide feed-forward
-# (a step costs ~0.044 of a target pass), 6 epochs; about an hour on 2 cores.
-FEATURE_RECIPE = ["--max-new-tokens", "96", "--self-chat", "1024", "--draft-ffn", "2048", "--epochs", "6",
-                  "--eval-limit", "8"]
+# the shipped prompt sets' responses and 1,024 self-chat conversations at 96 tokens, 115k tokens of the standard
+# library's modules and 38k of the language reference teacher-forced, EAGLE's feature noise, a 2,048-wide
+# feed-forward (a step costs ~0.044 of a target pass), 6 epochs; about 1 h 55 min on 2 cores (docs/draft.md).
+FEATURE_RECIPE = ["--max-new-tokens", "96", "--self-chat", "1024", "--stdlib-text", "115000", "--feature-noise", "0.1",
+                  "--draft-ffn", "2048", "--epochs", "6", "--eval-limit", "8"]
 
 
 class Refused(SystemExit):
@@ -142,7 +143,7 @@ def feature_draft(target: Path) -> Path:
     out = installed_draft(str(target))
     if is_feature_draft(out):
         return out
-    log(f"training the 1.5B's feature draft once into {out} (about 75 min on 2 cores; resumable)")
+    log(f"training the 1.5B's feature draft once into {out} (about 1 h 55 min on 2 cores; resumable)")
     subprocess.run([str(Path(sys.executable).with_name("specdec")), "distill", "--target", str(target),
                     *FEATURE_RECIPE], check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     return out

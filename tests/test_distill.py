@@ -628,3 +628,26 @@ def test_feature_noise_perturbs_the_target_features_the_draft_reads_within_its_b
             assert shift.max() == 0
     with pytest.raises(InvalidRequest, match="feature-noise"):
         distill("tiny", "/tmp/unused", [], [], noise=1.5, loaded=(None, tok))
+
+
+def test_stdlib_text_is_whole_modules_until_n_tokens_then_a_third_as_much_prose(tok, tmp_path):
+    """`distill --stdlib-text N`: modules of 300-20,000 tokens in a seeded order, whole, until N tokens (never a
+    test or private module), then N // 3 tokens of the language reference; a negative N is refused."""
+    from specdec.prompts.stdlib import corpus
+    size = {"a.py": 220, "b.py": 220, "c.py": 5, "_d.py": 220, "tests/e.py": 220, "f.py": 220, "g.py": 220}
+    bodies = {}
+    for name, lines in size.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        bodies[name] = f"# {name}\n" + "value = 1\n" * lines
+        (tmp_path / name).write_text(bodies[name])
+    n_tokens = {name: len(tok(b).input_ids) for name, b in bodies.items()}
+    assert n_tokens["c.py"] < 300 <= min(n_tokens[n] for n in ("a.py", "b.py", "f.py", "g.py"))
+    want = max(n_tokens.values()) + 10  # two modules
+    code, prose = corpus(tok, want, root=tmp_path)
+    picked = sorted((n for n in bodies if f"# {n}\n" in code), key=lambda n: code.index(f"# {n}\n"))
+    assert code == "\n\n".join(bodies[n] for n in picked)  # whole modules
+    assert set(picked) <= {"a.py", "b.py", "f.py", "g.py"} and len(picked) == len(set(picked)) == 2
+    assert sum(n_tokens[n] for n in picked) >= want > n_tokens[picked[0]]
+    assert len(tok(prose).input_ids) == pytest.approx(want // 3, abs=2)
+    with pytest.raises(InvalidRequest, match="stdlib-text"):
+        distill("tiny", "/tmp/unused", [], [], stdlib_text=-1, loaded=(None, tok))

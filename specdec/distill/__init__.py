@@ -29,6 +29,7 @@ from ..drafters.feature import FeatureDrafter
 from ..drafters.feature_net import net_for_target, save_draft
 from ..errors import InvalidRequest, SpecDecError
 from ..prompts import encode_prompt, load_prompts
+from ..prompts.stdlib import corpus as stdlib_corpus
 from .data import (
     _keyed,
     _keyed_per_item,
@@ -99,13 +100,13 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
             gen_batch: int = 64, reduced: int = 8192, epochs: int = 6, batch: int = 8, lr: float | None = None,
             seed: int = 0, limit: int = 0, eval_limit: int = 0, eval_tau: int = 4, device: str = "auto",
             self_chat: int = 1536, val_every: int = 50, loss_on: str = "response", loaded=None,
-            ffn: int | None = None, noise: float = 0.0) -> dict:
+            ffn: int | None = None, noise: float = 0.0, stdlib_text: int = 0) -> dict:
     if max_new_tokens < 1 or gen_batch < 1 or epochs < 1 or batch < 1 or (lr is not None and lr <= 0) \
             or eval_tau < 1:
         raise InvalidRequest("--max-new-tokens, --gen-batch, --epochs, --batch and --eval-tau must be >= 1, "
                              "--lr > 0")
-    if self_chat < 0 or val_every < 0:
-        raise InvalidRequest("--self-chat and --val-every must be >= 0")
+    if self_chat < 0 or val_every < 0 or stdlib_text < 0:
+        raise InvalidRequest("--self-chat, --val-every and --stdlib-text must be >= 0")
     if not 0 <= noise < 1:
         raise InvalidRequest(f"--feature-noise must be in [0, 1), got {noise}")
     if reduced < 2:
@@ -126,7 +127,8 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
     model, tok = loaded[:2] if loaded else models.load(target, backend="transformers")  # training: transformers
     if reduced > model.config.vocab_size:
         raise InvalidRequest(f"--reduced-vocab {reduced} exceeds the target's vocabulary ({model.config.vocab_size})")
-    texts = text_sequences(tok, text_files or [])  # read before hours of generation, so a bad path fails fast
+    # read before hours of generation, so a bad path fails fast
+    texts = text_sequences(tok, text_files or [], texts=stdlib_corpus(tok, stdlib_text) if stdlib_text else [])
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     model.to(device)
     # the data (generation with hidden states, labels) on specdec's runtime where it runs the target on this CPU
@@ -169,6 +171,7 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
     model.cpu()
     fp = models.tokenizer_fingerprint(tok)
     meta = {"recipe": {"prompts": len(prompts), "self_chat": self_chat, "text_files": text_files or [],
+                       "stdlib_text": stdlib_text,
                        "max_new_tokens": max_new_tokens, "reduced_vocab": reduced, "loss_on": loss_on,
                        "epochs": epochs, "batch": batch, "lr": lr, "seed": seed, "feature_noise": noise,
                        "embedding_gain": hist["embedding_gain"]},
@@ -191,7 +194,7 @@ def cmd_distill(args) -> int:
     rep = distill(args.target, args.out, args.prompts or [], args.text or [], args.max_new_tokens, args.gen_batch,
                   args.reduced_vocab, args.epochs, args.batch, args.lr, args.seed, args.limit, args.eval_limit,
                   args.eval_tau, args.device, args.self_chat, args.val_every, args.loss_on, ffn=args.draft_ffn,
-                  noise=args.feature_noise)
+                  noise=args.feature_noise, stdlib_text=args.stdlib_text)
     h = rep["held_out"]
     print(json.dumps(h, indent=2))
     if h["acceptance_rate"] is None:
@@ -211,6 +214,9 @@ def register(sub, model_args, sampling_args):
                         "directory in the cache, which `--draft distilled` runs")
     d.add_argument("--prompts", action="append", help="JSONL prompt files (default: the shipped distill set)")
     d.add_argument("--text", action="append", help="plain text files to add as training sequences")
+    d.add_argument("--stdlib-text", type=int, default=0, metavar="N",
+                   help="add N tokens of the standard library's modules and a third as many of the language "
+                        "reference as teacher-forced text (0 = none)")
     d.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
     d.add_argument("--max-new-tokens", type=int, default=128, help="length of the target's responses")
     d.add_argument("--gen-batch", type=int, default=64, help="sequences generated together")

@@ -200,13 +200,17 @@ def self_chat_data(model, tok, n: int, path: Path, max_new_tokens: int, batch: i
     return store.items[:n]
 
 
-def text_sequences(tok, files: list[str], length: int = 256) -> list[dict]:
-    seqs = []
+def text_sequences(tok, files: list[str], length: int = 256, texts: list[str] = ()) -> list[dict]:
+    """Plain text (the files', then `texts`) cut into sequences of `length` tokens for teacher forcing."""
+    read = []
     for name in files:
         try:
-            ids = tok(Path(name).read_text()).input_ids
+            read.append(Path(name).read_text())
         except (OSError, UnicodeDecodeError) as e:
             raise SpecDecError(f"cannot read text file {name}: {getattr(e, 'strerror', None) or e}")
+    seqs = []
+    for text in [*read, *texts]:
+        ids = tok(text).input_ids
         seqs += [{"ids": ids[i:i + length], "h": None} for i in range(0, len(ids) - 8, length)]
     return seqs
 

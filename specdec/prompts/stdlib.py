@@ -104,6 +104,33 @@ def build(n_code: int = 550, n_summary: int = 400, n_explain: int = 250, seed: i
     return out
 
 
+def corpus(tok, code_tokens: int, root: Path | None = None) -> list[str]:
+    """Plain text for teacher forcing (`specdec distill --stdlib-text N`): whole modules of the standard library in a
+    seeded order (300 to 20,000 tokens each) until they reach `code_tokens`, then the first third as many tokens of
+    the language reference's prose (pydoc_data.topics). The target's argmax at every position is the label, so
+    text nobody generated still teaches the draft what the target predicts from its features (as EAGLE trains on
+    fixed conversations)."""
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    files = [p for p in sorted(root.rglob("*.py")) if not SKIP_DIRS & set(p.relative_to(root).parts[:-1])
+             and not p.name.startswith(("_", "test"))]
+    random.Random(0).shuffle(files)
+    code, n = [], 0
+    for path in files:
+        if n >= code_tokens:
+            break
+        text = path.read_text(errors="ignore")
+        k = len(tok(text).input_ids)
+        if 300 <= k <= 20000:
+            code.append(text)
+            n += k
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:
+        topics = {}
+    prose = tok("\n\n".join(topics[k] for k in sorted(topics))).input_ids[: code_tokens // 3]
+    return ["\n\n".join(code)] + ([tok.decode(prose)] if prose else [])
+
+
 if __name__ == "__main__":
     dest = Path(sys.argv[1]) if len(sys.argv) > 1 else HERE / "distill_stdlib.jsonl"
     prompts = build()
