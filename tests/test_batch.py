@@ -101,6 +101,38 @@ def test_requests_joining_and_leaving_get_what_they_get_alone(rt, tiny_dirs, dra
     assert model.held_slots == held
 
 
+def test_a_chains_model_free_member_proposes_before_the_split_in_a_big_batch(rt, monkeypatch):
+    """`ngram+feature` with more requests decoding than EARLY_MODEL_BATCH: every n-gram copy is proposed before the
+    verification budget splits the rows (so the split sizes it on what it holds); after the split the chain finds
+    no copy it had not offered; every output still equals the request alone."""
+    import specdec.batch.engine as be
+    from specdec.drafters import ChainDrafter, NgramDrafter
+    model, tok = rt
+    events, real_plan, real_propose = [], be.plan, NgramDrafter.propose
+
+    def ngram(self, context, *a):
+        draft = real_propose(self, context, *a)
+        events.append(("ngram", tuple(context), bool(draft.tokens)))
+        return draft
+    monkeypatch.setattr(NgramDrafter, "propose", ngram)
+    monkeypatch.setattr(be, "plan", lambda *a, **k: events.append(("plan", len(a[0]))) or real_plan(*a, **k))
+    engine = BatchEngine(model, ChainDrafter([NgramDrafter(), feature_drafter(model)]), model.config.vocab_size,
+                         models.eos_ids(model, tok), 128, max_batch_rows=32, prefill_chunk=8)
+    prompts = [p + " one two three one two three one two" for p in PROMPTS] * 2  # copies for the n-gram
+    seqs = [engine.add(Sequence(tok(p).input_ids, 20, SamplingParams())) for p in prompts[:7]]
+    copies, after_split = 0, 0
+    while engine.running:
+        events.clear()
+        engine.step()
+        split = next((i for i, e in enumerate(events) if e[0] == "plan"), len(events))
+        big = split < len(events) and events[split][1] > be.EARLY_MODEL_BATCH
+        copies += big and sum(e[0] == "ngram" and e[2] for e in events[:split])
+        after_split += big and sum(e[0] == "ngram" and e[2] for e in events[split:])
+    assert copies > 0 and after_split == 0
+    for s, p in zip(seqs, prompts):
+        assert s.generated == alone(rt, p, SamplingParams(), 20)
+
+
 def test_one_request_alone_in_the_batch_engine_equals_the_engine(rt):
     model, tok = rt
     sd = SpecDecoder.from_models(model, tok, draft="ngram", tau=3)

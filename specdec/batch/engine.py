@@ -57,6 +57,10 @@ class BatchEngine(Admission):
         self.wants_hidden = getattr(drafter, "wants_target_hidden", False)
         self._valued: set[int] = set()  # this cycle's requests whose tree the scheduler sized on its node values
         self.early_model = not getattr(drafter, "free", False) and makes_trees(drafter)  # (EARLY_MODEL_BATCH)
+        # a chain that starts with model-free members (`ngram+distilled`) proposes those before the split too: a
+        # copy then gets rows for what it holds, and only requests it had nothing for wait on the model draft
+        members = getattr(drafter, "members", [])
+        self.free_lead = not getattr(drafter, "free", False) and bool(members) and getattr(members[0], "free", False)
         self.prefixes = PrefixCache(model, features=self.wants_hidden) if prefix_cache else None
         self._prompt_hidden: dict[int, list] = {}  # id -> its prompt's hidden states so far (features cache only)
         self.preemptions = 0
@@ -129,16 +133,20 @@ class BatchEngine(Admission):
                 early[s.id], draft_ms[s.id], depth = made
                 asks[s.id] = (depth, len(early[s.id].tokens), "room", "budget", "prediction")
                 caps[s.id] = len(early[s.id].tokens)
-            elif free and caps[s.id]:  # propose first: the scheduler then knows what there is to verify
-                drafter = self._state[s.id][1]
+            elif caps[s.id] and (free or self.free_lead):  # propose first: the scheduler then knows what there is
+                drafter = self._state[s.id][1]                  # to verify (a chain: its model-free members)
                 if getattr(drafter, "sizes_own_depth", False):  # (suffix) as deep as the pass curve pays for
                     caps[s.id] = max(1, min(drafter.depth(self.pass_ms), room - 1, self.max_batch_rows - 1))
                 t = perf_counter()
                 try:
-                    early[s.id] = self._state[s.id][1].propose(s.tokens, caps[s.id], s.params, s.generator)
+                    made = drafter.propose(s.tokens, caps[s.id], s.params, s.generator, **(
+                        {} if free else {"free_only": True}))
                 except Exception as e:  # noqa: BLE001
                     self._fail(s, e)
                     continue
+                if not free and not made.tokens:
+                    continue  # the chain's model draft proposes later
+                early[s.id] = made
                 draft_ms[s.id] = (perf_counter() - t) * 1e3
                 asks[s.id] = (caps[s.id], len(early[s.id].tokens), "room", "budget", None)
                 if early[s.id].is_tree:  # nodes, not depth, are the rows it asks for

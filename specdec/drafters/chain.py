@@ -27,8 +27,12 @@ class ChainDrafter:
         self.alphas = alphas if alphas is not None else {}
         self._last: tuple[int, int] | None = None  # (member, chain length) of the last merged proposal
 
-    def propose(self, context, k, params, generator) -> Draft:
+    def propose(self, context, k, params, generator, free_only: bool = False) -> Draft:
+        """The first member's proposal that has tokens; `free_only`: only the members before the first model draft
+        (a batch proposes those for every request before it splits the pass's rows)."""
         for i, m in enumerate(self.members):
+            if free_only and not getattr(m, "free", False):
+                break
             branching = self.makes_trees and hasattr(m, "propose_tree")  # several continuations, as one tree
             draft = (m.propose_tree if branching else m.propose)(context, k, params, generator)
             if draft.tokens:
