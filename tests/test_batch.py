@@ -103,8 +103,9 @@ def test_requests_joining_and_leaving_get_what_they_get_alone(rt, tiny_dirs, dra
 
 def test_a_chains_model_free_member_proposes_before_the_split_in_a_big_batch(rt, monkeypatch):
     """`ngram+feature` with more requests decoding than EARLY_MODEL_BATCH: every n-gram copy is proposed before the
-    verification budget splits the rows (so the split sizes it on what it holds); after the split the chain finds
-    no copy it had not offered; every output still equals the request alone."""
+    verification budget splits the rows (so the split sizes it on what it holds, with the copies' own acceptance
+    estimates); after the split the chain finds no copy it had not offered; every output still equals the request
+    alone."""
     import specdec.batch.engine as be
     from specdec.drafters import ChainDrafter, NgramDrafter
     model, tok = rt
@@ -118,17 +119,29 @@ def test_a_chains_model_free_member_proposes_before_the_split_in_a_big_batch(rt,
     monkeypatch.setattr(be, "plan", lambda *a, **k: events.append(("plan", len(a[0]))) or real_plan(*a, **k))
     engine = BatchEngine(model, ChainDrafter([NgramDrafter(), feature_drafter(model)]), model.config.vocab_size,
                          models.eos_ids(model, tok), 128, max_batch_rows=32, prefill_chunk=8)
+
+    class Kept(dict):  # the copies' estimates, kept after their requests leave
+        def pop(self, key, default=None):
+            return self.get(key, default)
+    engine._copy_est = Kept()
+    observed, real_observe = [], be.AdaptivePolicy.observe
+    monkeypatch.setattr(be.AdaptivePolicy, "observe", lambda self, rec: observed.append(self) or real_observe(self, rec))
     prompts = [p + " one two three one two three one two" for p in PROMPTS] * 2  # copies for the n-gram
     seqs = [engine.add(Sequence(tok(p).input_ids, 20, SamplingParams())) for p in prompts[:7]]
-    copies, after_split = 0, 0
+    copies, after_split, copy_updates = 0, 0, 0
     while engine.running:
-        events.clear()
+        events.clear(), observed.clear()
         engine.step()
         split = next((i for i, e in enumerate(events) if e[0] == "plan"), len(events))
+        copied = sum(e[0] == "ngram" and e[2] for e in events[:split])
         big = split < len(events) and events[split][1] > be.EARLY_MODEL_BATCH
-        copies += big and sum(e[0] == "ngram" and e[2] for e in events[:split])
+        copies += big and copied
         after_split += big and sum(e[0] == "ngram" and e[2] for e in events[split:])
-    assert copies > 0 and after_split == 0
+        # each copy updates its request's copy estimates, and nothing else does (the model draft's stay its own)
+        mine = sum(any(o is c for c in engine._copy_est.values()) for o in observed)
+        assert mine == copied
+        copy_updates += mine
+    assert copies > 0 and after_split == 0 and copy_updates >= copies
     for s, p in zip(seqs, prompts):
         assert s.generated == alone(rt, p, SamplingParams(), 20)
 

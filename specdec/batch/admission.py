@@ -135,6 +135,7 @@ class Admission:
         if seq.id in self._state:
             slot, drafter, _ = self._state.pop(seq.id)
             self._prompt_hidden.pop(seq.id, None)
+            self._copy_est.pop(seq.id, None)
             self.model.release_slot(slot)
             close(drafter)
             self.running.remove(seq)

@@ -61,6 +61,10 @@ class BatchEngine(Admission):
         # copy then gets rows for what it holds, and only requests it had nothing for wait on the model draft
         members = getattr(drafter, "members", [])
         self.free_lead = not getattr(drafter, "free", False) and bool(members) and getattr(members[0], "free", False)
+        # their copies' acceptance, apart from the model draft's (mixed, the copies' 0.79 a row made the model's
+        # 0.45 read 0.71 at 16 streams, and the split bought model rows that lost): request id -> estimates
+        self._copy_est: dict[int, AdaptivePolicy] = {}
+        self._copied: set[int] = set()  # this cycle's requests whose draft is such a copy
         self.prefixes = PrefixCache(model, features=self.wants_hidden) if prefix_cache else None
         self._prompt_hidden: dict[int, list] = {}  # id -> its prompt's hidden states so far (features cache only)
         self.preemptions = 0
@@ -112,6 +116,7 @@ class BatchEngine(Admission):
         """Proposals made before the row split: a grammar's forced tokens, a prediction, a model-free drafter's
         chain or tree -> (drafts, drafting ms, most draft rows, what each drafter was asked for and gave), by id."""
         early, draft_ms = {}, {}  # request id -> its draft, its drafting ms
+        self._copied = set()
         caps, asks = {}, {}  # request id -> most draft rows; what its drafter was asked for and gave (the trace's)
         for s in [s for s in self.running if not s.prefilling and not s.preempted or self._finishing(s)]:
             room = min(s.max_new_tokens - len(s.generated), self.context_window - len(s.tokens))
@@ -146,6 +151,8 @@ class BatchEngine(Admission):
                     continue
                 if not free and not made.tokens:
                     continue  # the chain's model draft proposes later
+                if not free:
+                    self._copied.add(s.id)
                 early[s.id] = made
                 draft_ms[s.id] = (perf_counter() - t) * 1e3
                 asks[s.id] = (caps[s.id], len(early[s.id].tokens), "room", "budget", None)
@@ -159,6 +166,12 @@ class BatchEngine(Admission):
         self._early_model_drafts(early, draft_ms, caps, asks)
         self._valued = {i for i, d in early.items() if d is not None and d.is_tree}  # trees sized on their values
         return early, draft_ms, caps, asks
+
+    def _estimates(self, s: Sequence) -> AdaptivePolicy:
+        """The acceptance estimates that size this cycle's draft: a chain's model-free copy has its own."""
+        if s.id in self._copied:
+            return self._copy_est.setdefault(s.id, AdaptivePolicy(s.max_tau, max(s.max_tau, 1)))
+        return self._state[s.id][2]
 
     def _finishing(self, s: Sequence) -> bool:
         """A prompt whose rest fits in one chunk: model-free drafts (a prediction, an n-gram copy) may ride on the
@@ -206,7 +219,7 @@ class BatchEngine(Admission):
         probe = max(denied, key=lambda s: (s.idle, -s.id)).id if denied else None
         demands = []
         for s in decoding:
-            est = self._state[s.id][2]
+            est = self._estimates(s)
             cost = 0.0 if free or s.id in early else est.draft_ms.value if est.draft_ms is not None else 0.1
             cap = caps[s.id]
             floor = cap if s.fixed_tau else min(cap, 1) if s.id == probe else 0
@@ -510,8 +523,9 @@ class BatchEngine(Admission):
         # on these estimates) count as chains of their depth
         if (proposed or not free) and by is None and not (tree and s.id in self._valued):
             seen = replace(rec, proposed=proposed[: max(depths(draft.parents))]) if tree else rec
-            self._state[s.id][2].observe(seen)
-            self.shared.observe(seen)
+            self._estimates(s).observe(seen)
+            if s.id not in self._copied:
+                self.shared.observe(seen)
         if finish:
             s.finish(finish)
             self.remove(s)
