@@ -113,7 +113,7 @@ def test_a_chains_model_free_member_proposes_before_the_split_in_a_big_batch(rt,
 
     def ngram(self, context, *a):
         draft = real_propose(self, context, *a)
-        events.append(("ngram", tuple(context), bool(draft.tokens)))
+        events.append(("ngram", tuple(context), bool(draft.tokens), draft.match))
         return draft
     monkeypatch.setattr(NgramDrafter, "propose", ngram)
     monkeypatch.setattr(be, "plan", lambda *a, **k: events.append(("plan", len(a[0]))) or real_plan(*a, **k))
@@ -128,20 +128,23 @@ def test_a_chains_model_free_member_proposes_before_the_split_in_a_big_batch(rt,
     monkeypatch.setattr(be.AdaptivePolicy, "observe", lambda self, rec: observed.append(self) or real_observe(self, rec))
     prompts = [p + " one two three one two three one two" for p in PROMPTS] * 2  # copies for the n-gram
     seqs = [engine.add(Sequence(tok(p).input_ids, 20, SamplingParams())) for p in prompts[:7]]
-    copies, after_split, copy_updates = 0, 0, 0
+    copies, after_split, copy_updates, buckets = 0, 0, 0, set()
     while engine.running:
         events.clear(), observed.clear()
         engine.step()
         split = next((i for i, e in enumerate(events) if e[0] == "plan"), len(events))
         copied = sum(e[0] == "ngram" and e[2] for e in events[:split])
+        buckets |= {sum(e[3] >= b for b in be.COPY_BUCKETS[1:]) for e in events[:split] if e[0] == "ngram" and e[2]}
         big = split < len(events) and events[split][1] > be.EARLY_MODEL_BATCH
         copies += big and copied
         after_split += big and sum(e[0] == "ngram" and e[2] for e in events[split:])
         # each copy updates its request's copy estimates, and nothing else does (the model draft's stay its own)
-        mine = sum(any(o is c for c in engine._copy_est.values()) for o in observed)
+        mine = sum(any(o is c for b in engine._copy_est.values() for c in b.values()) for o in observed)
         assert mine == copied
         copy_updates += mine
     assert copies > 0 and after_split == 0 and copy_updates >= copies
+    # a copy's estimates are those of its match length's bucket: short and long matches learn apart
+    assert len(buckets) > 1 and {b for kept in engine._copy_est.values() for b in kept} == buckets
     for s, p in zip(seqs, prompts):
         assert s.generated == alone(rt, p, SamplingParams(), 20)
 

@@ -54,6 +54,26 @@ def test_the_drafter_rejoins_the_prediction_after_an_edit(edit):
     assert walk(PRED, PRED)[0] == -(-len(PRED) // 9)  # the prediction itself: 8 drafts + 1 a cycle
 
 
+@pytest.mark.parametrize("new", [[8], [8, 9], [8, 9, 10]])
+def test_a_rename_learned_at_its_first_occurrence_is_drafted_at_the_later_ones(new, monkeypatch):
+    """The output writes `new` wherever the prediction has token 7 (five times): after the first, the drafter
+    proposes `new` in its place, so the later occurrences cost no cycles; a rename the output does not keep
+    everywhere is learned back."""
+    pred = [7 if i % 10 == 0 and i else 100 + i for i in range(60)]
+    out = [t for p in pred for t in (new if p == 7 else [p])]
+    cycles, proposals = walk(pred, out)
+    third = new + [100 + 31]  # the third occurrence and the prediction's token after it, drafted
+    assert any(tokens[j: j + len(third)] == third for _, tokens in proposals for j in range(len(tokens)))
+    monkeypatch.setattr("specdec.drafters.prediction.MAX_REPLACED", 0)  # no renames: each occurrence costs cycles
+    assert cycles + 6 <= walk(pred, out)[0]
+    monkeypatch.undo()
+    kept = [t for j, p in enumerate(pred) for t in (new if p == 7 and j != 30 else [p])]  # 7 kept once
+    monkeypatch.setattr("specdec.drafters.prediction.MAX_REPLACED", 0)
+    unlearned = walk(pred, kept)[0]
+    monkeypatch.undo()
+    assert walk(pred, kept)[0] < unlearned
+
+
 def test_nothing_is_proposed_off_the_prediction():
     d = PredictionDrafter(PRED)
     assert d.propose([1, 2], 4, None, None).tokens == PRED[:4]  # the output starts with the prediction

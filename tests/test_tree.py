@@ -433,3 +433,15 @@ def test_ngram_branches_follow_every_earlier_occurrence():
     assert t.values == pytest.approx([2 / 3, 1 / 3, 1 / 3, 1 / 3, 1 / 3, 1 / 3])
     assert NgramDrafter().propose(ctx, 3, None, None).tokens == [9, 7, 5]
     assert NgramDrafter().propose_tree([1, 2, 3, 4], 3, None, None).tokens == []
+
+
+def test_an_ngram_copy_reports_how_long_its_source_matched():
+    """The copy's match runs back past the n-gram as far as the context agrees with its source (what the batch
+    engine's copy estimates are bucketed by), up to MAX_MATCH."""
+    from specdec.drafters.ngram import MAX_MATCH, NgramDrafter
+    d = NgramDrafter()
+    assert d.propose([5, 6, 7, 8, 1, 2, 3, 9, 9, 5, 6, 7, 8, 1, 2], 4, None, None).match == 6  # 5 6 7 8 1 2
+    assert d.propose([1, 2, 3, 4, 7, 7, 1, 2], 4, None, None).match == 2  # only the bigram
+    assert d.propose([0, 1, 2, 3, 0, 1, 2], 2, None, None).match == 3  # back to the context's start
+    long = list(range(100))
+    assert d.propose(long + [7] + long[:-1], 2, None, None).match == MAX_MATCH

@@ -39,6 +39,8 @@ PROBE_EVERY = 8  # a request denied draft rows this many cycles in a row gets on
 # (one such probe a pass, the longest denied first, and rarer in a bigger batch: PROBE_EVERY cycles per 4 decoding
 # requests. At 16 streams on Qwen2.5-1.5B a probe per request every 8 cycles was 38% of the draft rows, each past
 # the pass curve's knee, and each a feature-draft call of ~2 ms)
+COPY_BUCKETS = (2, 4, 8, 16)  # a copy's match length from which each set of its estimates counts (a longer match is
+COPY_PRIORS = (0.55, 0.8, 0.9, 0.95)  # likelier to go on, as in suffix decoding), and each one's prior acceptance
 
 
 class BatchEngine(Admission):
@@ -62,9 +64,10 @@ class BatchEngine(Admission):
         members = getattr(drafter, "members", [])
         self.free_lead = not getattr(drafter, "free", False) and bool(members) and getattr(members[0], "free", False)
         # their copies' acceptance, apart from the model draft's (mixed, the copies' 0.79 a row made the model's
-        # 0.45 read 0.71 at 16 streams, and the split bought model rows that lost): request id -> estimates
-        self._copy_est: dict[int, AdaptivePolicy] = {}
-        self._copied: set[int] = set()  # this cycle's requests whose draft is such a copy
+        # 0.45 read 0.71 at 16 streams, and the split bought model rows that lost), and by the copy's match length:
+        # request id -> COPY_BUCKETS index -> estimates
+        self._copy_est: dict[int, dict[int, AdaptivePolicy]] = {}
+        self._copied: dict[int, int] = {}  # this cycle's requests whose draft is such a copy -> its bucket
         self.prefixes = PrefixCache(model, features=self.wants_hidden) if prefix_cache else None
         self._prompt_hidden: dict[int, list] = {}  # id -> its prompt's hidden states so far (features cache only)
         self.preemptions = 0
@@ -116,7 +119,7 @@ class BatchEngine(Admission):
         """Proposals made before the row split: a grammar's forced tokens, a prediction, a model-free drafter's
         chain or tree -> (drafts, drafting ms, most draft rows, what each drafter was asked for and gave), by id."""
         early, draft_ms = {}, {}  # request id -> its draft, its drafting ms
-        self._copied = set()
+        self._copied = {}
         caps, asks = {}, {}  # request id -> most draft rows; what its drafter was asked for and gave (the trace's)
         for s in [s for s in self.running if not s.prefilling and not s.preempted or self._finishing(s)]:
             room = min(s.max_new_tokens - len(s.generated), self.context_window - len(s.tokens))
@@ -152,7 +155,7 @@ class BatchEngine(Admission):
                 if not free and not made.tokens:
                     continue  # the chain's model draft proposes later
                 if not free:
-                    self._copied.add(s.id)
+                    self._copied[s.id] = sum(made.match >= b for b in COPY_BUCKETS[1:])
                 early[s.id] = made
                 draft_ms[s.id] = (perf_counter() - t) * 1e3
                 asks[s.id] = (caps[s.id], len(early[s.id].tokens), "room", "budget", None)
@@ -170,7 +173,9 @@ class BatchEngine(Admission):
     def _estimates(self, s: Sequence) -> AdaptivePolicy:
         """The acceptance estimates that size this cycle's draft: a chain's model-free copy has its own."""
         if s.id in self._copied:
-            return self._copy_est.setdefault(s.id, AdaptivePolicy(s.max_tau, max(s.max_tau, 1)))
+            bucket = self._copied[s.id]
+            return self._copy_est.setdefault(s.id, {}).setdefault(
+                bucket, AdaptivePolicy(s.max_tau, max(s.max_tau, 1), prior_alpha=COPY_PRIORS[bucket]))
         return self._state[s.id][2]
 
     def _finishing(self, s: Sequence) -> bool:

@@ -18,6 +18,7 @@ class Draft:
     q: torch.Tensor | None = None  # [len(tokens), V] warped draft probabilities; None = deterministic (one-hot)
     parents: list[int] | None = None
     values: list[float] | None = None
+    match: int = 0  # a model-free copy: how many context tokens matched before its source (its estimates' bucket)
 
     @property
     def is_tree(self) -> bool:

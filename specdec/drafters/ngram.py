@@ -12,6 +12,16 @@ import torch
 from .base import Draft
 
 
+MAX_MATCH = 64  # the longest match measured (a copy's estimates are bucketed by it)
+
+
+def matched_before(a: np.ndarray, i: int, j: int) -> int:
+    """How many tokens before position i equal those before position j (i < j), at most MAX_MATCH."""
+    n = min(i, MAX_MATCH)
+    same = a[i - n:i][::-1] == a[j - n:j][::-1]
+    return n if same.all() else int(np.argmin(same))
+
+
 class NgramDrafter:
     name = "ngram"
     free = True  # model-free: proposing costs next to nothing
@@ -29,7 +39,7 @@ class NgramDrafter:
             hits = np.flatnonzero(match)
             if len(hits):
                 start = int(hits[-1]) + n
-                return Draft(context[start:start + k])
+                return Draft(context[start:start + k], match=min(MAX_MATCH, n + matched_before(a, start - n, L - n)))
         return Draft()
 
     def propose_tree(self, context, k, params, generator, branches: int = 3) -> Draft:

@@ -7,6 +7,10 @@ a diff would: the longest suffix of the output that occurs in the prediction, th
 place they agreed. A match of fewer than MIN_REJOIN tokens is trusted only right after that place (a one-token
 match anywhere else is too often a coincidence). Model-free: q is one-hot, and it costs microseconds a cycle.
 
+A replacement it rejoined after (the output wrote B where the prediction had A, at most MAX_REPLACED tokens each) is
+taken for a rename: the rest of the prediction is drafted with every later A as B. Had the output kept A there, the
+rejoin after it learns A back (a wrong guess costs a draft, never the output).
+
 Its proposals can be long: `depth(cost)` sizes them on the target's measured pass curve and this request's running
 acceptance (costs.best_tree_size on a chain), and the engines ask for that many.
 """
@@ -20,6 +24,7 @@ MIN_REJOIN = 3  # tokens of agreement that re-anchor the walk anywhere in the pr
 MAX_SUFFIX = 32  # the longest output suffix looked up
 MAX_DEPTH = 32  # the most tokens one proposal may carry
 PRIOR = 0.9  # acceptance assumed before any verification: a prediction is usually right
+MAX_REPLACED = 6  # the longest replacement (tokens either side) taken for a rename
 
 
 class PredictionDrafter:
@@ -30,11 +35,13 @@ class PredictionDrafter:
     def __init__(self, prediction: list[int], start: int | None = None):
         """`start`: the prompt's length, where the output starts (the batch engine's first proposal comes after the
         prefill has emitted a token); None: at the context of the first proposal."""
-        self.pred = np.asarray(prediction, dtype=np.int64)
+        self.original = np.asarray(prediction, dtype=np.int64)
         self.start = start
         self.reset()
 
     def reset(self) -> None:
+        self.pred = self.original  # what is drafted from: the prediction, with the renames learned so far
+        self.left: tuple[int, int] | None = None  # (prediction, output) index where the output last left it
         self.base = self.start  # the output starts there (None: at the first proposal's context)
         self.at = 0  # prediction index of the next expected token
         self.aligned = True  # the output is at `at` (it starts at the prediction's start)
@@ -44,7 +51,7 @@ class PredictionDrafter:
         self._last = 0
 
     def fork(self) -> PredictionDrafter:
-        return PredictionDrafter(self.pred.tolist(), self.start)
+        return PredictionDrafter(self.original.tolist(), self.start)
 
     # ---- where the output stands in the prediction ----------------------------------------------------------
     def _align(self, out: list[int]) -> int | None:
@@ -59,14 +66,31 @@ class PredictionDrafter:
             if agree == len(new):
                 self.at += agree  # still in step
                 return self.at
+            self.left = (self.at + agree, len(out) - len(new) + agree)
         found = self._rejoin(out)
         self.aligned = found is not None
         if found is None:
             return None
         self.at, matched = found
+        self._learn_rename(out, matched)
         if matched >= MIN_REJOIN:  # back in step for sure: drafts long again at once, not after a slow recovery
             self.hits = max(self.hits, PRIOR * self.tries)
         return self.at
+
+    def _learn_rename(self, out: list[int], matched: int) -> None:
+        """After a rejoin: what the output wrote between leaving the prediction and the matched suffix (B), where the
+        prediction had A, becomes B in the rest of the prediction when A occurs there again."""
+        if self.left is None:
+            return
+        (lp, lo), self.left = self.left, None
+        a = self.pred[lp: self.at - matched]
+        b = np.asarray(out[lo: len(out) - matched], dtype=np.int64)
+        if not (0 < len(a) <= MAX_REPLACED and 0 < len(b) <= MAX_REPLACED) or self.at - matched < lp:
+            return
+        rest = self.pred[self.at:]
+        hits = _occurrences(rest, a)
+        if len(hits):
+            self.pred = np.concatenate([self.pred[: self.at], _replace(rest, hits, len(a), b)])
 
     def _rejoin(self, out: list[int]) -> tuple[int, int] | None:
         """(The prediction index after the longest suffix of `out` found in it, nearest after `at` among the
@@ -130,6 +154,16 @@ def _occurrences(a: np.ndarray, s: np.ndarray) -> np.ndarray:
     for j in range(1, n):
         match &= a[j: len(a) - n + 1 + j] == s[j]
     return np.flatnonzero(match)
+
+
+def _replace(a: np.ndarray, starts: np.ndarray, n: int, b: np.ndarray) -> np.ndarray:
+    """a with each non-overlapping n-token span at `starts` (ascending) replaced by b."""
+    parts, at = [], 0
+    for i in starts.tolist():
+        if i >= at:
+            parts += [a[at:i], b]
+            at = i + n
+    return np.concatenate(parts + [a[at:]])
 
 
 def _near(end: int, at: int, n: int, slack: int = 8) -> bool:
