@@ -145,6 +145,12 @@ def test_a_chains_model_free_member_proposes_before_the_split_in_a_big_batch(rt,
     assert copies > 0 and after_split == 0 and copy_updates >= copies
     # a copy's estimates are those of its match length's bucket: short and long matches learn apart
     assert len(buckets) > 1 and {b for kept in engine._copy_est.values() for b in kept} == buckets
+    # a sampled request's copies share one set, whatever their match (its token follows the match less)
+    sampled = [engine.add(Sequence(tok(p).input_ids, 20, SamplingParams(temperature=0.8, seed=i)))
+               for i, p in enumerate(prompts[:6])]
+    while engine.running:
+        engine.step()
+    assert {b for s in sampled for b in engine._copy_est.get(s.id, {})} == {0}
     for s, p in zip(seqs, prompts):
         assert s.generated == alone(rt, p, SamplingParams(), 20)
 

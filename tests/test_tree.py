@@ -445,3 +445,18 @@ def test_an_ngram_copy_reports_how_long_its_source_matched():
     assert d.propose([0, 1, 2, 3, 0, 1, 2], 2, None, None).match == 3  # back to the context's start
     long = list(range(100))
     assert d.propose(long + [7] + long[:-1], 2, None, None).match == MAX_MATCH
+
+
+@pytest.mark.parametrize("new", [[60], [60, 61]])
+def test_an_ngram_copy_writes_a_rename_the_context_made_before_its_match(new, monkeypatch):
+    """The context copies a source with one token renamed (50 written as `new`, the tokens before both agreeing):
+    the copy writes `new` at the source's later occurrences; a context that differs from its source by more than a
+    rename, or MAX_RENAMED = 0, copies the source as it is."""
+    from specdec.drafters import ngram
+    source = [1, 2, 50, 3, 4, 5, 6, 50, 7, 8, 50, 9]
+    context = source + [0, 1, 2] + new + [3, 4, 5, 6]
+    assert ngram.NgramDrafter().propose(context, 6, None, None).tokens == (new + [7, 8] + new + [9, 0])[:6]
+    unrelated = source + [0, 11, 12] + new + [3, 4, 5, 6]  # no agreement before the differing span
+    assert ngram.NgramDrafter().propose(unrelated, 6, None, None).tokens == [50, 7, 8, 50, 9, 0]
+    monkeypatch.setattr(ngram, "MAX_RENAMED", 0)
+    assert ngram.NgramDrafter().propose(context, 6, None, None).tokens == [50, 7, 8, 50, 9, 0]

@@ -39,8 +39,8 @@ PROBE_EVERY = 8  # a request denied draft rows this many cycles in a row gets on
 # (one such probe a pass, the longest denied first, and rarer in a bigger batch: PROBE_EVERY cycles per 4 decoding
 # requests. At 16 streams on Qwen2.5-1.5B a probe per request every 8 cycles was 38% of the draft rows, each past
 # the pass curve's knee, and each a feature-draft call of ~2 ms)
-COPY_BUCKETS = (2, 4, 8, 16)  # a copy's match length from which each set of its estimates counts (a longer match is
-COPY_PRIORS = (0.55, 0.8, 0.9, 0.95)  # likelier to go on, as in suffix decoding), and each one's prior acceptance
+COPY_BUCKETS = (2, 4, 8, 16)  # a greedy request's copy: the match length from which each set of its estimates counts
+COPY_PRIORS = (0.6, 0.8, 0.9, 0.95)  # (a longer match is likelier to go on, as in suffix decoding), and its prior
 
 
 class BatchEngine(Admission):
@@ -154,8 +154,8 @@ class BatchEngine(Admission):
                     continue
                 if not free and not made.tokens:
                     continue  # the chain's model draft proposes later
-                if not free:
-                    self._copied[s.id] = sum(made.match >= b for b in COPY_BUCKETS[1:])
+                if not free:  # (a sampled request's copies share one set: its token follows the match less)
+                    self._copied[s.id] = sum(made.match >= b for b in COPY_BUCKETS[1:]) if s.params.greedy else 0
                 early[s.id] = made
                 draft_ms[s.id] = (perf_counter() - t) * 1e3
                 asks[s.id] = (caps[s.id], len(early[s.id].tokens), "room", "budget", None)

@@ -3,7 +3,11 @@ propose what followed it. Model-free, so q is one-hot.
 
 min_ngram=2 by default: a single-token match is right too rarely to pay for verifying its block (on the default
 model on this CPU a 5-token target pass costs ~1.45 one-token passes; 1-gram proposals lowered the measured speedup
-from 1.15x to 1.07x in the cost model over the shipped prompts)."""
+from 1.15x to 1.07x in the cost model over the shipped prompts).
+
+Renames: where the match, looked back, stops at a span the context wrote in place of a span of the source (the
+tokens before both agree: `frequency` where the source had `counts`), the copy writes that span for the source's
+later occurrences too, as an edit that renames something does."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,6 +17,8 @@ from .base import Draft
 
 
 MAX_MATCH = 64  # the longest match measured (a copy's estimates are bucketed by it)
+MAX_RENAMED = 3  # the longest span (tokens, either side) taken for a rename
+AGREE = 2  # tokens before a renamed span that must agree with the source's
 
 
 def matched_before(a: np.ndarray, i: int, j: int) -> int:
@@ -20,6 +26,33 @@ def matched_before(a: np.ndarray, i: int, j: int) -> int:
     n = min(i, MAX_MATCH)
     same = a[i - n:i][::-1] == a[j - n:j][::-1]
     return n if same.all() else int(np.argmin(same))
+
+
+def rename_before(a: np.ndarray, i: int, j: int) -> tuple[list[int], list[int]] | None:
+    """Where the context before j stops matching the source before i: (A, B), the source's span and the context's
+    that stand in its place with AGREE equal tokens before both; None if nothing such lies there."""
+    back = matched_before(a, i, j)
+    i, j = i - back, j - back
+    if back == MAX_MATCH or i < 1:
+        return None
+    for la in range(1, MAX_RENAMED + 1):
+        for lb in range(1, MAX_RENAMED + 1):
+            if min(i - la, j - lb) >= AGREE and (a[i - la - AGREE:i - la] == a[j - lb - AGREE:j - lb]).all():
+                return a[i - la:i].tolist(), a[j - lb:j].tolist()
+    return None
+
+
+def renamed(tokens: list[int], old: list[int], new: list[int]) -> list[int]:
+    """tokens with each occurrence of `old` written as `new`."""
+    out, i, n = [], 0, len(old)
+    while i < len(tokens):
+        if tokens[i:i + n] == old:
+            out += new
+            i += n
+        else:
+            out.append(tokens[i])
+            i += 1
+    return out
 
 
 class NgramDrafter:
@@ -39,7 +72,11 @@ class NgramDrafter:
             hits = np.flatnonzero(match)
             if len(hits):
                 start = int(hits[-1]) + n
-                return Draft(context[start:start + k], match=min(MAX_MATCH, n + matched_before(a, start - n, L - n)))
+                tokens = list(context[start:start + k])
+                rename = rename_before(a, start - n, L - n) if MAX_RENAMED else None
+                if rename is not None and len(rename[0]) <= len(tokens):
+                    tokens = renamed(list(context[start:start + k + MAX_RENAMED]), *rename)[:k]
+                return Draft(tokens, match=min(MAX_MATCH, n + matched_before(a, start - n, L - n)))
         return Draft()
 
     def propose_tree(self, context, k, params, generator, branches: int = 3) -> Draft:
