@@ -29,10 +29,13 @@ def parse_arm(text: str) -> tuple[str, list[tuple[object, str, object]]]:
     for item in filter(None, (s.strip() for s in sets.split(";"))):
         path, _, value = item.partition("=")
         module, _, attr = path.strip().rpartition(".")
-        mod = importlib.import_module(module)
+        try:
+            mod = importlib.import_module(module)
+            out.append((mod, attr, ast.literal_eval(value.strip())))
+        except (ImportError, ValueError, SyntaxError) as e:
+            raise SystemExit(f"ablate: --arm {text!r}: {item!r} is not module.CONSTANT=literal ({e})") from None
         if not hasattr(mod, attr):
             raise SystemExit(f"ablate: {module} has no {attr}")
-        out.append((mod, attr, ast.literal_eval(value.strip())))
     return name.strip(), out
 
 
