@@ -352,7 +352,7 @@ def summarize(names, workloads, results, ready, rss) -> dict:
             if any("proposed" in r for r in rs):
                 prop = sum(r.get("proposed", 0) for r in rs)
                 cell["acceptance"] = round(sum(r.get("accepted", 0) for r in rs) / prop, 3) if prop else None
-            counted = [r for r in rs if "passes" in r]  # (/infill answers carry no specdec figures)
+            counted = [r for r in rs if "passes" in r]  # (llama-server reports none)
             if counted:
                 passes = sum(r["passes"] for r in counted)
                 cell["tokens_per_pass"] = round(sum(r["tokens"] for r in counted) / passes, 2)

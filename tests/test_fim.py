@@ -62,6 +62,7 @@ def test_infill_and_suffix_answer_what_the_engine_answers_for_the_fim_prompt(liv
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["content"] == want and body["stop"] is True and body["tokens_evaluated"] == len(ids)
+    assert 0 < body["specdec"]["target_passes"] <= body["tokens_predicted"]  # what the pair benchmark reports
     streamed, last = "", None
     with httpx.stream("POST", live.url + "/infill", json={"input_prefix": PREFIX, "input_suffix": SUFFIX,
                                                           "n_predict": 20, "temperature": 0, "stream": True}) as s:
@@ -70,6 +71,7 @@ def test_infill_and_suffix_answer_what_the_engine_answers_for_the_fim_prompt(liv
                 last = json.loads(line[6:])
                 streamed += last["content"]
     assert streamed == want and last["stop"] is True and last["tokens_predicted"] == body["tokens_predicted"]
+    assert last["specdec"]["target_passes"] == body["specdec"]["target_passes"]
     c = httpx.post(live.url + "/v1/completions", json={"prompt": PREFIX, "suffix": SUFFIX, "max_tokens": 20,
                                                        "temperature": 0}, timeout=30)
     assert c.status_code == 200 and c.json()["choices"][0]["text"] == want

@@ -66,7 +66,8 @@ def spec_stats(result) -> dict:
 
 
 def as_infill(out, model_name: str):
-    """A completion (a dict, or a stream of OpenAI chunks) in llama-server's /infill format."""
+    """A completion (a dict, or a stream of OpenAI chunks) in llama-server's /infill format, with specdec's figures
+    (target passes, acceptance, draft and verify ms) on the last event as on a completion's."""
     if isinstance(out, StreamingResponse):
         async def events():
             counts = {}
@@ -82,7 +83,8 @@ def as_infill(out, model_name: str):
                     yield line
                 elif data.get("usage"):
                     counts = {"tokens_predicted": data["usage"]["completion_tokens"],
-                              "tokens_evaluated": data["usage"]["prompt_tokens"]}
+                              "tokens_evaluated": data["usage"]["prompt_tokens"],
+                              **({"specdec": data["specdec"]} if "specdec" in data else {})}
                 elif data.get("choices") and data["choices"][0].get("text"):
                     yield f"data: {json.dumps({'content': data['choices'][0]['text'], 'stop': False})}\n\n"
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -91,4 +93,5 @@ def as_infill(out, model_name: str):
     choice, usage = out["choices"][0], out["usage"]
     return {"content": choice["text"], "stop": True, "model": model_name,
             "stop_type": "limit" if choice["finish_reason"] == "length" else "eos",
-            "tokens_predicted": usage["completion_tokens"], "tokens_evaluated": usage["prompt_tokens"]}
+            "tokens_predicted": usage["completion_tokens"], "tokens_evaluated": usage["prompt_tokens"],
+            **({"specdec": out["specdec"]} if "specdec" in out else {})}
