@@ -460,3 +460,16 @@ def test_an_ngram_copy_writes_a_rename_the_context_made_before_its_match(new, mo
     assert ngram.NgramDrafter().propose(unrelated, 6, None, None).tokens == [50, 7, 8, 50, 9, 0]
     monkeypatch.setattr(ngram, "MAX_RENAMED", 0)
     assert ngram.NgramDrafter().propose(context, 6, None, None).tokens == [50, 7, 8, 50, 9, 0]
+
+
+def test_an_ngram_copy_follows_the_occurrence_whose_context_matches_longest(monkeypatch):
+    """The trigram (8, 3, 4) occurs twice; the context before the earlier one goes on matching the context's own
+    (1, 2, 9), before the latest not at all: the copy follows the earlier (suffix decoding's rule), the latest only
+    on a tie or with LONGEST_OF = 1."""
+    from specdec.drafters import ngram
+    context = [1, 2, 9, 8, 3, 4, 5, 6, 0, 7, 8, 3, 4, 10, 11, 0, 1, 2, 9, 8, 3, 4]
+    assert ngram.NgramDrafter().propose(context, 2, None, None).tokens == [5, 6]
+    tie = [1, 3, 4, 5, 0, 2, 3, 4, 6, 0, 9, 3, 4]
+    assert ngram.NgramDrafter().propose(tie, 1, None, None).tokens == [6]
+    monkeypatch.setattr(ngram, "LONGEST_OF", 1)
+    assert ngram.NgramDrafter().propose(context, 2, None, None).tokens == [10, 11]
