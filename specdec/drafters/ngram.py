@@ -30,10 +30,10 @@ def matched_before(a: np.ndarray, i: int, j: int) -> int:
     return n if same.all() else int(np.argmin(same))
 
 
-def rename_before(a: np.ndarray, i: int, j: int) -> tuple[list[int], list[int]] | None:
-    """Where the context before j stops matching the source before i: (A, B), the source's span and the context's
-    that stand in its place with AGREE equal tokens before both; None if nothing such lies there."""
-    back = matched_before(a, i, j)
+def rename_before(a: np.ndarray, i: int, j: int, back: int) -> tuple[list[int], list[int]] | None:
+    """Where the context before j stops matching the source before i, `back` tokens earlier (matched_before): (A, B),
+    the source's span and the context's that stand in its place with AGREE equal tokens before both; None if nothing
+    such lies there."""
     i, j = i - back, j - back
     if back == MAX_MATCH or i < 1:
         return None
@@ -75,12 +75,12 @@ class NgramDrafter:
             if len(hits):  # the occurrence whose context matches longest, the latest of those (suffix decoding's)
                 best = max(hits[-LONGEST_OF:].tolist(), key=lambda h: (matched_before(a, h, L - n), h)) \
                     if LONGEST_OF > 1 else int(hits[-1])
-                start = int(best) + n
+                start, back = int(best) + n, matched_before(a, int(best), L - n)
                 tokens = list(context[start:start + k])
-                rename = rename_before(a, start - n, L - n) if MAX_RENAMED else None
+                rename = rename_before(a, start - n, L - n, back) if MAX_RENAMED else None
                 if rename is not None and len(rename[0]) <= len(tokens):
                     tokens = renamed(list(context[start:start + k + MAX_RENAMED]), *rename)[:k]
-                return Draft(tokens, match=min(MAX_MATCH, n + matched_before(a, start - n, L - n)))
+                return Draft(tokens, match=min(MAX_MATCH, n + back))
         return Draft()
 
     def propose_tree(self, context, k, params, generator, branches: int = 3) -> Draft:
