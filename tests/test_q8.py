@@ -195,6 +195,55 @@ def test_q8_runs_k_quants_and_5_bit_blocks_as_the_blocks_they_equal(fmt):
             assert qt.packed() is None and torch.equal(qlinear(xt, qt, q8=True), qlinear(xt, qt))
 
 
+needs_amx = pytest.mark.skipif(not kernels.available() or kernels.library().rows_amx(kernels.AMX_ROWS) == 0,
+                               reason="no AMX-INT8 here (or the OS refuses its tile state)")
+
+
+@needs_amx
+@pytest.mark.parametrize("fmt", [kernels.Q4_0, kernels.Q4_1, kernels.Q8_0, kernels.Q5_0, kernels.Q2_K, kernels.Q3_K,
+                                 kernels.Q4_K, kernels.Q5_K, kernels.Q6_K], ids=lambda f: kernels.FORMATS[f])
+def test_amx_tiles_give_the_bits_vnni_gives(fmt):
+    """Tiles of 9..16 rows take AMX tile multiplies (passes of 17+ rows in even tiles, 24 = 12 + 12): the same exact
+    integer sums, so the same bits as VNNI's tiles and the numpy reference, whatever the rows and their tiling."""
+    from specdec.runtime.quantize import quantize
+    lib = kernels.library()
+    n, k = 37, 512  # two super-blocks: a chunk of 8 blocks and the next; 3 groups, the last partial
+    w = np.random.default_rng(fmt).standard_normal((n, k)).astype(F32)
+    data = quantize(w, fmt) if fmt in K_TYPES else np.ascontiguousarray(
+        gguf.quants.quantize(w, T(fmt)))
+    x = np.random.default_rng(3).standard_normal((41, k)).astype(F32)
+    x[10, 96:128] = 0  # an all-zero block inside a tile
+    want = q8_linear(fmt, x, data, n)
+    xt, wt = torch.from_numpy(x), torch.from_numpy(data)
+    try:
+        for rows in (9, 12, 16, 17, 24, 41):
+            got = {}
+            for amx in (kernels.AMX_ROWS, 0):
+                assert lib.rows_amx(amx) == amx
+                got[amx] = kernels.linear(fmt, xt[:rows], wt, n, lib=lib, q8=True).numpy()
+            assert np.array_equal(got[kernels.AMX_ROWS], got[0]), rows
+            assert np.array_equal(got[0], want[:rows]), rows
+    finally:
+        lib.rows_amx(lib.amx_rows)
+
+
+@needs_amx
+def test_amx_whole_passes_are_row_invariant(q8_model):
+    """Passes of 9..40 rows through AMX tiles equal the same passes on VNNI and one-token steps, bitwise."""
+    lib, model = kernels.library(), q8_model
+    ids = torch.randint(3, 90, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    a, b = model.acquire_slot(), model.acquire_slot()
+    steps = torch.cat([model.forward([t], [b], [i]) for i, t in enumerate(ids)])
+    try:
+        for n in (9, 16, 25, 40):
+            for amx in (kernels.AMX_ROWS, 0):
+                lib.rows_amx(amx)
+                assert torch.equal(model.forward(ids[:n], [a] * n, list(range(n))), steps[:n]), (n, amx)
+    finally:
+        lib.rows_amx(lib.amx_rows)
+        model.release_slot(a), model.release_slot(b)
+
+
 # fp16 fields of each type's block: (block bytes, offsets of d / dmin / m), everything else may be any byte
 FP16_FIELDS = {kernels.Q2_K: (84, (80, 82)), kernels.Q3_K: (110, (108,)), kernels.Q4_K: (144, (0, 2)),
                kernels.Q5_K: (176, (0, 2)), kernels.Q6_K: (210, (208,)), kernels.Q5_0: (22, (0,)),

@@ -31,6 +31,7 @@ COMMON = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]  # no fuse
 ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vnni", "-mfma", "-mf16c"],
              "avx2": ["-mavx2", "-mfma", "-mf16c"]}
 NUMERICS = ("exact", "q8")
+AMX_ROWS = 9  # q8 passes of at least this many rows use AMX tiles (9..16 rows a tile) where it is (docs/numerics.md)
 MAX_ROWS = 8  # few_rows_linear serves up to this many rows (kv.rows_linear decides which row counts it asks for)
 
 FORMATS = formats.NAMES  # ggml's type id -> name, for the formats the kernels serve (formats.TABLE)
@@ -44,7 +45,7 @@ def _cache_dir() -> Path:
 def _build(compiler: str, isa: str, where: str | None = None) -> Path:
     """Compile once per source/flags/compiler (into `where`, default the cache); a finished build is renamed into
     place atomically."""
-    flags = [*COMMON, *ISA_FLAGS[isa]]
+    flags = [*COMMON, *ISA_FLAGS[isa], *(_amx_flags(compiler) if isa == "avx512" else [])]
     key = hashlib.sha256(_sources() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
     lib = Path(where or _cache_dir()) / f"rows-{isa}-{key}.so"
     if not lib.exists():
@@ -58,6 +59,19 @@ def _build(compiler: str, isa: str, where: str | None = None) -> Path:
         finally:
             Path(tmp).unlink(missing_ok=True)
     return lib
+
+
+@cache
+def _amx_flags(compiler: str) -> list[str]:
+    """AMX-INT8's tile instructions for the avx512 build where the compiler knows them (GCC 11, Clang 12 and later);
+    they run only where rows_amx finds the CPU and the OS grant them (q8_amx.h)."""
+    flags = ["-mamx-tile", "-mamx-int8"]
+    try:
+        ok = subprocess.run([compiler, *flags, "-x", "c++", "-fsyntax-only", "-"], input=b"#include <immintrin.h>\n",
+                            capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        ok = False
+    return flags if ok else []
 
 
 def _sources() -> bytes:
@@ -114,12 +128,27 @@ class Library:
         self.rows_argmax.argtypes, self.rows_argmax.restype = [p, i, i, p, i], None
         self.rows_race = lib.rows_race
         self.rows_race.argtypes, self.rows_race.restype = [p, i, i, p, p, i], None
+        # q8 tiles of at least AMX_ROWS rows take AMX tile multiplies where the CPU and the OS allow (SPECDEC_AMX=0:
+        # never); the same bits either way. amx_rows: the threshold in force (0: off).
+        self.rows_amx = _amx(lib)
+        self.amx_rows = self.rows_amx(0 if os.environ.get("SPECDEC_AMX", "1") == "0" else AMX_ROWS)
         rows_abi = lib.rows_abi
         rows_abi.argtypes, rows_abi.restype = [p, i], i
         abi.check(rows_abi)  # the structs decoder_layers takes, against their mirrors: a mismatch never runs
         rows_formats = lib.rows_formats
         rows_formats.argtypes, rows_formats.restype = [p, i], i
         formats.check(rows_formats)  # and the format table, against formats.TABLE
+
+
+def _amx(lib):
+    """rows_amx(min_rows) -> the threshold in force, or a stand-in returning 0 for an older build
+    (benchmarks/same_kernels.py loads them)."""
+    try:
+        rows_amx = lib.rows_amx
+    except AttributeError:
+        return lambda min_rows: 0
+    rows_amx.argtypes, rows_amx.restype = [ctypes.c_int], ctypes.c_int
+    return rows_amx
 
 
 @cache

@@ -296,6 +296,12 @@ static bool repack_q4k(const uint8_t* W, int N, int K, uint8_t* out) {
 template <int FMT> static constexpr long q8_group_bytes(int nb) {
     return FMT == Q6_K ? (long)(nb / 8) * Q6K_SUPER : (long)nb * 16 * Q8W<FMT>::BLOCK;
 }
+// Where block bl's quants start in a group (after the block's scale bytes; Q4_K's and Q6_K's inside their super-block)
+template <int FMT> static inline const uint8_t* q8_quants(const uint8_t* G, int bl) {
+    if constexpr (FMT == Q4_K) return G + (long)(bl / 8) * Q4K_SUPER + 256 + 256 * (bl % 8);
+    else if constexpr (FMT == Q6_K) return G + (long)(bl / 8) * Q6K_SUPER + 288 + 384 * (bl % 8);
+    else return G + (long)bl * 16 * Q8W<FMT>::BLOCK + Q8W<FMT>::SCALES;
+}
 static bool repack_q6k(const uint8_t* W, int N, int K, uint8_t* out) {
     auto planes_cleared = [](uint8_t* o) {  // the planes are or-ed in row by row
         for (int b = 0; b < 8; b++) memset(o + 288 + 384 * b + 256, 0, 128);

@@ -16,7 +16,9 @@
 #include "formats.h"      // the block formats: FORMAT_TABLE, and 16 dequantized columns at a time
 #include "linear.h"       // the exact linear
 #include "q8_repack.h"    // q8: int8 activations, weights repacked in groups of 16 rows
-#include "q8_linear.h"    // q8: integer block dot products, one fp32 chain per output
+#include "q8_sums.h"      // q8: a block's exact integer sums (vpdpbusd, or AVX2's maddubs)
+#include "q8_amx.h"       // q8: the same sums for all rows of x in one AMX tile multiply, where the CPU has AMX
+#include "q8_linear.h"    // q8: the blocks' sums scaled into one fp32 chain per output
 #include "abi.h"          // Seg, Lin, Dims, Layer: the structs Python passes (kernels/abi.py)
 #include "dispatch.h"     // one linear over fused segments of any format
 #include "norms.h"        // RMSNorm, rotary
@@ -27,6 +29,17 @@
 // ---- the C entry points (kernels/__init__.py declares their signatures) ------------------------------------------
 // Bytes of one weight row of K columns, or -1 for an unsupported format/shape.
 extern "C" long row_bytes(int fmt, int K) { return row_bytes_of(fmt, K); }
+
+// q8 tiles of at least min_rows rows of x take AMX tile multiplies (0: none), where the build, the CPU and the OS
+// allow; returns the threshold now in force (0 where AMX cannot serve). The bits are the same either way.
+extern "C" int rows_amx(int min_rows) {
+#ifdef Q8_HAS_AMX
+    static const bool granted = amx_granted();
+    q8_amx_rows = granted && min_rows > 0 ? (min_rows < 9 ? 9 : min_rows) : 0;  // tiles of 9..16 rows
+#endif
+    (void)min_rows;
+    return q8_amx_rows;
+}
 
 // FORMAT_TABLE as [id, block, bytes, q8 layout] rows, for kernels/formats.py's check at load; returns the count.
 extern "C" int rows_formats(long* out, int cap) {
@@ -81,6 +94,7 @@ extern "C" int rows_linear(int fmt, const float* x, int R, int K, const uint8_t*
     const bool quant = Wq && q8_format(fmt) && R > 0;
     QXBuf buf(quant ? R : 0, quant ? K : 32);
     const QX Q = buf.view(K);
+    amx_new_call();
 #pragma omp parallel num_threads(threads)
     {
         if (quant) q8_quantize(x, R, Q);
@@ -135,6 +149,7 @@ extern "C" int decoder_layers(const Dims* d, const Layer* layers, int n_layers, 
     const int kmax = D > H * hd ? (D > I ? D : I) : (H * hd > I ? H * hd : I);
     QXBuf xq(d->q8 ? R : 0, d->q8 ? kmax : 32);
     const Scratch s = {h.data(), qkv.data(), att.data(), gu.data(), act.data(), p.data(), 4 * (maxpos + 16), &xq};
+    amx_new_call();
 #pragma omp parallel num_threads(threads)
     for (int l = 0; l < n_layers; l++) layer_body(d, layers + l, l, x, R, slot, pos, tree, s);
     return 0;
