@@ -300,8 +300,8 @@ def main(argv=None) -> int:
     workloads = args.workloads.split(",")
     if any(w not in WORKLOADS for w in workloads):
         raise Refused(f"workloads are {', '.join(WORKLOADS)}")
-    if any("feature" in n for n in names):
-        feature_draft(target)
+    if any("feature" in n for n in names) and (args.systems or not args.fetch_only):  # --fetch-only: files alone,
+        feature_draft(target)  # unless a feature system is named (its training takes about 2 hours)
     if args.fetch_only:
         print(target, draft, llama_bin(), sep="\n")
         return 0

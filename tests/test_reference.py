@@ -70,8 +70,9 @@ def test_exact_linear_equals_its_twin_on_every_format(fmt):
 
 @pytest.mark.parametrize("fmt", [f.id for f in formats.TABLE if f.q8], ids=lambda f: formats.NAMES[f])
 def test_q8_linear_equals_its_twin_on_every_format(fmt):
-    """q8_linear.h (tiles of 1..8 rows on AVX-512, 1..4 on AVX2; a 16-row group with padding rows) against
-    reference/q8.py, both builds: the same bits whichever instructions sum the blocks."""
+    """q8_linear.h (tiles of 1..8 rows on AVX-512, of 9..16 by AMX where the CPU has it, 1..4 on AVX2; a 16-row
+    group with padding rows) against reference/q8.py, both builds: the same bits whichever instructions sum the
+    blocks."""
     k = 512 if formats.of(fmt).block == 256 else 96
     n = 21
     data = blocks_of(fmt, n, k, seed=fmt)

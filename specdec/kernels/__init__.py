@@ -64,13 +64,26 @@ def _build(compiler: str, isa: str, where: str | None = None) -> Path:
 @cache
 def _amx_flags(compiler: str) -> list[str]:
     """AMX-INT8's tile instructions for the avx512 build where the compiler knows them (GCC 11, Clang 12 and later);
-    they run only where rows_amx finds the CPU and the OS grant them (q8_amx.h)."""
+    they run only where rows_amx finds the CPU and the OS grant them (q8_amx.h). The compiler is asked once and
+    its answer kept in the cache (asking costs a process start, a tenth of a second, on every load)."""
     flags = ["-mamx-tile", "-mamx-int8"]
+    real = Path(compiler).resolve()
+    key = hashlib.sha256(f"{real} {real.stat().st_mtime_ns} {' '.join(flags)}".encode()).hexdigest()[:16]
+    answer = _cache_dir() / f"amx-{key}"
+    try:
+        return flags if answer.read_text() == "1" else []
+    except OSError:
+        pass
     try:
         ok = subprocess.run([compiler, *flags, "-x", "c++", "-fsyntax-only", "-"], input=b"#include <immintrin.h>\n",
                             capture_output=True, timeout=60).returncode == 0
     except (OSError, subprocess.SubprocessError):
         ok = False
+    try:
+        answer.parent.mkdir(parents=True, exist_ok=True)
+        answer.write_text("1" if ok else "0")
+    except OSError:
+        pass  # an unwritable cache: ask again next time
     return flags if ok else []
 
 
@@ -190,7 +203,7 @@ def path_name() -> str:
 
 def q8_format(fmt: int) -> bool:
     """Weight formats the q8 mode runs in integers (int8 activations); the others keep the exact path. Q5_0 runs as
-    Q8_0 blocks (the same weights), Q4_K as its own bytes (scales decoded in the tile, exact fp32 products), Q6_K as
+    its own bytes (nibbles and a plane of fifth bits), Q4_K as its own bytes (scales decoded in the tile, exact fp32 products), Q6_K as
     bytes with its 16-column sub-blocks' scales in fp16, Q5_K and Q5_1 as bytes with Q4_1's scale and min, Q3_K and
     Q2_K as nibbles with their sub-blocks' scales (and mins) in fp16 (formats.h FORMAT_TABLE's q8 column; fp16 scales
     are stored times 2^8, and a tensor whose scales even that cannot hold runs exact)."""

@@ -53,6 +53,7 @@ static void linear(const Lin* L, const float* x, int R, int K, float* y, bool ac
             switch (q8_layout(s.fmt)) {
                 case Q4_0: q8_group<Q4_0>(*Q, R, s.wq, g - starts[i], s.n, ys, ldy, s.bias, acc_out); break;
                 case Q4_1: q8_group<Q4_1>(*Q, R, s.wq, g - starts[i], s.n, ys, ldy, s.bias, acc_out); break;
+                case Q5_0: q8_group<Q5_0>(*Q, R, s.wq, g - starts[i], s.n, ys, ldy, s.bias, acc_out); break;
                 case Q4_K: q8_group<Q4_K>(*Q, R, s.wq, g - starts[i], s.n, ys, ldy, s.bias, acc_out); break;
                 case Q6_K: q8_group<Q6_K>(*Q, R, s.wq, g - starts[i], s.n, ys, ldy, s.bias, acc_out); break;
                 case Q5_K: q8_group<Q5_K>(*Q, R, s.wq, g - starts[i], s.n, ys, ldy, s.bias, acc_out); break;

@@ -10,13 +10,13 @@ enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K 
        Q6_K = 14, BF16 = 30 };
 
 // The formats, one row each: columns per block, bytes per block, and the layout the q8 mode repacks it into
-// (q8_repack.h; 0: the exact kernels only): Q5_0 runs as Q8_0 blocks (the same weights), Q4_K as its own bytes
+// (q8_repack.h; 0: the exact kernels only): Q5_0 as its own bytes (nibbles and a plane of fifth bits), Q4_K as its own bytes
 // (16 rows' super-blocks interleaved), Q5_1 as Q5_K's bytes. kernels/formats.py holds the same table and checks it against this one at load
 // (rows_formats): everything else (row bytes, the q8 layout, which formats a linear serves) is read from here.
 struct Format { int id, block, bytes, q8; };
 static constexpr Format FORMAT_TABLE[] = {
     {F32, 1, 4, 0},         {F16, 1, 2, 0},          {BF16, 1, 2, 0},         {Q4_0, 32, 18, Q4_0},
-    {Q4_1, 32, 20, Q4_1},   {Q5_0, 32, 22, Q8_0},    {Q5_1, 32, 24, Q5_K},    {Q8_0, 32, 34, Q8_0},
+    {Q4_1, 32, 20, Q4_1},   {Q5_0, 32, 22, Q5_0},    {Q5_1, 32, 24, Q5_K},    {Q8_0, 32, 34, Q8_0},
     {Q2_K, 256, 84, Q2_K},  {Q3_K, 256, 110, Q3_K},  {Q4_K, 256, 144, Q4_K},  {Q5_K, 256, 176, Q5_K},
     {Q6_K, 256, 210, Q6_K}};
 struct FormatIndex {  // type id -> its row of FORMAT_TABLE, or -1 (built at compile time: an O(1) lookup)

@@ -31,7 +31,7 @@ F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16 = 0, 1, 2, 3, 6, 7, 8, 30
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
 TABLE = (
     Format(F32, "F32", 1, 4, 0), Format(F16, "F16", 1, 2, 0), Format(BF16, "BF16", 1, 2, 0),
-    Format(Q4_0, "Q4_0", 32, 18, Q4_0), Format(Q4_1, "Q4_1", 32, 20, Q4_1), Format(Q5_0, "Q5_0", 32, 22, Q8_0),
+    Format(Q4_0, "Q4_0", 32, 18, Q4_0), Format(Q4_1, "Q4_1", 32, 20, Q4_1), Format(Q5_0, "Q5_0", 32, 22, Q5_0),
     Format(Q5_1, "Q5_1", 32, 24, Q5_K), Format(Q8_0, "Q8_0", 32, 34, Q8_0), Format(Q2_K, "Q2_K", 256, 84, Q2_K),
     Format(Q3_K, "Q3_K", 256, 110, Q3_K), Format(Q4_K, "Q4_K", 256, 144, Q4_K), Format(Q5_K, "Q5_K", 256, 176, Q5_K),
     Format(Q6_K, "Q6_K", 256, 210, Q6_K),

@@ -26,10 +26,11 @@ static bool amx_granted() {  // the CPU has AMX-TILE and AMX-INT8 (CPUID 7.0 EDX
 struct TileConfig { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
 // A tile configuration is trusted within one entry point's call only: between calls other code in the thread (torch's
 // oneDNN) may load its own. Each call that may run q8 tiles starts a new epoch before its parallel region.
-static int amx_epoch = 0;
+static unsigned amx_epoch = 0;
 static inline void amx_new_call() { amx_epoch++; }
 static inline void amx_configure(int M, int KB) {
-    static thread_local int epoch = -1, rows = 0, kb = 0;
+    static thread_local unsigned epoch = ~0u;
+    static thread_local int rows = 0, kb = 0;
     if (epoch == amx_epoch && rows == M && kb == KB) return;
     epoch = amx_epoch, rows = M, kb = KB;
     TileConfig c = {};
@@ -39,7 +40,7 @@ static inline void amx_configure(int M, int KB) {
         c.rows[2 + t] = (uint8_t)M, c.colsb[2 + t] = (uint16_t)KB;
         c.rows[4 + t] = (uint8_t)(KB / 4), c.colsb[4 + t] = 64;
     }
-    _tile_loadconfig(&c);  // per tile call: another library in this thread (oneDNN) may have loaded its own
+    _tile_loadconfig(&c);
 }
 
 // A block's weights as the u8 tile operand: q8_unpack's 8 registers (columns 4c..4c+3 of the 16 rows each) in order.

@@ -79,8 +79,8 @@ static void q8_quantize(const float* x, int R, const QX& Q) {
     for (int r = 0; r < R; r++) q8_quantize_row(x + (long)r * Q.K, Q, r);
 }
 
-// The layout a file format runs as in q8: Q4_0, Q4_1 and Q8_0 as themselves; Q5_0 as Q8_0 (d, q - 16 as int8: the
-// same weights); Q4_K as its own bytes (repack_q4k: sub-block j's d·sc_j and -dmin·m_j computed in fp32 in the
+// The layout a file format runs as in q8: Q4_0, Q4_1 and Q8_0 as themselves; Q5_0 as Q4_0's layout of its nibbles
+// plus a plane of fifth bits (Q8W<Q5_0>: u = q in [0, 31], summed from -16·Σx, so the sums are Σ (q - 16)·x); Q4_K as its own bytes (repack_q4k: sub-block j's d·sc_j and -dmin·m_j computed in fp32 in the
 // tile, exact products, nothing rounded); Q6_K as its own bytes rearranged (repack_q6k: per super-block the 16 rows'
 // d and int8 scales, d·sc computed in fp32 in the tile, exact; per block q + 32 in [0, 63] as Q4 nibbles plus a
 // 2-bit plane, Q8W<Q6_K>). The layouts below hold scales rounded to fp16 once at repack (times Q8_SCALE_UP); where
@@ -97,6 +97,10 @@ template <> struct Q8W<Q4_1> { static const int BLOCK = 20, QS = 4, SCALES = 64,
 // Q4_K: the file's own bytes, 18 a row per 32 columns (144 per super-block): see repack_q4k
 template <> struct Q8W<Q4_K> { static const int BLOCK = 18, QS = 0, SCALES = 0, CHUNKS = 4; };
 template <> struct Q8W<Q8_0> { static const int BLOCK = 34, QS = 2, SCALES = 32, CHUNKS = 8; };
+// Q5_0: the file's d and nibbles as Q4_0's, then a 64-byte plane of the fifth bits: for unpacked chunk e (columns
+// 4e..4e+3 of the 16 rows) a 64-bit mask, bit p for chunk byte p (a byte mask AVX-512 applies as it is); the
+// file's 22 bytes a row
+template <> struct Q8W<Q5_0> { static const int BLOCK = 22, QS = 6, SCALES = 32, CHUNKS = 4; };
 // Q6_K: per block u = q + 32 split: its low 4 bits as Q4 nibbles (4 chunks), its top 2 bits as 8 planes of 16
 // bytes, plane e for the 64 bytes of unpacked chunk e (byte p's bits at plane byte p % 16, bits 2·(p / 16)); the
 // scales per super-block (repack_q6k): 210 bytes a row per 256 columns, as the file
@@ -111,7 +115,9 @@ template <> struct Q8W<Q2_K> { static const int BLOCK = 24, QS = 8, SCALES = 128
 // (fp16's normal numbers start at 2^-14) run q8 instead of sending the whole tensor to the exact kernels, and up
 // to 255.9.
 #define Q8_SCALE_UP 256.0f
-static constexpr bool q8_scaled_up(int lay) { return lay != Q4_0 && lay != Q8_0 && lay != Q4_K && lay != Q6_K; }
+static constexpr bool q8_scaled_up(int lay) {
+    return lay != Q4_0 && lay != Q5_0 && lay != Q8_0 && lay != Q4_K && lay != Q6_K;
+}
 
 // Block b of a file row in the layout FMT's bytes: the row's own block, or a converted copy in `tmp` (Q5_0, Q6_K, ...).
 // Returns null where a computed scale or min times Q8_SCALE_UP is not an fp16 number within fp16's relative
@@ -144,17 +150,6 @@ static inline bool k4_scale_min_fp16(const uint8_t* sb, int j, uint8_t* out) {
     return true;
 }
 static const uint8_t* layout_block(int src, const uint8_t* row, int b, uint8_t* tmp) {
-    if (src == Q5_0) {  // -> Q8_0: d, then q - 16 as int8
-        const uint8_t* blk = row + 22L * b;
-        uint32_t qh;
-        memcpy(tmp, blk, 2);
-        memcpy(&qh, blk + 2, 4);
-        for (int i = 0; i < 32; i++) {
-            const int lo = i < 16 ? blk[6 + i] & 15 : blk[6 + i - 16] >> 4;
-            tmp[2 + i] = (uint8_t)(int8_t)((lo | ((qh >> i) & 1) << 4) - 16);
-        }
-        return tmp;
-    }
     if (src == Q3_K || src == Q2_K) {  // 16-column sub-blocks' scales (and mins), then u as Q4 nibbles
         const long sbytes = src == Q3_K ? 110 : 84;
         const uint8_t* sb = row + sbytes * (b / 8);
@@ -205,7 +200,7 @@ static const uint8_t* layout_block(int src, const uint8_t* row, int b, uint8_t* 
         memcpy(tmp + 4, blk + 4, 16);
         return tmp;
     }
-    return row + (long)(src == Q4_0 ? 18 : 34) * b;
+    return row + (long)(src == Q4_0 ? 18 : src == Q5_0 ? 22 : 34) * b;
 }
 
 // Row j's 32 values u (0..63, column order) into Q6_K's layout at `q`: nibbles as Q4 (chunk c byte 4j+i: columns
@@ -235,6 +230,7 @@ static bool repack(int src, const uint8_t* W, int N, int K, uint8_t* out) {
     for (int g = 0; g < G; g++)
         for (int b = 0; b < nb; b++) {
             uint8_t* o = out + (long)g * nb * bb + b * bb;
+            if constexpr (FMT == Q5_0) memset(o + F::SCALES + 256, 0, 64);  // the plane is or-ed in row by row
             for (int j = 0; j < 16; j++) {
                 const int n = 16 * g + j;
                 uint8_t tmp[36];
@@ -242,6 +238,15 @@ static bool repack(int src, const uint8_t* W, int N, int K, uint8_t* out) {
                 if (!blk) { ok = false; blk = ZERO; }
                 for (int f = 0; f < F::SCALES / 32; f++) memcpy(o + 32 * f + 2 * j, blk + 2 * f, 2);  // d (m, d_b, ...)
                 for (int c = 0; c < F::CHUNKS; c++) memcpy(o + F::SCALES + 64 * c + 4 * j, blk + F::QS + 4 * c, 4);
+                if constexpr (FMT == Q5_0) {  // row j's fifth bits: column 4e + i -> chunk e, byte p = 4j + i
+                    uint32_t qh;
+                    memcpy(&qh, blk + 2, 4);
+                    for (int e = 0; e < 8; e++)
+                        for (int i = 0; i < 4; i++) {
+                            const int p = 4 * j + i;
+                            o[F::SCALES + 256 + 8 * e + p / 8] |= (uint8_t)(((qh >> (4 * e + i)) & 1) << (p % 8));
+                        }
+                }
             }
         }
     return ok;

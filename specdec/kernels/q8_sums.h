@@ -36,6 +36,13 @@ static inline void q8_unpack(const uint8_t* qs, WB* w) {
         w->g[c] = _mm512_and_si512(v, m);
         w->g[4 + c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m);
     }
+    if (FMT == Q5_0) {  // + 16 where the fifth bit is set: chunk e's plane is its byte mask (Q8W<Q5_0>)
+        for (int e = 0; e < 8; e++) {
+            uint64_t k;
+            memcpy(&k, qs + 256 + 8 * e, 8);
+            w->g[e] = _mm512_mask_add_epi8(w->g[e], (__mmask64)k, w->g[e], _mm512_set1_epi8(16));
+        }
+    }
 }
 static inline __m512i xb4(const int8_t* x) { int32_t v; memcpy(&v, x, 4); return _mm512_set1_epi32(v); }
 template <int FMT>
@@ -46,7 +53,7 @@ static inline I16 q8_dot(const WB& w, const int8_t* xq, int32_t start) {
     return {_mm512_add_epi32(a, b)};
 }
 template <int FMT> static inline int32_t q8_start(const QX& Q, long at) {
-    return FMT == Q4_0 ? Q.o4[at] : FMT == Q8_0 ? Q.o8[at] : 0;
+    return FMT == Q4_0 ? Q.o4[at] : FMT == Q5_0 ? 2 * Q.o4[at] : FMT == Q8_0 ? Q.o8[at] : 0;
 }
 // The block's two 16-column halves apart (Q6_K: a scale each), u8 weights: two exact integer chains from sa, sb.
 static inline void q8_dot_halves(const WB& w, const int8_t* xq, int32_t sa, int32_t sb, I16* a, I16* b) {
@@ -72,11 +79,13 @@ static inline __m256i q8_dot8(__m256i w, __m256i x) {  // 8 lanes, each the exac
         return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), ones);
     return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
 }
-template <int FMT> static inline int32_t q8_start(const QX& Q, long at) { return FMT == Q4_0 ? Q.o4[at] : 0; }
+template <int FMT> static inline int32_t q8_start(const QX& Q, long at) {
+    return FMT == Q4_0 ? Q.o4[at] : FMT == Q5_0 ? 2 * Q.o4[at] : 0;
+}
 #endif
 
-// Where row m's integer sums of block `at` start: q8_start (Q4_0's -8·Σx; Q8_0's -128·Σx on VNNI, whose weights are
-// offset to u8); for Q6_K, Q3_K and Q2_K each 16-column half's -off·Σx (their quants stored + 32, + 4, + 0).
+// Where row m's integer sums of block `at` start: q8_start (Q4_0's -8·Σx, Q5_0's -16·Σx; Q8_0's -128·Σx on VNNI,
+// whose weights are offset to u8); for Q6_K, Q3_K and Q2_K each 16-column half's -off·Σx (their quants stored + 32, + 4, + 0).
 template <int FMT>
 static inline void q8_starts(const QX& Q, long at, int32_t* sa, int32_t* sb) {
     if constexpr (FMT == Q6_K || FMT == Q3_K || FMT == Q2_K) {
@@ -154,11 +163,20 @@ static inline void q8_block_sums(const QX& Q, int m0, int bl, const uint8_t* qs,
             }
         }
     };
-    if constexpr (FMT == Q4_0 || FMT == Q4_1 || FMT == Q3_K || FMT == Q2_K || FMT == Q6_K) {
+    if constexpr (FMT == Q4_0 || FMT == Q4_1 || FMT == Q5_0 || FMT == Q3_K || FMT == Q2_K || FMT == Q6_K) {
         const __m256i mask = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3);
         // Q6_K's top bits: plane byte p % 16 shifted by 2·(p / 16); rows 0-7 are bytes 0-31, rows 8-15 bytes 32-63
         const __m256i shift_lo = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2), shift_hi = _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6);
-        auto top = [&](int e, __m256i nib, __m256i shifts) {
+        auto top = [&](int e, __m256i nib, __m256i shifts, bool hi) {  // hi: rows 8-15
+            if constexpr (FMT == Q5_0) {  // the fifth bit: bit p of chunk e's 64-bit plane for its byte p
+                uint32_t k;  // rows 8-15 (bytes 32-63): the mask's high half
+                memcpy(&k, qs + 256 + 8 * e + (hi ? 4 : 0), 4);
+                const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                        2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+                const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);  // byte p: mask byte p / 8, bit p % 8
+                const __m256i m = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)k), spread), bit);
+                return _mm256_or_si256(nib, _mm256_and_si256(_mm256_cmpeq_epi8(m, bit), _mm256_set1_epi8(16)));
+            }
             if constexpr (FMT != Q6_K) return nib;
             const __m256i plane = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(qs + 256 + 16 * e)));
             return _mm256_or_si256(nib, _mm256_slli_epi16(_mm256_and_si256(_mm256_srlv_epi32(plane, shifts), three), 4));
@@ -166,9 +184,9 @@ static inline void q8_block_sums(const QX& Q, int m0, int bl, const uint8_t* qs,
         for (int c = 0; c < 4; c++) {
             const __m256i v0 = _mm256_loadu_si256((const __m256i*)(qs + 64 * c));
             const __m256i v1 = _mm256_loadu_si256((const __m256i*)(qs + 64 * c + 32));
-            step(c, top(c, _mm256_and_si256(v0, mask), shift_lo), top(c, _mm256_and_si256(v1, mask), shift_hi));
-            step(c + 4, top(c + 4, _mm256_and_si256(_mm256_srli_epi16(v0, 4), mask), shift_lo),
-                 top(c + 4, _mm256_and_si256(_mm256_srli_epi16(v1, 4), mask), shift_hi));
+            step(c, top(c, _mm256_and_si256(v0, mask), shift_lo, false), top(c, _mm256_and_si256(v1, mask), shift_hi, true));
+            step(c + 4, top(c + 4, _mm256_and_si256(_mm256_srli_epi16(v0, 4), mask), shift_lo, false),
+                 top(c + 4, _mm256_and_si256(_mm256_srli_epi16(v1, 4), mask), shift_hi, true));
         }
     } else {
         for (int c = 0; c < 8; c++)

@@ -55,7 +55,8 @@ extern "C" long rows_repacked_bytes(int fmt, int N, int K) {
     const int lay = q8_layout(fmt);
     if (!lay || row_bytes_of(fmt, K) < 0 || K % 32 || N < 0) return -1;
     if (lay == Q6_K) return (N + 15) / 16 * q8_group_bytes<Q6_K>(K / 32);  // whole super-blocks (repack_q6k)
-    const long block = lay == Q4_0 ? Q8W<Q4_0>::BLOCK : lay == Q4_1 ? Q8W<Q4_1>::BLOCK : lay == Q4_K ? Q8W<Q4_K>::BLOCK
+    const long block = lay == Q4_0 ? Q8W<Q4_0>::BLOCK : lay == Q4_1 ? Q8W<Q4_1>::BLOCK : lay == Q5_0 ? Q8W<Q5_0>::BLOCK
+                       : lay == Q4_K ? Q8W<Q4_K>::BLOCK
                        : lay == Q5_K ? Q8W<Q5_K>::BLOCK : lay == Q3_K ? Q8W<Q3_K>::BLOCK : lay == Q2_K ? Q8W<Q2_K>::BLOCK
                        : Q8W<Q8_0>::BLOCK;
     return (N + 15) / 16 * 16L * block * (K / 32);
@@ -71,6 +72,7 @@ extern "C" int rows_repack(int fmt, const uint8_t* W, int N, int K, uint8_t* out
         switch (q8_layout(fmt)) {
             case Q4_0: ok = repack<Q4_0>(fmt, W, N, K, out); break;
             case Q4_1: ok = repack<Q4_1>(fmt, W, N, K, out); break;
+            case Q5_0: ok = repack<Q5_0>(fmt, W, N, K, out); break;
             case Q4_K: ok = repack_q4k(W, N, K, out); break;
             case Q6_K: ok = repack_q6k(W, N, K, out); break;
             case Q5_K: ok = repack<Q5_K>(fmt, W, N, K, out); break;
