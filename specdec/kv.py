@@ -47,9 +47,10 @@ class CachedModel:
             del self.tokens[length:]
 
     @torch.inference_mode()
-    def forward(self, tokens: list[int], n_logits: int = 1, hidden: bool = False):
+    def forward(self, tokens: list[int], n_logits: int = 1, hidden: bool = False, head_rows: int | None = None):
         """-> logits [n_logits, V]; with hidden=True also the final hidden states of the tokens run, which start
-        at position `self.last_start`."""
+        at position `self.last_start`. head_rows: only the first head_rows ids' logits (the rest -inf), as the
+        runtime's SlotCache gives them."""
         # keep at least n_logits tokens to run so their logits exist
         self.rollback(min(common_prefix_len(self.tokens, tokens), len(tokens) - n_logits))
         self.last_start = len(self.tokens)
@@ -59,11 +60,11 @@ class CachedModel:
         self.tokens.extend(new)
         if not hidden:
             out = self.model(input_ids=ids, use_cache=True, logits_to_keep=n_logits, **cache_kw)
-            return fit_vocab(out.logits[0, -n_logits:], self.vocab_size)
+            return fit_vocab(out.logits[0, -n_logits:, :head_rows], self.vocab_size)
         # the same computation as the causal LM's forward, split so the final hidden states are kept
         h = self.model.get_decoder()(input_ids=ids, use_cache=True, **cache_kw).last_hidden_state[0]
         logits = self.model.get_output_embeddings()(h[-n_logits:])
-        return fit_vocab(logits, self.vocab_size), h
+        return fit_vocab(logits[:, :head_rows], self.vocab_size), h
 
 
 def few_row_linears(model) -> None:

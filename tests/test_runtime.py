@@ -289,6 +289,40 @@ def test_greedy_speculation_on_the_runtime_is_token_identical(runtime_model, tok
     assert out.stats["accepted"] > 0  # the target drafting for itself is always right
 
 
+@needs_kernel
+@pytest.mark.parametrize("cut", [48, 40])  # whole 16-row groups of the head's q8 layout, and not
+def test_a_model_draft_reads_only_its_heads_first_rows_and_stays_lossless(runtime_model, tok, monkeypatch, cut):
+    """A draft's logits for the first HEAD_ROWS ids are the whole head's, bitwise (q8 and exact); it proposes no
+    id beyond them; and speculation with such a draft equals target-only, greedy and seeded."""
+    from specdec.drafters import model as model_draft
+    rt, mode = runtime_model, runtime_model.numerics
+    for numerics in ("q8", "exact"):
+        rt.set_numerics(numerics)
+        s = rt.acquire_slot()
+        full = rt.forward(PROMPT, [s] * len(PROMPT), list(range(len(PROMPT))))
+        part = rt.forward(PROMPT, [s] * len(PROMPT), list(range(len(PROMPT))), head_rows=cut)
+        rt.release_slot(s)
+        assert part.shape[1] == cut and torch.equal(part, full[:, :cut]), numerics
+    rt.set_numerics(mode)
+    monkeypatch.setattr(model_draft, "HEAD_ROWS", cut)
+    proposed = []
+    honest = model_draft.ModelDrafter.propose
+
+    def seen(self, *a, **k):
+        d = honest(self, *a, **k)
+        proposed.extend(d.tokens)
+        return d
+    monkeypatch.setattr(model_draft.ModelDrafter, "propose", seen)
+    prompt = "Hello there, general"
+    for params in ({}, {"temperature": 0.9, "seed": 3}):
+        base = SpecDecoder.from_models(rt, tok, "none").generate(prompt, max_new_tokens=40, chat=False, **params)
+        out = SpecDecoder.from_models(rt, tok, "target", tau=4).generate(prompt, max_new_tokens=40, chat=False,
+                                                                          **params)
+        assert out.token_ids == base.token_ids, params
+        assert proposed and max(proposed) < cut
+    assert max(base.token_ids) >= cut  # the target wrote ids the draft could not propose
+
+
 def assert_speculation_equals_target_only(model, tok):
     """ngram and the target as its own draft, tau 1..8, against the same model's target-only output -> the last
     speculative result."""

@@ -8,6 +8,12 @@ from ..kv import cached_model
 from ..sampling import draw, warp
 from .base import Draft
 
+# A draft proposes only among the first HEAD_ROWS token ids, so its step reads only those rows of its head. BPE ids
+# follow merge order, roughly frequency: of the pair's target outputs and the shipped prompts, 98.4% and 98.7% of
+# tokens are below 65,536 (of 151,936), and the 0.5B draft's head is 37% of the bytes a step reads (docs/draft.md).
+# Lossless whatever the cut: verification accepts or corrects any proposal, and a sampled draft's q is 0 beyond it.
+HEAD_ROWS = 65536
+
 
 class ModelDrafter:
     def __init__(self, model, vocab_size: int, name: str = "model"):
@@ -17,7 +23,7 @@ class ModelDrafter:
     def propose(self, context, k, params, generator) -> Draft:
         seq, qs = list(context), []
         for _ in range(k):
-            logits = self.lm.forward(seq)[-1]
+            logits = self.lm.forward(seq, head_rows=HEAD_ROWS)[-1]
             if params.greedy:
                 token = int(logits.argmax())
             else:

@@ -77,6 +77,7 @@ class Llama:
         self.config, self.generation_config, self.source = config, generation_config, source
         self.numerics = numerics
         self.embed, self.layers, self.norm, self.head = embed, layers, norm, head
+        self._heads: dict[int, QTensor] = {}  # head_rows -> the head's first rows (_head)
         self.hd, self.heads, self.kv_heads = config.head_dim, config.num_attention_heads, config.num_key_value_heads
         self.eps = float(config.rms_norm_eps)
         self.interleaved = bool(getattr(config, "rope_interleaved", False))  # llama.cpp's Q/K row order
@@ -285,24 +286,25 @@ class Llama:
 
     # ---- the pass ---------------------------------------------------------------------------------------------
     def forward(self, tokens: list[int], slots: list[int], positions: list[int], logit_rows=None,
-                hidden: bool = False, paths: list | None = None):
+                hidden: bool = False, paths: list | None = None, head_rows: int | None = None):
         """Rows `tokens` at `positions` of `slots` -> logits [len(logit_rows), V] for the rows asked (default: all),
         and with hidden=True also the final (normed) hidden states of all rows [R, hidden].
 
         `paths` makes a tree pass (rows of token trees): for row r, None (a plain row) or the storage positions of
         its last len(paths[r]) logical positions, ending with its own. A tree row is stored at paths[r][-1] and
         attends to its slot's positions before those, then to its path (its ancestors and itself): bitwise a
-        one-token step of that path. The rotary position is positions[r], the row's depth in the sequence."""
+        one-token step of that path. The rotary position is positions[r], the row's depth in the sequence.
+        `head_rows`: logits for the first head_rows token ids only (a draft's: each is what the whole head gives)."""
         if len(tokens) == 0:
             raise ValueError("a pass needs at least one row")
         x = self.embed.rows(tokens)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=torch.float32)
-        return self.forward_rows(x, slots, positions, logit_rows, hidden, paths)
+        return self.forward_rows(x, slots, positions, logit_rows, hidden, paths, head_rows)
 
     @torch.inference_mode()
     def forward_rows(self, x: torch.Tensor, slots: list[int], positions: list[int], logit_rows=None,
-                     hidden: bool = False, paths: list | None = None):
+                     hidden: bool = False, paths: list | None = None, head_rows: int | None = None):
         """forward() from input rows x [R, hidden] instead of token ids (logit_rows=[] skips the head)."""
         R = len(x)
         if not (len(slots) == len(positions) == R) or R == 0:
@@ -328,8 +330,16 @@ class Llama:
                     xr = torch_layer.layer(self, i, w, xr, slots[r], positions[r], path)
                 h[r] = torch_layer.rmsnorm(xr, self.norm, self.eps)[0]
         rows = h if logit_rows is None else h[list(logit_rows)]
-        logits = qlinear(rows.contiguous(), self.head, q8=self.q8) if len(rows) else None
+        logits = qlinear(rows.contiguous(), self._head(head_rows), q8=self.q8) if len(rows) else None
         return (logits, h) if hidden else logits
+
+    def _head(self, rows: int | None) -> QTensor:
+        """The head, or its first `rows` rows (views of its bytes and q8 layout, made once per size)."""
+        if rows is None or rows >= self.head.n:
+            return self.head
+        if rows not in self._heads:
+            self._heads[rows] = self.head.first(rows)
+        return self._heads[rows]
 
     def _tree_rows(self, positions: list[int], paths: list) -> list[int]:
         """The kernel's tree description [store R | kbase R | map offset R | maps], checked."""

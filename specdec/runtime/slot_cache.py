@@ -34,12 +34,12 @@ class SlotCache:
         del self.tokens[length:]  # the slot's length; the positions beyond are overwritten by the next pass
         self.model.truncate(self.slot, length)  # and their blocks go back to the pool
 
-    def forward(self, tokens: list[int], n_logits: int = 1, hidden: bool = False):
+    def forward(self, tokens: list[int], n_logits: int = 1, hidden: bool = False, head_rows: int | None = None):
         self.rollback(min(common_prefix_len(self.tokens, tokens), len(tokens) - n_logits))
         start = self.last_start = len(self.tokens)
         new = tokens[start:]
         out = self.model.forward(new, [self.slot] * len(new), list(range(start, len(tokens))),
-                                 range(len(new) - n_logits, len(new)), hidden)
+                                 range(len(new) - n_logits, len(new)), hidden, head_rows=head_rows)
         self.tokens.extend(new)
         logits = out[0] if hidden else out
         logits = fit_vocab(logits, self.vocab_size)

@@ -55,6 +55,15 @@ class QTensor:
         rows = torch.as_tensor(rows, dtype=torch.long)
         return QTensor(self.fmt, self.data[rows].contiguous(), len(rows), self.k)
 
+    def first(self, n: int) -> QTensor:
+        """Rows 0..n-1 as a tensor of their own: views of the same bytes, and of the q8 layout where it exists and n
+        is a whole number of its 16-row groups (else the first use repacks them)."""
+        out = QTensor(self.fmt, self.data[:n], n, self.k, mapped=self.mapped)
+        if self._packed is not None and n % 16 == 0:
+            out._packed = self._packed[: kernels.repacked_bytes(self.fmt, n, self.k)]
+        out._exact_only = self._exact_only
+        return out
+
     def split(self, sizes: list[int]) -> list[QTensor]:
         """Consecutive row ranges as tensors of their own, views of the same bytes (a fused qkv or gate/up)."""
         if sum(sizes) != self.n:
