@@ -184,6 +184,7 @@ def systems(target: Path, draft: Path, threads: int, previous: str | None = None
             "ours-none": ours + ["--draft", "none"],
             "ours": ours,
             "ours-0.5b": ours + ["--draft", str(draft)],
+            "ours-ngram-0.5b": ours + ["--draft", f"ngram+{draft}"],
             "ours-suffix": ours + ["--draft", "suffix"],
             "ours-recycle": ours + ["--draft", "recycle"],
             "ours-feature": ours + ["--draft", "distilled"],

@@ -89,7 +89,8 @@ def halves_reference(x: np.ndarray, q: np.ndarray, dsc: np.ndarray, mins=None, u
 
 
 def as_q8_layout(fmt, data: np.ndarray, n: int, k: int) -> tuple[int, np.ndarray]:
-    """What the q8 mode runs a tensor as, rebuilt in numpy from the file's bytes: Q5_0 -> Q8_0 blocks (d, q - 16);
+    """What the q8 mode runs a tensor as, rebuilt in numpy from the file's bytes: Q5_0 -> Q8_0 blocks (d, q - 16;
+    the kernel keeps Q5_0's own bytes and sums q from -16·Σx: the same integers);
     Q5_K, Q5_1 -> Q4_1's sums on (q [n, k], d, m per 32 columns: fp16 of d·sc and of -dmin·m, times UP); Q4_K ->
     the same sums on its own scales, d·sc and -dmin·m in fp32 (exact products, nothing rounded);
     Q3_K, Q2_K -> (q, fp16 d·sc per 16 columns[, fp16 -dmin·m]), times UP; Q6_K -> (q, fp32 d·sc per 16 columns:
