@@ -1,11 +1,11 @@
 // q8_amx.h: a block's integer sums for all M rows of x in one AMX tile multiply (Intel Sapphire Rapids and later),
 // where the CPU has AMX-INT8 and the OS grants its tile state. The sums are the exact int32 ones q8_sums.h makes, so
 // q8_tile's float chain, and every bit of a pass, are the same whichever computes them: rows stay invariant.
-// A tile multiply does a block's 16 weight rows x M rows in the time VNNI does about one row; the float work that
-// scales each block's sums (q8_tile) is then what remains.
+// A tile multiply, its two tile loads and the store of its sums cost about what 8 rows of vpdpbusd cost, so tiles
+// serve 9-16 rows of x (q8_group); the float work that scales each block's sums (q8_tile) stays either way.
 #pragma once
 
-#if defined(__AMX_INT8__) && defined(__AVX512VNNI__)
+#if defined(__AMX_INT8__) && defined(__AVX512VNNI__) && defined(__linux__)  // (Linux grants the tile state)
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <cpuid.h>
