@@ -400,6 +400,7 @@ class Llama:
             raise ValueError(f"numerics must be one of {', '.join(kernels.NUMERICS)}, got {numerics!r}")
         before, mode = self.kv_dtype, self.numerics
         self.numerics = numerics if self._lib is not None else "exact"
+        self._heads.clear()  # a draft's head rows are views of the head's layout, which q8 may attach below
         if self.kv_dtype != before:  # slots keep their ids; what they held was computed in the other mode
             self._remake_pool()
         elif self.numerics != mode and self._pool is not None:
