@@ -110,10 +110,7 @@ def best_isa() -> str | None:
 
 
 def _has_vnni() -> bool:
-    try:
-        return "avx512_vnni" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    return "avx512_vnni" in cpuinfo("flags").split()
 
 
 class Library:
@@ -145,12 +142,69 @@ class Library:
         # never); the same bits either way. amx_rows: the threshold in force (0: off).
         self.rows_amx = _amx(lib)
         self.amx_rows = self.rows_amx(0 if os.environ.get("SPECDEC_AMX", "1") == "0" else AMX_ROWS)
+        # how far ahead q8 tiles prefetch weights (one-row tiles, the others): chosen for this CPU, no bit changes
+        self.rows_prefetch = _prefetch(lib)
+        self.prefetch = self.set_prefetch(*prefetch_distances())
         rows_abi = lib.rows_abi
         rows_abi.argtypes, rows_abi.restype = [p, i], i
         abi.check(rows_abi)  # the structs decoder_layers takes, against their mirrors: a mismatch never runs
         rows_formats = lib.rows_formats
         rows_formats.argtypes, rows_formats.restype = [p, i], i
         formats.check(rows_formats)  # and the format table, against formats.TABLE
+
+
+    def set_prefetch(self, one: int = -1, many: int = -1) -> tuple[int, int]:
+        """Bytes q8 tiles prefetch ahead: `one` for one-row tiles (decode steps), `many` for the others (-1 keeps
+        one); multiples of 64 up to 64 KB. Returns the pair in force (None for a build without it)."""
+        self.prefetch = self.rows_prefetch(one, many)
+        return self.prefetch
+
+
+def _prefetch(lib):
+    """rows_prefetch as a function of (one, many) -> the distances in force, or a stand-in returning None for an
+    older build (benchmarks/same_kernels.py loads them)."""
+    try:
+        fn = lib.rows_prefetch
+    except AttributeError:
+        return lambda one, many: None
+    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p], None
+
+    def call(one: int, many: int) -> tuple[int, int]:
+        out = (ctypes.c_int * 2)()
+        fn(one, many, out)
+        return out[0], out[1]
+    return call
+
+
+# Bytes q8 tiles prefetch ahead (one-row tiles, the others), by CPU vendor: the 1.5B pair's passes measured with
+# benchmarks/ab_curve.py (docs/runtime.md, "Prefetch"). SPECDEC_Q8_AHEAD=ONE[,MANY] overrides.
+PREFETCH = {"GenuineIntel": (2048, 4096), "AuthenticAMD": (8192, 4096)}
+PREFETCH_OTHER = (2048, 4096)
+
+
+def prefetch_distances() -> tuple[int, int]:
+    env = os.environ.get("SPECDEC_Q8_AHEAD", "").strip()
+    if env:
+        try:
+            vals = [int(v) for v in env.split(",")]
+            if not 1 <= len(vals) <= 2 or not all(0 <= v <= 65536 for v in vals):
+                raise ValueError
+            return vals[0], vals[-1]
+        except ValueError:
+            print(f"specdec: SPECDEC_Q8_AHEAD={env!r} is not ONE[,MANY] bytes (0..65536); using this CPU's",
+                  file=sys.stderr)
+    return PREFETCH.get(cpuinfo("vendor_id"), PREFETCH_OTHER)
+
+
+def cpuinfo(field: str) -> str:
+    """The first value of `field` in /proc/cpuinfo (vendor_id: GenuineIntel, AuthenticAMD; model name), or ''."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.split(":", 1)[0].strip() == field:
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def _amx(lib):

@@ -86,7 +86,7 @@ static inline void q8_tile(const QX& Q, int m0, const uint8_t* G, float* y, long
             d = f16_to_f((const uint16_t*)blk);
             second = FMT == Q4_0 || FMT == Q5_0 || FMT == Q8_0 ? d : f16_to_f((const uint16_t*)blk + 16);
         }
-        const int ahead = M == 1 ? Q8_AHEAD_ONE : Q8_AHEAD;
+        const int ahead = M == 1 ? q8_ahead_one : q8_ahead;
         for (int o = 0; o < (int)bb; o += 64) _mm_prefetch((const char*)blk + ahead + o, _MM_HINT_T0);
         I16 ia[M], ib[M];
 #ifdef Q8_HAS_AMX

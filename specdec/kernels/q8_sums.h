@@ -96,15 +96,11 @@ static inline void q8_starts(const QX& Q, long at, int32_t* sa, int32_t* sb) {
     }
 }
 
-// How far ahead of the block being summed q8_tile prefetches its weights, in bytes: a one-row tile (a decode step)
-// streams them fastest and gains from the shorter distance (the 1.5B's one-row pass 0.84x on a Xeon; the 135M,
-// cache-resident there, unchanged), tiles of more rows from the longer one (docs/runtime.md, "Prefetch").
-#ifndef Q8_AHEAD
-#define Q8_AHEAD 4096
-#endif
-#ifndef Q8_AHEAD_ONE
-#define Q8_AHEAD_ONE 2048
-#endif
+// How far ahead of the block being summed q8_tile prefetches its weights, in bytes: in a one-row tile (a decode
+// step) and in tiles of more rows. The best distances differ by CPU (a Xeon's one-row pass is fastest at 2 KB, an
+// EPYC's at 8 KB), so rows_prefetch sets them at load (kernels/__init__.py chooses; docs/runtime.md, "Prefetch").
+// A prefetch changes no bit.
+static int q8_ahead_one = 2048, q8_ahead = 4096;
 // Rows of x per tile: each block's weights are unpacked once for them (q8_block_sums keeps them in registers).
 // AVX-512: 8 (8 weight registers, 8 or 16 integer accumulators of 32), so a verify pass of up to 8 rows unpacks
 // each block once; AVX2: 4 (its 16 registers). The tile width changes no bit: each row's sums and their order are

@@ -20,17 +20,12 @@ from ..cachedir import cache_root, write_atomically
 
 
 def machine() -> str:
-    """What a timing depends on besides the model: the CPU, how many cores and threads, the kernel build."""
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    """What a timing depends on besides the model: the CPU, how many cores and threads, the kernel build and its
+    prefetch distances."""
+    cpu = kernels.cpuinfo("model name") or "unknown"
     lib = kernels.library()
-    return f"{cpu}|{os.cpu_count()}|{torch.get_num_threads()}|{lib.key if lib else 'torch'}"
+    build = f"{lib.key}|ahead {lib.prefetch}" if lib else "torch"
+    return f"{cpu}|{os.cpu_count()}|{torch.get_num_threads()}|{build}"
 
 
 def remembered(model, what: str, params: dict, measure: Callable[[], object]):
