@@ -120,8 +120,8 @@ class AdaptivePolicy:
         if record.cycle > 0:  # cycle 0 includes the prompt prefill
             self.verify_ms.setdefault(n + 1, Ema(record.verify_ms, weight=0.0, decay=0.8)).update(record.verify_ms)
             self.overhead_ms.update(max(0.0, record.cycle_ms - record.draft_ms - record.verify_ms))
-        if n:
-            per_token = record.draft_ms / n
+        if n:  # a catch-up over the prompt is paid once: not a drafted token's cost
+            per_token = max(0.0, record.draft_ms - record.draft_prefill_ms) / n
             if self.draft_ms is None:
                 self.draft_ms = Ema(per_token, weight=0.0, decay=0.8)
             self.draft_ms.update(per_token)

@@ -25,6 +25,7 @@ class CycleRecord:
     drafted: int | None = None  # tokens (a tree: nodes) the drafter returned, before any cut
     short: str | None = None  # why fewer than τ drafts were verified (SHORTFALLS); None: all τ (or no record of it)
     by: str | None = None  # "prediction" when the request's predicted output proposed this cycle's draft
+    draft_prefill_ms: float = 0.0  # of draft_ms, a model draft's catch-up on unseen tokens (Draft.prefill_ms)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -205,3 +205,44 @@ def test_adaptive_policy_takes_drafts_longer_than_its_max_tau():
     p.observe(CycleRecord(1, 2, [5] * 6, 5, [5] * 6, 0.1, T, T + 1))
     assert len(p.alpha) == 2
     assert all(a.value > 0.5 for a in p.alpha)
+
+
+def test_adaptive_leaves_a_prompt_catch_up_out_of_the_draft_cost():
+    """A model draft's first step catches up on the prompt (400 ms here, the record's draft_prefill_ms): paid once,
+    so a cheap, accurate draft drafts long chains from the next cycles on. Priced per drafted token it made every
+    draft look 400x dearer, and the policy stopped drafting (the 0.5B draft on long prompts)."""
+    policy = AdaptivePolicy(3, max_tau=8)
+    policy.start()
+    first = rec(policy.next_tau(), 3, 3, draft_ms=400.9, cycle=0)
+    first.draft_prefill_ms = 400.0
+    policy.observe(first)
+    assert abs(policy.draft_ms.value - 0.3) < 1e-9
+    taus = drive(policy, alphas=[0.97], cycles=30, draft_ms_per_token=0.3)
+    assert sum(taus[2:]) / len(taus[2:]) >= 5
+
+
+def test_a_model_drafts_catch_up_on_the_prompt_is_its_prefill(tok, target, draft_close):
+    """ModelDrafter reports the time of a first step over more than CATCHUP_TOKENS unseen tokens as the draft's
+    prefill_ms, and no prefill for a step after a verification; the engine's records carry it."""
+    from specdec.drafters.model import CATCHUP_TOKENS
+    drafter = ModelDrafter(draft_close, VOCAB)
+    ids = tok("Hello world, this is a prompt long enough to catch up on").input_ids
+    assert len(ids) > CATCHUP_TOKENS
+    first = drafter.propose(ids, 3, SamplingParams(), None)
+    assert first.prefill_ms > 0
+    again = drafter.propose(ids + first.tokens[:1] + [5], 3, SamplingParams(), None)  # one accepted, the target's
+    assert again.prefill_ms == 0.0
+    engine = Engine(target, ModelDrafter(draft_close, VOCAB), VOCAB, set(), 256)
+    recs = list(engine.run(ids, 12, SamplingParams(), make_policy("fixed", 3)))
+    assert recs[0].draft_prefill_ms > 0 and all(r.draft_prefill_ms == 0.0 for r in recs[1:])
+    assert recs[0].draft_prefill_ms <= recs[0].draft_ms
+
+
+def test_a_batched_proposals_time_keeps_each_catch_up_with_its_own_request():
+    """The batch engine splits a batched proposal's time by the tokens each request asked for, less the catch-ups,
+    which stay with the request that made them (one request's long prompt no longer prices the others' drafts)."""
+    from specdec.batch.engine import BatchEngine
+    from specdec.drafters.base import Draft
+    shares = BatchEngine._shares(0.010, [Draft([1, 2], prefill_ms=6.0), Draft([3, 4]), None], [2, 2, 1])
+    assert [round(s, 6) for s in shares] == [7.6, 1.6, 0.8]
+    assert BatchEngine._shares(0.001, [Draft(prefill_ms=5.0)], [1]) == [5.0]  # a clock coarser than the catch-up

@@ -68,6 +68,7 @@ class BatchEngine(Admission):
         # request id -> COPY_BUCKETS index -> estimates
         self._copy_est: dict[int, dict[int, AdaptivePolicy]] = {}
         self._copied: dict[int, int] = {}  # this cycle's requests whose draft is such a copy -> its bucket
+        self._prefill_ms: dict[int, float] = {}  # this cycle's model drafts' catch-ups (Draft.prefill_ms), by id
         self.prefixes = PrefixCache(model, features=self.wants_hidden) if prefix_cache else None
         self._prompt_hidden: dict[int, list] = {}  # id -> its prompt's hidden states so far (features cache only)
         self.preemptions = 0
@@ -119,7 +120,7 @@ class BatchEngine(Admission):
         """Proposals made before the row split: a grammar's forced tokens, a prediction, a model-free drafter's
         chain or tree -> (drafts, drafting ms, most draft rows, what each drafter was asked for and gave), by id."""
         early, draft_ms = {}, {}  # request id -> its draft, its drafting ms
-        self._copied = {}
+        self._copied, self._prefill_ms = {}, {}
         caps, asks = {}, {}  # request id -> most draft rows; what its drafter was asked for and gave (the trace's)
         for s in [s for s in self.running if not s.prefilling and not s.preempted or self._finishing(s)]:
             room = min(s.max_new_tokens - len(s.generated), self.context_window - len(s.tokens))
@@ -197,11 +198,12 @@ class BatchEngine(Admission):
             return
         t = perf_counter()
         made = self._propose_late(group)
-        share = (perf_counter() - t) * 1e3 / len(group)
-        for (s, depth), draft in zip(group, made):
+        share = self._shares(perf_counter() - t, made, [1] * len(group))
+        for (s, depth), draft, ms in zip(group, made, share):
             if draft is None:
                 continue
-            early[s.id], draft_ms[s.id] = draft, share
+            early[s.id], draft_ms[s.id] = draft, ms
+            self._prefill_ms[s.id] = draft.prefill_ms
             asks[s.id] = (depth, len(draft.tokens), "room", "budget", None)
             room = self.context_window - len(s.tokens) - 1
             caps[s.id] = min(len(draft.tokens), room) if draft.is_tree else min(depth, len(draft.tokens))
@@ -255,10 +257,11 @@ class BatchEngine(Admission):
         if late:  # one batched proposal (the feature draft's layer runs once per step for all of them)
             t = perf_counter()
             made = self._propose_late(late)
-            share = (perf_counter() - t) * 1e3 / sum(tau for _, tau in late)  # its time, split by tokens asked
-            for (s, tau), draft in zip(late, made):
+            share = self._shares(perf_counter() - t, made, [tau for _, tau in late])
+            for (s, tau), draft, ms in zip(late, made, share):
                 if draft is not None:
-                    early[s.id], draft_ms[s.id] = draft, share * tau
+                    early[s.id], draft_ms[s.id] = draft, ms
+                    self._prefill_ms[s.id] = draft.prefill_ms
                     asks[s.id] = (tau, len(draft.tokens), "budget" if tau < caps[s.id] else "room", "budget", None)
         running = {s.id for s in self.running}  # less any whose late drafting failed
         drafts = {}
@@ -269,6 +272,14 @@ class BatchEngine(Admission):
                     d = prune(d, tau)
                 drafts[s.id] = (tau, d, d.tokens[:tau] if d is not None else [])
         return drafts
+
+    @staticmethod
+    def _shares(seconds: float, made: list, weights: list[int]) -> list[float]:
+        """A batched proposal's ms per request: each its own catch-up (Draft.prefill_ms), and the rest of the time
+        split by `weights` (the tokens each asked for)."""
+        own = [d.prefill_ms if d is not None else 0.0 for d in made]
+        rest = max(0.0, seconds * 1e3 - sum(own)) / max(1, sum(weights))
+        return [rest * w + o for w, o in zip(weights, own)]
 
     def _pass_rows(self, drafts: dict, chunks: dict):
         """The pass's rows: per request its unfed tokens and drafts (tree nodes after the sequence, each attending
@@ -514,6 +525,7 @@ class BatchEngine(Admission):
             limit = asked
             s.predicted.observe_verify(s.tokens, draft, block, nodes)
         rec = CycleRecord(s.cycle, limit, proposed, n, emitted, draft_ms=round(d_ms, 3), verify_ms=round(verify_ms, 3),
+                          draft_prefill_ms=round(self._prefill_ms.get(s.id, 0.0), 3),
                           cycle_ms=round((perf_counter() - t0) * 1e3, 3), finish_reason=finish,
                           parents=draft.parents if tree else None, path=nodes if tree else None,
                           prompt_logprobs=s.scored if s.prompt_logprobs is not None and s.cycle == 0 else None,

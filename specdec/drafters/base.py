@@ -19,6 +19,9 @@ class Draft:
     parents: list[int] | None = None
     values: list[float] | None = None
     match: int = 0  # a model-free copy: how many context tokens matched before its source (its estimates' bucket)
+    # of the drafting time, the ms a model draft spent catching up on a stretch it had not seen (the prompt, or
+    # tokens other drafters proposed): paid once, not per drafted token, so the cost estimates leave it out
+    prefill_ms: float = 0.0
 
     @property
     def is_tree(self) -> bool:

@@ -2,6 +2,8 @@
 produce (the target's corrections) at the start of the next proposal."""
 from __future__ import annotations
 
+from time import perf_counter
+
 import torch
 
 from ..kv import cached_model
@@ -13,6 +15,10 @@ from .base import Draft
 # tokens are below 65,536 (of 151,936), and the 0.5B draft's head is 37% of the bytes a step reads (docs/draft.md).
 # Lossless whatever the cut: verification accepts or corrects any proposal, and a sampled draft's q is 0 beyond it.
 HEAD_ROWS = 65536
+# A first step that runs more than this many tokens is a catch-up (the prompt, or what other drafters proposed): its
+# time is the draft's prefill_ms, which the cost estimates leave out of a drafted token's cost. A step after a
+# verification runs 1-2 tokens (the target's own token, and the last accepted draft).
+CATCHUP_TOKENS = 8
 
 
 class ModelDrafter:
@@ -21,9 +27,12 @@ class ModelDrafter:
         self.name = name
 
     def propose(self, context, k, params, generator) -> Draft:
-        seq, qs = list(context), []
-        for _ in range(k):
+        seq, qs, prefill_ms = list(context), [], 0.0
+        for i in range(k):
+            t = perf_counter()
             logits = self.lm.forward(seq, head_rows=HEAD_ROWS)[-1]
+            if i == 0 and len(seq) - self.lm.last_start > CATCHUP_TOKENS:
+                prefill_ms = (perf_counter() - t) * 1e3
             if params.greedy:
                 token = int(logits.argmax())
             else:
@@ -31,7 +40,7 @@ class ModelDrafter:
                 token = draw(q, generator, len(seq))
                 qs.append(q)
             seq.append(token)
-        return Draft(seq[len(context):], torch.stack(qs) if qs else None)
+        return Draft(seq[len(context):], torch.stack(qs) if qs else None, prefill_ms=prefill_ms)
 
     def fork(self) -> ModelDrafter:
         return ModelDrafter(self.lm.model, self.lm.vocab_size, self.name)
