@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 import sys
 
@@ -176,5 +177,18 @@ def main(argv=None) -> int:
         return 0
 
 
+def entry() -> None:
+    """The `specdec` command: main(), then the process ends without Python's teardown. A cold `generate` on the
+    1.5B spent 0.55 s of its 3.2 s tearing torch down after its last token (docs/pair.md, "Start-up"). Every command
+    has closed its files by then; only the standard streams need flushing."""
+    rc = main()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            pass
+    os._exit(0 if rc is None else rc if isinstance(rc, int) else 1)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -137,3 +137,19 @@ def test_unseeded_sampling_differs_across_runs_and_seeded_does_not(tiny_dirs, ca
         return json.loads(capsys.readouterr().out)["token_ids"]
     assert run() != run()
     assert run("--seed", "7") == run("--seed", "7")
+
+
+def test_the_command_skips_the_teardown_yet_flushes_everything_and_keeps_exit_codes(tmp_path):
+    """`specdec` (cli.entry) ends with os._exit after main(): no seconds of torch teardown, but every byte a command
+    printed still reaches a pipe, and the exit codes are main()'s (0, and 2 with one stderr line for bad input)."""
+    from test_policy_analyze import CASES, synthetic
+
+    from specdec.trace import write_jsonl
+    write_jsonl(synthetic(**CASES["none"]), tmp_path / "run.jsonl")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    ok = subprocess.run([sys.executable, "-m", "specdec.cli", "analyze", str(tmp_path / "run.jsonl"), "--json"],
+                        capture_output=True, text=True, env=env)
+    assert ok.returncode == 0 and json.loads(ok.stdout)["summary"]["cycles"] == 299  # the whole JSON arrived
+    bad = subprocess.run([sys.executable, "-m", "specdec.cli", "analyze", str(tmp_path / "missing.jsonl")],
+                         capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
