@@ -88,9 +88,10 @@ def _decode(records: list[CycleRecord]) -> list[CycleRecord]:
 
 def _fit_draft(records: list[CycleRecord]) -> tuple[float, float]:
     """Draft ms per cycle = a + b·(tokens proposed), least squares with a, b >= 0 over the cycles that asked for a
-    draft, less a model draft's catch-up on the prompt (draft_prefill_ms: paid once). A short trace whose proposal lengths barely differ gives a wild unconstrained slope (6 cycles of 6 tokens
-    and one of 5 fitted 76 ms a token and a negative intercept, against 45 ms a token measured): when a bound binds,
-    the fit is redone on the other parameter alone (through the origin, or flat)."""
+    draft, less a model draft's catch-up on the prompt (draft_prefill_ms: paid once). A short trace whose proposal
+    lengths barely differ gives a wild unconstrained slope (6 cycles of 6 tokens and one of 5 fitted 76 ms a token
+    and a negative intercept, against 45 ms a token measured): when a bound binds, the fit is redone on the other
+    parameter alone (through the origin, or flat)."""
     pts = [(len(r.proposed), r.draft_ms - r.draft_prefill_ms) for r in records if asked_of(r) > 0]
     if not pts:
         return 0.0, 0.0

@@ -152,7 +152,6 @@ class Library:
         rows_formats.argtypes, rows_formats.restype = [p, i], i
         formats.check(rows_formats)  # and the format table, against formats.TABLE
 
-
     def set_prefetch(self, one: int = -1, many: int = -1) -> tuple[int, int]:
         """Bytes q8 tiles prefetch ahead: `one` for one-row tiles (decode steps), `many` for the others (-1 keeps
         one); multiples of 64 up to 64 KB. Returns the pair in force (None for a build without it)."""
@@ -183,6 +182,8 @@ PREFETCH_OTHER = (2048, 4096)
 
 
 def prefetch_distances() -> tuple[int, int]:
+    """(one-row, more-row) prefetch distances for this machine: SPECDEC_Q8_AHEAD where it is well formed, else the
+    CPU vendor's row of PREFETCH."""
     env = os.environ.get("SPECDEC_Q8_AHEAD", "").strip()
     if env:
         try:
