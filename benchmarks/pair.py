@@ -168,7 +168,7 @@ def feature_draft(target: Path) -> Path:
 # ---- servers ------------------------------------------------------------------------------------------------------
 def systems(target: Path, draft: Path, threads: int, previous: str | None = None) -> dict[str, list[str]]:
     """name -> command line (PORT filled in later); `previous`: another checkout of specdec (an earlier release),
-    served as prev-none and prev from its own source."""
+    served as prev-none, prev, prev-0.5b and prev-ngram-0.5b from its own source."""
     llama = [str(llama_bin()), "-m", str(target), "-t", str(threads), "-c", "4096", "-np", "1", "--host", "127.0.0.1",
              "--port", "PORT"]
     ours = [str(Path(sys.executable).with_name("specdec")), "serve", "--target", str(target), "--host", "127.0.0.1",
@@ -190,7 +190,8 @@ def systems(target: Path, draft: Path, threads: int, previous: str | None = None
             "ours-feature": ours + ["--draft", "distilled"],
             "ours-ngram-feature": ours + ["--draft", "ngram+distilled"],
             **({} if previous is None else {
-                "prev-none": prev + ["--draft", "none"], "prev": prev})}
+                "prev-none": prev + ["--draft", "none"], "prev": prev, "prev-0.5b": prev + ["--draft", str(draft)],
+                "prev-ngram-0.5b": prev + ["--draft", f"ngram+{draft}"]})}
 
 
 def free_port() -> int:
@@ -288,7 +289,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--limit", type=int, default=0, help="prompts per workload (0: all)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
-    ap.add_argument("--previous", default=None, help="a checkout of an earlier release: adds prev-none and prev")
+    ap.add_argument("--previous", default=None, help="a checkout of an earlier release: adds prev-none, prev, "
+                    "prev-0.5b and prev-ngram-0.5b")
     ap.add_argument("--fetch-only", action="store_true")
     ap.add_argument("--out", default=None, help="JSON results")
     args = ap.parse_args(argv)
