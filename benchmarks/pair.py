@@ -185,6 +185,8 @@ def systems(target: Path, draft: Path, threads: int, previous: str | None = None
             "ours": ours,
             "ours-0.5b": ours + ["--draft", str(draft)],
             "ours-ngram-0.5b": ours + ["--draft", f"ngram+{draft}"],
+            "ours-0.5b-file": ours + ["--draft", f"keep:{draft}"],  # the file's own Q5_0/Q8_0, not its 4-bit copy
+            "ours-ngram-0.5b-file": ours + ["--draft", f"ngram+keep:{draft}"],
             "ours-suffix": ours + ["--draft", "suffix"],
             "ours-recycle": ours + ["--draft", "recycle"],
             "ours-feature": ours + ["--draft", "distilled"],

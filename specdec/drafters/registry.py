@@ -6,12 +6,14 @@
   (the distilled draft shipped for the default target), `distilled` (the draft `specdec distill` installed for
   this target);
 - anything else names a `specdec distill` directory (a feature draft) or a draft model (directory, .gguf, name);
+  a GGUF draft model runs as its 4-bit copy (runtime/four_bit.py), `keep:FILE` as its file is;
 - `A+B`: A first, B when A proposes nothing.
 
 A new drafter registers a builder under its name (`@register("name")`); nothing outside this package changes."""
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -146,16 +148,38 @@ def _shipped(spec, target):
     return _draft_model(spec, target)
 
 
-def _draft_model(spec: str, target: Target):
+@register("keep")
+def _keep(spec, target):
+    """`keep:FILE`: a GGUF draft model run as its file is, not as its 4-bit copy."""
+    if not spec.split(":", 1)[1]:
+        raise InvalidRequest("--draft keep:FILE needs a draft model file")
+    return _draft_model(spec.split(":", 1)[1], target, name=spec, four_bit=False)
+
+
+def _draft_model(spec: str, target: Target, name: str | None = None, four_bit: bool = True):
+    name = name or str(spec)
     if spec == target.spec:
         return _target(spec, target)
-    if spec in target.loaded:
-        return ModelDrafter(target.loaded[spec], target.vocab, name=str(spec))
+    if name in target.loaded:
+        return ModelDrafter(target.loaded[name], target.vocab, name=name)
     path = SHIPPED_DRAFT if spec == "shipped" else models.resolve(spec)
     if is_feature_draft(path):
-        name = f"shipped:{SHIPPED_DRAFT.name}" if Path(path) == SHIPPED_DRAFT else str(spec)
+        name = f"shipped:{SHIPPED_DRAFT.name}" if Path(path) == SHIPPED_DRAFT else name
         return FeatureDrafter.load(path, target.model, target.fingerprint, name=name)
-    draft_model, draft_tok = models.load(spec, backend=target.backend)
+    if four_bit and target.backend != "transformers" and path.is_file() and path.suffix == ".gguf":
+        path = _four_bit(path)
+    draft_model, draft_tok = models.load(str(path), backend=target.backend)
     models.check_compatible(target.tokenizer, draft_tok, spec)
-    target.loaded[spec] = draft_model
-    return ModelDrafter(draft_model, target.vocab, name=str(spec))
+    target.loaded[name] = draft_model
+    return ModelDrafter(draft_model, target.vocab, name=name)
+
+
+def _four_bit(path: Path) -> Path:
+    """A GGUF draft's 4-bit copy (runtime/four_bit.py: its step reads fewer bytes; the output cannot change), or the
+    file itself where the copy cannot be made (one stderr line)."""
+    from ..runtime.four_bit import four_bit_copy
+    try:
+        return four_bit_copy(path)
+    except (OSError, ValueError) as e:
+        print(f"specdec: no 4-bit copy of the draft {path.name} ({e}); it runs as its file is", file=sys.stderr)
+        return path

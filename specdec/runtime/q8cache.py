@@ -17,7 +17,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +24,7 @@ import torch
 
 from .. import kernels
 from ..cachedir import cache_root, write_atomically
+from .progress import Progress
 from .weights import QTensor, release_pages
 
 ALIGN = 64
@@ -113,7 +113,7 @@ def _build(path: Path, weights: list[QTensor], source: Path) -> None:
         os.truncate(tmp, total)
         mm = np.memmap(tmp, dtype=np.uint8, mode="r+") if total else None
         out = torch.from_numpy(mm) if total else None
-        with _Progress(source.name, total, path.parent) as progress:
+        with Progress(f"the q8 layout of {source.name}", "repacking", total, path.parent) as progress:
             for w, span in zip(weights, spans):
                 if span[1] is None:
                     continue
@@ -140,36 +140,3 @@ def _drop_older_builds(path: Path) -> None:
     for old in path.parent.glob(f"{fingerprint}-rows-{isa}-*"):
         if old.stem != path.stem and old.suffix in (".q8", ".json"):
             old.unlink(missing_ok=True)
-
-
-class _Progress:
-    """The first start's one-time work, said on stderr: what, where, and a bar with the time left."""
-
-    def __init__(self, name: str, total: int, where: Path):
-        self.name, self.total, self.where = name, total, where
-        self.done, self.t0 = 0, time.monotonic()
-
-    def __enter__(self):
-        from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            DownloadColumn,
-            Progress,
-            TextColumn,
-            TimeRemainingColumn,
-        )
-        print(f"specdec: preparing the q8 layout of {self.name} ({self.total / 1e6:.0f} MB; once, cached in "
-              f"{self.where})", file=sys.stderr)
-        self.bar = Progress(TextColumn("  repacking"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
-                            console=Console(stderr=True), transient=True)
-        self.task = self.bar.add_task("repack", total=self.total)
-        self.bar.start()
-        return self
-
-    def advance(self, n: int) -> None:
-        self.bar.advance(self.task, n)
-
-    def __exit__(self, *exc):
-        self.bar.stop()
-        if exc[0] is None:
-            print(f"specdec: q8 layout ready in {time.monotonic() - self.t0:.1f} s", file=sys.stderr)
