@@ -1,10 +1,15 @@
 """Ablations in process: the pair's prompts through the server's batch engine, one request at a time, under arms
-that differ only in module constants (`--arm "name: module.CONSTANT=value; ..."`). The arms alternate prompt by
+that differ only in module constants (`--arm "name: module.CONSTANT=value; ..."`) or in their draft. The arms alternate prompt by
 prompt (A B, then B A), so this machine's drift hits each alike. Reports per workload the decode tokens a pass
 (the pass that emits the first token excluded), decode tokens/s, and whether every arm's output is the same.
 
     python benchmarks/ablate.py --draft ngram+distilled --workloads edits,edits-predicted \
         --arm "no renames: specdec.drafters.prediction.MAX_REPLACED=0" --arm "renames:"
+
+An arm may also name its own draft (`draft=SPEC`; each draft gets its own engine and target copy):
+
+    python benchmarks/ablate.py --workloads completion,chat,edits \
+        --arm "file: draft=keep:$HOME/.cache/specdec/pair/coder05.gguf" --arm "4-bit: draft=$HOME/.cache/specdec/pair/coder05.gguf"
 """
 from __future__ import annotations
 
@@ -22,12 +27,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 WORKS = ("completion", "chat", "edits", "edits-predicted")  # (sampling: --temperature)
 
 
-def parse_arm(text: str) -> tuple[str, list[tuple[object, str, object]]]:
-    """"name: pkg.module.NAME=value; ..." -> (name, [(module, NAME, value)]); a value is a Python literal."""
+def parse_arm(text: str) -> tuple[str, list[tuple[object, str, object]], str | None]:
+    """"name: pkg.module.NAME=value; ...[; draft=SPEC]" -> (name, [(module, NAME, value)], SPEC or None); a value is
+    a Python literal."""
     name, _, sets = text.partition(":")
-    out = []
+    out, draft = [], None
     for item in filter(None, (s.strip() for s in sets.split(";"))):
         path, _, value = item.partition("=")
+        if path.strip() == "draft":
+            draft = value.strip()
+            continue
         module, _, attr = path.strip().rpartition(".")
         try:
             mod = importlib.import_module(module)
@@ -36,7 +45,7 @@ def parse_arm(text: str) -> tuple[str, list[tuple[object, str, object]]]:
             raise SystemExit(f"ablate: --arm {text!r}: {item!r} is not module.CONSTANT=literal ({e})") from None
         if not hasattr(mod, attr):
             raise SystemExit(f"ablate: {module} has no {attr}")
-    return name.strip(), out
+    return name.strip(), out, draft
 
 
 def main(argv=None) -> int:
@@ -56,14 +65,17 @@ def main(argv=None) -> int:
     from specdec.batch import Sequence
     from specdec.sampling import SamplingParams
     from specdec.server.app import batch_engine
-    dec = SpecDecoder(target=str(fetch_model("coder15")), draft=args.draft)
-    engine, tok = batch_engine(dec, None, 32), dec.tokenizer
-    base = {(m, a): getattr(m, a) for _, sets in arms for m, a, _ in sets}
+    engines = {}
+    for spec in {d or args.draft for _, _, d in arms}:
+        dec = SpecDecoder(target=str(fetch_model("coder15")), draft=spec)
+        engines[spec] = batch_engine(dec, None, 32), dec.tokenizer
+    base = {(m, a): getattr(m, a) for _, sets, _ in arms for m, a, _ in sets}
     stats, outputs, i = {}, {}, 0
     for work in works:
         prompts = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
         for p in [p for p in prompts if p["workload"] == work.replace("-predicted", "")]:
-            for name, sets in arms if i % 2 == 0 else arms[::-1]:
+            for name, sets, draft in arms if i % 2 == 0 else arms[::-1]:
+                engine, tok = engines[draft or args.draft]
                 for (m, a), v in base.items():
                     setattr(m, a, v)
                 for m, a, v in sets:
