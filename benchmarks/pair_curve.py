@@ -1,7 +1,9 @@
 """The real target's pass curve: ms of one verify pass over n new tokens (n = 1..16) after a cached prompt, on our
 runtime in q8 and exact numerics and on llama.cpp (`llama-bench -p n`: a prompt pass of n tokens), interleaved
 size by size; plus the machine's read bandwidth and the fraction of it a one-row q8 pass reaches (the bytes a pass
-must read over its time).
+must read over its time): against the best read of the whole run (`q8_one_row_bandwidth_fraction`, the median pass
+against the best read) and pass by pass (`..._paired`: each one-row pass beside a read of the same bytes by torch,
+the median of their ratios; this machine's bandwidth swings by a third within minutes).
 
     python benchmarks/pair_curve.py --out docs/pair_curve.json
 """
@@ -36,6 +38,28 @@ def read_bandwidth_gbs(gib: int = 1, reps: int = 7) -> float:
         x.sum()
         best = min(best, perf_counter() - t)
     return gib * 2**30 / best / 1e9
+
+
+def paired_fraction(model, pass_bytes: int, pairs: int = 40) -> dict:
+    """One-row q8 passes, each right after torch reads as many bytes as the pass must (every core): the median of
+    (read time / pass time), and the medians of each."""
+    from specdec.kv import cached_model
+    lm = cached_model(model, model.config.vocab_size)
+    prompt = list(range(1, 65))
+    lm.forward(prompt)
+    x = torch.ones(pass_bytes // 4, dtype=torch.float32)
+    x.sum()
+    reads, passes = [], []
+    for i in range(pairs):
+        t = perf_counter()
+        x.sum()
+        reads.append(perf_counter() - t)
+        t = perf_counter()
+        lm.forward(prompt + [7 + i], 1)
+        passes.append(perf_counter() - t)
+        lm.rollback(len(prompt))
+    return {"fraction": round(median(r / p for r, p in zip(reads, passes)), 3),
+            "read_gbs": round(pass_bytes / median(reads) / 1e9, 1), "one_row_ms": round(1e3 * median(passes), 2)}
 
 
 def llama_pass_ms(target: Path, sizes: list[int], threads: int, reps: int) -> dict[int, float]:
@@ -78,13 +102,15 @@ def main(argv=None) -> int:
               "ratio_to_one_row": {k: {n: round(c[n] / c[1], 3) for n in sizes} for k, c in curves.items()},
               "read_bandwidth_gbs": round(gbs, 1), "q8_bytes_per_pass": pass_bytes,
               "q8_one_row_bandwidth_fraction": round(pass_bytes / gbs / 1e6 / curves["q8"][1], 3),
+              "q8_one_row_bandwidth_fraction_paired": paired_fraction(q8, pass_bytes),
               "file_bytes": os.path.getsize(target)}
     print("| rows | " + " | ".join(str(n) for n in sizes) + " |")
     print("|---" * (len(sizes) + 1) + "|")
     for name, c in curves.items():
         print(f"| {name} ms | " + " | ".join(f"{c[n]:.1f}" for n in sizes) + " |")
     print(f"read bandwidth {gbs:.1f} GB/s; a q8 pass reads {pass_bytes / 1e9:.3f} GB: one row at "
-          f"{report['q8_one_row_bandwidth_fraction']:.0%} of the limit")
+          f"{report['q8_one_row_bandwidth_fraction']:.0%} of the limit; pass by pass beside a read of its bytes: "
+          f"{report['q8_one_row_bandwidth_fraction_paired']}")
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     return 0
