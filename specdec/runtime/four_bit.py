@@ -1,16 +1,15 @@
 """A draft model's 4-bit copy: the same GGUF with every matrix wider than 5 bits a weight requantized to 4 bits.
 
 A draft's step reads its weights once per token, so its cost is its bytes: the pair's 0.5B draft (Q4_K_M: Q5_0
-and Q8_0 matrices, a Q8_0 head) reads 309 MB a step, its 4-bit copy 236 MB. Its greedy choices barely change
-(tokens a pass on the pair's chat prompts 2.61 against 2.65, docs/draft.md), and nothing a draft computes changes
-the output: verification keeps only what the target itself would emit. So a GGUF draft model runs as this copy,
-made once and kept in
+matrices, a Q8_0 head) reads 310 MB a step, its 4-bit copy 235 MB, and runs 1.10x as fast over the pair's prompts
+with nearly the same tokens a pass (docs/draft.md). Nothing a draft computes changes the output: verification
+keeps only what the target itself would emit. So a GGUF draft model runs as this copy, made once and kept in
 
     $SPECDEC_CACHE/drafts4/<file stem>-<sha256 of the file, 16 hex>-v<RECIPE>.gguf
 
-(`keep:FILE` runs the file as it is). Matrices of a multiple of 256 columns become Q4_K, the others Q4_0 (every
-4-bit format the runtime runs); 1-D tensors, and the token embedding where the file has its own head, stay as
-they are. The file is written beside its final name and renamed into place."""
+(`keep:FILE` runs the file as it is). Matrices of a multiple of 256 columns become Q4_K, the others Q4_0 (4.5 bits
+a weight each); 1-D tensors, and the token embedding where the file has its own head, stay as they are. The file
+is written beside its final name and renamed into place."""
 from __future__ import annotations
 
 import os
