@@ -177,7 +177,7 @@ def _prefetch(lib):
 
 # Bytes q8 tiles prefetch ahead (one-row tiles, the others), by CPU vendor: the 1.5B pair's passes measured with
 # benchmarks/ab_curve.py (docs/runtime.md, "Prefetch"). SPECDEC_Q8_AHEAD=ONE[,MANY] overrides.
-PREFETCH = {"GenuineIntel": (2048, 4096), "AuthenticAMD": (8192, 4096)}
+PREFETCH = {"GenuineIntel": (2048, 4096), "AuthenticAMD": (8192, 8192)}
 PREFETCH_OTHER = (2048, 4096)
 
 
