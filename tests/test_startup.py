@@ -149,3 +149,53 @@ def test_building_a_layout_drops_the_same_files_layouts_from_older_kernel_builds
     model.set_numerics("q8")
     assert model.q8_layout == "built"
     assert not any(f.exists() for f in stale) and all(f.exists() for f in kept)
+
+
+def test_a_servers_refined_pass_curve_is_stored_for_the_next_start(tiny_dirs, tmp_path, monkeypatch):
+    """A curve measured at a slow moment is not kept for good: the passes a server runs refine it (sizes it ran
+    REFINED_AFTER passes of), and at shutdown the refinement replaces what is stored; the next start reads it."""
+    import httpx
+    from test_server import LiveServer
+
+    from specdec import models
+    from specdec.api import SpecDecoder
+    from specdec.batch import calibration
+    from specdec.server import create_app
+    from specdec.server.app import batch_engine
+
+    curve = calibration.OnlineCurve({1: 30.0, 2: 31.0, 4: 40.0})
+    for _ in range(calibration.REFINED_AFTER):
+        curve.observe(1, 10.0)
+    refined = curve.refined()
+    assert refined[1] < 11.0 and refined[2] == 31.0 and refined[4] == 40.0  # 2 and 4 rows: too few passes seen
+    curve.observe(2, 5.0)
+    assert curve.refined()[2] == 31.0 and list(calibration.OnlineCurve({1: 9.0, 2: 5.0}).refined().values()) == [9, 9]
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(calibration, "REFINED_AFTER", 3)
+    model, tok = models.load(tiny_dirs["target"], backend="runtime")
+    model._fingerprint = "f" * 64  # as if one file: its measurements are stored
+    slow = {}
+
+    def stored():  # what the next start reads (nothing is measured: a measurement here would fail the test)
+        return measured.remembered_curve(model, "pass_curve", slow["params"], lambda: pytest.fail("measured"))
+    real_measure = calibration.measure_pass_curve
+
+    def measure_slowly(m, sizes, context):  # the start-up measurement at a slow moment: everything 50 ms more
+        slow["params"] = {"sizes": sorted(sizes), "context": context}
+        return {n: ms + 50.0 for n, ms in real_measure(m, sizes, context=context).items()}
+    monkeypatch.setattr("specdec.batch.measure_pass_curve", measure_slowly)
+    srv = LiveServer(create_app(SpecDecoder.from_models(model, tok, "ngram", tau=3), model_name="tiny"))
+    try:
+        before = stored()
+        assert min(before.values()) > 50.0
+        for _ in range(2):
+            r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "Hello there",
+                                                              "max_tokens": 24}, timeout=60)
+            assert r.status_code == 200, r.text
+    finally:
+        srv.stop()
+    after = stored()
+    assert after.keys() == before.keys() and after[1] < 50.0  # one-row passes as they ran, not as measured
+    assert all(after[n] <= after[m] for n, m in zip(sorted(after), sorted(after)[1:]))
+    assert batch_engine(SpecDecoder.from_models(model, tok, "none"), None, 32).pass_ms(1) == after[1]

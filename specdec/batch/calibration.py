@@ -85,6 +85,9 @@ def default_budget(curve: dict[int, float], share: float = 0.5) -> int:
     return best
 
 
+REFINED_AFTER = 20  # passes of a size before a server's refinement of its time is stored (OnlineCurve.refined)
+
+
 class OnlineCurve:
     """The pass curve refined by the passes a server runs, on the grid of sizes it was measured at: a pass between
     two sizes scales the nearer one by measured / predicted, and the curve read is nondecreasing (a size is at
@@ -92,7 +95,8 @@ class OnlineCurve:
     on Qwen2.5-1.5B at 16 streams it granted rows where two more rows "cost" -0.8 ms."""
 
     def __init__(self, curve: dict[int, float]):
-        self.grid = {n: Ema(ms, weight=2.0, decay=0.9) for n, ms in sorted(curve.items())}
+        self.measured = dict(sorted(curve.items()))
+        self.grid = {n: Ema(ms, weight=2.0, decay=0.9) for n, ms in self.measured.items()}
 
     def values(self) -> dict[int, float]:
         out, most = {}, 0.0
@@ -103,6 +107,16 @@ class OnlineCurve:
 
     def __call__(self, rows: int) -> float:
         return interpolate(self.values(), rows)
+
+    def refined(self) -> dict[int, float]:
+        """The measured sizes' times to keep for the next start: each size the server ran at least REFINED_AFTER
+        passes of (or scaled from near sizes) at what it saw lately, the others as measured; nondecreasing."""
+        out, most, min_passes = {}, 0.0, REFINED_AFTER
+        for n, ms in self.measured.items():
+            e = self.grid[n]
+            most = max(most, e.value if e.n >= min_passes else ms)
+            out[n] = most
+        return out
 
     def observe(self, rows: int, ms: float) -> None:
         sizes = sorted(self.grid)

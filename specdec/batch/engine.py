@@ -89,6 +89,10 @@ class BatchEngine(Admission):
     def pass_ms(self, rows: int) -> float:
         return self._pass(rows)
 
+    def refined_pass_curve(self) -> dict[int, float]:
+        """The pass curve it started from, refined by the passes it ran (calibration.OnlineCurve.refined)."""
+        return self._pass.refined()
+
     @torch.inference_mode()
     def step(self) -> list[tuple[Sequence, CycleRecord]]:
         """One cycle for every running request -> (request, record) for each request that emitted tokens (a

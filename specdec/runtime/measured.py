@@ -3,7 +3,8 @@
 A server sizes its row budget and admission on how long passes take; measuring that costs seconds on a 1.5B model at
 every start. The numbers depend on the model file, the machine, the kernel build and the numerics, so they are stored
 under $SPECDEC_CACHE/measured/ keyed by exactly those, and a server refines its copy online (batch.BatchEngine's
-moving averages). SPECDEC_REMEASURE=1 measures again and replaces what is stored.
+moving averages) and stores what it refined when it stops (`store_curve`): a curve measured at a slow moment of a
+shared machine is not kept for good. SPECDEC_REMEASURE=1 measures again and replaces what is stored.
 """
 from __future__ import annotations
 
@@ -33,8 +34,7 @@ def remembered(model, what: str, params: dict, measure: Callable[[], object]):
     afterwards. Models that are not one file (in-memory, directories) are measured every time."""
     if not getattr(model, "fingerprint", None):
         return measure()
-    key = json.dumps([model.fingerprint, machine(), model.numerics, what, params], sort_keys=True)
-    path = cache_root() / "measured" / f"{what}-{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+    key, path = _where(model, what, params)
     if os.environ.get("SPECDEC_REMEASURE") != "1":
         try:
             stored = json.loads(path.read_text())
@@ -43,14 +43,30 @@ def remembered(model, what: str, params: dict, measure: Callable[[], object]):
         except (OSError, ValueError, KeyError, TypeError):
             pass
     value = measure()
+    _store(model, what, params, value)
+    return value
+
+
+def _where(model, what: str, params: dict) -> tuple[str, Path]:
+    key = json.dumps([model.fingerprint, machine(), model.numerics, what, params], sort_keys=True)
+    return key, cache_root() / "measured" / f"{what}-{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+
+
+def _store(model, what: str, params: dict, value) -> None:
+    key, path = _where(model, what, params)
     try:
         write_atomically(path, json.dumps({"key": key, "value": value}).encode())
     except OSError:
         pass  # an unwritable cache: measured again next time
-    return value
 
 
 def remembered_curve(model, what: str, params: dict, measure: Callable[[], dict[int, float]]) -> dict[int, float]:
     """remembered() for {rows: ms} curves (JSON keeps their keys as strings)."""
     got = remembered(model, what, params, lambda: [[n, ms] for n, ms in measure().items()])
     return {int(n): float(ms) for n, ms in got}
+
+
+def store_curve(model, what: str, params: dict, curve: dict[int, float]) -> None:
+    """Replace the stored {rows: ms} curve of (model, what, params) with `curve` (a server's refinement of it)."""
+    if getattr(model, "fingerprint", None) and curve:
+        _store(model, what, params, [[n, ms] for n, ms in sorted(curve.items())])

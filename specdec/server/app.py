@@ -68,6 +68,9 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
             save_drafter(decoder.engine.drafter)
         except OSError as e:
             log.warning("could not save the drafter's table: %s", e)
+        keep = getattr(getattr(worker, "engine", None), "keep_refined_curve", None)
+        if keep is not None:  # and the pass times it saw, for the next start's scheduler
+            keep()
 
     app.router.add_event_handler("shutdown", shutdown)
 
@@ -262,15 +265,17 @@ def batch_engine(decoder, max_batch_rows: int | None, prefill_chunk: int):
     )
     if not models.is_runtime(decoder.model):
         return None
-    from ..runtime.measured import remembered, remembered_curve
+    from ..runtime.measured import remembered, remembered_curve, store_curve
     model = decoder.model
     sizes = sorted({1, 2, 4, 8, 16, 32, 64, max_batch_rows or 1})
     context, rows = min(64, decoder.context_window // 2), min(32, prefill_chunk)
-    # measured once per model file, machine and numerics, then read back (runtime/measured.py); refined online
-    curve = remembered_curve(model, "pass_curve", {"sizes": sizes, "context": context},
-                             lambda: measure_pass_curve(model, sizes, context=context))
+    # measured once per model file, machine and numerics, then read back (runtime/measured.py); refined online, and
+    # the refinement stored when the server stops (keep_refined_curve)
+    params = {"sizes": sizes, "context": context}
+    curve = remembered_curve(model, "pass_curve", params, lambda: measure_pass_curve(model, sizes, context=context))
     engine = BatchEngine(model, decoder.engine.drafter, model.config.vocab_size, decoder.engine.eos_ids,
                          decoder.context_window, max_batch_rows or default_budget(curve), prefill_chunk, curve)
+    engine.keep_refined_curve = lambda: store_curve(model, "pass_curve", params, engine.refined_pass_curve())
     row_ms, key_ms = remembered(model, "row_cost", {"rows": rows}, lambda: list(measure_row_cost(model, rows=rows)))
     engine.calibrate(row_ms, key_ms)  # what admission predicts with
     return engine
