@@ -38,23 +38,31 @@ def file_sha256(path: str | os.PathLike) -> str:
     """The sha256 of a file's content, read once: remembered under the cache by the file's identity (device,
     inode, size, modification time), so a later start pays a stat, and a copy of the file (another identity)
     hashes to the same key."""
+    def digest(p: Path) -> str:
+        h = hashlib.sha256()
+        with open(p, "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+        return h.hexdigest()
+    return remembered_of_file(path, "file-hashes", "sha256", digest, str)
+
+
+def remembered_of_file(path: str | os.PathLike, kind: str, name: str, compute, valid: type = object):
+    """compute(path), remembered under $SPECDEC_CACHE/<kind>/ by the file's identity (device, inode, size,
+    modification time): a later call pays a stat while the file stays the same. `valid`: a stored value's type."""
     path = Path(path).resolve()
     st = path.stat()
     ident = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
-    memo = cache_root() / "file-hashes" / (hashlib.sha256(str(path).encode()).hexdigest()[:24] + ".json")
+    memo = cache_root() / kind / (hashlib.sha256(str(path).encode()).hexdigest()[:24] + ".json")
     try:
         known = json.loads(memo.read_text())
-        if known.get("identity") == ident and isinstance(known.get("sha256"), str):
-            return known["sha256"]
+        if known.get("identity") == ident and isinstance(known.get(name), valid):
+            return known[name]
     except (OSError, ValueError, AttributeError):
         pass
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    digest = h.hexdigest()
+    value = compute(path)
     try:
-        write_atomically(memo, json.dumps({"identity": ident, "sha256": digest}).encode())
+        write_atomically(memo, json.dumps({"identity": ident, name: value}).encode())
     except OSError:
-        pass  # an unwritable cache: the next start hashes again
-    return digest
+        pass  # an unwritable cache: computed again next time
+    return value

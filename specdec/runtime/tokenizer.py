@@ -8,6 +8,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..cachedir import remembered_of_file
+
 
 @dataclass
 class Encoding:
@@ -18,6 +20,7 @@ class Tokenizer:
     def __init__(self, path: Path):
         from tokenizers import Tokenizer as Backend
         path = Path(path)
+        self.path = path
         self._tok = Backend.from_file(str(path / "tokenizer.json"))
         cfg = json.loads((path / "tokenizer_config.json").read_text())
         template = path / "chat_template.jinja"
@@ -60,9 +63,11 @@ class Tokenizer:
 
     def longest_token_chars(self) -> int:
         """Characters of the longest token, as a token string or decoded: one token at a time, so no vocabulary
-        dict is ever built (see token_to_id)."""
-        longest = max(range(len(self)), key=lambda i: len(self._tok.id_to_token(i) or ""))
-        return max(len(self._tok.id_to_token(longest) or ""), len(self.decode([longest])), 1)
+        dict is ever built (see token_to_id); remembered by tokenizer.json's identity (0.15 s for 152k tokens)."""
+        def measure(_) -> int:
+            longest = max(range(len(self)), key=lambda i: len(self._tok.id_to_token(i) or ""))
+            return max(len(self._tok.id_to_token(longest) or ""), len(self.decode([longest])), 1)
+        return remembered_of_file(self.path / "tokenizer.json", "tokenizer-facts", "longest_token_chars", measure, int)
 
     def __len__(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
