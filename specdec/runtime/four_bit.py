@@ -19,12 +19,12 @@ from pathlib import Path
 import numpy as np
 
 from ..cachedir import cache_root, file_sha256
+from ..kernels.formats import BF16, F16, F32, Q4_0, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from .progress import Progress
 from .quantize import quantize
 
-RECIPE = 1
-Q4_0, Q4_K = 2, 12
-WIDE = {0: "F32", 1: "F16", 30: "BF16", 8: "Q8_0", 14: "Q6_K", 7: "Q5_1", 6: "Q5_0", 13: "Q5_K"}  # > 5 bits a weight
+RECIPE = 1  # part of the copy's name: a change to what is requantized, or how, makes new copies
+WIDE = {F32, F16, BF16, Q8_0, Q6_K, Q5_1, Q5_0, Q5_K}  # more than 5 bits a weight
 
 
 def four_bit_format(fmt: int, shape: tuple[int, ...]) -> int | None:

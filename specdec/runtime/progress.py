@@ -10,7 +10,7 @@ from pathlib import Path
 class Progress:
     def __init__(self, what: str, verb: str, total: int, where: Path):
         self.what, self.verb, self.total, self.where = what, verb, total, where
-        self.done, self.t0 = 0, time.monotonic()
+        self.t0 = time.monotonic()
 
     def __enter__(self):
         from rich.console import Console
