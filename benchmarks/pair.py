@@ -5,6 +5,7 @@ interleaved run.
     python benchmarks/pair.py --out docs/pair.json                  # fetch, build, then every system
     python benchmarks/pair.py --systems llama,ours-none,ours --workloads edits --max-tokens 64
     python benchmarks/pair.py --fetch-only                          # the two GGUF files and llama-server, then stop
+    python benchmarks/pair.py --systems ours-none,ours-0.5b --repeat 3   # each prompt 3 times: steadier ratios
     git worktree add /tmp/prev <release> && python benchmarks/pair.py --previous /tmp/prev   # + that release
 
 What it does:
@@ -17,7 +18,9 @@ What it does:
    recorded. Then every prompt goes to every server in turn (the order rotating), one request at a time, streamed,
    greedy (chat-sampled: T = 0.7, a seed per prompt): decode tokens/s (after the first token), end-to-end tokens/s,
    time to first token, acceptance, and whether the text equals the same family's target-only answer (ours against `--draft none`, llama-server's against its
-   plain decoding).
+   plain decoding); and each system's speed against its family's target-only, prompt by prompt (the geometric mean
+   of the ratios and their range per workload: this machine's speed swings within seconds, so one run's ratio of a
+   4-prompt workload moves by a tenth or more).
 """
 from __future__ import annotations
 
@@ -290,6 +293,7 @@ def main(argv=None) -> int:
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--limit", type=int, default=0, help="prompts per workload (0: all)")
+    ap.add_argument("--repeat", type=int, default=1, help="times each prompt is sent to every server (in turn)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--previous", default=None, help="a checkout of an earlier release: adds prev-none, prev, "
                     "prev-0.5b and prev-ngram-0.5b")
@@ -315,7 +319,8 @@ def main(argv=None) -> int:
                 if p["workload"] == "edits"]
     prompts += [{**p, "workload": "chat-sampled", **SAMPLED, "seed": 1000 + i} for i, p in enumerate(prompts)
                 if p["workload"] == "chat"]
-    prompts = [p for w in workloads for p in [q for q in prompts if q["workload"] == w][:args.limit or None]]
+    prompts = [p for w in workloads for p in [q for q in prompts if q["workload"] == w][:args.limit or None]
+               for _ in range(max(1, args.repeat))]
     logs = cache() / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     servers = {}
@@ -343,6 +348,7 @@ def main(argv=None) -> int:
             s.stop()
     report = summarize(names, workloads, results, {n: s.ready_s for n, s in servers.items()}, rss)
     report["config"] = {"max_tokens": args.max_tokens, "threads": args.threads, "prompts": len(prompts),
+                        "repeat": args.repeat,
                         "cpu": cpu_name(), "commands": {n: table[n] for n in names}}
     print_table(report, workloads)
     if args.out:
@@ -382,6 +388,12 @@ def summarize(names, workloads, results, ready, rss) -> dict:
                     drafting = sum(r["draft_ms"] for r in timed)
                     cell["draft_ms_per_pass"] = round(drafting / sum(r["passes"] for r in timed), 2)
                     cell["draft_share_of_pass"] = round(drafting / sum(r["verify_ms"] for r in timed), 3)
+            if n != reference[n] and ref:  # against its own target-only, prompt by prompt (each pair ran seconds apart)
+                each = [r["decode_tps"] / ref[r["i"]]["decode_tps"] for r in decode
+                        if r["i"] in ref and ref[r["i"]]["decode_tps"]]
+                if each:
+                    cell["vs_target_only"] = {"geomean": round(statistics.geometric_mean(each), 3),
+                                              "min": round(min(each), 3), "max": round(max(each), 3)}
             rows[n][w] = cell
     return {"systems": rows}
 
@@ -394,6 +406,15 @@ def print_table(report, workloads) -> None:
         cells = [str(r[w]["decode_tps"]) if w in r else "–" for w in workloads + ["all"]]
         print(f"| {n} | {r['ready_s']} | " + " | ".join(cells) + f" | {r['all']['ttft_s']} | "
               f"{r['all'].get('acceptance', '-')} | {r['all']['identical']} |")
+    against = [n for n, r in rows.items() if "vs_target_only" in r["all"]]
+    if against:  # the geometric mean of the prompts' ratios, and their spread: how far one run's ratio can be trusted
+        print("\nagainst its own target-only, prompt by prompt: geometric mean (min-max)")
+        print("| system | " + " | ".join(workloads + ["all"]) + " |")
+        print("|---" * (len(workloads) + 2) + "|")
+        for n in against:
+            cells = [f"{c['geomean']} ({c['min']}-{c['max']})" if (c := rows[n].get(w, {}).get("vs_target_only"))
+                     else "–" for w in workloads + ["all"]]
+            print(f"| {n} | " + " | ".join(cells) + " |")
 
 
 def fenced(prompt: str) -> str:
