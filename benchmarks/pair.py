@@ -189,6 +189,7 @@ def systems(target: Path, draft: Path, threads: int, previous: str | None = None
             "ours-0.5b": ours + ["--draft", str(draft)],
             "ours-ngram-0.5b": ours + ["--draft", f"ngram+{draft}"],
             "ours-0.5b-file": ours + ["--draft", f"keep:{draft}"],  # the file's own Q5_0/Q8_0, not its 4-bit copy
+            "ours-ngram-0.5b-unquoted": ["env", "SPECDEC_QUOTED_DRAFTS=0", *ours, "--draft", f"ngram+{draft}"],
             "ours-ngram-0.5b-file": ours + ["--draft", f"ngram+keep:{draft}"],
             "ours-suffix": ours + ["--draft", "suffix"],
             "ours-recycle": ours + ["--draft", "recycle"],

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from . import models
 from .constraints import Grammars
 from .drafters import ModelDrafter, registry
 from .drafters.feature_files import is_feature_draft
+from .drafters.prediction import PRIOR, QUOTED_PRIOR, quoted_block
 from .drafters.registry import SHIPPED_DRAFT
 from .engine import Engine
 from .errors import InvalidRequest
@@ -34,6 +36,8 @@ DEFAULT_DRAFT = None  # resolved per target by default_draft()
 # for the whole request timeout)
 MAX_STOPS, MAX_STOP_CHARS = 4, 256
 DEFAULT_TAU, DEFAULT_POLICY = 3, "fixed"  # the fastest measured setup on the runtime (docs/benchmarks.md)
+# a chat prompt's quoted code block drafts like a prediction when none is sent (prepare); SPECDEC_QUOTED_DRAFTS=0: never
+QUOTED_DRAFTS = os.environ.get("SPECDEC_QUOTED_DRAFTS", "1") != "0"
 DEFAULT_NUMERICS = "auto"  # q8 where the runtime's kernels run: faster, perplexity within 0.3% (docs/numerics.md)
 
 
@@ -180,7 +184,9 @@ class SpecDecoder:
         grammar (constraints.py). `logprobs` (0..20): the result carries each token's logprob under the target and
         that many alternatives (sampling.token_logprobs); `prompt_logprobs` the same for the prompt's tokens (the
         first has none), and max_new_tokens may then be 0: scoring only. `prediction`: text the output is expected to
-        mostly be (OpenAI's predicted outputs), drafted beside it; the output is the same without it."""
+        mostly be (OpenAI's predicted outputs), drafted beside it; the output is the same without it. A chat prompt
+        that sends none but quotes a code block drafts from that block (drafters/prediction.py, `quoted_block`),
+        reported as no prediction; not with the drafter `none` (target-only), nor with QUOTED_DRAFTS off."""
         if not (prompt_logprobs is not None and max_new_tokens == 0):
             _positive_int("max_new_tokens", max_new_tokens)
         tau = self.tau if tau is None else _positive_int("tau", tau)
@@ -204,13 +210,18 @@ class SpecDecoder:
                 raise InvalidRequest("prediction must be a string")
             with self._encoder_lock:
                 req.prediction = self._encoder.encode(prediction, add_special_tokens=False) or None
+        elif chat and QUOTED_DRAFTS and self.draft_name != "none" and (block := quoted_block(prompt)) is not None:
+            with self._encoder_lock:
+                req.prediction = self._encoder.encode(block, add_special_tokens=False) or None
+            req.prediction_prior, req.quoted = QUOTED_PRIOR, True
         return req
 
     def stream_chunks(self, prompt, **kwargs) -> Iterator[Chunk]:
         """One Chunk per cycle (keyword arguments as prepare)."""
         req = self.prepare(prompt, **kwargs)
         for rec in self.engine.run(req.prompt_ids, req.max_new_tokens, req.params, req.policy, req.stop_check,
-                                   req.constraint, req.logprobs, req.prompt_logprobs, req.prediction):
+                                   req.constraint, req.logprobs, req.prompt_logprobs, req.prediction,
+                                   req.prediction_prior):
             yield req.chunk(rec)
 
     def stream(self, prompt, **kwargs) -> Iterator[str]:
@@ -241,6 +252,8 @@ class Request:
         self.prompt_logprobs: int | None = None
         self.scored: list | None = None  # the prompt's logprobs, when asked for
         self.prediction: list[int] | None = None  # a predicted output's tokens (prepare)
+        self.prediction_prior = PRIOR  # its acceptance assumed before any verification
+        self.quoted = False  # the prediction is a block the prompt quotes, not the client's: not reported
         self.generated: list[int] = []
         self.sent = ""
         self.start = perf_counter()
@@ -258,7 +271,9 @@ class Request:
         if not final:
             return Chunk(delta, rec)
         stats = summarize(self.records, perf_counter() - self.start, len(self.generated))
-        if self.prediction is not None:  # reported whenever one was sent, as OpenAI does
+        if self.quoted:  # no prediction was sent: none is reported
+            stats = {k: v for k, v in stats.items() if not k.endswith("_prediction_tokens")}
+        elif self.prediction is not None:  # reported whenever one was sent, as OpenAI does
             stats = {"accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0, **stats}
         return Chunk(delta, rec, GenerationResult(self.sent, self.generated, len(self.prompt_ids),
                                                   rec.finish_reason, stats, self.records,

@@ -6,7 +6,7 @@ from time import perf_counter
 
 from .costs import PassCosts, best_tree_size
 from .drafters.base import Draft, Drafter, makes_trees
-from .drafters.prediction import PredictionDrafter
+from .drafters.prediction import PRIOR, PredictionDrafter
 from .drafters.tree import best_chain, chain_parents, prune
 from .kv import cached_model
 from .policy import FixedPolicy
@@ -27,20 +27,22 @@ class Engine:
 
     def run(self, prompt: list[int], max_new_tokens: int, params: SamplingParams, policy,
             stop: StopCheck | None = None, constraint=None, logprobs: int | None = None,
-            prompt_logprobs: int | None = None, prediction: list[int] | None = None) -> Iterator[CycleRecord]:
+            prompt_logprobs: int | None = None, prediction: list[int] | None = None,
+            prediction_prior: float = PRIOR) -> Iterator[CycleRecord]:
         """Yields one record per cycle; the last one carries finish_reason. `policy` picks τ each cycle
         (an int means a fixed τ). `constraint` (constraints.Constraint): a grammar the output follows. `logprobs`
         (0..20): each record carries the emitted tokens' logprobs and that many alternatives (sampling.token_logprobs).
         `prompt_logprobs`: the first record also carries the prompt's (tokens 2.., unwarped), from the prefill pass;
         max_new_tokens may then be 0 (scoring only). `prediction`: the tokens the client expects most of the output to
         be (drafters/prediction.py): drafted first, as deep as the pass curve pays for; the drafter when it has
-        nothing to offer."""
+        nothing to offer; `prediction_prior` its acceptance assumed before any verification."""
         policy = FixedPolicy(policy) if isinstance(policy, int) else policy
         policy.start()
         self.target.reset()
         self.drafter.reset()
         gen = params.generator()
-        predicted = PredictionDrafter(prediction, len(prompt)) if prediction and constraint is None else None
+        predicted = PredictionDrafter(prediction, len(prompt), prediction_prior) \
+            if prediction and constraint is None else None
         if not params.greedy and not isinstance(gen, PositionNoise) and (
                 constraint is not None or self.trees and makes_trees(self.drafter)):
             gen = PositionNoise.fresh()  # trees and grammars verify by the race rule; unseeded requests draw a seed

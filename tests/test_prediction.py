@@ -224,3 +224,49 @@ def test_generate_prediction_file_errors_are_one_line(tmp_path, capsys):
     bad.write_bytes(b"\xff\xfe\x00bad")
     assert main(["generate", "hi", "--prediction", str(bad)]) == 2
     assert "not UTF-8" in capsys.readouterr().err
+
+
+QUOTED_CODE = "```python\ndef add(a, b):\n    return a + b  # the sum of a and b, as the caller expects\n```"
+QUOTED = f"Rewrite this function with type hints:\n{QUOTED_CODE}\nKeep the comment."
+
+
+def test_the_quoted_block_is_the_longest_fenced_block_of_the_last_message():
+    from specdec.drafters.prediction import quoted_block
+    assert quoted_block(QUOTED) == QUOTED_CODE
+    assert quoted_block([{"role": "system", "content": "be brief"}, {"role": "user", "content": QUOTED}]) == QUOTED_CODE
+    assert quoted_block([{"role": "user", "content": QUOTED}, {"role": "assistant", "content": "ok"}]) is None
+    longer = "```\n" + "z = 1\n" * 20 + "```"
+    assert quoted_block(QUOTED + "\nand\n" + longer) == longer
+    assert quoted_block("a short one: ```x\ny```") is None and quoted_block("no code at all") is None
+    assert quoted_block("an open fence ```python\n" + "x" * 100) is None and quoted_block([]) is None
+
+
+def test_a_quoted_block_drafts_like_a_prediction_yet_changes_nothing_and_is_not_reported(rt, live, monkeypatch):
+    """A chat request that quotes code and sends no prediction drafts from the quoted block (its first cycle
+    proposes the block's start); the output is target-only's token for token, in the engine and over HTTP, and no
+    prediction usage is reported. Target-only (`none`), an explicit prediction and a raw prompt do not quote."""
+    from specdec import api
+    from specdec.drafters.prediction import QUOTED_PRIOR
+    none = SpecDecoder.from_models(rt.model, rt.tokenizer, draft="none")
+    none.engine.eos_ids = set()
+    base = none.generate(QUOTED, max_new_tokens=60)
+    assert not any(r.by == "prediction" for r in base.records)
+    out = rt.generate(QUOTED, max_new_tokens=60)
+    assert out.token_ids == base.token_ids
+    assert any(r.by == "prediction" for r in out.records)
+    assert not any(k.endswith("_prediction_tokens") for k in out.stats)
+    req = rt.prepare(QUOTED)
+    assert req.quoted and req.prediction_prior == QUOTED_PRIOR and len(req.prediction) == len(QUOTED_CODE)
+    assert none.prepare(QUOTED).prediction is None and rt.prepare(QUOTED, chat=False).prediction is None
+    explicit = rt.prepare(QUOTED, prediction="abc")
+    assert not explicit.quoted and explicit.prediction == rt.tokenizer("abc", add_special_tokens=False).input_ids
+    monkeypatch.setattr(api, "QUOTED_DRAFTS", False)
+    assert rt.prepare(QUOTED).prediction is None
+    monkeypatch.undo()
+
+    c = openai.OpenAI(base_url=live.url + "/v1", api_key="none", max_retries=0, timeout=30)
+    got = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": QUOTED}], max_tokens=40,
+                                    temperature=0)
+    assert got.choices[0].message.content == none.generate(QUOTED, max_new_tokens=40).text
+    assert got.usage.completion_tokens_details is None
+    assert got.model_extra["specdec"]["proposed"] > 0

@@ -16,7 +16,7 @@ import itertools
 from dataclasses import dataclass, field
 from enum import Enum
 
-from ..drafters.prediction import PredictionDrafter
+from ..drafters.prediction import PRIOR, PredictionDrafter
 from ..engine import StopCheck
 from ..sampling import SamplingParams
 
@@ -57,6 +57,7 @@ class Sequence:
     logprobs: int | None = None  # report the emitted tokens' logprobs and this many alternatives
     prompt_logprobs: int | None = None  # report the prompt's too (every prefill row's logits; max_new_tokens may be 0)
     prediction: list[int] | None = None  # a predicted output's tokens: drafted first (drafters/prediction.py)
+    prediction_prior: float = PRIOR  # its acceptance assumed before any verification (a quoted block's: lower)
     cache_salt: bytes = b""  # its tenant: prompts are cached, found and shared only within one tenant
     id: int = field(default_factory=itertools.count().__next__)
     finish_reason: str | None = None
@@ -68,7 +69,7 @@ class Sequence:
         self.idle = 0  # cycles in a row it could have drafted and got no rows
         self.generator = self.params.generator()
         self.scored: list = []  # prompt logprobs so far
-        self.predicted = PredictionDrafter(self.prediction, len(self.prompt)) \
+        self.predicted = PredictionDrafter(self.prediction, len(self.prompt), self.prediction_prior) \
             if self.prediction and self.constraint is None else None
         self.joined = False  # in the batch (join)
         self.after: int | None = None  # waits for this request's prefill of the same prompt, then copies its K/V

@@ -13,8 +13,14 @@ rejoin after it learns A back (a wrong guess costs a draft, never the output).
 
 Its proposals can be long: `depth(cost)` sizes them on the target's measured pass curve and this request's running
 acceptance (costs.best_tree_size on a chain), and the engines ask for that many.
+
+A chat request that sent no prediction but quotes code (a fenced block in its last message: "rewrite this
+function") drafts from the quoted block the same way (`quoted_block`), from a lower prior: an answer need not repeat
+what it quotes. Nothing about it is reported as OpenAI's prediction usage.
 """
 from __future__ import annotations
+
+import re
 
 import numpy as np
 
@@ -24,6 +30,9 @@ MIN_REJOIN = 3  # tokens of agreement that re-anchor the walk anywhere in the pr
 MAX_SUFFIX = 32  # the longest output suffix looked up
 MAX_DEPTH = 32  # the most tokens one proposal may carry
 PRIOR = 0.9  # acceptance assumed before any verification: a prediction is usually right
+QUOTED_PRIOR = 0.6  # the same for a block the prompt quotes (quoted_block): drafts short until the answer follows it
+MIN_QUOTED_CHARS = 64  # a shorter quoted block is not worth drafting from
+FENCED = re.compile(r"```[^\n`]*\n.*?```", re.S)
 MAX_REPLACED = 6  # the longest replacement (tokens either side) taken for a rename
 
 
@@ -32,11 +41,12 @@ class PredictionDrafter:
     free = True
     sizes_own_depth = True  # the engines ask it for depth(cost) tokens, not τ
 
-    def __init__(self, prediction: list[int], start: int | None = None):
+    def __init__(self, prediction: list[int], start: int | None = None, prior: float = PRIOR):
         """`start`: the prompt's length, where the output starts (the batch engine's first proposal comes after the
-        prefill has emitted a token); None: at the context of the first proposal."""
+        prefill has emitted a token); None: at the context of the first proposal. `prior`: the acceptance assumed
+        before any verification."""
         self.original = np.asarray(prediction, dtype=np.int64)
-        self.start = start
+        self.start, self.prior = start, prior
         self.reset()
 
     def reset(self) -> None:
@@ -46,12 +56,12 @@ class PredictionDrafter:
         self.at = 0  # prediction index of the next expected token
         self.aligned = True  # the output is at `at` (it starts at the prediction's start)
         self.seen = 0  # output tokens accounted for by `at`
-        self.hits, self.tries = PRIOR * 4, 4.0  # accepted / proposed, a prior worth four drafts
+        self.hits, self.tries = self.prior * 4, 4.0  # accepted / proposed, a prior worth four drafts
         self.accepted = self.rejected = 0  # prediction tokens accepted / proposed and rejected (usage)
         self._last = 0
 
     def fork(self) -> PredictionDrafter:
-        return PredictionDrafter(self.original.tolist(), self.start)
+        return PredictionDrafter(self.original.tolist(), self.start, self.prior)
 
     # ---- where the output stands in the prediction ----------------------------------------------------------
     def _align(self, out: list[int]) -> int | None:
@@ -114,7 +124,7 @@ class PredictionDrafter:
 
     # ---- the drafter ---------------------------------------------------------------------------------------
     def acceptance(self) -> float:
-        """This request's running acceptance of predicted tokens (a prior of PRIOR before any verification)."""
+        """This request's running acceptance of predicted tokens (its prior before any verification)."""
         return min(0.99, self.hits / self.tries)
 
     def depth(self, cost) -> int:
@@ -169,3 +179,14 @@ def _replace(a: np.ndarray, starts: np.ndarray, n: int, b: np.ndarray) -> np.nda
 def _near(end: int, at: int, n: int, slack: int = 8) -> bool:
     """A short match within a few tokens after the last agreement (a small insertion or deletion)."""
     return at <= end <= at + n + slack
+
+
+def quoted_block(prompt) -> str | None:
+    """The longest fenced code block (fences included) of a chat prompt's last message, if at least
+    MIN_QUOTED_CHARS long: what an answer that rewrites quoted code mostly repeats. `prompt`: a string or a list of
+    {role, content} messages."""
+    text = prompt if isinstance(prompt, str) else prompt[-1].get("content") if prompt else None
+    if not isinstance(text, str):
+        return None
+    block = max(FENCED.findall(text), key=len, default="")
+    return block if len(block) >= MIN_QUOTED_CHARS else None

@@ -426,7 +426,8 @@ class BatchWorker(Worker):
                 seq = self.engine.add(Sequence(req.prompt_ids, req.max_new_tokens, req.params, req.stop_check,
                                                max_tau=cap, fixed_tau=fixed, constraint=req.constraint,
                                                logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs,
-                                               prediction=req.prediction, cache_salt=getattr(job, "salt", b"")))
+                                               prediction=req.prediction, prediction_prior=req.prediction_prior,
+                                               cache_salt=getattr(job, "salt", b"")))
             except OutOfBlocks:
                 self.waiting.appendleft(job)
                 return
