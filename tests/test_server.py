@@ -50,6 +50,14 @@ def all_held_cancelled(srv) -> bool:
     return bool(held) and all(j.cancelled.is_set() for j in held)
 
 
+def two_completions(url: str) -> None:
+    """Two small completions over real HTTP (what a shutdown then saves: tables, refined curves)."""
+    for _ in range(2):
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "Hello there", "max_tokens": 24},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+
+
 class LiveServer:
     def __init__(self, app):
         with socket.socket() as s:

@@ -154,8 +154,7 @@ def test_building_a_layout_drops_the_same_files_layouts_from_older_kernel_builds
 def test_a_servers_refined_pass_curve_is_stored_for_the_next_start(tiny_dirs, tmp_path, monkeypatch):
     """A curve measured at a slow moment is not kept for good: the passes a server runs refine it (sizes it ran
     REFINED_AFTER passes of), and at shutdown the refinement replaces what is stored; the next start reads it."""
-    import httpx
-    from test_server import LiveServer
+    from test_server import LiveServer, two_completions
 
     from specdec import models
     from specdec.api import SpecDecoder
@@ -189,10 +188,7 @@ def test_a_servers_refined_pass_curve_is_stored_for_the_next_start(tiny_dirs, tm
     try:
         before = stored()
         assert min(before.values()) > 50.0
-        for _ in range(2):
-            r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "Hello there",
-                                                              "max_tokens": 24}, timeout=60)
-            assert r.status_code == 200, r.text
+        two_completions(srv.url)
     finally:
         srv.stop()
     after = stored()

@@ -341,20 +341,16 @@ def test_recycle_drafts_from_the_successors_it_saw():
 def test_server_keeps_the_recycle_table_between_runs(tiny_dirs, tmp_path):
     """`specdec serve` with recycle: trees verified in the batch over real HTTP, the table saved at shutdown and
     loaded at the next start."""
-    import httpx
 
     from specdec import models
     from specdec.server import create_app
-    from test_server import LiveServer
+    from test_server import LiveServer, two_completions
     model, tok = models.load(tiny_dirs["target"], backend="runtime")
     table = tmp_path / "table.safetensors"
     sd = SpecDecoder.from_models(model, tok, f"recycle:{table}", tau=3)
     srv = LiveServer(create_app(sd, model_name="tiny"))
     try:
-        for _ in range(2):
-            r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "Hello there",
-                                                              "max_tokens": 24}, timeout=60)
-            assert r.status_code == 200, r.text
+        two_completions(srv.url)
     finally:
         srv.stop()
     assert table.exists()
