@@ -341,7 +341,6 @@ def test_recycle_drafts_from_the_successors_it_saw():
 def test_server_keeps_the_recycle_table_between_runs(tiny_dirs, tmp_path):
     """`specdec serve` with recycle: trees verified in the batch over real HTTP, the table saved at shutdown and
     loaded at the next start."""
-
     from specdec import models
     from specdec.server import create_app
     from test_server import LiveServer, two_completions
