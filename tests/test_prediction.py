@@ -239,6 +239,22 @@ def test_the_quoted_block_is_the_longest_fenced_block_of_the_last_message():
     assert quoted_block(QUOTED + "\nand\n" + longer) == longer
     assert quoted_block("a short one: ```x\ny```") is None and quoted_block("no code at all") is None
     assert quoted_block("an open fence ```python\n" + "x" * 100) is None and quoted_block([]) is None
+    for odd in (None, 3, ["not a message"], [{"role": "user", "content": [{"type": "text"}]}], {"content": QUOTED}):
+        assert quoted_block(odd) is None
+
+
+@pytest.mark.real
+def test_quoted_code_leaves_the_default_models_q8_output_as_target_only_greedy_and_seeded():
+    """The production path: the default GGUF in q8 on the kernels, its draft (datastore+ngram) with the quoted
+    block first; greedy token for token and seeded sampling text for text equal `none`'s."""
+    sd, none = SpecDecoder(), SpecDecoder(draft="none")
+    assert sd.numerics == "q8" and sd.prepare(QUOTED).quoted
+    greedy = sd.generate(QUOTED, max_new_tokens=48)
+    assert greedy.token_ids == none.generate(QUOTED, max_new_tokens=48).token_ids
+    assert any(r.by == "prediction" for r in greedy.records)
+    for seed in (1, 2):
+        kw = dict(max_new_tokens=40, temperature=0.8, seed=seed)
+        assert sd.generate(QUOTED, **kw).text == none.generate(QUOTED, **kw).text
 
 
 def test_a_quoted_block_drafts_like_a_prediction_yet_changes_nothing_and_is_not_reported(rt, live, monkeypatch):

@@ -185,7 +185,8 @@ def quoted_block(prompt) -> str | None:
     """The longest fenced code block (fences included) of a chat prompt's last message, if at least
     MIN_QUOTED_CHARS long: what an answer that rewrites quoted code mostly repeats. `prompt`: a string or a list of
     {role, content} messages."""
-    text = prompt if isinstance(prompt, str) else prompt[-1].get("content") if prompt else None
+    last = prompt[-1] if isinstance(prompt, list) and prompt else None
+    text = prompt if isinstance(prompt, str) else last.get("content") if isinstance(last, dict) else None
     if not isinstance(text, str):
         return None
     block = max(FENCED.findall(text), key=len, default="")
