@@ -279,8 +279,9 @@ def test_any_block_bytes_decode_as_gguf_does(fmt):
 @pytest.mark.parametrize("fmt", [kernels.Q4_0, kernels.Q8_0, kernels.Q5_0, kernels.Q4_K, kernels.Q6_K],
                          ids=lambda f: kernels.FORMATS[f])
 def test_prefetch_distances_change_no_bit(fmt):
-    """How far q8 tiles prefetch is chosen per CPU (rows_prefetch): any distance, one-row and multi-row tiles, gives
-    the numpy reference's bits; the distances are clamped to multiples of 64 up to 64 KB."""
+    """How far q8 tiles prefetch is chosen per CPU (rows_prefetch): any distance, one-row and multi-row tiles, with
+    or without the second prefetch into L2, gives the numpy reference's bits; the distances are clamped to multiples
+    of 64 up to 64 KB."""
     from specdec.runtime.quantize import quantize
     lib = kernels.library()
     n, k = 37, 512
@@ -291,28 +292,31 @@ def test_prefetch_distances_change_no_bit(fmt):
     xt, wt = torch.from_numpy(x), torch.from_numpy(data)
     before = lib.prefetch
     try:
-        for one, many, force in ((0, 0, (0, 0)), (100, 70000, (64, 65536)), (8192, 2048, (8192, 2048))):
-            assert lib.set_prefetch(one, many) == force
-            for rows in (1, 2, 8, 9):
+        for one, many, l2, force in ((0, 0, 0, (0, 0, 0)), (100, 70000, 70000, (64, 65536, 65536)),
+                                     (8192, 2048, 16384, (8192, 2048, 16384)), (2048, 8192, 130, (2048, 8192, 128))):
+            assert lib.set_prefetch(one, many, l2) == force
+            for rows in (1, 2, 4, 8, 9):
                 assert np.array_equal(kernels.linear(fmt, xt[:rows], wt, n, lib=lib, q8=True).numpy(), want[:rows])
-        assert lib.set_prefetch(-1, 4096) == (8192, 4096)  # -1 keeps a distance
+        assert lib.set_prefetch(-1, 4096) == (2048, 4096, 128)  # -1 keeps a distance
     finally:
         lib.set_prefetch(*before)
 
 
 def test_prefetch_distances_by_cpu_and_override(monkeypatch, capsys):
-    """The distances come from the CPU's vendor; SPECDEC_Q8_AHEAD=ONE[,MANY] overrides them; a malformed value is
-    one stderr line and the CPU's distances."""
+    """The distances come from the CPU's vendor; SPECDEC_Q8_AHEAD=ONE[,MANY[,L2]] overrides them; a malformed value
+    is one stderr line and the CPU's distances."""
     monkeypatch.setattr(kernels, "cpuinfo", lambda field: {"vendor_id": "AuthenticAMD"}.get(field, ""))
     monkeypatch.delenv("SPECDEC_Q8_AHEAD", raising=False)
     assert kernels.prefetch_distances() == kernels.PREFETCH["AuthenticAMD"]
     monkeypatch.setattr(kernels, "cpuinfo", lambda field: "")
     assert kernels.prefetch_distances() == kernels.PREFETCH_OTHER
     monkeypatch.setenv("SPECDEC_Q8_AHEAD", "6144")
-    assert kernels.prefetch_distances() == (6144, 6144)
+    assert kernels.prefetch_distances() == (6144, 6144, 0)
     monkeypatch.setenv("SPECDEC_Q8_AHEAD", "1024,8192")
-    assert kernels.prefetch_distances() == (1024, 8192)
-    for bad in ("fast", "1,2,3", "-64", "99999999"):
+    assert kernels.prefetch_distances() == (1024, 8192, 0)
+    monkeypatch.setenv("SPECDEC_Q8_AHEAD", "1024,8192,32768")
+    assert kernels.prefetch_distances() == (1024, 8192, 32768)
+    for bad in ("fast", "1,2,3,4", "-64", "99999999", "64,64,70000"):
         monkeypatch.setenv("SPECDEC_Q8_AHEAD", bad)
         assert kernels.prefetch_distances() == kernels.PREFETCH_OTHER
         assert "SPECDEC_Q8_AHEAD" in capsys.readouterr().err

@@ -142,7 +142,8 @@ class Library:
         # never); the same bits either way. amx_rows: the threshold in force (0: off).
         self.rows_amx = _amx(lib)
         self.amx_rows = self.rows_amx(0 if os.environ.get("SPECDEC_AMX", "1") == "0" else AMX_ROWS)
-        # how far ahead q8 tiles prefetch weights (one-row tiles, the others): chosen for this CPU, no bit changes
+        # how far ahead q8 tiles prefetch weights (one-row tiles, the others, the others into L2): chosen for this
+        # CPU, no bit changes
         self.rows_prefetch = _prefetch(lib)
         self.prefetch = self.set_prefetch(*prefetch_distances())
         rows_abi = lib.rows_abi
@@ -152,47 +153,49 @@ class Library:
         rows_formats.argtypes, rows_formats.restype = [p, i], i
         formats.check(rows_formats)  # and the format table, against formats.TABLE
 
-    def set_prefetch(self, one: int = -1, many: int = -1) -> tuple[int, int]:
-        """Bytes q8 tiles prefetch ahead: `one` for one-row tiles (decode steps), `many` for the others (-1 keeps
-        one); multiples of 64 up to 64 KB. Returns the pair in force (None for a build without it)."""
-        self.prefetch = self.rows_prefetch(one, many)
+    def set_prefetch(self, one: int = -1, many: int = -1, l2: int = -1) -> tuple[int, int, int]:
+        """Bytes q8 tiles prefetch ahead: `one` for one-row tiles (decode steps), `many` for the others, `l2` for
+        the others' second prefetch into L2 (0: none); -1 keeps one; multiples of 64 up to 64 KB. Returns the three
+        in force (None for a build without them)."""
+        self.prefetch = self.rows_prefetch(one, many, l2)
         return self.prefetch
 
 
 def _prefetch(lib):
-    """rows_prefetch as a function of (one, many) -> the distances in force, or a stand-in returning None for an
-    older build (benchmarks/same_kernels.py loads them)."""
+    """rows_prefetch as a function of (one, many, l2) -> the distances in force, or a stand-in returning None for
+    an older build (benchmarks/same_kernels.py loads them)."""
     try:
         fn = lib.rows_prefetch
     except AttributeError:
-        return lambda one, many: None
-    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p], None
+        return lambda one, many, l2: None
+    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p], None
 
-    def call(one: int, many: int) -> tuple[int, int]:
-        out = (ctypes.c_int * 2)()
-        fn(one, many, out)
-        return out[0], out[1]
+    def call(one: int, many: int, l2: int) -> tuple[int, int, int]:
+        out = (ctypes.c_int * 3)()
+        fn(one, many, l2, out)
+        return out[0], out[1], out[2]
     return call
 
 
-# Bytes q8 tiles prefetch ahead (one-row tiles, the others), by CPU vendor: the 1.5B pair's passes measured with
-# benchmarks/ab_curve.py (docs/runtime.md, "Prefetch"). SPECDEC_Q8_AHEAD=ONE[,MANY] overrides.
-PREFETCH = {"GenuineIntel": (2048, 4096), "AuthenticAMD": (8192, 8192)}
-PREFETCH_OTHER = (2048, 4096)
+# Bytes q8 tiles prefetch ahead (one-row tiles, the others, the others' second prefetch into L2; 0: none), by CPU
+# vendor: the 1.5B pair's passes measured with benchmarks/ab_curve.py and benchmarks/prefetch_l2.py (docs/runtime.md,
+# "Prefetch"). SPECDEC_Q8_AHEAD=ONE[,MANY[,L2]] overrides.
+PREFETCH = {"GenuineIntel": (2048, 4096, 0), "AuthenticAMD": (8192, 8192, 16384)}
+PREFETCH_OTHER = (2048, 4096, 0)
 
 
-def prefetch_distances() -> tuple[int, int]:
-    """(one-row, more-row) prefetch distances for this machine: SPECDEC_Q8_AHEAD where it is well formed, else the
-    CPU vendor's row of PREFETCH."""
+def prefetch_distances() -> tuple[int, int, int]:
+    """(one-row, more-row, more-row into L2) prefetch distances for this machine: SPECDEC_Q8_AHEAD where it is well
+    formed (MANY defaults to ONE, L2 to none), else the CPU vendor's row of PREFETCH."""
     env = os.environ.get("SPECDEC_Q8_AHEAD", "").strip()
     if env:
         try:
             vals = [int(v) for v in env.split(",")]
-            if not 1 <= len(vals) <= 2 or not all(0 <= v <= 65536 for v in vals):
+            if not 1 <= len(vals) <= 3 or not all(0 <= v <= 65536 for v in vals):
                 raise ValueError
-            return vals[0], vals[-1]
+            return vals[0], vals[min(1, len(vals) - 1)], vals[2] if len(vals) == 3 else 0
         except ValueError:
-            print(f"specdec: SPECDEC_Q8_AHEAD={env!r} is not ONE[,MANY] bytes (0..65536); using this CPU's",
+            print(f"specdec: SPECDEC_Q8_AHEAD={env!r} is not ONE[,MANY[,L2]] bytes (0..65536); using this CPU's",
                   file=sys.stderr)
     return PREFETCH.get(cpuinfo("vendor_id"), PREFETCH_OTHER)
 

@@ -41,13 +41,13 @@ extern "C" int rows_amx(int min_rows) {
     return q8_amx_rows;
 }
 
-// How far ahead q8 tiles prefetch weights, in bytes: `one` for one-row tiles, `many` for the others (each a multiple
-// of 64 in [0, 65536]; -1 keeps the current one). out: the two distances now in force.
-// Prefetching changes no bit.
-extern "C" void rows_prefetch(int one, int many, int* out) {
+// How far ahead q8 tiles prefetch weights, in bytes: `one` for one-row tiles, `many` for the others, `l2` for the
+// others' second prefetch into L2 (0: none) (each a multiple of 64 in [0, 65536]; -1 keeps the current one).
+// out: the three distances now in force. Prefetching changes no bit.
+extern "C" void rows_prefetch(int one, int many, int l2, int* out) {
     auto fit = [](int d, int now) { return d < 0 ? now : (d > 65536 ? 65536 : d) / 64 * 64; };
-    q8_ahead_one = fit(one, q8_ahead_one), q8_ahead = fit(many, q8_ahead);
-    out[0] = q8_ahead_one, out[1] = q8_ahead;
+    q8_ahead_one = fit(one, q8_ahead_one), q8_ahead = fit(many, q8_ahead), q8_ahead_l2 = fit(l2, q8_ahead_l2);
+    out[0] = q8_ahead_one, out[1] = q8_ahead, out[2] = q8_ahead_l2;
 }
 
 // FORMAT_TABLE as [id, block, bytes, q8 layout] rows, for kernels/formats.py's check at load; returns the count.
