@@ -2,7 +2,9 @@
 loaded, and the driver alternates them one verify pass at a time (A, B, B, A, ...), so that the memory bandwidth
 this shared machine swings by 30-50% within minutes hits both alike. Reports per size the median ms of each and the
 median of the paired ratios B/A. For kernel changes that alter the layout or the bits (same_kernels.py compares a
-build that must not).
+build that must not). Its two processes are not placed alike: one-row passes whose code did not differ came out at
+0.85-0.93 on the 2-core EPYC, so read a size against that control; settings the library takes at run time
+(prefetch distances) compare without that bias in one process with prefetch_ab.py.
 
     python benchmarks/ab_curve.py --against REV [--model FILE.gguf] [--rows 1,2,4,8,16] [--pairs 40] [--json out.json]
 """
