@@ -180,7 +180,7 @@ def _prefetch(lib):
 # Bytes q8 tiles prefetch ahead (one-row tiles, the others, the others' second prefetch into L2; 0: none), by CPU
 # vendor: the 1.5B pair's passes measured with benchmarks/ab_curve.py and benchmarks/prefetch_ab.py (docs/runtime.md,
 # "Prefetch"). SPECDEC_Q8_AHEAD=ONE[,MANY[,L2]] overrides.
-PREFETCH = {"GenuineIntel": (2048, 4096, 0), "AuthenticAMD": (8192, 8192, 16384)}
+PREFETCH = {"GenuineIntel": (2048, 4096, 0), "AuthenticAMD": (0, 8192, 16384)}
 PREFETCH_OTHER = (2048, 4096, 0)
 
 

@@ -87,7 +87,8 @@ static inline void q8_tile(const QX& Q, int m0, const uint8_t* G, float* y, long
             second = FMT == Q4_0 || FMT == Q5_0 || FMT == Q8_0 ? d : f16_to_f((const uint16_t*)blk + 16);
         }
         const int ahead = M == 1 ? q8_ahead_one : q8_ahead;
-        for (int o = 0; o < (int)bb; o += 64) _mm_prefetch((const char*)blk + ahead + o, _MM_HINT_T0);
+        if (ahead)
+            for (int o = 0; o < (int)bb; o += 64) _mm_prefetch((const char*)blk + ahead + o, _MM_HINT_T0);
         if (M > 1 && q8_ahead_l2)
             for (int o = 0; o < (int)bb; o += 64) _mm_prefetch((const char*)blk + q8_ahead_l2 + o, _MM_HINT_T1);
         I16 ia[M], ib[M];
