@@ -279,7 +279,7 @@ def test_any_block_bytes_decode_as_gguf_does(fmt):
 @pytest.mark.parametrize("fmt", [kernels.Q4_0, kernels.Q8_0, kernels.Q5_0, kernels.Q4_K, kernels.Q6_K],
                          ids=lambda f: kernels.FORMATS[f])
 def test_prefetch_distances_change_no_bit(fmt):
-    """How far q8 tiles prefetch is chosen per CPU (rows_prefetch): any distance, one-row and multi-row tiles, with
+    """How far q8 tiles prefetch is chosen per CPU (rows_prefetch3): any distance, one-row and multi-row tiles, with
     or without the second prefetch into L2, gives the numpy reference's bits; the distances are clamped to multiples
     of 64 up to 64 KB."""
     from specdec.runtime.quantize import quantize
@@ -320,3 +320,26 @@ def test_prefetch_distances_by_cpu_and_override(monkeypatch, capsys):
         monkeypatch.setenv("SPECDEC_Q8_AHEAD", bad)
         assert kernels.prefetch_distances() == kernels.PREFETCH_OTHER
         assert "SPECDEC_Q8_AHEAD" in capsys.readouterr().err
+
+
+def test_a_build_from_before_the_l2_distance_is_called_with_its_own_two(tmp_path):
+    """benchmarks/same_kernels.py loads older builds, whose rows_prefetch takes (one, many, out): _prefetch calls
+    it with two distances (the L2 one reported as 0), never three (its third argument is the output pointer)."""
+    import ctypes
+    import shutil
+    import subprocess
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    src = tmp_path / "old.cpp"
+    src.write_text('static int a = 1, b = 2;\nextern "C" void rows_prefetch(int one, int many, int* out) '
+                   '{ if (one >= 0) a = one; if (many >= 0) b = many; out[0] = a, out[1] = b; }\n')
+    so = tmp_path / "old.so"
+    subprocess.run([cxx, "-shared", "-fPIC", str(src), "-o", str(so)], check=True)
+    call = kernels._prefetch(ctypes.CDLL(str(so)))
+    assert call(4096, 8192, 16384) == (4096, 8192, 0)
+    assert call(-1, 64, -1) == (4096, 64, 0)
+    none = tmp_path / "none.cpp"
+    none.write_text('extern "C" int nothing() { return 0; }\n')
+    subprocess.run([cxx, "-shared", "-fPIC", str(none), "-o", str(tmp_path / "none.so")], check=True)
+    assert kernels._prefetch(ctypes.CDLL(str(tmp_path / "none.so")))(1, 2, 3) is None

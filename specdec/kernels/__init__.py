@@ -162,19 +162,29 @@ class Library:
 
 
 def _prefetch(lib):
-    """rows_prefetch as a function of (one, many, l2) -> the distances in force, or a stand-in returning None for
-    an older build (benchmarks/same_kernels.py loads them)."""
-    try:
-        fn = lib.rows_prefetch
-    except AttributeError:
-        return lambda one, many, l2: None
-    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p], None
+    """rows_prefetch3 as a function of (one, many, l2) -> the distances in force. Older builds
+    (benchmarks/same_kernels.py loads them) have rows_prefetch(one, many) without the L2 distance (reported as 0),
+    or none at all (a stand-in returning None)."""
+    i, p = ctypes.c_int, ctypes.c_void_p
+    if hasattr(lib, "rows_prefetch3"):
+        fn = lib.rows_prefetch3
+        fn.argtypes, fn.restype = [i, i, i, p], None
 
-    def call(one: int, many: int, l2: int) -> tuple[int, int, int]:
-        out = (ctypes.c_int * 3)()
-        fn(one, many, l2, out)
-        return out[0], out[1], out[2]
-    return call
+        def call(one: int, many: int, l2: int) -> tuple[int, int, int]:
+            out = (ctypes.c_int * 3)()
+            fn(one, many, l2, out)
+            return out[0], out[1], out[2]
+        return call
+    if hasattr(lib, "rows_prefetch"):
+        old = lib.rows_prefetch
+        old.argtypes, old.restype = [i, i, p], None
+
+        def call_old(one: int, many: int, l2: int) -> tuple[int, int, int]:
+            out = (ctypes.c_int * 2)()
+            old(one, many, out)
+            return out[0], out[1], 0
+        return call_old
+    return lambda one, many, l2: None
 
 
 # Bytes q8 tiles prefetch ahead (one-row tiles, the others, the others' second prefetch into L2; 0: none), by CPU

@@ -98,7 +98,7 @@ static inline void q8_starts(const QX& Q, long at, int32_t* sa, int32_t* sb) {
 
 // How far ahead of the block being summed q8_tile prefetches its weights, in bytes: in a one-row tile (a decode
 // step) and in tiles of more rows (0: none). The best distances differ by CPU (a Xeon's one-row pass is fastest at
-// 2 KB, an EPYC's with none: its own prefetchers keep up with one row), so rows_prefetch sets them at load
+// 2 KB, an EPYC's with none: its own prefetchers keep up with one row), so rows_prefetch3 sets them at load
 // (kernels/__init__.py chooses; docs/runtime.md, "Prefetch").
 // Tiles of more rows also prefetch into L2 q8_ahead_l2 bytes ahead (0: not): their longer compute per byte let the
 // EPYC's reads fall to ~20 GB/s with L1 prefetches alone (a 4-row pass of the 1.5B at 1.46x a one-row one; 1.13x

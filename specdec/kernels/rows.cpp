@@ -43,8 +43,9 @@ extern "C" int rows_amx(int min_rows) {
 
 // How far ahead q8 tiles prefetch weights, in bytes: `one` for one-row tiles, `many` for the others, `l2` for the
 // others' second prefetch into L2 (0: none) (each a multiple of 64 in [0, 65536]; -1 keeps the current one).
-// out: the three distances now in force. Prefetching changes no bit.
-extern "C" void rows_prefetch(int one, int many, int l2, int* out) {
+// out: the three distances now in force. Prefetching changes no bit. (Builds before the L2 distance exported
+// rows_prefetch(one, many, out): a new name, so that no caller passes three distances to it.)
+extern "C" void rows_prefetch3(int one, int many, int l2, int* out) {
     auto fit = [](int d, int now) { return d < 0 ? now : (d > 65536 ? 65536 : d) / 64 * 64; };
     q8_ahead_one = fit(one, q8_ahead_one), q8_ahead = fit(many, q8_ahead), q8_ahead_l2 = fit(l2, q8_ahead_l2);
     out[0] = q8_ahead_one, out[1] = q8_ahead, out[2] = q8_ahead_l2;
