@@ -686,7 +686,7 @@ def test_n_choices_of_a_long_prompt_are_admitted_together_not_n_times_its_memory
 def test_a_prompts_block_hashes_are_computed_once(rt, monkeypatch):
     """Admission, the 429 prediction, restore and store all walk one lookup, and the prompt's hashes are made once
     (issue "serve strangers safely", item 2)."""
-    from specdec.batch import prefix_cache
+    from specdec.runtime import prefix_cache
     model, tok = rt
     plain = SpecDecoder.from_models(model, tok, draft="none")
     engine = BatchEngine(model, plain.engine.drafter, model.config.vocab_size, plain.engine.eos_ids, 128)

@@ -25,8 +25,8 @@ The runtime computes every row on its own, so a request's logits, and hence its 
 gets alone; seeded sampling draws from per-position noise (sampling.PositionNoise), so its tokens do not depend
 on τ or on the other requests either. Requests join and leave at cycle boundaries.
 
-The package, in the order a request meets it: requests.py (a request and its state), prefix_cache.py (prompts' K/V
-shared by block), admission.py (membership, memory and predicted work), engine.py (the cycle), calibration.py (the
+The package, in the order a request meets it: requests.py (a request and its state), runtime/prefix_cache.py (prompts'
+K/V shared by block), admission.py (membership, memory and predicted work), engine.py (the cycle), calibration.py (the
 measured pass curve and row cost the scheduler and admission start from).
 """
 from .admission import Admission
@@ -37,7 +37,7 @@ from .calibration import (
            measure_row_cost,
 )
 from .engine import EARLY_MODEL_BATCH, PROBE_EVERY, BatchEngine
-from .prefix_cache import PrefixCache
+from ..runtime.prefix_cache import PrefixCache
 from .requests import Sequence
 
 __all__ = ["EARLY_MODEL_BATCH", "PROBE_EVERY", "Admission", "BatchEngine", "PrefixCache", "Sequence", "default_budget", "lower_envelope",

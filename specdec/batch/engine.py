@@ -26,7 +26,7 @@ from ..verification import (
 )
 from .admission import Admission
 from .calibration import OnlineCurve
-from .prefix_cache import PrefixCache
+from ..runtime.prefix_cache import PrefixCache
 from .requests import Sequence, State
 
 # A model draft that grows valued trees (the feature draft) proposes before the row split for greedy requests while
@@ -366,7 +366,7 @@ class BatchEngine(Admission):
         return results
 
     def _keep_prompt_hidden(self, s: Sequence, start: int, hidden: torch.Tensor) -> None:
-        """A prompt's hidden states, kept until its blocks are named with them (prefix_cache.py's features)."""
+        """A prompt's hidden states, kept until its blocks are named with them (runtime/prefix_cache.py's features)."""
         if self.prefixes is not None and self.prefixes.features and s.cycle == 0:
             kept = self._prompt_hidden.setdefault(s.id, [])
             if sum(len(h) for h in kept) == start:  # in order (a preempted prompt starts again from _load's)

@@ -57,6 +57,14 @@ def fork(drafter):
     return drafter.fork() if hasattr(drafter, "fork") else drafter
 
 
+def for_tenant(drafter, salt: bytes) -> None:
+    """Tell a request's drafter (a chain: its members) whose request it drafts for: a model draft's cached prompts
+    are found only within one tenant (drafters/model.py, as the target's prefix cache)."""
+    for member in getattr(drafter, "members", [drafter]):
+        if hasattr(member, "cache_salt"):
+            member.cache_salt = salt
+
+
 def save(drafter) -> None:
     """Write what a drafter learned to keep (recycle's table) where it came from; chains save every member. Only
     drafters with `persist()` learn anything (a datastore's `save` builds a new one from sequences)."""

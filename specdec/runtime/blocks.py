@@ -78,6 +78,15 @@ class BlockPool:
         if digest not in self.by_hash and block not in self.hash_of:
             self.by_hash[digest], self.hash_of[block] = block, digest
 
+    def forget_cached(self, keep: int) -> None:
+        """Drop the names of the least recently used cached blocks nobody holds until at most `keep` remain (a
+        cache bounded below the pool, as a draft model's is): they become free blocks."""
+        while len(self.evictable) > keep:
+            block, digest = self.evictable.popitem(last=False)
+            del self.by_hash[digest], self.hash_of[block]
+            self.kept.pop(digest, None)
+            self.free.append(block)
+
     def clear_hashes(self) -> None:
         for block in list(self.evictable):
             self.free.append(block)

@@ -5,8 +5,8 @@ from collections import OrderedDict
 
 import torch
 
-from ..runtime.blocks import BLOCK, prefix_hashes
-from ..runtime.model import Llama
+from .blocks import BLOCK, prefix_hashes
+from .model import Llama
 
 MEMO = 256  # prompts whose block hashes are kept: admission, the 429 prediction, restore and store hash each once
 
@@ -23,8 +23,10 @@ class PrefixCache:
     live beside the block's name (BlockPool.kept) and go with it; in fp32 beside q8's fp16 K/V they add
     hidden/(layers·kv_width) of its bytes (6 KB a position beside 28 KB on Qwen2.5-1.5B)."""
 
-    def __init__(self, model: Llama, features: bool = False):
-        self.model = model
+    def __init__(self, model: Llama, features: bool = False, max_blocks: int | None = None):
+        """`max_blocks`: the most cached blocks nobody holds that its owner keeps (BlockPool.forget_cached; None:
+        the pool's whole budget, as the target's)."""
+        self.model, self.max_blocks = model, max_blocks
         self.features = features  # named blocks keep their positions' hidden states (pool.kept: digest -> tensor)
         self.hits = self.reused = 0  # requests served from the cache, positions shared instead of computed
         self.queried = 0  # positions looked up (all of a prompt but its last token)
