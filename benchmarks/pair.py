@@ -189,6 +189,7 @@ def systems(target: Path, draft: Path, threads: int, previous: str | None = None
             "ours-0.5b": ours + ["--draft", str(draft)],
             "ours-ngram-0.5b": ours + ["--draft", f"ngram+{draft}"],
             "ours-0.5b-file": ours + ["--draft", f"keep:{draft}"],  # the file's own Q5_0/Q8_0, not its 4-bit copy
+            "ours-0.5b-uncached": ["env", "SPECDEC_DRAFT_PREFIX_CACHE=0", *ours, "--draft", str(draft)],
             "ours-ngram-0.5b-unquoted": ["env", "SPECDEC_QUOTED_DRAFTS=0", *ours, "--draft", f"ngram+{draft}"],
             "ours-ngram-0.5b-file": ours + ["--draft", f"ngram+keep:{draft}"],
             "ours-suffix": ours + ["--draft", "suffix"],
@@ -248,7 +249,7 @@ def request(server: Server, prompt: dict, max_tokens: int, extra: dict | None = 
         body = {"input_prefix": prompt["prompt"], "input_suffix": prompt["suffix"], "n_predict": max_tokens,
                 "temperature": 0, "stream": True, **(extra or {})}
     elif chat:
-        body["messages"] = [{"role": "user", "content": prompt["prompt"]}]
+        body["messages"] = prompt.get("messages") or [{"role": "user", "content": prompt["prompt"]}]
     else:
         body["prompt"] = prompt["prompt"]
     path = "/infill" if prompt["workload"] == "fim" else "/v1/chat/completions" if chat else "/v1/completions"
