@@ -683,6 +683,33 @@ def test_n_choices_of_a_long_prompt_are_admitted_together_not_n_times_its_memory
         model.set_kv_memory(None)
 
 
+def test_a_finished_requests_answer_is_cached_for_the_next_turn(rt):
+    """A conversation's next turn sends the prompt and the answer back: the answer's blocks are named when the request
+    leaves, so the next turn's prefill starts after them, within its tenant only; its output is still its own alone."""
+    model, tok = rt
+    plain = SpecDecoder.from_models(model, tok, draft="none")
+    engine = BatchEngine(model, plain.engine.drafter, model.config.vocab_size, set(), 256)
+    model.pool.clear_hashes()
+    first = tok("The cat sat on the mat. " * 2).input_ids
+    seq = engine.add(Sequence(first, 40, SamplingParams(), cache_salt=b"a"))
+    while engine.running:
+        engine.step()
+    turn = first + seq.generated + tok(" And then?").input_ids
+    covered = (len(first) + len(seq.generated) - 1) // BLOCK * BLOCK  # all but the answer's last (newest) token
+    assert covered > len(first) // BLOCK * BLOCK  # (the answer fills blocks of its own)
+    assert engine.uncached(turn, b"a") == covered and engine.uncached(turn, b"b") < covered
+    nxt = engine.add(Sequence(turn, 6, SamplingParams(), cache_salt=b"a"))
+    assert nxt.fed == covered
+    while engine.running:
+        engine.step()
+    fresh = BatchEngine(model, plain.engine.drafter, model.config.vocab_size, set(), 256, prefix_cache=False)
+    ref = fresh.add(Sequence(turn, 6, SamplingParams()))
+    while fresh.running:
+        fresh.step()
+    assert nxt.generated == ref.generated  # as computed from nothing cached
+    engine.close()
+
+
 def test_a_prompts_block_hashes_are_computed_once(rt, monkeypatch):
     """Admission, the 429 prediction, restore and store all walk one lookup, and the prompt's hashes are made once
     (issue "serve strangers safely", item 2)."""

@@ -135,6 +135,10 @@ class Admission:
         """A finished, cancelled or timed-out request leaves: its slot and drafter state are freed."""
         if seq.id in self._state:
             slot, drafter, _ = self._state.pop(seq.id)
+            if self.prefixes is not None and not self.prefixes.features and seq.after is None:
+                # its output's blocks too: a conversation's next turn sends this prompt and answer back (the
+                # blocks of a feature drafter's cache need hidden states, which only prompts keep)
+                self.prefixes.store(seq.tokens[: seq.fed], slot, seq.cache_salt)
             self._prompt_hidden.pop(seq.id, None)
             self._copy_est.pop(seq.id, None)
             self.model.release_slot(slot)
