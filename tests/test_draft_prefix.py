@@ -1,6 +1,7 @@
 """A draft model's own prefix cache (drafters/model.py): a request's first proposal starts from the cached blocks of
 its context, within its tenant, and proposes exactly what a draft without the cache proposes; at rest the cache keeps
 at most its bound; through the batch engine every output stays the request's alone."""
+import httpx
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -9,10 +10,12 @@ from hypothesis import strategies as st
 from specdec import SpecDecoder, models
 from specdec.api import build_drafter
 from specdec.batch import BatchEngine, Sequence
-from specdec.drafters import model as model_draft
+from specdec.drafters import draft_cache
 from specdec.drafters.model import ModelDrafter
 from specdec.runtime.blocks import BLOCK
 from specdec.sampling import SamplingParams
+from specdec.server import create_app
+from test_server import LiveServer, wait_for
 
 GREEDY, SAMPLED = SamplingParams(), SamplingParams(0.8, 1.0, 0, 5)
 
@@ -29,7 +32,7 @@ def draft_model(tiny_dirs):
 
 def plain(draft_model) -> ModelDrafter:
     d = ModelDrafter(draft_model, draft_model.config.vocab_size)
-    d.prefixes = None  # the same draft without its cache: what every proposal must equal
+    d.draft_cache = None  # the same draft without its cache: what every proposal must equal
     return d
 
 
@@ -56,7 +59,8 @@ def test_a_cached_prefix_proposes_what_the_draft_computes_and_only_for_its_tenan
         first.reset()
         assert same(propose(first, shared + [7, 8], params), propose(plain(draft_model), shared + [7, 8], params))
     first.close()  # its blocks stay named for the next request
-    hits, reused = template.prefixes.hits, template.prefixes.reused
+    cache = template.draft_cache.prefixes
+    hits, reused = cache.hits, cache.reused
     for params in (GREEDY, SAMPLED):
         again = template.fork()
         again.cache_salt = b"tenant a"
@@ -65,11 +69,11 @@ def test_a_cached_prefix_proposes_what_the_draft_computes_and_only_for_its_tenan
         assert again.lm.last_start == 0 or again.lm.tokens[:3 * BLOCK] == shared[:3 * BLOCK]
         assert same(got, propose(plain(draft_model), ctx, params))  # bitwise the draft run over the whole context
         again.close()
-    assert template.prefixes.hits == hits + 2 and template.prefixes.reused >= reused + 2 * 3 * BLOCK
+    assert cache.hits == hits + 2 and cache.reused >= reused + 2 * 3 * BLOCK
     stranger = template.fork()
     stranger.cache_salt = b"tenant b"  # another tenant's cached prompts are never found, shared or timed
     got = propose(stranger, shared + [9, 10, 11], GREEDY)
-    assert template.prefixes.hits == hits + 2
+    assert cache.hits == hits + 2
     assert same(got, propose(plain(draft_model), shared + [9, 10, 11], GREEDY))
     stranger.close()
 
@@ -77,9 +81,10 @@ def test_a_cached_prefix_proposes_what_the_draft_computes_and_only_for_its_tenan
 def test_the_cache_keeps_its_bound_and_the_answer_for_the_next_turn(draft_model, monkeypatch):
     draft_model.pool.clear_hashes()
     per_block = draft_model.kv_bytes_per_position * BLOCK
-    monkeypatch.setattr(model_draft, "CACHE_BYTES", 5 * per_block)
+    monkeypatch.setattr(draft_cache, "CACHE_BYTES", 5 * per_block)
     template = ModelDrafter(draft_model, draft_model.config.vocab_size)
-    assert template.prefixes.max_blocks == 5
+    cache = template.draft_cache.prefixes
+    assert cache.max_blocks == 5
     turn = context(1, 3 * BLOCK - 2)
     d = template.fork()
     proposed = propose(d, turn, GREEDY).tokens
@@ -87,9 +92,9 @@ def test_the_cache_keeps_its_bound_and_the_answer_for_the_next_turn(draft_model,
     assert len(draft_model.pool.evictable) <= 5
     d = template.fork()  # the next turn: the conversation so far, the answer, a new message
     longer = turn + proposed[:3] + context(2, BLOCK)
-    reused = template.prefixes.reused
+    reused = cache.reused
     assert same(propose(d, longer, GREEDY), propose(plain(draft_model), longer, GREEDY))
-    assert template.prefixes.reused - reused == 3 * BLOCK  # the answer's block too, not only the prompt's two
+    assert cache.reused - reused == 3 * BLOCK  # the answer's block too, not only the prompt's two
     d.close()
     for seed in range(3, 9):  # many prompts: the cache stays within its bound at rest
         d = template.fork()
@@ -131,11 +136,97 @@ def test_batched_requests_share_the_drafts_blocks_within_a_tenant(rt, tiny_dirs)
     prompt = "The cat sat on the mat. The dog sat on the log. " * 2
     alone = SpecDecoder.from_models(model, tok, draft="none")
     for salt, ending, found in [(b"a", "Then", False), (b"a", "And so", True), (b"b", "And so", False)]:
-        hits = drafter.prefixes.hits
+        hits = drafter.draft_cache.prefixes.hits
         seq = engine.add(Sequence(tok(prompt + ending).input_ids, 12, SamplingParams(), cache_salt=salt))
         while engine.running:
             engine.step()
             assert not engine.failed
-        assert (drafter.prefixes.hits > hits) == found, (salt, ending)
+        assert (drafter.draft_cache.prefixes.hits > hits) == found, (salt, ending)
         assert seq.generated == alone.generate(prompt + ending, max_new_tokens=12, chat=False).token_ids
     engine.close()
+
+
+def test_a_catch_up_that_cannot_pay_waits_for_idle_time(draft_model):
+    """A request whose first proposal would run the draft over more context than its tokens left repay drafts nothing
+    with the model; its context is caught up on in idle time, a chunk a step, and the next turn finds the blocks."""
+    draft_model.pool.clear_hashes()
+    template = ModelDrafter(draft_model, draft_model.config.vocab_size)
+    cache, held = template.draft_cache, draft_model.held_slots
+    cache.ms_per_token = 10.0  # as if measured
+    long = context(20, 6 * BLOCK + 5)
+    d = template.fork()
+    d.budget = (8, 1.0)  # 8 tokens left at 1 ms a pass repay 2 ms, not 101 tokens at 10 ms
+    assert propose(d, long, GREEDY).tokens == [] and d.put_off and cache.put_off == 1
+    assert propose(d, long + [5], GREEDY).tokens == []  # for the rest of the request
+    d.close()
+    assert cache.idle_work() == 1 and not cache.prefixes.lookup(long)
+    steps = 1
+    while cache.idle_step():
+        steps += 1
+    assert steps == -(-len(long) // draft_cache.IDLE_CHUNK) and cache.idle_work() == 0
+    assert draft_model.held_slots == held and len(cache.prefixes.lookup(long)) == len(long) // BLOCK
+    nxt = template.fork()  # the next turn: a few tokens to catch up on, which pay
+    nxt.budget = (8, 1.0)
+    ctx = long + [5, 6, 7]
+    got = propose(nxt, ctx, GREEDY)
+    assert not nxt.put_off and got.tokens and same(got, propose(plain(draft_model), ctx, GREEDY))
+    nxt.close()
+    rich = template.fork()
+    rich.budget = (10**6, 100.0)  # a budget that repays the catch-up: no putting off
+    assert propose(rich, context(22, 6 * BLOCK), GREEDY).tokens and not rich.put_off
+    rich.close()
+
+
+def test_the_batch_engine_puts_off_a_catch_up_and_does_it_when_idle(rt, tiny_dirs):
+    model, tok = rt
+    drafter = build_drafter(tiny_dirs["draft"], model, tok, backend="runtime")
+    cache = drafter.draft_cache
+    cache.model.pool.clear_hashes()
+    engine = BatchEngine(model, drafter, model.config.vocab_size, set(), 256)
+    prompt = tok("The cat sat on the mat. The dog sat on the log. " * 2).input_ids
+    cache.ms_per_token = 1e3  # a draft that takes a second a token: a 6-token request cannot repay its catch-up
+    first = engine.add(Sequence(prompt, 6, SamplingParams()))
+    proposed = 0
+    while engine.running:
+        proposed += sum(len(rec.proposed) for _, rec in engine.step())
+    assert proposed == 0 and cache.put_off == 1 and engine.idle_work() == 1
+    while engine.idle():
+        pass
+    turn = prompt + first.generated + tok(" And").input_ids
+    hits = cache.prefixes.hits
+    cache.ms_per_token = 1e-3  # now it pays
+    nxt = engine.add(Sequence(turn, 8, SamplingParams()))
+    while engine.running:
+        proposed += sum(len(rec.proposed) for _, rec in engine.step())
+    assert cache.prefixes.hits == hits + 1 and proposed > 0  # the blocks caught up on in idle time were found
+    fresh = BatchEngine(model, build_drafter("none", model, tok), model.config.vocab_size, set(), 256,
+                        prefix_cache=False)
+    refs = [fresh.add(Sequence(p, n, SamplingParams())) for p, n in ((prompt, 6), (turn, 8))]
+    while fresh.running:
+        fresh.step()
+    assert [first.generated, nxt.generated] == [r.generated for r in refs]
+    engine.close()
+
+
+def test_the_server_catches_up_when_idle(rt, tiny_dirs):
+    """Over HTTP: the worker does a put-off catch-up by itself once nothing runs, and /metrics shows it pending until
+    then; the answer is target-only's."""
+    model, tok = rt
+    drafter = build_drafter(tiny_dirs["draft"], model, tok, backend="runtime")
+    cache = drafter.draft_cache
+    cache.model.pool.clear_hashes()
+    cache.ms_per_token = 1e3
+    decoder = SpecDecoder.from_models(model, tok, draft=drafter)
+    srv = LiveServer(create_app(decoder, model_name="tiny", max_queue=8, max_batch_rows=8))
+    try:
+        prompt = "Once upon a time there was a cat who sat on a mat all day long. " * 2
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 5, "temperature": 0},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        want = SpecDecoder.from_models(model, tok, draft="none").generate(prompt, max_new_tokens=5, chat=False).text
+        assert r.json()["choices"][0]["text"] == want
+        assert cache.put_off == 1
+        wait_for(lambda: cache.prefixes.lookup(tok(prompt).input_ids), "the idle catch-up naming the prompt's blocks")
+        wait_for(lambda: srv.metrics().get(("specdec_draft_catchups_pending", ())) == 0, "the gauge back at 0")
+    finally:
+        srv.stop()

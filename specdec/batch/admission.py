@@ -3,7 +3,7 @@ and resumption, leaving; and the predicted work admission and the 429 prediction
 (engine.py's __init__) is what these methods read and change."""
 from __future__ import annotations
 
-from ..drafters.base import close, fork, for_tenant, makes_trees
+from ..drafters.base import close, for_request, fork, idle_step, idle_work, makes_trees
 from ..errors import InvalidRequest
 from ..policy import AdaptivePolicy
 from ..runtime.blocks import BLOCK, OutOfBlocks
@@ -83,7 +83,7 @@ class Admission:
         slot = self.model.acquire_slot()
         try:
             self._state[seq.id] = (slot, fork(self.drafter), est)
-            for_tenant(self._state[seq.id][1], seq.cache_salt)
+            for_request(self._state[seq.id][1], seq.cache_salt, (seq.max_new_tokens, self.pass_ms(1)))
             # the same prompt being prefilled already (n choices, a retry): wait, holding no blocks, and copy its K/V
             twin = self._twin_of(seq.prompt, seq.cache_salt, seq.prompt_logprobs is not None)
             seq.join(0 if twin is not None else self._load(seq), twin.id if twin is not None else None)
@@ -156,6 +156,15 @@ class Admission:
         for seq in list(self.running):
             self.remove(seq)
         self.model.pool.clear_hashes()
+
+    # ---- idle time ---------------------------------------------------------------------------------------------
+    def idle_work(self) -> int:
+        """Work for when no request runs: a model draft's put-off catch-ups (drafters/draft_cache.py)."""
+        return idle_work(self.drafter)
+
+    def idle(self) -> bool:
+        """One step of that work (the worker calls it only while nothing runs or waits) -> whether any remains."""
+        return idle_step(self.drafter)
 
     # ---- predicted work (admission) ----------------------------------------------------------------------------
     def calibrate(self, row_ms: float, key_ms: float) -> None:

@@ -57,12 +57,31 @@ def fork(drafter):
     return drafter.fork() if hasattr(drafter, "fork") else drafter
 
 
-def for_tenant(drafter, salt: bytes) -> None:
-    """Tell a request's drafter (a chain: its members) whose request it drafts for: a model draft's cached prompts
-    are found only within one tenant (drafters/model.py, as the target's prefix cache)."""
+def for_request(drafter, salt: bytes, budget: tuple[int, float] | None = None) -> None:
+    """Tell a request's drafter (a chain: its members) whose request it drafts for, and its `budget` = (tokens it may
+    emit, ms of a one-row target pass): a model draft's cached prompts are found only within one tenant, and it puts
+    off a catch-up the budget cannot repay (drafters/draft_cache.py)."""
     for member in getattr(drafter, "members", [drafter]):
         if hasattr(member, "cache_salt"):
-            member.cache_salt = salt
+            member.cache_salt, member.budget = salt, budget
+
+
+def _draft_caches(drafter) -> list:
+    return [c for m in getattr(drafter, "members", [drafter]) if (c := getattr(m, "draft_cache", None)) is not None]
+
+
+def idle_work(drafter) -> int:
+    """A drafter's (a chain's members') work for idle time: a model draft's put-off catch-ups, queued or under way."""
+    return sum(c.idle_work() for c in _draft_caches(drafter))
+
+
+def idle_step(drafter) -> bool:
+    """One step of that work -> whether any remains."""
+    for c in _draft_caches(drafter):
+        if c.idle_work():
+            c.idle_step()
+            break
+    return idle_work(drafter) > 0
 
 
 def save(drafter) -> None:
