@@ -1,8 +1,10 @@
 """Conversations about code on the real pair (benchmarks/pair.py's files and servers): each turn sends the whole
 conversation so far (a module quoted in the first message, every answer, a new question), as chat clients do, one
 request at a time, streamed, greedy, the servers taking turns. Each server keeps its own conversation (its own
-answers). What it shows: what a draft model costs when every request repeats a long prefix that the target's prefix
-cache already holds (`ours-0.5b-uncached`: the draft's own prefix cache off, SPECDEC_DRAFT_PREFIX_CACHE=0).
+answers), and finishes its idle-time work after each answer before the next server's request (pair.settle: a user
+reading the answer gives it that time). What it shows: what a draft model costs when every request repeats a long
+prefix that the target's prefix cache already holds (`ours-0.5b-uncached`: the draft's own caches off,
+SPECDEC_DRAFT_PREFIX_CACHE=0).
 
     python benchmarks/conversation.py --out docs/conversation_pair.json
     python benchmarks/conversation.py --systems ours-none,ours-0.5b --turns 3 --max-tokens 64
@@ -14,7 +16,7 @@ import json
 import statistics
 from pathlib import Path
 
-from pair import Server, cache, fetch_model, log, request, systems
+from pair import Server, cache, fetch_model, log, request, settle, systems
 
 HERE = Path(__file__).parent
 MODULES = ["specdec/drafters/ngram.py", "specdec/runtime/prefix_cache.py"]  # the code the conversations are about
@@ -55,6 +57,7 @@ def main(argv=None) -> int:
                     r = request(servers[name], {"workload": "chat", "messages": history[name]}, args.max_tokens)
                     history[name].append({"role": "assistant", "content": r["text"]})
                     results[name].append({"conversation": c, "turn": t, **r})
+                    settle(servers[name])  # its idle-time work, before the next server's request
                 log(f"conversation {c + 1}, turn {t + 1} done")
     finally:
         for s in servers.values():

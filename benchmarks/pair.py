@@ -239,6 +239,24 @@ class Server:
         self.log.close()
 
 
+def settle(server: Server, timeout_s: float = 120.0) -> None:
+    """Wait until the server has no idle-time work left (a draft's put-off catch-ups: specdec's /metrics gauge
+    `specdec_draft_catchups_pending`; servers without it have none), so that it never runs beside another server's
+    measured request. A user reading an answer gives a server this time."""
+    if server.name.startswith("llama"):
+        return
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            text = httpx.get(server.url + "/metrics", timeout=5).text
+        except httpx.HTTPError:
+            return
+        line = next((x for x in text.splitlines() if x.startswith("specdec_draft_catchups_pending ")), None)
+        if line is None or float(line.split()[1]) == 0:
+            return
+        time.sleep(0.05)
+
+
 def request(server: Server, prompt: dict, max_tokens: int, extra: dict | None = None) -> dict:
     """One streamed request, greedy unless the prompt says otherwise (`extra`: more body fields, e.g. specdec's tau and policy): text, tokens, ttft,
     decode and end-to-end rate, acceptance where reported."""
@@ -341,6 +359,7 @@ def main(argv=None) -> int:
                 r = request(servers[name], p, args.max_tokens,
                             {"prediction": {"type": "content", "content": p["prediction"]}} if send else None)
                 results[name].append({"i": i, "workload": p["workload"], **r})
+                settle(servers[name])
             log(f"prompt {i + 1}/{len(prompts)} ({p['workload']}) done")
         rss = {n: s.rss_mb() for n, s in servers.items()}
         if args.out:  # the raw results first: a summary that fails loses nothing

@@ -230,3 +230,18 @@ def test_the_server_catches_up_when_idle(rt, tiny_dirs):
         wait_for(lambda: srv.metrics().get(("specdec_draft_catchups_pending", ())) == 0, "the gauge back at 0")
     finally:
         srv.stop()
+
+
+def test_a_server_measures_what_a_catch_up_costs(rt, tiny_dirs):
+    model, tok = rt
+    drafter = build_drafter(tiny_dirs["draft"], model, tok, backend="runtime")
+    cache = drafter.draft_cache
+    held = cache.model.held_slots
+    assert cache.ms_per_token is None
+    srv = LiveServer(create_app(SpecDecoder.from_models(model, tok, draft=drafter), model_name="tiny", max_queue=8,
+                                max_batch_rows=8))
+    try:
+        wait_for(lambda: cache.ms_per_token is not None, "the measured catch-up")
+        assert 0 < cache.ms_per_token < 1e3 and cache.model.held_slots == held  # its scratch slot given back
+    finally:
+        srv.stop()

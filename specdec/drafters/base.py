@@ -66,18 +66,19 @@ def for_request(drafter, salt: bytes, budget: tuple[int, float] | None = None) -
             member.cache_salt, member.budget = salt, budget
 
 
-def _draft_caches(drafter) -> list:
+def draft_caches(drafter) -> list:
+    """A model draft's caches (drafters/draft_cache.py), of the drafter or its chain's members."""
     return [c for m in getattr(drafter, "members", [drafter]) if (c := getattr(m, "draft_cache", None)) is not None]
 
 
 def idle_work(drafter) -> int:
     """A drafter's (a chain's members') work for idle time: a model draft's put-off catch-ups, queued or under way."""
-    return sum(c.idle_work() for c in _draft_caches(drafter))
+    return sum(c.idle_work() for c in draft_caches(drafter))
 
 
 def idle_step(drafter) -> bool:
     """One step of that work -> whether any remains."""
-    for c in _draft_caches(drafter):
+    for c in draft_caches(drafter):
         if c.idle_work():
             c.idle_step()
             break

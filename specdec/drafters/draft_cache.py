@@ -12,8 +12,8 @@
   pass for each token left) drafts nothing with the model; its chain's model-free members still propose. When it
   leaves, its context waits for idle time: the server's worker, with nothing to run, catches the draft up on it
   IDLE_CHUNK tokens at a time (a request that arrives waits at most one chunk) and names the blocks, so the
-  conversation's next turn finds them. The first catch-up of at least MEASURED tokens measures the rate; none is
-  put off before.
+  conversation's next turn finds them. A server measures the rate at start (once per draft file and machine);
+  catch-ups of at least MEASURED tokens refine it. Without a rate nothing is put off.
 
 Nothing here reaches an output: verification accepts or corrects whatever the draft proposes, and a position's K/V
 depend only on the tokens up to it.
@@ -73,6 +73,19 @@ class DraftCache:
         if tokens >= MEASURED:
             rate = ms / tokens
             self.ms_per_token = rate if self.ms_per_token is None else 0.7 * self.ms_per_token + 0.3 * rate
+
+    def measure(self) -> float:
+        """ms a token of a catch-up over 2·MEASURED tokens, on a scratch slot (given back after): what a server
+        starts with (runtime/measured.py keeps it per draft file and machine)."""
+        lm = self.model.new_cache(self.vocab_size)
+        try:
+            ids = [1 + (7919 * i) % (self.vocab_size - 1) for i in range(3 * MEASURED)]
+            lm.forward(ids[:MEASURED], head_rows=1)  # (warm)
+            t = perf_counter()
+            lm.forward(ids, head_rows=1)
+            return (perf_counter() - t) * 1e3 / (len(ids) - MEASURED)
+        finally:
+            lm.close()
 
     def pays(self, behind: int, budget: tuple[int, float] | None) -> bool:
         """Whether running the draft over `behind` unseen tokens pays for a request with `budget` = (tokens it may

@@ -265,6 +265,7 @@ def batch_engine(decoder, max_batch_rows: int | None, prefill_chunk: int):
     )
     if not models.is_runtime(decoder.model):
         return None
+    from ..drafters.base import draft_caches
     from ..runtime.measured import remembered, remembered_curve, store_curve
     model = decoder.model
     sizes = sorted({1, 2, 4, 8, 16, 32, 64, max_batch_rows or 1})
@@ -278,6 +279,9 @@ def batch_engine(decoder, max_batch_rows: int | None, prefill_chunk: int):
     engine.keep_refined_curve = lambda: store_curve(model, "pass_curve", params, engine.refined_pass_curve())
     row_ms, key_ms = remembered(model, "row_cost", {"rows": rows}, lambda: list(measure_row_cost(model, rows=rows)))
     engine.calibrate(row_ms, key_ms)  # what admission predicts with
+    for cache in draft_caches(decoder.engine.drafter):  # what a model draft's catch-up costs (drafters/draft_cache.py)
+        if cache.ms_per_token is None:
+            cache.ms_per_token = remembered(cache.model, "catch_up_ms", {}, cache.measure)
     return engine
 
 
