@@ -20,7 +20,8 @@ What it does:
    time to first token, acceptance, and whether the text equals the same family's target-only answer (ours against `--draft none`, llama-server's against its
    plain decoding); and each system's speed against its family's target-only, prompt by prompt (the geometric mean
    of the ratios and their range per workload: this machine's speed swings within seconds, so one run's ratio of a
-   4-prompt workload moves by a tenth or more).
+   4-prompt workload moves by a tenth or more). After each request a specdec server finishes its idle-time work (a
+   draft's put-off catch-ups, `settle`) before the next request goes to any server.
 """
 from __future__ import annotations
 
