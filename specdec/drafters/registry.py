@@ -140,7 +140,9 @@ def _datastore(spec, target):
 
 @register("target")
 def _target(spec, target):
-    return ModelDrafter(target.model, target.vocab, name="target")
+    drafter = ModelDrafter(target.model, target.vocab, name="target")
+    drafter.draft_cache = None  # its slots are in the target's own pool, which the target's prefix cache bounds
+    return drafter
 
 
 @register("shipped")
