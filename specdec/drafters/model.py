@@ -8,6 +8,7 @@ from time import perf_counter
 import torch
 
 from ..kv import cached_model
+from ..runtime.slot_cache import SlotCache, forward_slots
 from ..sampling import draw, warp
 from .base import Draft
 from .draft_cache import DraftCache, draft_cache
@@ -35,33 +36,67 @@ class ModelDrafter:
         self._context = None  # the request's context as last proposed for (what a put-off catch-up runs later)
 
     def propose(self, context, k, params, generator) -> Draft:
+        return ModelDrafter.propose_many([self], [context], [k], [params], [generator])[0]
+
+    @staticmethod
+    @torch.inference_mode()
+    def propose_many(drafters, contexts, ks, params, generators) -> list[Draft]:
+        """Chains for several sequences, each with its own fork. On the runtime each step is one pass of the draft
+        for all of them (runtime/slot_cache.forward_slots: each row as alone, so each chain is its fork's own);
+        a catch-up's share of the first step is that request's prefill_ms."""
+        live = [i for i, k in enumerate(ks) if k and drafters[i]._starts(contexts[i])]
+        seqs, qs, prefill = {i: list(contexts[i]) for i in live}, {i: [] for i in live}, dict.fromkeys(live, 0.0)
+        batched = len({id(getattr(drafters[i].lm, "model", None)) for i in live}) == 1 and all(
+            isinstance(drafters[i].lm, SlotCache) for i in live)
+        for step in range(max((ks[i] for i in live), default=0)):
+            group = [i for i in live if ks[i] > step]
+            t = perf_counter()
+            if batched:
+                logits = forward_slots([drafters[i].lm for i in group], [seqs[i] for i in group], HEAD_ROWS)
+            else:
+                logits = [drafters[i].lm.forward(seqs[i], head_rows=HEAD_ROWS)[-1] for i in group]
+            if step == 0:  # the catch-ups: each its share of the pass's rows
+                ran = {i: len(seqs[i]) - drafters[i].lm.last_start for i in group}
+                ms = (perf_counter() - t) * 1e3 / sum(ran.values())
+                for i in group:
+                    prefill[i] = drafters[i]._caught_up(ran[i], ms * ran[i])
+            for row, i in enumerate(group):
+                if params[i].greedy:
+                    token = int(logits[row].argmax())
+                else:
+                    q = warp(logits[row], params[i])
+                    token = draw(q, generators[i], len(seqs[i]))
+                    qs[i].append(q)
+                seqs[i].append(token)
+        out = [Draft() for _ in drafters]
+        for i in live:
+            out[i] = Draft(seqs[i][len(contexts[i]):], torch.stack(qs[i]) if qs[i] else None, prefill_ms=prefill[i])
+        return out
+
+    def _starts(self, context) -> bool:
+        """Before a proposal: whether the model drafts for this request (not once its catch-up was put off); a first
+        proposal starts from the cached blocks its context begins with."""
         self._context = context
         if self.put_off:
-            return Draft()
-        seq, qs, prefill_ms = list(context), [], 0.0
+            return False
         cache = self.draft_cache
-        if cache is not None and not self.lm.tokens:  # the request's first proposal
-            cache.restore(self.lm, seq, self.cache_salt)
-            if not cache.pays(len(seq) - len(self.lm.tokens), self.budget):
+        if cache is not None and not self.lm.tokens:
+            cache.restore(self.lm, list(context), self.cache_salt)
+            if not cache.pays(len(context) - len(self.lm.tokens), self.budget):
                 self.put_off = True
                 cache.put_off += 1
-                return Draft()
-        for i in range(k):
-            t = perf_counter()
-            logits = self.lm.forward(seq, head_rows=HEAD_ROWS)[-1]
-            if i == 0 and len(seq) - self.lm.last_start > CATCHUP_TOKENS:
-                prefill_ms = (perf_counter() - t) * 1e3
-                if cache is not None:
-                    cache.observe(len(seq) - self.lm.last_start, prefill_ms)
-                    cache.store(self.lm, self.cache_salt)
-            if params.greedy:
-                token = int(logits.argmax())
-            else:
-                q = warp(logits, params)
-                token = draw(q, generator, len(seq))
-                qs.append(q)
-            seq.append(token)
-        return Draft(seq[len(context):], torch.stack(qs) if qs else None, prefill_ms=prefill_ms)
+                return False
+        return True
+
+    def _caught_up(self, ran: int, ms: float) -> float:
+        """After a proposal's first step ran `ran` tokens in `ms`: a catch-up's time (its prefill_ms), else 0; a
+        catch-up's blocks are named and its rate observed."""
+        if ran <= CATCHUP_TOKENS:
+            return 0.0
+        if self.draft_cache is not None:
+            self.draft_cache.observe(ran, ms)
+            self.draft_cache.store(self.lm, self.cache_salt)
+        return ms
 
     def fork(self) -> ModelDrafter:
         return ModelDrafter(self.lm.model, self.lm.vocab_size, self.name, self.draft_cache)

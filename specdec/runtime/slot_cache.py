@@ -34,10 +34,16 @@ class SlotCache:
         del self.tokens[length:]  # the slot's length; the positions beyond are overwritten by the next pass
         self.model.truncate(self.slot, length)  # and their blocks go back to the pool
 
-    def forward(self, tokens: list[int], n_logits: int = 1, hidden: bool = False, head_rows: int | None = None):
+    def unseen(self, tokens: list[int], n_logits: int = 1) -> list[int]:
+        """Roll back past any divergence from `tokens` (keeping at least n_logits of them to run) -> the tokens the
+        slot lacks, which the next pass runs from position `last_start`."""
         self.rollback(min(common_prefix_len(self.tokens, tokens), len(tokens) - n_logits))
-        start = self.last_start = len(self.tokens)
-        new = tokens[start:]
+        self.last_start = len(self.tokens)
+        return tokens[self.last_start:]
+
+    def forward(self, tokens: list[int], n_logits: int = 1, hidden: bool = False, head_rows: int | None = None):
+        new = self.unseen(tokens, n_logits)
+        start = self.last_start
         out = self.model.forward(new, [self.slot] * len(new), list(range(start, len(tokens))),
                                  range(len(new) - n_logits, len(new)), hidden, head_rows=head_rows)
         self.tokens.extend(new)
@@ -82,6 +88,23 @@ class SlotCache:
 
     def __del__(self):
         self.close()
+
+
+def forward_slots(caches: list[SlotCache], seqs: list[list[int]], head_rows: int | None = None) -> torch.Tensor:
+    """Several slots of one model in one pass: each runs the tokens of its sequence it lacks -> the logits of each
+    sequence's last token [len(caches), V]. Every row is computed as alone (the runtime is row-invariant), so each
+    row of logits is bitwise what that slot's own forward() gives."""
+    tokens, slots, positions, last = [], [], [], []
+    for cache, seq in zip(caches, seqs):
+        new = cache.unseen(seq)
+        tokens += new
+        slots += [cache.slot] * len(new)
+        positions += range(cache.last_start, len(seq))
+        last.append(len(tokens) - 1)
+    logits = caches[0].model.forward(tokens, slots, positions, last, head_rows=head_rows)
+    for cache, seq in zip(caches, seqs):
+        cache.tokens.extend(seq[cache.last_start:])
+    return fit_vocab(logits, caches[0].vocab_size)
 
 
 def fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
