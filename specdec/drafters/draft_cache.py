@@ -49,7 +49,7 @@ class DraftCache:
         self.ms_per_token: float | None = None  # a catch-up's measured cost
         self.pending: deque[tuple[list[int], bytes]] = deque(maxlen=PENDING)  # (context, tenant) put off
         self.idle = None  # (slot cache, context, tenant) of the idle-time catch-up under way
-        self.put_off = 0  # requests whose catch-up was put off (metrics)
+        self.put_off = 0  # requests whose catch-up was put off (a count for tests and diagnosis)
 
     # ---- a request's slot ----------------------------------------------------------------------------------
     def restore(self, lm, seq: list[int], salt: bytes) -> None:
