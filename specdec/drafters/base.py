@@ -93,6 +93,12 @@ def save(drafter) -> None:
             member.persist()
 
 
+def stops_when_unsure(drafter) -> bool:
+    """Whether the drafter, or a member of a chain, ends its chains by its own confidence (a model draft with a
+    min_confidence): k is then a cap, and the batch engine asks it before the row split (EARLY_MODEL_BATCH)."""
+    return any(getattr(m, "min_confidence", 0) > 0 for m in getattr(drafter, "members", [drafter]))
+
+
 def makes_trees(drafter) -> bool:
     """Whether the drafter, or a member of a chain, proposes token trees (a sampled request then verifies by the
     race rule, on PositionNoise)."""
