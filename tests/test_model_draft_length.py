@@ -73,6 +73,8 @@ def test_a_chain_stops_where_its_confidence_falls_below_the_threshold(draft_mode
                        [torch.Generator().manual_seed(c[1]) for c in cases])
     for (ctx, seed, want, threshold), draft in zip(cases, got):
         assert draft.tokens == want, (seed, threshold)
+        full = full_chain(draft_model, ctx, params, seed)[1]
+        assert draft.values == pytest.approx(full[: len(want)], rel=1e-5)  # what the scheduler sizes it by
         assert params.greedy or len(draft.q) == len(want)
     for f in forks:
         f.close()

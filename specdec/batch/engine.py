@@ -246,7 +246,8 @@ class BatchEngine(Admission):
             if getattr(own, "sizes_own_depth", False) and s.id in early:  # (suffix) its own acceptance too
                 demands.append(Demand([own.acceptance()], 0.0, cap, min(floor, 1)))
                 continue
-            if tree is not None and tree.is_tree:  # node k's value v_k = Π_{j≤k} α_j: α_k = v_k / v_{k-1}
+            if tree is not None and (tree.is_tree or tree.values):  # a tree's or a chain's values: node k's value
+                # v_k = Π_{j≤k} α_j, so α_k = v_k / v_{k-1}
                 v = [1.0] + list(tree.values or [1.0] * len(tree.tokens))
                 alphas = [b / a if a > 0 else 0.0 for a, b in zip(v, v[1:])]
                 demands.append(Demand(alphas, cost, cap, min(floor, 1)))

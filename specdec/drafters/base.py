@@ -12,8 +12,9 @@ from ..sampling import SamplingParams
 @dataclass
 class Draft:
     """A chain of tokens, or with `parents` a token tree: node i continues node parents[i] (-1: the context's last
-    token), parents[i] < i. `values` (trees) are the drafter's estimates that each node is accepted, its path
-    included: what the cost model sizes a tree by (drafters/tree.py)."""
+    token), parents[i] < i. `values` (trees, and a model draft's chains that end where it is unsure) are the
+    drafter's estimates that each node is accepted, its path included: what the cost model sizes a tree by
+    (drafters/tree.py), and the batch engine's scheduler a tree or such a chain."""
     tokens: list[int] = field(default_factory=list)
     q: torch.Tensor | None = None  # [len(tokens), V] warped draft probabilities; None = deterministic (one-hot)
     parents: list[int] | None = None

@@ -54,6 +54,7 @@ class ModelDrafter:
         live = [i for i, k in enumerate(ks) if k and drafters[i]._starts(contexts[i])]
         seqs, qs, prefill = {i: list(contexts[i]) for i in live}, {i: [] for i in live}, dict.fromkeys(live, 0.0)
         reach = dict.fromkeys(live, 1.0)  # the draft's own estimate that each chain so far is accepted
+        values = {i: [] for i in live}  # that estimate after each token (Draft.values: what the scheduler sizes by)
         batched = len({id(getattr(drafters[i].lm, "model", None)) for i in live}) == 1 and all(
             isinstance(drafters[i].lm, SlotCache) for i in live)
         for step in range(max((ks[i] for i in live), default=0)):
@@ -81,10 +82,12 @@ class ModelDrafter:
                     qs[i].append(q)
                     p = float(q[token])
                 reach[i] *= p
+                values[i].append(reach[i])
                 seqs[i].append(token)
         out = [Draft() for _ in drafters]
         for i in live:
-            out[i] = Draft(seqs[i][len(contexts[i]):], torch.stack(qs[i]) if qs[i] else None, prefill_ms=prefill[i])
+            out[i] = Draft(seqs[i][len(contexts[i]):], torch.stack(qs[i]) if qs[i] else None, prefill_ms=prefill[i],
+                           values=values[i] if drafters[i].min_confidence > 0 else None)
         return out
 
     def _starts(self, context) -> bool:
