@@ -8,13 +8,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny import char_tokenizer, noisy_copy, tiny_llama  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def full_model_chains(monkeypatch):
-    """In-process model drafts run the chains they are asked for: the tiny random drafts are never confident enough
-    to go on, and the engine's tests want long chains. test_model_draft_length.py tests the production threshold."""
-    monkeypatch.setattr("specdec.drafters.model.MIN_CONFIDENCE", 0.0)
-
-
 @pytest.fixture(scope="session")
 def tok():
     return char_tokenizer(chat=True)

@@ -45,7 +45,7 @@ def feature_drafter(model):
                           min_confidence=0.0, max_len=128)
 
 
-@pytest.mark.parametrize("draft", ["ngram", "target", "draft", "draft-unsure", "feature", "ngram+feature", "recycle"])
+@pytest.mark.parametrize("draft", ["ngram", "target", "draft", "feature", "ngram+feature", "recycle"])
 def test_requests_joining_and_leaving_get_what_they_get_alone(rt, tiny_dirs, draft, tmp_path):
     model, tok = rt
     if draft == "recycle":  # token trees, their table warmed on the same prompts run alone
@@ -58,10 +58,7 @@ def test_requests_joining_and_leaving_get_what_they_get_alone(rt, tiny_dirs, dra
         drafter = feature_drafter(model) if draft == "feature" else ChainDrafter([NgramDrafter(),
                                                                                    feature_drafter(model)])
     else:
-        drafter = build_drafter(tiny_dirs["draft"] if draft.startswith("draft") else draft, model, tok,
-                                backend="runtime")
-        if draft == "draft-unsure":  # chains that end where the draft is unsure, asked before the split
-            drafter.min_confidence = 0.3
+        drafter = build_drafter(tiny_dirs["draft"] if draft == "draft" else draft, model, tok, backend="runtime")
     engine = BatchEngine(model, drafter, model.config.vocab_size, models.eos_ids(model, tok), 128,
                          max_batch_rows=9, prefill_chunk=4)  # prompts take several chunks; rows are scarce
     held = model.held_slots  # by the template drafter ("target" drafts in a slot of its own)
@@ -69,7 +66,6 @@ def test_requests_joining_and_leaving_get_what_they_get_alone(rt, tiny_dirs, dra
             for i, (p, params) in enumerate(zip(PROMPTS, PARAMS))]
     joins = {0: [0, 1], 2: [2], 5: [3, 4]}  # step -> requests joining then
     cancelled, done, accepted, proposed, rows, trees, sampled_trees = seqs[4], [], 0, 0, [], 0, 0
-    shorts = []
     for step in range(400):
         for i in joins.get(step, []):
             engine.add(seqs[i])
@@ -80,7 +76,6 @@ def test_requests_joining_and_leaving_get_what_they_get_alone(rt, tiny_dirs, dra
             proposed += len(rec.proposed)
             trees += bool(rec.parents)
             sampled_trees += bool(rec.parents) and not s.params.greedy
-            shorts.append((rec.short, s.params.greedy, rec.asked == s.max_tau))
             if rec.finish_reason:
                 done.append(s)
         rows.append(engine.last.get("rows", 0))
@@ -91,10 +86,8 @@ def test_requests_joining_and_leaving_get_what_they_get_alone(rt, tiny_dirs, dra
     for s in done:
         i = seqs.index(s)
         assert s.generated == alone(rt, PROMPTS[i], PARAMS[i], s.max_new_tokens), (draft, i)
-    if draft in ("target", "draft", "draft-unsure", "recycle"):  # (a random model rarely repeats itself; a random
-        assert accepted > 0                                     # feature draft errs)
-    if draft == "draft-unsure":  # asked for their max_tau, greedy and sampled chains stopped short of it themselves
-        assert {("drafter", True, True), ("drafter", False, True)} <= set(shorts), shorts
+    if draft in ("target", "draft", "recycle"):  # (a random model rarely repeats itself; a random feature draft errs)
+        assert accepted > 0
     if draft == "recycle":
         assert trees > 0
     if "feature" in draft:

@@ -41,7 +41,7 @@ def test_batched_chains_are_each_forks_own(draft_model, cached, monkeypatch):
                                                                                                              **k))
     got = propose_many(forks, contexts, ks, params, [gen(i) for i in range(len(contexts))])
     assert len(passes) == max(ks) and passes[1:] == [4, 3, 2, 1]  # a pass a step for the requests still drafting
-    monkeypatch.setattr(draft_model, "forward", real)  # (undo() would also undo conftest's full chains)
+    monkeypatch.undo()
     for round_ in range(2):  # a second round: each fork continues from its own slot (the accepted part kept)
         for i, (context, k, p) in enumerate(zip(contexts, ks, params)):
             alone = ModelDrafter(draft_model, draft_model.config.vocab_size)

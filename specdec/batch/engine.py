@@ -6,7 +6,7 @@ from time import perf_counter
 
 import torch
 
-from ..drafters.base import Draft, makes_trees, propose_many, stops_when_unsure
+from ..drafters.base import Draft, makes_trees, propose_many
 from ..drafters.tree import best_chain, depths, path, prune
 from ..engine import cut
 from ..kernels import argmax as row_argmax
@@ -32,10 +32,8 @@ from .requests import Sequence, State
 # A model draft that grows valued trees (the feature draft) proposes before the row split for greedy requests while
 # at most this many decode: the scheduler then sizes each tree on the draft's own node values, cycle by cycle, instead
 # of on the request's running acceptance (a few rejections had left a request without rows for long stretches of an
-# edit that its draft would have copied). So does a model draft whose chains end where it is unsure, for every
-# request, up to the request's max_tau: the scheduler then sizes what it did draft (asked for the τ it would have
-# planned, it stopped short and the plan never grew). A larger batch drafts after the split: a proposal the split
-# then refuses costs every request's draft pass.
+# edit that its draft would have copied). A larger batch drafts after the split: a proposal the split then refuses
+# costs every request's draft pass.
 EARLY_MODEL_BATCH = 4
 PROBE_EVERY = 8  # a request denied draft rows this many cycles in a row gets one, to re-measure its acceptance
 # (one such probe a pass, the longest denied first, and rarer in a bigger batch: PROBE_EVERY cycles per 4 decoding
@@ -60,8 +58,7 @@ class BatchEngine(Admission):
         self.max_batch_rows, self.prefill_chunk = max_batch_rows, prefill_chunk
         self.wants_hidden = getattr(drafter, "wants_target_hidden", False)
         self._valued: set[int] = set()  # this cycle's requests whose tree the scheduler sized on its node values
-        self.early_trees = makes_trees(drafter)
-        self.early_model = not getattr(drafter, "free", False) and (self.early_trees or stops_when_unsure(drafter))
+        self.early_model = not getattr(drafter, "free", False) and makes_trees(drafter)  # (EARLY_MODEL_BATCH)
         # a chain that starts with model-free members (`ngram+distilled`) proposes those before the split too: a
         # copy then gets rows for what it holds, and only requests it had nothing for wait on the model draft
         members = getattr(drafter, "members", [])
@@ -193,14 +190,13 @@ class BatchEngine(Admission):
             and (s.prompt_logprobs is None or s.cycle > 0)
 
     def _early_model_drafts(self, early: dict, draft_ms: dict, caps: dict, asks: dict) -> None:
-        """In a small batch (EARLY_MODEL_BATCH), one batched call before the split: a tree-growing model draft's
-        proposals for greedy and seeded sampled requests (the scheduler sizes them on their node values), or a model
-        draft's chains that end where it is unsure, for every request (the scheduler sizes what was drafted)."""
+        """A tree-growing model draft's proposals for greedy and seeded sampled requests in a small batch
+        (EARLY_MODEL_BATCH), in one batched call before the split: their node values are what the scheduler sizes
+        them by."""
         decoding = [s for s in self.running if not s.prefilling and not s.preempted]
         if not self.early_model or len(decoding) > EARLY_MODEL_BATCH:
             return
-        group = [(s, caps[s.id]) for s in decoding if (s.params.greedy or isinstance(s.generator, PositionNoise)
-                                                       or not self.early_trees)
+        group = [(s, caps[s.id]) for s in decoding if (s.params.greedy or isinstance(s.generator, PositionNoise))
                  and s.constraint is None and s.id not in early and caps.get(s.id)]
         if not group:
             return
@@ -246,8 +242,7 @@ class BatchEngine(Admission):
             if getattr(own, "sizes_own_depth", False) and s.id in early:  # (suffix) its own acceptance too
                 demands.append(Demand([own.acceptance()], 0.0, cap, min(floor, 1)))
                 continue
-            if tree is not None and (tree.is_tree or tree.values):  # a tree's or a chain's values: node k's value
-                # v_k = Π_{j≤k} α_j, so α_k = v_k / v_{k-1}
+            if tree is not None and tree.is_tree:  # node k's value v_k = Π_{j≤k} α_j: α_k = v_k / v_{k-1}
                 v = [1.0] + list(tree.values or [1.0] * len(tree.tokens))
                 alphas = [b / a if a > 0 else 0.0 for a, b in zip(v, v[1:])]
                 demands.append(Demand(alphas, cost, cap, min(floor, 1)))

@@ -12,9 +12,8 @@ from ..sampling import SamplingParams
 @dataclass
 class Draft:
     """A chain of tokens, or with `parents` a token tree: node i continues node parents[i] (-1: the context's last
-    token), parents[i] < i. `values` (trees, and a model draft's chains that end where it is unsure) are the
-    drafter's estimates that each node is accepted, its path included: what the cost model sizes a tree by
-    (drafters/tree.py), and the batch engine's scheduler a tree or such a chain."""
+    token), parents[i] < i. `values` (trees) are the drafter's estimates that each node is accepted, its path
+    included: what the cost model sizes a tree by (drafters/tree.py)."""
     tokens: list[int] = field(default_factory=list)
     q: torch.Tensor | None = None  # [len(tokens), V] warped draft probabilities; None = deterministic (one-hot)
     parents: list[int] | None = None
@@ -92,12 +91,6 @@ def save(drafter) -> None:
     for member in getattr(drafter, "members", [drafter]):
         if hasattr(member, "persist"):
             member.persist()
-
-
-def stops_when_unsure(drafter) -> bool:
-    """Whether the drafter, or a member of a chain, ends its chains by its own confidence (a model draft with a
-    min_confidence): k is then a cap, and the batch engine asks it before the row split (EARLY_MODEL_BATCH)."""
-    return any(getattr(m, "min_confidence", 0) > 0 for m in getattr(drafter, "members", [drafter]))
 
 
 def makes_trees(drafter) -> bool:

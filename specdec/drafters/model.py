@@ -22,12 +22,6 @@ HEAD_ROWS = 65536
 # time is the draft's prefill_ms, which the cost estimates leave out of a drafted token's cost. A step after a
 # verification runs 1-2 tokens (the target's own token, and the last accepted draft).
 CATCHUP_TOKENS = 8
-# A chain stops once the draft's own estimate that all of it is accepted (the product of its tokens' probabilities)
-# falls below this: dynamic draft length, as EAGLE-2 and transformers' assistant_confidence_threshold do. The policy's
-# τ is then a cap. Teacher-forced on the pair's prompts (the 0.5B against the 1.5B's greedy answers, simulated on the
-# pass curve; docs/draft.md), 0.6 with a cap of 6 took chat from 1.33x to 1.43x target-only, completion from 1.58x
-# to 1.63x and edits from 1.75x to 1.73x.
-MIN_CONFIDENCE = 0.6
 
 
 class ModelDrafter:
@@ -36,7 +30,6 @@ class ModelDrafter:
         self.lm = cached_model(model, vocab_size)
         self.name = name
         self.draft_cache = cache if cache is not None else draft_cache(self.lm)
-        self.min_confidence = MIN_CONFIDENCE  # 0: every chain runs its full k
         self.cache_salt = b""  # the tenant of the request it drafts for: its cached blocks are found only by it
         self.budget: tuple[int, float] | None = None  # (tokens the request may emit, ms of a target pass)
         self.put_off = False  # this request's catch-up did not pay: it drafts nothing with the model
@@ -53,14 +46,10 @@ class ModelDrafter:
         a catch-up's share of the first step is that request's prefill_ms."""
         live = [i for i, k in enumerate(ks) if k and drafters[i]._starts(contexts[i])]
         seqs, qs, prefill = {i: list(contexts[i]) for i in live}, {i: [] for i in live}, dict.fromkeys(live, 0.0)
-        reach = dict.fromkeys(live, 1.0)  # the draft's own estimate that each chain so far is accepted
-        values = {i: [] for i in live}  # that estimate after each token (Draft.values: what the scheduler sizes by)
         batched = len({id(getattr(drafters[i].lm, "model", None)) for i in live}) == 1 and all(
             isinstance(drafters[i].lm, SlotCache) for i in live)
         for step in range(max((ks[i] for i in live), default=0)):
-            group = [i for i in live if ks[i] > step and reach[i] >= drafters[i].min_confidence]
-            if not group:
-                break
+            group = [i for i in live if ks[i] > step]
             t = perf_counter()
             if batched:
                 logits = forward_slots([drafters[i].lm for i in group], [seqs[i] for i in group], HEAD_ROWS)
@@ -73,21 +62,15 @@ class ModelDrafter:
                     prefill[i] = drafters[i]._caught_up(ran[i], ms * ran[i])
             for row, i in enumerate(group):
                 if params[i].greedy:
-                    top = logits[row].float()
-                    token = int(top.argmax())
-                    p = float(torch.exp(top[token] - torch.logsumexp(top, 0)))
+                    token = int(logits[row].argmax())
                 else:
                     q = warp(logits[row], params[i])
                     token = draw(q, generators[i], len(seqs[i]))
                     qs[i].append(q)
-                    p = float(q[token])
-                reach[i] *= p
-                values[i].append(reach[i])
                 seqs[i].append(token)
         out = [Draft() for _ in drafters]
         for i in live:
-            out[i] = Draft(seqs[i][len(contexts[i]):], torch.stack(qs[i]) if qs[i] else None, prefill_ms=prefill[i],
-                           values=values[i] if drafters[i].min_confidence > 0 else None)
+            out[i] = Draft(seqs[i][len(contexts[i]):], torch.stack(qs[i]) if qs[i] else None, prefill_ms=prefill[i])
         return out
 
     def _starts(self, context) -> bool:
@@ -116,9 +99,7 @@ class ModelDrafter:
         return ms
 
     def fork(self) -> ModelDrafter:
-        fork = ModelDrafter(self.lm.model, self.lm.vocab_size, self.name, self.draft_cache)
-        fork.min_confidence = self.min_confidence
-        return fork
+        return ModelDrafter(self.lm.model, self.lm.vocab_size, self.name, self.draft_cache)
 
     def close(self) -> None:
         """The request left: its blocks named (its output too: the next turn's prompt holds it), a put-off catch-up
