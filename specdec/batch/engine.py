@@ -41,10 +41,6 @@ PROBE_EVERY = 8  # a request denied draft rows this many cycles in a row gets on
 # the pass curve's knee, and each a feature-draft call of ~2 ms)
 COPY_BUCKETS = (2, 4, 8, 16)  # a greedy request's copy: the match length from which each set of its estimates counts
 COPY_PRIORS = (0.6, 0.8, 0.9, 0.95)  # (a longer match is likelier to go on, as in suffix decoding), and its prior
-# A chain's copy gives way to its model draft where, by this request's estimates, the model makes tokens faster
-# (_copy_loses): on the pair's code completions `ngram+` the 0.5B copied at 0.70 acceptance where the 0.5B alone
-# drafted at 0.84. The estimates count once seen on this many cycles each.
-COPY_MIN_SEEN = 5
 
 
 class BatchEngine(Admission):
@@ -164,10 +160,7 @@ class BatchEngine(Admission):
                 if not free and not made.tokens:
                     continue  # the chain's model draft proposes later
                 if not free:  # (a sampled request's copies share one set: its token follows the match less)
-                    bucket = sum(made.match >= b for b in COPY_BUCKETS[1:]) if s.params.greedy else 0
-                    if self._copy_loses(s, bucket, caps[s.id]):
-                        continue  # the model draft proposes later: where its copies are wrong, the model is right
-                    self._copied[s.id] = bucket
+                    self._copied[s.id] = sum(made.match >= b for b in COPY_BUCKETS[1:]) if s.params.greedy else 0
                 early[s.id] = made
                 draft_ms[s.id] = (perf_counter() - t) * 1e3
                 asks[s.id] = (caps[s.id], len(early[s.id].tokens), "room", "budget", None)
@@ -181,19 +174,6 @@ class BatchEngine(Admission):
         self._early_model_drafts(early, draft_ms, caps, asks)
         self._valued = {i for i, d in early.items() if d is not None and d.is_tree}  # trees sized on their values
         return early, draft_ms, caps, asks
-
-    def _copy_loses(self, s: Sequence, bucket: int, cap: int) -> bool:
-        """Whether this request's model draft makes tokens faster than its copies of this match bucket, each at the
-        τ that suits it: E[tokens](τ) over the pass of τ + 1 rows, plus τ draft steps for the model. Only once both
-        were seen on COPY_MIN_SEEN cycles; a copy that loses is not proposed again (its estimates stay) while the
-        model keeps its lead."""
-        copy, model = self._copy_est.get(s.id, {}).get(bucket), self._state[s.id][2]
-        if copy is None or model.draft_ms is None or min(copy.alpha[0].n, model.alpha[0].n) < COPY_MIN_SEEN:
-            return False
-
-        def rate(est, step_ms):
-            return max(est.expected_tokens(t) / (self.pass_ms(t + 1) + t * step_ms) for t in range(1, cap + 1))
-        return cap > 0 and rate(model, model.draft_ms.value) > rate(copy, 0.0)
 
     def _estimates(self, s: Sequence) -> AdaptivePolicy:
         """The acceptance estimates that size this cycle's draft: a chain's model-free copy has its own."""
