@@ -110,7 +110,10 @@ NUMERICS = ("auto", "exact", "q8")
 
 def _load(spec: str, dtype: torch.dtype, backend: str):
     path = resolve(spec)
-    if path.is_file() and path.suffix == ".gguf":
+    gguf = path.is_file() and path.suffix == ".gguf"
+    if not gguf and not (path.is_dir() and (path / "config.json").is_file()):  # no backend could: one error line
+        raise ModelLoadError(f"cannot load model {spec}: not a model directory (with config.json) or .gguf file")
+    if gguf:
         with open(path, "rb") as f:
             if f.read(4) != b"GGUF":
                 raise ModelLoadError(f"cannot load model {spec}: not a GGUF file (bad magic bytes)")
@@ -118,11 +121,9 @@ def _load(spec: str, dtype: torch.dtype, backend: str):
         from .runtime.load import load_gguf, load_hf_dir
         from .runtime.weights import Unsupported
         try:
-            if path.is_file() and path.suffix == ".gguf":
+            if gguf:
                 return load_gguf(path), _gguf_tokenizer(path)
-            if path.is_dir() and (path / "config.json").is_file():
-                return load_hf_dir(path), _tokenizer(path, light=True)
-            raise Unsupported(f"not a model directory or .gguf file: {spec}")
+            return load_hf_dir(path), _tokenizer(path, light=True)
         except KeyError as e:  # a tensor the architecture needs is missing
             if backend == "runtime":
                 raise ModelLoadError(f"the runtime cannot run {spec}: tensor {e} is missing")
@@ -178,10 +179,8 @@ def _save_atomically(out: Path, save) -> None:
 
 def _load_transformers(spec: str, path: Path, dtype: torch.dtype):
     try:
-        if path.is_file() and path.suffix == ".gguf":
+        if path.is_file():
             path = _gguf_to_dir(path)
-        elif path.is_file():
-            raise ModelLoadError(f"not a model directory or .gguf file: {spec}")
         tf = _transformers()
         tok = tf.AutoTokenizer.from_pretrained(path, local_files_only=True)
         model = tf.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)

@@ -76,8 +76,11 @@ def test_missing_and_unreadable_target(capsys, tmp_path):
     code, _, err = run_cli(capsys, "generate", "hi", "--target", str(tmp_path / "junk.gguf"))
     assert code == 2 and "cannot load model" in err and len(err.strip().splitlines()) == 1
     (tmp_path / "emptydir").mkdir()
-    code, _, err = run_cli(capsys, "generate", "hi", "--target", str(tmp_path / "emptydir"))
-    assert code == 2 and "cannot load model" in err
+    (tmp_path / "notes.txt").write_text("not a model")
+    for target in ("emptydir", "notes.txt"):  # neither backend could: one line, no fallback note before it
+        code, _, err = run_cli(capsys, "generate", "hi", "--target", str(tmp_path / target))
+        assert code == 2 and "not a model directory (with config.json) or .gguf file" in err, target
+        assert len(err.strip().splitlines()) == 1, err
 
 
 def test_argparse_errors_are_one_line():
