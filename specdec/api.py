@@ -23,6 +23,7 @@ from .drafters.prediction import PRIOR, QUOTED_PRIOR, quoted_block
 from .drafters.registry import SHIPPED_DRAFT
 from .engine import Engine
 from .errors import InvalidRequest
+from .penalties import Adjusted, penalties
 from .policy import make_policy
 from .prompts import encode_prompt  # noqa: F401 - part of the API (specdec.api.encode_prompt)
 from .sampling import SamplingParams
@@ -177,7 +178,8 @@ class SpecDecoder:
                 top_k: int = 0, seed: int | None = None, stop: list[str] | str | None = None, chat: bool = True,
                 tau: int | None = None, policy: str | None = None, prompt_ids: list[int] | None = None,
                 response_format: dict | None = None, logprobs: int | None = None,
-                prompt_logprobs: int | None = None, prediction: str | None = None) -> Request:
+                prompt_logprobs: int | None = None, prediction: str | None = None, presence_penalty: float = 0.0,
+                frequency_penalty: float = 0.0, logit_bias: dict | None = None) -> Request:
         """Validate and encode one request (InvalidRequest / PromptTooLong on bad input). `prompt_ids`: the prompt
         already encoded (the server encodes it once, off the model worker). `response_format`: OpenAI's
         ({"type": "json_object"}, or "json_schema" with {"json_schema": {"schema": ...}}): the output follows the
@@ -186,7 +188,9 @@ class SpecDecoder:
         first has none), and max_new_tokens may then be 0: scoring only. `prediction`: text the output is expected to
         mostly be (OpenAI's predicted outputs), drafted beside it; the output is the same without it. A chat prompt
         that sends none but quotes a code block drafts from that block (drafters/prediction.py, `quoted_block`),
-        reported as no prediction; not with the drafter `none` (target-only), nor with QUOTED_DRAFTS off."""
+        reported as no prediction; not with the drafter `none` (target-only), nor with QUOTED_DRAFTS off.
+        `presence_penalty`, `frequency_penalty` ([-2, 2]) and `logit_bias` ({token id: bias in [-100, 100]}) adjust
+        the target's scores as OpenAI's do (penalties.py); the output is the adjusted target-only output."""
         if not (prompt_logprobs is not None and max_new_tokens == 0):
             _positive_int("max_new_tokens", max_new_tokens)
         tau = self.tau if tau is None else _positive_int("tau", tau)
@@ -203,8 +207,10 @@ class SpecDecoder:
         for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 20):
                 raise InvalidRequest(f"{name} must be an integer in [0, 20], got {str(value)[:40]}")
-        req.constraint, req.logprobs, req.prompt_logprobs = (self.grammars.constraint(response_format), logprobs,
-                                                             prompt_logprobs)
+        adjust = penalties(self.model.config.vocab_size, presence_penalty, frequency_penalty, logit_bias)
+        grammar = self.grammars.constraint(response_format)
+        req.constraint = adjust if grammar is None else grammar if adjust is None else Adjusted(grammar, adjust)
+        req.logprobs, req.prompt_logprobs = logprobs, prompt_logprobs
         if prediction is not None:
             if not isinstance(prediction, str):
                 raise InvalidRequest("prediction must be a string")

@@ -19,6 +19,7 @@ from .. import models
 from ..drafters.base import save as save_drafter
 from ..errors import InvalidRequest, SpecDecError
 from ..fim import fim_prompt
+from ..penalties import penalties
 from ..sampling import SEED_RANGE
 from . import tools
 from .api_errors import APIError, as_api_error, error_body
@@ -179,6 +180,9 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
         calling = kind == "chat" and bool(req.tools) and req.tool_choice != "none"
         echo = kind == "text" and req.echo
         response_format = tools.call_format(req.tools, req.tool_choice) if calling else req.response_format
+        # a bias on a token the model lacks: a 400 before any stream starts (the worker checks again in prepare)
+        penalties(decoder.model.config.vocab_size, req.presence_penalty or 0.0, req.frequency_penalty or 0.0,
+                  req.logit_bias)
         # an unseeded sampled request gets a seed from the OS, reported in `specdec.seed`: any answer can be
         # reproduced by sending it back (and a retry elsewhere regenerates the same text)
         base = req.seed if req.seed is not None or req.temperature == 0 else secrets.randbits(63)
@@ -192,7 +196,9 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
                                              seed=seed, stop=req.stop, tau=req.tau, policy=req.policy,
                                              prompt_ids=prompt_ids, response_format=response_format,
                                              prediction=req.prediction.text if req.prediction else None,
-                                             logprobs=req.logprob_count,
+                                             presence_penalty=req.presence_penalty or 0.0,
+                                             frequency_penalty=req.frequency_penalty or 0.0,
+                                             logit_bias=req.logit_bias, logprobs=req.logprob_count,
                                              prompt_logprobs=req.logprob_count if echo else None),
                                         salt=req.tenant_salt(getattr(request.state, "tenant", b"")))
                 except Busy as e:

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..api import MAX_STOP_CHARS, MAX_STOPS
+from ..penalties import MAX_PENALTY
 from ..sampling import MAX_TEMPERATURE, SEED_RANGE
 from . import tools
 
@@ -53,8 +54,9 @@ class _Request(BaseModel):
     n: int = Field(default=1, ge=1, le=MAX_PROMPTS)
     stream: bool = False
     stream_options: dict | None = None
-    presence_penalty: Literal[0] = 0
-    frequency_penalty: Literal[0] = 0
+    presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY, strict=True)  # penalties.py
+    frequency_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY, strict=True)
+    logit_bias: dict[str, Any] | None = None  # token id -> bias in [-100, 100]: penalties.py checks both
     # accepted, ignored (IGNORED)
     user: str | None = None
     store: bool | None = None
@@ -67,14 +69,13 @@ class _Request(BaseModel):
     cache_salt: str | None = Field(default=None, max_length=256)
     prompt_cache_key: str | None = Field(default=None, max_length=256)
     safety_identifier: str | None = None
-    # would change the output and are not served yet: each refused by name (_unsupported)
     logprobs: bool | int | None = None  # chat: a bool (with top_logprobs); completions: the alternatives wanted
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    logit_bias: Any = None
     response_format: dict | None = None  # text, json_object, json_schema (constraints.py)
     prediction: Prediction | None = None  # OpenAI's predicted outputs: drafted beside the output, never changing it
     tools: Any = None
     tool_choice: Any = None
+    # OpenAI's deprecated function calling: refused by name (_unsupported), tools serve instead
     functions: Any = None
     function_call: Any = None
 
@@ -90,7 +91,6 @@ class _Request(BaseModel):
     @model_validator(mode="after")
     def _unsupported(self):
         refuse = {
-            "logit_bias": bool(self.logit_bias),
             "tools with response_format": bool(self.tools) and self.response_format is not None,
             "functions": bool(self.functions),
             "function_call": self.function_call not in (None, "none", "auto"),

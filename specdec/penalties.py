@@ -1,0 +1,109 @@
+"""OpenAI's presence and frequency penalties and logit_bias: each row of the target's logits adjusted by what the
+request has generated so far, before temperature, top-k and top-p (sampling.warp) or the argmax.
+
+For every token v that was generated c_v > 0 times or has a bias b_v (OpenAI's rule, over the output only, not the
+prompt):
+
+    logit[v] = float32(float64(logit[v]) - c_v * frequency_penalty - [c_v > 0] * presence_penalty + b_v)
+
+With speculation each verify row is adjusted with the counts after the draft tokens before it, then chosen as
+target-only would choose from it (verification.verify_constrained, the path a grammar takes), so the output is the
+adjusted target-only output: greedy token for token, seeded sampling text for text. Drafters propose from their
+own, unadjusted scores: a penalty costs acceptance, never correctness.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .errors import InvalidRequest
+
+MAX_PENALTY = 2.0  # OpenAI's range for both penalties: [-2, 2]
+MAX_BIAS = 100.0  # and for a bias: [-100, 100]; -100 bans a token, +100 all but forces it
+MAX_BIASES = 1024  # entries in one request's logit_bias
+
+
+class Penalties:
+    """One request's penalties and biases over the tokens it has committed (the Constraint protocol of
+    constraints.py: `masked` adjusts a row, `accept` commits a token)."""
+
+    def __init__(self, presence: float = 0.0, frequency: float = 0.0, bias: dict[int, float] | None = None):
+        self.presence, self.frequency, self.bias = float(presence), float(frequency), dict(bias or {})
+        self.counts: dict[int, int] = {}
+
+    def masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """A copy of one row of logits, adjusted (the rule above)."""
+        row = logits.float().clone()
+        ids = sorted(set(self.counts) | set(self.bias))
+        if ids:
+            delta = torch.tensor([self.bias.get(v, 0.0) - self.counts.get(v, 0) * self.frequency
+                                  - (self.presence if v in self.counts else 0.0) for v in ids], dtype=torch.float64)
+            at = torch.tensor(ids)
+            row[at] = (row[at].double() + delta).float()
+        return row
+
+    def accept(self, token: int) -> bool:
+        self.counts[int(token)] = self.counts.get(int(token), 0) + 1
+        return True
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        return len(tokens)  # any token may come next
+
+    def forced(self, limit: int) -> list[int]:
+        return []
+
+
+class Adjusted:
+    """A grammar (constraints.Constraint) and penalties together: the row adjusted, then masked, so a token the
+    grammar forbids stays at -inf whatever its bias."""
+
+    def __init__(self, grammar, penalties: Penalties):
+        self.grammar, self.penalties = grammar, penalties
+
+    def masked(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.grammar.masked(self.penalties.masked(logits))
+
+    def accept(self, token: int) -> bool:
+        self.penalties.accept(token)
+        return self.grammar.accept(token)
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        return self.grammar.valid_prefix(tokens)
+
+    def forced(self, limit: int) -> list[int]:
+        return self.grammar.forced(limit)
+
+
+def penalties(vocab_size: int | None, presence: float = 0.0, frequency: float = 0.0, logit_bias=None) -> Penalties | None:
+    """A request's Penalties from OpenAI's fields (logit_bias: {"token id": bias}), or None where none applies;
+    InvalidRequest for a value out of range or a token id outside the vocabulary (vocab_size None: any id)."""
+    for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or abs(value) > MAX_PENALTY:
+            raise InvalidRequest(f"{name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
+    bias = _bias(vocab_size, logit_bias)
+    if not presence and not frequency and not any(bias.values()):
+        return None
+    return Penalties(presence, frequency, {v: b for v, b in bias.items() if b})
+
+
+def _bias(vocab_size: int | None, raw) -> dict[int, float]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise InvalidRequest('logit_bias must be an object of token ids to biases, e.g. {"1234": -100}')
+    if len(raw) > MAX_BIASES:
+        raise InvalidRequest(f"logit_bias may hold at most {MAX_BIASES} tokens")
+    out = {}
+    for key, value in raw.items():
+        token = int(key) if isinstance(key, int) or (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 12) else -1
+        if token < 0 or vocab_size is not None and token >= vocab_size:
+            raise InvalidRequest(f"logit_bias: {str(key)[:40]!r} is not a token id" + (
+                "" if vocab_size is None else f" of this model (0..{vocab_size - 1})"))
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or abs(value) > MAX_BIAS:
+            raise InvalidRequest(f"logit_bias: the bias of token {token} must be a number in "
+                                 f"[-{MAX_BIAS:g}, {MAX_BIAS:g}]")
+        out[token] = float(value)
+    return out
