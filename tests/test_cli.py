@@ -61,6 +61,12 @@ def test_generate_streams_text(capsys, tiny_dirs):
     (["hi", "--numerics", "q8", "--backend", "transformers"], "runs on specdec's runtime only"),
     (["hi", "--schema", "/no/such/schema.json"], "cannot read schema"),
     (["hi", "--schema", "json"], "structured outputs are not available for this model's tokenizer"),
+    (["hi", "--presence-penalty", "2.5"], "presence_penalty must be"),
+    (["hi", "--frequency-penalty", "nan"], "frequency_penalty must be"),
+    (["hi", "--logit-bias", "[1]"], "logit_bias must be an object"),
+    (["hi", "--logit-bias", "{1: 2}"], "--logit-bias must be a JSON object"),
+    (["hi", "--logit-bias", '{"5": 101}'], "must be a number in [-100, 100]"),
+    (["hi", "--logit-bias", '{"99999999": 1}'], "not a token id of this model"),
 ])
 def test_bad_input_one_line_nonzero(capsys, tiny_dirs, args, message):
     args = [tiny_dirs["alien"] if a == "ALIEN" else a for a in args]
