@@ -175,7 +175,7 @@ class SpecDecoder:
 
     # ---- generation ----------------------------------------------------------------------------------------
     def prepare(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-                top_k: int = 0, seed: int | None = None, stop: list[str] | str | None = None, chat: bool = True,
+                top_k: int = 0, seed: int | None = None, min_p: float = 0.0, stop: list[str] | str | None = None, chat: bool = True,
                 tau: int | None = None, policy: str | None = None, prompt_ids: list[int] | None = None,
                 response_format: dict | None = None, logprobs: int | None = None,
                 prompt_logprobs: int | None = None, prediction: str | None = None, presence_penalty: float = 0.0,
@@ -197,7 +197,7 @@ class SpecDecoder:
         key = (policy or self.policy, tau)
         if key not in self._policies:
             self._policies[key] = make_policy(key[0], tau)
-        params = SamplingParams(temperature, top_p, top_k, seed)
+        params = SamplingParams(temperature, top_p, top_k, seed, min_p)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if len(stops) > MAX_STOPS or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
             raise InvalidRequest(f"stop must be up to {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} "

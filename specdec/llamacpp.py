@@ -27,14 +27,14 @@ def load(path: Path, n_ctx: int = 4096, logits_all: bool = False):
 
 def decode(llm, ids: list[int], max_new_tokens: int, eos: set[int], params=None) -> list[int]:
     """Up to max_new_tokens tokens after `ids` (llama.cpp evaluates the prompt, then one token per step): greedy, or
-    sampled with `params` (temperature, top-k, top-p; seeded)."""
+    sampled with `params` (temperature, top-k, top-p, min-p; seeded)."""
     if params is not None and not params.greedy:
         llm.set_seed(params.seed if params.seed is not None else 0)
-        kw = dict(temp=params.temperature, top_k=params.top_k, top_p=params.top_p)
+        kw = dict(temp=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p)
     else:
-        kw = dict(temp=0.0, top_k=1, top_p=1.0)
+        kw = dict(temp=0.0, top_k=1, top_p=1.0, min_p=0.0)
     out = []
-    for token in llm.generate(ids, min_p=0.0, repeat_penalty=1.0, reset=True, **kw):
+    for token in llm.generate(ids, repeat_penalty=1.0, reset=True, **kw):
         out.append(int(token))
         if token in eos or len(out) >= max_new_tokens:
             break

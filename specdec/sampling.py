@@ -1,7 +1,7 @@
 """Sampling parameters, the logit warping shared by target (p) and draft (q), and the two sources of randomness.
 
 The speculative-sampling guarantee only holds when p and q are warped identically
-(temperature, then top-k, then top-p) before the acceptance test.
+(temperature, then min-p, top-k, top-p) before the acceptance test.
 
 Randomness:
 - no seed: a private torch.Generator, consumed in order; speculation verifies by rejection sampling
@@ -35,6 +35,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int | None = None
+    min_p: float = 0.0  # 0 = off: keep the tokens at least min_p times as likely as the likeliest (after temperature)
 
     def __post_init__(self):
         if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) \
@@ -44,6 +45,8 @@ class SamplingParams:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not 0 <= self.top_k < 2**31:
             raise InvalidRequest(f"top_k must be an integer in [0, 2^31), got {str(self.top_k)[:40]}")
+        if not isinstance(self.min_p, (int, float)) or isinstance(self.min_p, bool) or not 0 <= self.min_p <= 1:
+            raise InvalidRequest(f"min_p must be in [0, 1], got {str(self.min_p)[:40]}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not -SEED_RANGE // 2 <= self.seed < SEED_RANGE):
             raise InvalidRequest(f"seed must be an integer in [-2^63, 2^64), got {str(self.seed)[:40]}")
@@ -132,11 +135,14 @@ def draw(probs: torch.Tensor, generator, position: int) -> int:
 
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Logits [..., V] -> probabilities [..., V] after temperature, top-k and top-p (in that order). The maximum is
-    subtracted before dividing by the temperature: a tiny temperature (1e-308) then sends every other logit to -inf
-    (a one-hot of the argmax) instead of overflowing to inf - inf = NaN."""
+    """Logits [..., V] -> probabilities [..., V] after temperature, min-p, top-k and top-p (in that order, min-p
+    where vLLM applies it). The maximum is subtracted before dividing by the temperature: a tiny temperature (1e-308)
+    then sends every other logit to -inf (a one-hot of the argmax) instead of overflowing to inf - inf = NaN. Min-p
+    keeps v where p(v) >= min_p · max p, that is where the shifted logit is >= log(min_p)."""
     logits = logits.double()
     logits = (logits - logits.amax(-1, keepdim=True)) / params.temperature
+    if params.min_p > 0:
+        logits = logits.masked_fill(logits < math.log(params.min_p), float("-inf"))
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -136,7 +136,8 @@ def sample_counts(sd, prompt, n, params, tokens=2, seeded=True):
 
 
 @pytest.mark.parametrize("seeded", [True, False])
-@pytest.mark.parametrize("params", [dict(temperature=1.0, top_k=3), dict(temperature=0.8, top_p=0.7)])
+@pytest.mark.parametrize("params", [dict(temperature=1.0, top_k=3), dict(temperature=0.8, top_p=0.7),
+                                    dict(temperature=1.3, min_p=0.12)])
 def test_sampling_first_tokens_match_exact_target_distribution(params, seeded, tok, target, draft_close):
     """Speculative sampling on a real (tiny) model, by either rule: the first two tokens ~ the target's exact
     joint."""

@@ -1,4 +1,4 @@
-"""Presence and frequency penalties and logit_bias (penalties.py): the rule on a row, on a verified chain (each row
+"""Presence and frequency penalties and logit_bias (penalties.py), and min_p over HTTP: the rule on a row, on a verified chain (each row
 adjusted with the draft tokens before it), and on the real default model: speculation gives exactly the adjusted
 target-only output (greedy token for token against an independent step-by-step loop, seeded text for text), with a
 grammar too, in the batch engine and over HTTP; bad values are clear errors."""
@@ -181,7 +181,11 @@ def test_over_http(decoders):
                                                           "frequency_penalty": 1.0, "presence_penalty": None})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == base.generate(
             "1, 2, 3,", max_new_tokens=8, chat=False, frequency_penalty=1.0).text
-        for bad, field in (({"presence_penalty": 2.5}, "presence_penalty"), ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+        sampled = {**body, "temperature": 1.0, "seed": 3, "min_p": 0.2}  # vLLM's min_p, beside the penalties
+        r = httpx.post(srv.url + "/v1/chat/completions", json=sampled, timeout=120)
+        assert r.json()["choices"][0]["message"]["content"] == base.generate(
+            PROMPTS[0], max_new_tokens=30, logit_bias={"28": -2.5}, temperature=1.0, seed=3, min_p=0.2, **ADJUST).text
+        for bad, field in (({"min_p": 1.5}, "min_p"), ({"presence_penalty": 2.5}, "presence_penalty"), ({"logit_bias": {"99999999": 1}}, "logit_bias"),
                            ({"logit_bias": {"5": 500}}, "logit_bias"), ({"logit_bias": ["5"]}, "logit_bias"),
                            ({"logit_bias": {"5": True}}, "logit_bias"), ({"logit_bias": {"\u00b2": 1}}, "logit_bias"),
                            ({"frequency_penalty": True}, "frequency_penalty")):

@@ -4,6 +4,7 @@ import itertools
 import pytest
 import torch
 
+from specdec.errors import InvalidRequest
 from specdec.sampling import SamplingParams, warp
 from specdec.verification import acceptance_prob, greedy_verify, residual, sample_verify
 
@@ -148,6 +149,18 @@ def test_warp_temperature_topk_topp():
     assert (tp[2:] == 0).all() and torch.allclose(tp.sum(), torch.tensor(1.0, dtype=torch.float64))
     tp1 = warp(logits, SamplingParams(temperature=1.0, top_p=float(full[0]) / 2))
     assert tp1[0] == 1.0
+
+
+def test_min_p_keeps_the_tokens_at_least_that_fraction_as_likely_as_the_likeliest():
+    logits = torch.tensor([0.5, 0.2, 0.05, 0.25]).log()
+    kept = warp(logits, SamplingParams(temperature=1.0, min_p=0.45))  # 0.2 / 0.5 and 0.05 / 0.5 fall below
+    assert torch.allclose(kept, torch.tensor([0.5, 0.0, 0.0, 0.25], dtype=torch.float64) / 0.75)
+    hot = warp(logits, SamplingParams(temperature=2.0, min_p=0.5))  # after temperature: sqrt of each ratio
+    assert (hot > 0).tolist() == [True, True, False, True]
+    assert torch.allclose(hot[[0, 1, 3]], (logits[[0, 1, 3]].double() / 2).softmax(-1))
+    assert warp(logits, SamplingParams(temperature=1.0, min_p=1.0)).tolist() == [1.0, 0.0, 0.0, 0.0]
+    with pytest.raises(InvalidRequest, match="min_p"):
+        SamplingParams(temperature=1.0, min_p=1.5)
 
 
 def test_warped_rule_keeps_exactness():

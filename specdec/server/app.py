@@ -138,7 +138,8 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
         ids = await _fim(req.input_prefix + req.prompt, req.input_suffix, files)
         seed = None if req.seed in (None, -1) else req.seed
         completion = CompletionRequest(prompt=ids, max_tokens=req.token_limit, temperature=req.temperature,
-                                       top_p=req.top_p, top_k=req.top_k, seed=seed, stop=req.stop, stream=req.stream,
+                                       top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=seed, stop=req.stop,
+                                       stream=req.stream,
                                        model=req.model, cache_salt=req.cache_salt,
                                        stream_options={"include_usage": True} if req.stream else None)
         return as_infill(await _serve(completion, request, completion.prompt, chat=False, kind="text"), model_name)
@@ -193,6 +194,7 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
                 try:
                     job = worker.submit(dict(prompt=prompt, chat=chat, max_new_tokens=max_tokens,
                                              temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                                             min_p=req.min_p,
                                              seed=seed, stop=req.stop, tau=req.tau, policy=req.policy,
                                              prompt_ids=prompt_ids, response_format=response_format,
                                              prediction=req.prediction.text if req.prediction else None,

@@ -46,7 +46,8 @@ class _Request(BaseModel):
     max_completion_tokens: int | None = Field(default=None, ge=1, lt=2**31)  # OpenAI's current name (chat)
     temperature: float = Field(default=1.0, ge=0, le=MAX_TEMPERATURE)
     top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=0, lt=2**31)  # extensions: top_k, tau, policy
+    top_k: int = Field(default=0, ge=0, lt=2**31)  # extensions: top_k, min_p (vLLM's), tau, policy
+    min_p: float = Field(default=0.0, ge=0, le=1)
     tau: int | None = Field(default=None, ge=1, le=64)
     policy: Literal["fixed", "heuristic", "adaptive"] | None = None
     stop: str | list[str] | None = None
@@ -256,6 +257,7 @@ class InfillRequest(BaseModel):
     temperature: float = Field(default=0.8, ge=0, le=MAX_TEMPERATURE)
     top_k: int = Field(default=40, ge=0, lt=2**31)
     top_p: float = Field(default=0.95, gt=0, le=1)
+    min_p: float = Field(default=0.05, ge=0, le=1)  # llama-server's default
     seed: int | None = Field(default=None, ge=-1, lt=SEED_RANGE)  # -1: none (llama-server's "random")
     stop: list[str] | None = None
     stream: bool = False
