@@ -81,7 +81,7 @@ def test_infill_and_suffix_answer_what_the_engine_answers_for_the_fim_prompt(liv
 
 
 @pytest.mark.parametrize("body", [{"input_prefix": 3}, {"input_extra": [{"name": "a.py", "text": "x"}]},
-                                  {"min_p": 0.1}, {"n_predict": -5}, {"temperature": -1}])
+                                  {"min_p": 1.5}, {"mirostat": 2}, {"n_predict": -5}, {"temperature": -1}])
 def test_infill_field_validation(live, body):
     r = httpx.post(live.url + "/infill", json={"input_prefix": PREFIX, **body})
     assert r.status_code == 400, r.text
