@@ -1,10 +1,13 @@
-"""OpenAI's presence and frequency penalties and logit_bias: each row of the target's logits adjusted by what the
-request has generated so far, before temperature, top-k and top-p (sampling.warp) or the argmax.
+"""OpenAI's presence and frequency penalties and logit_bias, and vLLM's repetition_penalty: each row of the target's
+logits adjusted by what the request has generated so far, before temperature, min-p, top-k and top-p (sampling.warp)
+or the argmax.
 
-For every token v that was generated c_v > 0 times or has a bias b_v (OpenAI's rule, over the output only, not the
-prompt):
+For every token v that was generated c_v > 0 times, has a bias b_v or, with a repetition penalty r != 1, occurs in
+the prompt or the output (the presence and frequency penalties count the output only, as OpenAI's; the repetition
+penalty both, as vLLM's and transformers'), in float64 and rounded to float32 once:
 
-    logit[v] = float32(float64(logit[v]) - c_v * frequency_penalty - [c_v > 0] * presence_penalty + b_v)
+    l = logit[v];  if seen and r != 1: l = l / r if l > 0 else l * r
+    logit[v] = float32(l + (b_v - c_v * frequency_penalty - [c_v > 0] * presence_penalty))
 
 With speculation each verify row is adjusted with the counts after the draft tokens before it, then chosen as
 target-only would choose from it (verification.verify_constrained, the path a grammar takes), so the output is the
@@ -22,25 +25,34 @@ from .errors import InvalidRequest
 MAX_PENALTY = 2.0  # OpenAI's range for both penalties: [-2, 2]
 MAX_BIAS = 100.0  # and for a bias: [-100, 100]; -100 bans a token, +100 all but forces it
 MAX_BIASES = 1024  # entries in one request's logit_bias
+MAX_REPETITION = 2.0  # vLLM's range for repetition_penalty: (0, 2]
 
 
 class Penalties:
     """One request's penalties and biases over the tokens it has committed (the Constraint protocol of
     constraints.py: `masked` adjusts a row, `accept` commits a token)."""
 
-    def __init__(self, presence: float = 0.0, frequency: float = 0.0, bias: dict[int, float] | None = None):
+    def __init__(self, presence: float = 0.0, frequency: float = 0.0, bias: dict[int, float] | None = None,
+                 repetition: float = 1.0, prompt=()):
         self.presence, self.frequency, self.bias = float(presence), float(frequency), dict(bias or {})
+        self.repetition = float(repetition)
+        self.prompt = frozenset(prompt) if self.repetition != 1.0 else frozenset()  # seen before the output
         self.counts: dict[int, int] = {}
 
     def masked(self, logits: torch.Tensor) -> torch.Tensor:
         """A copy of one row of logits, adjusted (the rule above)."""
         row = logits.float().clone()
-        ids = sorted(set(self.counts) | set(self.bias))
+        ids = sorted(set(self.counts) | set(self.bias) | self.prompt)
         if ids:
+            at = torch.tensor(ids)
+            value = row[at].double()
+            if self.repetition != 1.0:  # every id here but a bias-only one was seen
+                seen = torch.tensor([v in self.counts or v in self.prompt for v in ids])
+                value = torch.where(seen, torch.where(value > 0, value / self.repetition, value * self.repetition),
+                                    value)
             delta = torch.tensor([self.bias.get(v, 0.0) - self.counts.get(v, 0) * self.frequency
                                   - (self.presence if v in self.counts else 0.0) for v in ids], dtype=torch.float64)
-            at = torch.tensor(ids)
-            row[at] = (row[at].double() + delta).float()
+            row[at] = (value + delta).float()
         return row
 
     def accept(self, token: int) -> bool:
@@ -75,17 +87,24 @@ class Adjusted:
         return self.grammar.forced(limit)
 
 
-def penalties(vocab_size: int | None, presence: float = 0.0, frequency: float = 0.0, logit_bias=None) -> Penalties | None:
-    """A request's Penalties from OpenAI's fields (logit_bias: {"token id": bias}), or None where none applies;
-    InvalidRequest for a value out of range or a token id outside the vocabulary (vocab_size None: any id)."""
+def penalties(vocab_size: int | None, presence: float = 0.0, frequency: float = 0.0, logit_bias=None,
+              repetition: float = 1.0, prompt=()) -> Penalties | None:
+    """A request's Penalties from OpenAI's fields (logit_bias: {"token id": bias}) and vLLM's repetition_penalty
+    (over `prompt`, its token ids, and the output), or None where none applies; InvalidRequest for a value out of
+    range or a token id outside the vocabulary (vocab_size None: any id)."""
     for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                or abs(value) > MAX_PENALTY:
+        if not _number(value) or abs(value) > MAX_PENALTY:
             raise InvalidRequest(f"{name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
+    if not _number(repetition) or not 0 < repetition <= MAX_REPETITION:
+        raise InvalidRequest(f"repetition_penalty must be a number in (0, {MAX_REPETITION:g}] (1: none)")
     bias = _bias(vocab_size, logit_bias)
-    if not presence and not frequency and not any(bias.values()):
+    if not presence and not frequency and not any(bias.values()) and repetition == 1:
         return None
-    return Penalties(presence, frequency, {v: b for v, b in bias.items() if b})
+    return Penalties(presence, frequency, {v: b for v, b in bias.items() if b}, repetition, prompt)
+
+
+def _number(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def _bias(vocab_size: int | None, raw) -> dict[int, float]:
@@ -101,8 +120,7 @@ def _bias(vocab_size: int | None, raw) -> dict[int, float]:
         if token < 0 or vocab_size is not None and token >= vocab_size:
             raise InvalidRequest(f"logit_bias: {str(key)[:40]!r} is not a token id" + (
                 "" if vocab_size is None else f" of this model (0..{vocab_size - 1})"))
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                or abs(value) > MAX_BIAS:
+        if not _number(value) or abs(value) > MAX_BIAS:
             raise InvalidRequest(f"logit_bias: the bias of token {token} must be a number in "
                                  f"[-{MAX_BIAS:g}, {MAX_BIAS:g}]")
         out[token] = float(value)

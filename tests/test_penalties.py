@@ -1,7 +1,8 @@
-"""Presence and frequency penalties and logit_bias (penalties.py), and min_p over HTTP: the rule on a row, on a verified chain (each row
-adjusted with the draft tokens before it), and on the real default model: speculation gives exactly the adjusted
-target-only output (greedy token for token against an independent step-by-step loop, seeded text for text), with a
-grammar too, in the batch engine and over HTTP; bad values are clear errors."""
+"""Presence and frequency penalties, logit_bias and the repetition penalty (penalties.py), and min_p over HTTP: the
+rule on a row, on a verified chain (each row adjusted with the draft tokens before it), and on the real default
+model: speculation gives exactly the adjusted target-only output (greedy token for token against an independent
+step-by-step loop, seeded text for text), with a grammar too, in the batch engine and over HTTP; bad values are
+clear errors."""
 import json
 
 import httpx
@@ -25,6 +26,15 @@ def test_the_rule_on_one_row():
     q = Penalties(presence=0.3, frequency=0.1)
     q.accept(0)
     assert q.masked(torch.tensor([0.1]))[0].item() == float(third.float()[0])
+
+
+def test_the_repetition_penalty_divides_what_is_positive_and_multiplies_the_rest():
+    p = Penalties(frequency=0.5, bias={3: 1.0}, repetition=2.0, prompt=[0, 0, 2])
+    p.accept(1)
+    row = torch.tensor([3.0, -1.0, -4.0, 6.0, 5.0])
+    # 0 and 2 from the prompt, 1 from the output (then its frequency penalty); 3 only biased, 4 untouched
+    assert p.masked(row).tolist() == [1.5, -2.5, -8.0, 7.0, 5.0]
+    assert Penalties(bias={3: 1.0}, prompt=[0]).masked(row).tolist() == [3.0, -1.0, -4.0, 7.0, 5.0]  # r = 1: no prompt
 
 
 def test_each_verify_row_sees_the_draft_tokens_before_it():
@@ -55,7 +65,8 @@ def test_sampled_rows_race_on_the_adjusted_distribution():
     dict(presence=2.5), dict(frequency=-3), dict(frequency=float("nan")), dict(presence=True),
     dict(logit_bias=[1]), dict(logit_bias={"x": 1}), dict(logit_bias={"-1": 1}), dict(logit_bias={"100": 1}),
     dict(logit_bias={"1": 101}), dict(logit_bias={"1": float("inf")}), dict(logit_bias={"1": "5"}),
-    dict(logit_bias={str(i): 1 for i in range(MAX_BIASES + 1)})])
+    dict(logit_bias={str(i): 1 for i in range(MAX_BIASES + 1)}), dict(repetition=0.0), dict(repetition=2.5),
+    dict(repetition=float("nan")), dict(repetition=-1)])
 def test_bad_values_are_refused(bad):
     with pytest.raises(InvalidRequest):
         penalties(100, **bad)
@@ -80,7 +91,8 @@ def decoders():
                   for d in ("ngram", "datastore+ngram", "target")}
 
 
-def step_by_step(sd, prompt: str, n: int, presence: float, frequency: float, bias: dict[int, float]) -> list[int]:
+def step_by_step(sd, prompt: str, n: int, presence: float, frequency: float, bias: dict[int, float],
+                 repetition: float = 1.0) -> list[int]:
     """Target-only greedy decoding written out: one step of the target a token, the rule applied in float64."""
     from specdec.kv import cached_model
     lm = cached_model(sd.model, sd.model.config.vocab_size)
@@ -88,7 +100,9 @@ def step_by_step(sd, prompt: str, n: int, presence: float, frequency: float, bia
     counts: dict[int, int] = {}
     for _ in range(n):
         row = lm.forward(seq)[-1].double()
-        for v in set(counts) | set(bias):
+        for v in set(counts) | set(bias) | (set(seq) if repetition != 1 else set()):
+            if v in seq and repetition != 1:  # the prompt and the output so far
+                row[v] = row[v] / repetition if row[v] > 0 else row[v] * repetition
             row[v] = row[v] + (bias.get(v, 0.0) - counts.get(v, 0) * frequency - (presence if v in counts else 0.0))
         token = int(row.float().argmax())
         seq.append(token)
@@ -100,14 +114,15 @@ def step_by_step(sd, prompt: str, n: int, presence: float, frequency: float, bia
 
 
 @pytest.mark.real
-@pytest.mark.parametrize("presence,frequency", [(0.4, 0.6), (1.5, 0.0), (0.0, -0.3)])
-def test_greedy_speculation_equals_the_adjusted_target_alone(decoders, presence, frequency):
+@pytest.mark.parametrize("presence,frequency,repetition", [(0.4, 0.6, 1.0), (1.5, 0.0, 1.0), (0.0, -0.3, 1.0),
+                                                            (0.0, 0.0, 1.3), (0.2, 0.0, 0.8)])
+def test_greedy_speculation_equals_the_adjusted_target_alone(decoders, presence, frequency, repetition):
     base, spec = decoders
-    adjust = dict(presence_penalty=presence, frequency_penalty=frequency)
+    adjust = dict(presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition)
     changed = 0
     for p in PROMPTS:
         ref = base.generate(p, max_new_tokens=40, **adjust)
-        assert ref.token_ids == step_by_step(base, p, 40, presence, frequency, {})
+        assert ref.token_ids == step_by_step(base, p, 40, presence, frequency, {}, repetition)
         changed += ref.token_ids != base.generate(p, max_new_tokens=40).token_ids
         for name, sd in spec.items():
             assert sd.generate(p, max_new_tokens=40, **adjust).token_ids == ref.token_ids, (name, p)
@@ -185,7 +200,11 @@ def test_over_http(decoders):
         r = httpx.post(srv.url + "/v1/chat/completions", json=sampled, timeout=120)
         assert r.json()["choices"][0]["message"]["content"] == base.generate(
             PROMPTS[0], max_new_tokens=30, logit_bias={"28": -2.5}, temperature=1.0, seed=3, min_p=0.2, **ADJUST).text
-        for bad, field in (({"min_p": 1.5}, "min_p"), ({"presence_penalty": 2.5}, "presence_penalty"), ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+        r = httpx.post(srv.url + "/v1/chat/completions", json={**body, "repetition_penalty": 1.25}, timeout=120)
+        assert r.json()["choices"][0]["message"]["content"] == base.generate(
+            PROMPTS[0], max_new_tokens=30, logit_bias={"28": -2.5}, repetition_penalty=1.25, **ADJUST).text
+        for bad, field in (({"min_p": 1.5}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
+                           ({"repetition_penalty": True}, "repetition_penalty"), ({"presence_penalty": 2.5}, "presence_penalty"), ({"logit_bias": {"99999999": 1}}, "logit_bias"),
                            ({"logit_bias": {"5": 500}}, "logit_bias"), ({"logit_bias": ["5"]}, "logit_bias"),
                            ({"logit_bias": {"5": True}}, "logit_bias"), ({"logit_bias": {"\u00b2": 1}}, "logit_bias"),
                            ({"frequency_penalty": True}, "frequency_penalty")):

@@ -183,7 +183,7 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
         response_format = tools.call_format(req.tools, req.tool_choice) if calling else req.response_format
         # a bias on a token the model lacks: a 400 before any stream starts (the worker checks again in prepare)
         penalties(decoder.model.config.vocab_size, req.presence_penalty or 0.0, req.frequency_penalty or 0.0,
-                  req.logit_bias)
+                  req.logit_bias, req.repetition_penalty or 1.0)
         # an unseeded sampled request gets a seed from the OS, reported in `specdec.seed`: any answer can be
         # reproduced by sending it back (and a retry elsewhere regenerates the same text)
         base = req.seed if req.seed is not None or req.temperature == 0 else secrets.randbits(63)
@@ -200,7 +200,9 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
                                              prediction=req.prediction.text if req.prediction else None,
                                              presence_penalty=req.presence_penalty or 0.0,
                                              frequency_penalty=req.frequency_penalty or 0.0,
-                                             logit_bias=req.logit_bias, logprobs=req.logprob_count,
+                                             logit_bias=req.logit_bias,
+                                             repetition_penalty=req.repetition_penalty or 1.0,
+                                             logprobs=req.logprob_count,
                                              prompt_logprobs=req.logprob_count if echo else None),
                                         salt=req.tenant_salt(getattr(request.state, "tenant", b"")))
                 except Busy as e:

@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..api import MAX_STOP_CHARS, MAX_STOPS
-from ..penalties import MAX_PENALTY
+from ..penalties import MAX_PENALTY, MAX_REPETITION
 from ..sampling import MAX_TEMPERATURE, SEED_RANGE
 from . import tools
 
@@ -58,6 +58,7 @@ class _Request(BaseModel):
     presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY, strict=True)  # penalties.py
     frequency_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY, strict=True)
     logit_bias: dict[str, Any] | None = None  # token id -> bias in [-100, 100]: penalties.py checks both
+    repetition_penalty: float | None = Field(default=None, gt=0, le=MAX_REPETITION, strict=True)  # vLLM's extension
     # accepted, ignored (IGNORED)
     user: str | None = None
     store: bool | None = None
