@@ -1,0 +1,65 @@
+"""What penalties cost speculation: target-only and a draft, in one process, without penalties and with each of the
+given settings, the systems alternated prompt by prompt. Reports decode tokens/s, the speed-up over target-only
+under the same setting, and drafts accepted of proposed.
+
+    python benchmarks/penalties.py [--target default] [--draft datastore+ngram] [--max-new-tokens 64] [--rounds 3]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from time import perf_counter
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from specdec import SpecDecoder  # noqa: E402
+
+PROMPTS = ["List the numbers from 1 to 12.", "Write a Python function that returns the first n square numbers.",
+           "Explain what a cache is."]
+SETTINGS = {"none": {}, "frequency 0.5": {"frequency_penalty": 0.5}, "presence 0.5": {"presence_penalty": 0.5},
+            "repetition 1.3": {"repetition_penalty": 1.3}}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="default")
+    ap.add_argument("--draft", default="datastore+ngram")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    base = SpecDecoder(target=args.target, draft="none")
+    systems = {"target-only": base, args.draft: SpecDecoder.from_models(base.model, base.tokenizer, args.draft)}
+    report = {}
+    for label, kw in SETTINGS.items():
+        tally = {name: [0, 0.0, 0, 0] for name in systems}  # tokens, seconds, accepted, proposed
+        for sd in systems.values():
+            sd.generate(PROMPTS[0], max_new_tokens=8, **kw)  # warm: a drafter's first use loads what it needs
+        for r in range(args.rounds):
+            for p in PROMPTS:
+                for name in (list(systems) if r % 2 == 0 else list(systems)[::-1]):
+                    t = perf_counter()
+                    out = systems[name].generate(p, max_new_tokens=args.max_new_tokens, **kw)
+                    row = tally[name]
+                    row[0] += len(out.token_ids)
+                    row[1] += perf_counter() - t
+                    row[2] += out.stats["accepted"]
+                    row[3] += out.stats["proposed"]
+        speeds = {name: row[0] / row[1] for name, row in tally.items()}
+        report[label] = {name: {"tokens_per_s": round(speeds[name], 1),
+                                "speedup": round(speeds[name] / speeds["target-only"], 3),
+                                "accepted": row[2], "proposed": row[3]} for name, row in tally.items()}
+        d = report[label][args.draft]
+        print(f"{label:15s} target-only {speeds['target-only']:6.1f} tok/s | {args.draft} {d['tokens_per_s']:6.1f} "
+              f"tok/s ({d['speedup']:.2f}x), accepted {d['accepted']}/{d['proposed']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"target": args.target, "draft": args.draft, "max_new_tokens": args.max_new_tokens,
+                       "rounds": args.rounds, "settings": SETTINGS, "results": report}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
