@@ -1,6 +1,7 @@
 """What penalties cost speculation: target-only and a draft, in one process, without penalties and with each of the
 given settings, the systems alternated prompt by prompt. Reports decode tokens/s, the speed-up over target-only
-under the same setting, and drafts accepted of proposed.
+under the same setting, and drafts accepted of proposed. `--batch`: each request through the batch engine (the
+server's path, one request at a time) instead of the single-request engine.
 
     python benchmarks/penalties.py [--target default] [--draft datastore+ngram] [--max-new-tokens 64] [--rounds 3]
 """
@@ -22,16 +23,42 @@ SETTINGS = {"none": {}, "frequency 0.5": {"frequency_penalty": 0.5}, "presence 0
             "repetition 1.3": {"repetition_penalty": 1.3}}
 
 
+class Batched:
+    """One request at a time through a BatchEngine on the decoder's target and drafter: generate() as SpecDecoder's,
+    returning what the report reads."""
+
+    def __init__(self, sd):
+        from specdec.batch import BatchEngine
+        self.sd = sd
+        self.engine = BatchEngine(sd.model, sd.engine.drafter, sd.model.config.vocab_size, sd.engine.eos_ids,
+                                  sd.context_window)
+
+    def generate(self, prompt, max_new_tokens, **kw):
+        from types import SimpleNamespace
+        from specdec.batch import Sequence
+        req = self.sd.prepare(prompt, max_new_tokens=max_new_tokens, **kw)
+        seq = self.engine.add(Sequence(req.prompt_ids, max_new_tokens, req.params, constraint=req.constraint))
+        accepted = proposed = 0
+        while self.engine.running:
+            for _, rec in self.engine.step():
+                if rec is not None:
+                    accepted, proposed = accepted + rec.accepted, proposed + len(rec.proposed)
+        return SimpleNamespace(token_ids=seq.generated, stats={"accepted": accepted, "proposed": proposed})
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="default")
     ap.add_argument("--draft", default="datastore+ngram")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batch", action="store_true", help="through the batch engine (the server's path)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     base = SpecDecoder(target=args.target, draft="none")
     systems = {"target-only": base, args.draft: SpecDecoder.from_models(base.model, base.tokenizer, args.draft)}
+    if args.batch:
+        systems = {name: Batched(sd) for name, sd in systems.items()}
     report = {}
     for label, kw in SETTINGS.items():
         tally = {name: [0, 0.0, 0, 0] for name in systems}  # tokens, seconds, accepted, proposed
@@ -56,7 +83,8 @@ def main(argv=None) -> int:
               f"tok/s ({d['speedup']:.2f}x), accepted {d['accepted']}/{d['proposed']}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"target": args.target, "draft": args.draft, "max_new_tokens": args.max_new_tokens,
+            json.dump({"target": args.target, "draft": args.draft, "batch": args.batch,
+                       "max_new_tokens": args.max_new_tokens,
                        "rounds": args.rounds, "settings": SETTINGS, "results": report}, f, indent=1)
     return 0
 

@@ -180,6 +180,33 @@ def test_with_a_grammar_and_in_the_batch_engine(decoders):
 
 
 @pytest.mark.real
+def test_a_model_draft_drafts_for_penalized_requests_in_the_batch_engine(decoders):
+    """A model draft (the target as its own draft) proposes after the row split for requests under penalties or a
+    grammar that forces nothing at the moment; every output stays the request's own, target-only one."""
+    from specdec.batch import BatchEngine, Sequence
+    base, spec = decoders
+    sd = spec["target"]
+    engine = BatchEngine(sd.model, sd.engine.drafter, sd.model.config.vocab_size, sd.engine.eos_ids,
+                         sd.context_window, max_batch_rows=12)
+    schema = {"type": "json_object"}
+    cases = [(PROMPTS[0], ADJUST), (PROMPTS[1], dict(repetition_penalty=1.2)), (PROMPTS[2], {}),
+             ("Describe a cat as JSON.", dict(response_format=schema, frequency_penalty=0.3)),
+             (PROMPTS[2], dict(temperature=0.8, seed=4, **ADJUST))]
+    seqs, accepted = [], {}
+    for p, kw in cases:
+        req = sd.prepare(p, max_new_tokens=32, **kw)
+        seqs.append(engine.add(Sequence(req.prompt_ids, 32, req.params, constraint=req.constraint)))
+    while engine.running:
+        for seq, rec in engine.step():
+            if rec is not None:
+                accepted[seq.id] = accepted.get(seq.id, 0) + rec.accepted
+    engine.close()
+    for (p, kw), s in zip(cases, seqs):
+        assert s.generated == base.generate(p, max_new_tokens=32, **kw).token_ids, (p, kw)
+    assert all(accepted.get(s.id, 0) > 0 for s in seqs[:2] + seqs[3:])  # drafts were verified under penalties
+
+
+@pytest.mark.real
 def test_over_http(decoders):
     from specdec.server import create_app
     from test_server import LiveServer

@@ -131,7 +131,9 @@ class BatchEngine(Admission):
             caps[s.id] = max(0, min(s.max_tau, room - 1))  # never draft more than can be emitted
             if getattr(self._state[s.id][1], "name", "") == "none":
                 caps[s.id] = 0  # target-only: nothing to ask for
-            if s.constraint is not None:  # the grammar's forced tokens, then a free drafter's guess: one chain
+            if s.constraint is not None and not free and not s.constraint.forced(1):
+                pass  # nothing forced now: the model draft proposes after the split (_late_drafts: one chain, cut)
+            elif s.constraint is not None:  # the grammar's forced tokens, then a free drafter's guess: one chain
                 t = perf_counter()
                 try:
                     early[s.id], drafted = self._constrained_draft(s, room, caps[s.id], free)
@@ -257,12 +259,15 @@ class BatchEngine(Admission):
         τ -> request id -> (τ, draft, proposed tokens)."""
         for s, tau, d in zip(decoding, taus, demands):
             s.idle = 0 if tau or not d.cap else s.idle + 1
-        late = [(s, tau) for s, tau in zip(decoding, taus) if tau and s.id not in early and s.constraint is None]
+        late = [(s, tau) for s, tau in zip(decoding, taus) if tau and s.id not in early]
         if late:  # one batched proposal (the feature draft's layer runs once per step for all of them)
             t = perf_counter()
             made = self._propose_late(late)
             share = self._shares(perf_counter() - t, made, [tau for _, tau in late])
             for (s, tau), draft, ms in zip(late, made, share):
+                if draft is not None and s.constraint is not None:  # one chain, cut where the grammar refuses
+                    chain = best_chain(draft)[:tau]
+                    draft = Draft(chain[: s.constraint.valid_prefix(chain)], prefill_ms=draft.prefill_ms)
                 if draft is not None:
                     early[s.id], draft_ms[s.id] = draft, ms
                     self._prefill_ms[s.id] = draft.prefill_ms
