@@ -1,6 +1,6 @@
-"""What penalties cost speculation: target-only and a draft, in one process, without penalties and with each of the
-given settings, the systems alternated prompt by prompt. Reports decode tokens/s, the speed-up over target-only
-under the same setting, and drafts accepted of proposed. `--batch`: each request through the batch engine (the
+"""What penalties (and a grammar) cost speculation: target-only and a draft, in one process, without penalties and
+with each of the given settings, the systems alternated prompt by prompt. Reports decode tokens/s, the speed-up over
+target-only under the same setting, and drafts accepted of proposed. `--batch`: each request through the batch engine (the
 server's path, one request at a time) instead of the single-request engine.
 
     python benchmarks/penalties.py [--target default] [--draft datastore+ngram] [--max-new-tokens 64] [--rounds 3]
@@ -20,7 +20,7 @@ from specdec import SpecDecoder  # noqa: E402
 PROMPTS = ["List the numbers from 1 to 12.", "Write a Python function that returns the first n square numbers.",
            "Explain what a cache is."]
 SETTINGS = {"none": {}, "frequency 0.5": {"frequency_penalty": 0.5}, "presence 0.5": {"presence_penalty": 0.5},
-            "repetition 1.3": {"repetition_penalty": 1.3}}
+            "repetition 1.3": {"repetition_penalty": 1.3}, "json_object": {"response_format": {"type": "json_object"}}}
 
 
 class Batched:
@@ -53,6 +53,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batch", action="store_true", help="through the batch engine (the server's path)")
+    ap.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated, of: " + ", ".join(SETTINGS))
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     base = SpecDecoder(target=args.target, draft="none")
@@ -60,7 +61,10 @@ def main(argv=None) -> int:
     if args.batch:
         systems = {name: Batched(sd) for name, sd in systems.items()}
     report = {}
-    for label, kw in SETTINGS.items():
+    chosen = args.settings.split(",")
+    if any(label not in SETTINGS for label in chosen):
+        ap.error(f"--settings: each of {', '.join(SETTINGS)}")
+    for label, kw in ((label, SETTINGS[label]) for label in chosen):
         tally = {name: [0, 0.0, 0, 0] for name in systems}  # tokens, seconds, accepted, proposed
         for sd in systems.values():
             sd.generate(PROMPTS[0], max_new_tokens=8, **kw)  # warm: a drafter's first use loads what it needs
