@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 SOURCE = r"""
@@ -77,31 +78,31 @@ int main() {
 """
 
 
-def mix_per_second() -> dict[str, float]:
-    """Instructions a second on one core for each MIX_SOURCE loop (vpdpbusd a second, or FMA for fma_x12)."""
+@contextmanager
+def compiled(source: str):
+    """The path of `source` built with AVX-512 VNNI and FMA, in a directory removed afterwards."""
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     if compiler is None:
         raise SystemExit("vnni_peak: needs a C++ compiler (g++)")
     with tempfile.TemporaryDirectory() as tmp:
-        src, exe = Path(tmp) / "mix.cpp", Path(tmp) / "mix"
-        src.write_text(MIX_SOURCE)
+        src, exe = Path(tmp) / "loop.cpp", Path(tmp) / "loop"
+        src.write_text(source)
         subprocess.run([compiler, "-O2", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-mfma", str(src), "-o", str(exe)],
                        check=True, capture_output=True)
-        lines = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split("\n")
+        yield str(exe)
+
+
+def mix_per_second() -> dict[str, float]:
+    """Instructions a second on one core for each MIX_SOURCE loop (vpdpbusd a second, or FMA for fma_x12)."""
+    with compiled(MIX_SOURCE) as exe:
+        lines = subprocess.run([exe], check=True, capture_output=True, text=True).stdout.split("\n")
     return {k: float(v) for k, v in (line.split() for line in lines if line and not line.startswith("check"))}
 
 
 def vnni_per_second(threads: int) -> float:
     """vpdpbusd zmm per second on one core, the best of `threads` copies run at once (all cores busy, as a pass)."""
-    compiler = shutil.which(os.environ.get("CXX", "g++"))
-    if compiler is None:
-        raise SystemExit("vnni_peak: needs a C++ compiler (g++)")
-    with tempfile.TemporaryDirectory() as tmp:
-        src, exe = Path(tmp) / "peak.cpp", Path(tmp) / "peak"
-        src.write_text(SOURCE)
-        subprocess.run([compiler, "-O2", "-mavx512f", "-mavx512bw", "-mavx512vnni", str(src), "-o", str(exe)],
-                       check=True, capture_output=True)
-        procs = [subprocess.Popen([str(exe)], stdout=subprocess.PIPE, text=True) for _ in range(threads)]
+    with compiled(SOURCE) as exe:
+        procs = [subprocess.Popen([exe], stdout=subprocess.PIPE, text=True) for _ in range(threads)]
         rates = [float(p.communicate()[0].split()[0]) for p in procs]
     return min(rates)
 
