@@ -12,7 +12,7 @@ import copy
 import os
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from time import perf_counter
 
 from . import models
@@ -211,6 +211,8 @@ class SpecDecoder:
                 raise InvalidRequest(f"{name} must be an integer in [0, 20], got {str(value)[:40]}")
         adjust = penalties(self.model.config.vocab_size, presence_penalty, frequency_penalty, logit_bias,
                            repetition_penalty, ids)
+        if adjust is not None:  # a model draft adjusts its rows alike (it proposes what the adjusted target would)
+            req.params = replace(req.params, penalties=adjust)
         grammar = self.grammars.constraint(response_format)
         req.constraint = adjust if grammar is None else grammar if adjust is None else Adjusted(grammar, adjust)
         req.logprobs, req.prompt_logprobs = logprobs, prompt_logprobs

@@ -11,11 +11,13 @@ penalty both, as vLLM's and transformers'), in float64 and rounded to float32 on
 
 With speculation each verify row is adjusted with the counts after the draft tokens before it, then chosen as
 target-only would choose from it (verification.verify_constrained, the path a grammar takes), so the output is the
-adjusted target-only output: greedy token for token, seeded sampling text for text. Drafters propose from their
-own, unadjusted scores: a penalty costs acceptance, never correctness.
+adjusted target-only output: greedy token for token, seeded sampling text for text. A model draft adjusts its own
+rows alike (SamplingParams.penalties, drafters/model.py); other drafters propose as they would: a penalty may cost
+acceptance, never correctness.
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -37,7 +39,17 @@ class Penalties:
         self.presence, self.frequency, self.bias = float(presence), float(frequency), dict(bias or {})
         self.repetition = float(repetition)
         self.prompt = frozenset(prompt) if self.repetition != 1.0 else frozenset()  # seen before the output
+        self.start = len(prompt)  # where the output begins in a context
         self.counts: dict[int, int] = {}
+
+    def after(self, context: list[int]) -> Penalties:
+        """A copy whose counts are those of `context`'s output (a draft's view: its context may run past what the
+        request committed, with forced or copied tokens)."""
+        view = copy.copy(self)
+        view.counts = {}
+        for t in context[self.start:]:
+            view.counts[t] = view.counts.get(t, 0) + 1
+        return view
 
     def masked(self, logits: torch.Tensor) -> torch.Tensor:
         """A copy of one row of logits, adjusted (the rule above)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +36,9 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     seed: int | None = None
     min_p: float = 0.0  # 0 = off: keep the tokens at least min_p times as likely as the likeliest (after temperature)
+    # the request's penalties (penalties.Penalties) for a model draft to adjust its own rows alike; the target's rows
+    # are adjusted through the request's constraint, so this changes no output, only what a draft proposes
+    penalties: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) \

@@ -37,6 +37,14 @@ def test_the_repetition_penalty_divides_what_is_positive_and_multiplies_the_rest
     assert Penalties(bias={3: 1.0}, prompt=[0]).masked(row).tolist() == [3.0, -1.0, -4.0, 7.0, 5.0]  # r = 1: no prompt
 
 
+def test_a_drafts_view_counts_its_own_context_past_the_prompt():
+    p = Penalties(frequency=1.0, repetition=2.0, prompt=[5, 6])
+    p.accept(7)
+    view = p.after([5, 6, 7, 8, 8])  # the prompt, the committed 7, then two drafted 8s
+    assert view.counts == {7: 1, 8: 2} and p.counts == {7: 1}  # the request's own state untouched
+    assert view.masked(torch.tensor([0.0] * 5 + [4.0, -4.0, 2.0, 6.0]))[5:].tolist() == [2.0, -8.0, 0.0, 1.0]
+
+
 def test_each_verify_row_sees_the_draft_tokens_before_it():
     """Row 1 is adjusted for draft token 1 at row 0: its argmax moves to token 2 and the second draft is rejected;
     without the count both would be accepted."""
@@ -127,6 +135,35 @@ def test_greedy_speculation_equals_the_adjusted_target_alone(decoders, presence,
         for name, sd in spec.items():
             assert sd.generate(p, max_new_tokens=40, **adjust).token_ids == ref.token_ids, (name, p)
     assert changed  # the penalties moved the output
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_model_draft_adjusts_its_own_rows(decoders, batched):
+    """The target as its own draft, under penalties: the draft's rows adjusted alike (SamplingParams.penalties,
+    counted over its own context) propose exactly the adjusted target's tokens, so every draft is accepted."""
+    from specdec.batch import BatchEngine, Sequence
+    base, spec = decoders
+    sd = spec["target"]
+    for kw in (dict(repetition_penalty=1.3), dict(frequency_penalty=0.8, presence_penalty=0.5, logit_bias={"28": -3})):
+        for p in PROMPTS[:2]:
+            if not batched:
+                out = sd.generate(p, max_new_tokens=40, **kw)
+                tokens, accepted, proposed = out.token_ids, out.stats["accepted"], out.stats["proposed"]
+            else:
+                engine = BatchEngine(sd.model, sd.engine.drafter, sd.model.config.vocab_size, sd.engine.eos_ids,
+                                     sd.context_window, max_batch_rows=8)
+                req = sd.prepare(p, max_new_tokens=40, **kw)
+                seq = engine.add(Sequence(req.prompt_ids, 40, req.params, constraint=req.constraint))
+                accepted = proposed = 0
+                while engine.running:
+                    for _, rec in engine.step():
+                        if rec is not None:
+                            accepted, proposed = accepted + rec.accepted, proposed + len(rec.proposed)
+                engine.close()
+                tokens = seq.generated
+            assert tokens == base.generate(p, max_new_tokens=40, **kw).token_ids
+            assert 0 < accepted == proposed, (kw, p, accepted, proposed)
 
 
 @pytest.mark.real

@@ -48,6 +48,7 @@ class ModelDrafter:
         seqs, qs, prefill = {i: list(contexts[i]) for i in live}, {i: [] for i in live}, dict.fromkeys(live, 0.0)
         batched = len({id(getattr(drafters[i].lm, "model", None)) for i in live}) == 1 and all(
             isinstance(drafters[i].lm, SlotCache) for i in live)
+        adjust = {i: params[i].penalties.after(seqs[i]) for i in live if params[i].penalties is not None}
         for step in range(max((ks[i] for i in live), default=0)):
             group = [i for i in live if ks[i] > step]
             t = perf_counter()
@@ -61,12 +62,15 @@ class ModelDrafter:
                 for i in group:
                     prefill[i] = drafters[i]._caught_up(ran[i], ms * ran[i])
             for row, i in enumerate(group):
+                scores = adjust[i].masked(logits[row]) if i in adjust else logits[row]  # as the target's rows are
                 if params[i].greedy:
-                    token = int(logits[row].argmax())
+                    token = int(scores.argmax())
                 else:
-                    q = warp(logits[row], params[i])
+                    q = warp(scores, params[i])
                     token = draw(q, generators[i], len(seqs[i]))
                     qs[i].append(q)
+                if i in adjust:
+                    adjust[i].accept(token)
                 seqs[i].append(token)
         out = [Draft() for _ in drafters]
         for i in live:
