@@ -219,7 +219,8 @@ def test_with_a_grammar_and_in_the_batch_engine(decoders):
 @pytest.mark.real
 def test_a_model_draft_drafts_for_penalized_requests_in_the_batch_engine(decoders):
     """A model draft (the target as its own draft) proposes after the row split for requests under penalties or a
-    grammar that forces nothing at the moment; every output stays the request's own, target-only one."""
+    grammar that forces nothing at the moment, and continues a grammar's forced tokens in a small batch; every output
+    stays the request's own, target-only one."""
     from specdec.batch import BatchEngine, Sequence
     base, spec = decoders
     sd = spec["target"]
@@ -228,6 +229,7 @@ def test_a_model_draft_drafts_for_penalized_requests_in_the_batch_engine(decoder
     schema = {"type": "json_object"}
     cases = [(PROMPTS[0], ADJUST), (PROMPTS[1], dict(repetition_penalty=1.2)), (PROMPTS[2], {}),
              ("Describe a cat as JSON.", dict(response_format=schema, frequency_penalty=0.3)),
+             ("Describe a dog as JSON.", dict(response_format=schema)),
              (PROMPTS[2], dict(temperature=0.8, seed=4, **ADJUST))]
     seqs, accepted = [], {}
     for p, kw in cases:

@@ -436,14 +436,16 @@ class BatchEngine(Admission):
         return (draft, (perf_counter() - t) * 1e3, depth) if draft.tokens else None
 
     def _constrained_draft(self, s: Sequence, room: int, cap: int, free: bool) -> tuple[Draft, int]:
-        """What the grammar forces (drafted for free, unless the request runs without a drafter), then a model-free
-        drafter's proposal after it, cut where the grammar would refuse a token -> (that draft, tokens before the
-        cut)."""
+        """What the grammar forces (drafted for free, unless the request runs without a drafter), then the drafter's
+        proposal after it, cut where the grammar would refuse a token -> (that draft, tokens before the cut). A model
+        draft continues the forced tokens within the cap, and only while at most EARLY_MODEL_BATCH requests decode:
+        it runs for this request alone, before the row split."""
         drafter = self._state[s.id][1]
         if getattr(drafter, "name", "") == "none":
             return Draft(), 0
         forced = s.constraint.forced(room - 1)
-        more = drafter.propose(s.tokens + forced, cap, s.params, s.generator) if free and cap else None
+        ask = cap if free else cap - len(forced) if len(self.running) <= EARLY_MODEL_BATCH else 0
+        more = drafter.propose(s.tokens + forced, ask, s.params, s.generator) if ask > 0 else None
         tokens = forced + (best_chain(more)[:cap] if more is not None else [])
         return Draft(tokens[: s.constraint.valid_prefix(tokens)]), len(tokens)
 
