@@ -4,7 +4,10 @@ pool forces. Every finished request equals the request served alone, every runni
 says (a twin waiting or a preempted request nothing, the others blocks for their tokens), and at the end the pool
 balances: no block held, every block free or cached. Requests may carry a prediction (their own output, or another
 prompt's), drafted from their prompt's last chunk on. With a drafter that reads the target's hidden states (whose
-cached prefixes carry them), each finished request's drafter holds exactly the hidden states of its tokens."""
+cached prefixes carry them), each finished request's drafter holds exactly the hidden states of its tokens.
+Requests may carry presence and frequency penalties (each choice its own state), verified row by row."""
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -14,6 +17,7 @@ from specdec import SpecDecoder, models
 from specdec.batch import BatchEngine, Sequence
 from specdec.batch.requests import State
 from specdec.drafters import ChainDrafter, NgramDrafter
+from specdec.penalties import penalties
 from specdec.sampling import SamplingParams
 
 BASE = "The cat sat on the mat and looked at the door. "
@@ -31,13 +35,16 @@ def rt(tiny_dirs):
 _ALONE: dict = {}
 
 
-def alone(rt, prompt: str, params: SamplingParams, n: int) -> list[int]:
-    key = (prompt, params.temperature, params.seed, n)
+PENALTIES = dict(presence_penalty=0.3, frequency_penalty=0.7)
+
+
+def alone(rt, prompt: str, params: SamplingParams, n: int, penalized: bool = False) -> list[int]:
+    key = (prompt, params.temperature, params.seed, n, penalized)
     if key not in _ALONE:
         model, tok = rt
         sd = SpecDecoder.from_models(model, tok, draft="none")
         _ALONE[key] = sd.generate(prompt, max_new_tokens=n, chat=False, temperature=params.temperature,
-                                  seed=params.seed).token_ids
+                                  seed=params.seed, **(PENALTIES if penalized else {})).token_ids
     return _ALONE[key]
 
 
@@ -47,7 +54,8 @@ request = st.tuples(st.integers(0, 6),  # arrival step
                     st.sampled_from([None, 3, 11]),  # greedy, or a seed
                     st.integers(2, 10),  # max new tokens
                     st.one_of(st.none(), st.integers(1, 8)),  # cancelled after this many steps, or never
-                    st.sampled_from([None, "own", "other"]))  # a prediction: none, its own output, another's
+                    st.sampled_from([None, "own", "other"]),  # a prediction: none, its own output, another's
+                    st.booleans())  # presence and frequency penalties
 
 
 def feature_chain(model):
@@ -82,13 +90,18 @@ def test_random_schedules_equal_each_request_alone_and_the_pool_balances(rt, fea
                          256, max_batch_rows=12, prefill_chunk=8)
     model.pool.clear_hashes()
     waiting = []  # (arrival, sequence, cancel after)
-    for arrival, p, n, seed, new, cancel, predicted in schedule:
+    for arrival, p, n, seed, new, cancel, predicted, penalized in schedule:
         params = SamplingParams() if seed is None else SamplingParams(0.9, 1.0, 0, seed)
         ids = tok(PROMPTS[p]).input_ids
         for c in range(n):  # n choices of one prompt: one seed each, as the server gives them
             choice = params if seed is None else SamplingParams(0.9, 1.0, 0, seed + c)
             pred = None if predicted is None else alone(rt, PROMPTS[p if predicted == "own" else p - 1], choice, 12)
-            waiting.append((arrival, Sequence(ids, new, choice, prediction=pred), cancel, PROMPTS[p]))
+            adjust = penalties(None, PENALTIES["presence_penalty"], PENALTIES["frequency_penalty"]) if penalized \
+                else None
+            if adjust is not None:
+                choice = replace(choice, penalties=adjust)
+            waiting.append((arrival, Sequence(ids, new, choice, constraint=adjust, prediction=pred), cancel,
+                            PROMPTS[p]))
     started, done, cancelled, held_features = {}, [], set(), []
     step = 0
     while waiting or engine.running:
@@ -120,7 +133,8 @@ def test_random_schedules_equal_each_request_alone_and_the_pool_balances(rt, fea
         step += 1
         assert step < 500, "the schedule never finished"
     for s in done:
-        assert s.generated == alone(rt, started[s.id][2], s.params, s.max_new_tokens), (s.id, started[s.id])
+        want = alone(rt, started[s.id][2], s.params, s.max_new_tokens, s.constraint is not None)
+        assert s.generated == want, (s.id, started[s.id])
     pool = model.pool
     assert all(r == 0 for r in pool.refs)  # nothing held once every request left
     assert len(pool.free) + len(pool.evictable) == pool.blocks
