@@ -179,8 +179,8 @@ class SpecDecoder:
                 tau: int | None = None, policy: str | None = None, prompt_ids: list[int] | None = None,
                 response_format: dict | None = None, logprobs: int | None = None,
                 prompt_logprobs: int | None = None, prediction: str | None = None, presence_penalty: float = 0.0,
-                frequency_penalty: float = 0.0, logit_bias: dict | None = None, repetition_penalty: float = 1.0
-                ) -> Request:
+                frequency_penalty: float = 0.0, logit_bias: dict | None = None, repetition_penalty: float = 1.0,
+                repetition_window: int | None = None) -> Request:
         """Validate and encode one request (InvalidRequest / PromptTooLong on bad input). `prompt_ids`: the prompt
         already encoded (the server encodes it once, off the model worker). `response_format`: OpenAI's
         ({"type": "json_object"}, or "json_schema" with {"json_schema": {"schema": ...}}): the output follows the
@@ -191,8 +191,9 @@ class SpecDecoder:
         that sends none but quotes a code block drafts from that block (drafters/prediction.py, `quoted_block`),
         reported as no prediction; not with the drafter `none` (target-only), nor with QUOTED_DRAFTS off.
         `presence_penalty`, `frequency_penalty` ([-2, 2]) and `logit_bias` ({token id: bias in [-100, 100]}) adjust
-        the target's scores as OpenAI's do, `repetition_penalty` ((0, 2]) as vLLM's (penalties.py); the output is
-        the adjusted target-only output."""
+        the target's scores as OpenAI's do, `repetition_penalty` ((0, 2]) as vLLM's (penalties.py), over the last
+        `repetition_window` tokens of prompt and output where given (llama.cpp's repeat_last_n); the output is the
+        adjusted target-only output."""
         if not (prompt_logprobs is not None and max_new_tokens == 0):
             _positive_int("max_new_tokens", max_new_tokens)
         tau = self.tau if tau is None else _positive_int("tau", tau)
@@ -210,7 +211,7 @@ class SpecDecoder:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 20):
                 raise InvalidRequest(f"{name} must be an integer in [0, 20], got {str(value)[:40]}")
         adjust = penalties(self.model.config.vocab_size, presence_penalty, frequency_penalty, logit_bias,
-                           repetition_penalty, ids)
+                           repetition_penalty, ids, repetition_window)
         if adjust is not None:  # a model draft adjusts its rows alike (it proposes what the adjusted target would)
             req.params = replace(req.params, penalties=adjust)
         grammar = self.grammars.constraint(response_format)

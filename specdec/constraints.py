@@ -1,4 +1,4 @@
-"""Structured outputs: a grammar (any JSON value, or a JSON schema) decides which tokens may come next, and the
+"""Structured outputs: a grammar (any JSON value, a JSON schema, or a GBNF grammar) decides which tokens may come next, and the
 target chooses among those only. llguidance computes the token mask (0.013 ms, and 0.044 ms to apply it to a row of
 the default model's 49k logits, here) and needs nothing beside it; xgrammar, the other engine made for this, pulls
 in triton (1 GB) on a CPU-only install.
@@ -40,11 +40,14 @@ class Grammars:
             raise InvalidRequest(f"structured outputs are not available for this model's tokenizer: {e}")
 
     def constraint(self, response_format: dict | None) -> Constraint | None:
-        """OpenAI's response_format -> a Constraint (None for text). InvalidRequest for what cannot be compiled."""
+        """OpenAI's response_format -> a Constraint (None for text); {"type": "gbnf", "grammar": text} is llama.cpp's
+        grammar format (what llama-server's `grammar` field takes). InvalidRequest for what cannot be compiled."""
         kind = (response_format or {}).get("type", "text")
         if kind == "text":
             return None
         import llguidance
+        if kind == "gbnf":  # llama.cpp's grammar format (llama-server's `grammar` field), through llguidance's Lark
+            return self._compiled(self._gbnf(response_format.get("grammar")), "grammar")
         if kind == "json_object":
             schema = {"type": "object"}
         elif kind == "json_schema":
@@ -58,9 +61,24 @@ class Grammars:
                                                                      defaults={"whitespace_flexible": False})
         except (ValueError, TypeError) as e:
             raise InvalidRequest(f"response_format: not a JSON schema: {str(e)[:200]}")
+        return self._compiled(grammar, "response_format: this schema")
+
+    @staticmethod
+    def _gbnf(text) -> str:
+        from llguidance import LLMatcher
+        from llguidance.gbnf_to_lark import gbnf_to_lark
+        if not isinstance(text, str) or not text.strip():
+            raise InvalidRequest("grammar must be a non-empty GBNF grammar (llama.cpp's format)")
+        try:
+            return LLMatcher.grammar_from_lark(gbnf_to_lark(text))
+        except Exception as e:  # noqa: BLE001 - the converter raises its own errors and ValueError alike
+            raise InvalidRequest(f"grammar: not a GBNF grammar: {str(e).splitlines()[0][:200] if str(e) else e!r}")
+
+    def _compiled(self, grammar: str, what: str) -> Constraint:
+        import llguidance
         matcher = llguidance.LLMatcher(self.lltokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise InvalidRequest(f"response_format: this schema cannot be used: {matcher.get_error()[:200]}")
+            raise InvalidRequest(f"{what} cannot be used: {matcher.get_error()[:200]}")
         return Constraint(matcher, self.vocab_size)
 
 

@@ -4,7 +4,8 @@ or the argmax.
 
 For every token v that was generated c_v > 0 times, has a bias b_v or, with a repetition penalty r != 1, occurs in
 the prompt or the output (the presence and frequency penalties count the output only, as OpenAI's; the repetition
-penalty both, as vLLM's and transformers'), in float64 and rounded to float32 once:
+penalty both, as vLLM's and transformers', or only their last `window` tokens, as llama.cpp's `repeat_last_n`), in
+float64 and rounded to float32 once:
 
     l = logit[v];  if seen and r != 1: l = l / r if l > 0 else l * r
     logit[v] = float32(l + (b_v - c_v * frequency_penalty - [c_v > 0] * presence_penalty))
@@ -35,10 +36,11 @@ class Penalties:
     constraints.py: `masked` adjusts a row, `accept` commits a token)."""
 
     def __init__(self, presence: float = 0.0, frequency: float = 0.0, bias: dict[int, float] | None = None,
-                 repetition: float = 1.0, prompt=()):
+                 repetition: float = 1.0, prompt=(), window: int | None = None):
         self.presence, self.frequency, self.bias = float(presence), float(frequency), dict(bias or {})
-        self.repetition = float(repetition)
-        self.prompt = frozenset(prompt) if self.repetition != 1.0 else frozenset()  # seen before the output
+        self.repetition, self.window = float(repetition), window
+        self.prompt = frozenset(prompt) if self.repetition != 1.0 and window is None else frozenset()  # seen before
+        self.recent = list(prompt)[-window:] if window else []  # a window's context: its last `window` tokens
         self.start = len(prompt)  # where the output begins in a context
         self.counts: dict[int, int] = {}
 
@@ -49,17 +51,23 @@ class Penalties:
         view.counts = {}
         for t in context[self.start:]:
             view.counts[t] = view.counts.get(t, 0) + 1
+        view.recent = list(context[-self.window:]) if self.window else []
         return view
+
+    def _seen(self) -> set[int] | frozenset[int]:
+        """The tokens the repetition penalty lowers, beside the output's (all of it, without a window)."""
+        return set(self.recent) if self.window else self.prompt
 
     def masked(self, logits: torch.Tensor) -> torch.Tensor:
         """A copy of one row of logits, adjusted (the rule above)."""
         row = logits.float().clone()
-        ids = sorted(set(self.counts) | set(self.bias) | self.prompt)
+        before = self._seen()
+        ids = sorted(set(self.counts) | set(self.bias) | before)
         if ids:
             at = torch.tensor(ids)
             value = row[at].double()
-            if self.repetition != 1.0:  # every id here but a bias-only one was seen
-                seen = torch.tensor([v in self.counts or v in self.prompt for v in ids])
+            if self.repetition != 1.0:  # seen: in the window, else in the prompt or the output
+                seen = torch.tensor([v in before if self.window else v in self.counts or v in before for v in ids])
                 value = torch.where(seen, torch.where(value > 0, value / self.repetition, value * self.repetition),
                                     value)
             delta = torch.tensor([self.bias.get(v, 0.0) - self.counts.get(v, 0) * self.frequency
@@ -69,6 +77,8 @@ class Penalties:
 
     def accept(self, token: int) -> bool:
         self.counts[int(token)] = self.counts.get(int(token), 0) + 1
+        if self.window:
+            self.recent = (self.recent + [int(token)])[-self.window:]
         return True
 
     def valid_prefix(self, tokens: list[int]) -> int:
@@ -100,10 +110,14 @@ class Adjusted:
 
 
 def penalties(vocab_size: int | None, presence: float = 0.0, frequency: float = 0.0, logit_bias=None,
-              repetition: float = 1.0, prompt=()) -> Penalties | None:
+              repetition: float = 1.0, prompt=(), repetition_window: int | None = None) -> Penalties | None:
     """A request's Penalties from OpenAI's fields (logit_bias: {"token id": bias}) and vLLM's repetition_penalty
-    (over `prompt`, its token ids, and the output), or None where none applies; InvalidRequest for a value out of
-    range or a token id outside the vocabulary (vocab_size None: any id)."""
+    (over `prompt`, its token ids, and the output; or their last `repetition_window` tokens, llama.cpp's
+    repeat_last_n), or None where none applies; InvalidRequest for a value out of range or a token id outside the
+    vocabulary (vocab_size None: any id)."""
+    if repetition_window is not None and (isinstance(repetition_window, bool) or not isinstance(
+            repetition_window, int) or repetition_window < 1):
+        raise InvalidRequest("the repetition penalty's window must be an integer >= 1 (None: the whole context)")
     for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
         if not _number(value) or abs(value) > MAX_PENALTY:
             raise InvalidRequest(f"{name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
@@ -112,7 +126,8 @@ def penalties(vocab_size: int | None, presence: float = 0.0, frequency: float = 
     bias = _bias(vocab_size, logit_bias)
     if not presence and not frequency and not any(bias.values()) and repetition == 1:
         return None
-    return Penalties(presence, frequency, {v: b for v, b in bias.items() if b}, repetition, prompt)
+    return Penalties(presence, frequency, {v: b for v, b in bias.items() if b}, repetition, prompt,
+                     repetition_window if repetition != 1 else None)
 
 
 def _number(value) -> bool:

@@ -3,7 +3,6 @@ the file's metadata kept, and the output still the target's own."""
 import gguf
 import numpy as np
 import pytest
-import torch
 from test_runtime import gguf_pair  # noqa: F401
 
 from specdec import models

@@ -45,6 +45,23 @@ def test_a_drafts_view_counts_its_own_context_past_the_prompt():
     assert view.masked(torch.tensor([0.0] * 5 + [4.0, -4.0, 2.0, 6.0]))[5:].tolist() == [2.0, -8.0, 0.0, 1.0]
 
 
+def test_a_window_penalises_only_its_last_tokens_of_prompt_and_output():
+    """llama.cpp's repeat_last_n: the repetition penalty lowers what the last `window` tokens of prompt and output
+    hold, the window sliding as tokens are accepted and over a draft's view; the frequency penalty still counts the
+    whole output."""
+    p = Penalties(frequency=0.5, repetition=2.0, prompt=[0, 1, 2], window=3)
+    row = torch.tensor([4.0, 4.0, 4.0, 4.0, 4.0])
+    assert p.masked(row).tolist() == [2.0, 2.0, 2.0, 4.0, 4.0]  # the whole prompt is the window
+    p.accept(3)
+    assert p.masked(row).tolist() == [4.0, 2.0, 2.0, 1.5, 4.0]  # 0 left the window; 3 counted once (-0.5)
+    view = p.after([0, 1, 2, 3, 4, 4])
+    assert view.masked(row).tolist() == [4.0, 4.0, 4.0, 1.5, 1.0] and p.recent == [1, 2, 3]
+    assert penalties(100, repetition=2.0, prompt=[0], repetition_window=2).window == 2
+    assert penalties(100, frequency=0.1, prompt=[0], repetition_window=2).window is None  # r = 1: no window
+    with pytest.raises(InvalidRequest, match="window"):
+        penalties(100, repetition=2.0, repetition_window=0)
+
+
 def test_each_verify_row_sees_the_draft_tokens_before_it():
     """Row 1 is adjusted for draft token 1 at row 0: its argmax moves to token 2 and the second draft is rejected;
     without the count both would be accepted."""
@@ -100,7 +117,7 @@ def decoders():
 
 
 def step_by_step(sd, prompt: str, n: int, presence: float, frequency: float, bias: dict[int, float],
-                 repetition: float = 1.0) -> list[int]:
+                 repetition: float = 1.0, window: int | None = None) -> list[int]:
     """Target-only greedy decoding written out: one step of the target a token, the rule applied in float64."""
     from specdec.kv import cached_model
     lm = cached_model(sd.model, sd.model.config.vocab_size)
@@ -108,8 +125,9 @@ def step_by_step(sd, prompt: str, n: int, presence: float, frequency: float, bia
     counts: dict[int, int] = {}
     for _ in range(n):
         row = lm.forward(seq)[-1].double()
-        for v in set(counts) | set(bias) | (set(seq) if repetition != 1 else set()):
-            if v in seq and repetition != 1:  # the prompt and the output so far
+        seen = seq[-window:] if window else seq
+        for v in set(counts) | set(bias) | (set(seen) if repetition != 1 else set()):
+            if v in seen and repetition != 1:  # the prompt and the output so far (their last `window` tokens)
                 row[v] = row[v] / repetition if row[v] > 0 else row[v] * repetition
             row[v] = row[v] + (bias.get(v, 0.0) - counts.get(v, 0) * frequency - (presence if v in counts else 0.0))
         token = int(row.float().argmax())
@@ -135,6 +153,20 @@ def test_greedy_speculation_equals_the_adjusted_target_alone(decoders, presence,
         for name, sd in spec.items():
             assert sd.generate(p, max_new_tokens=40, **adjust).token_ids == ref.token_ids, (name, p)
     assert changed  # the penalties moved the output
+
+
+@pytest.mark.real
+def test_a_windowed_repetition_penalty_equals_the_target_alone(decoders):
+    """llama.cpp's repeat_last_n (8 here): the output of every draft is the windowed target-only output, which
+    differs from the whole-context penalty's."""
+    base, spec = decoders
+    for p in PROMPTS[:2]:
+        ref = base.generate(p, max_new_tokens=40, repetition_penalty=1.3, repetition_window=8)
+        assert ref.token_ids == step_by_step(base, p, 40, 0.0, 0.0, {}, 1.3, window=8)
+        assert ref.token_ids != base.generate(p, max_new_tokens=40, repetition_penalty=1.3).token_ids
+        for name, sd in spec.items():
+            out = sd.generate(p, max_new_tokens=40, repetition_penalty=1.3, repetition_window=8)
+            assert out.token_ids == ref.token_ids, (name, p)
 
 
 @pytest.mark.real

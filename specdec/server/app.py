@@ -1,5 +1,6 @@
 """OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions (streaming or not), /v1/models, /health,
-/metrics. Every error is a 4xx (or 429/504) with an OpenAI-style error object."""
+/metrics; llama-server's own endpoints beside them (llama_compat.py). Every error is a 4xx (or 429/504) with an
+OpenAI-style error object."""
 from __future__ import annotations
 
 import asyncio
@@ -21,12 +22,12 @@ from ..errors import InvalidRequest, SpecDecError
 from ..fim import fim_prompt
 from ..penalties import penalties
 from ..sampling import SEED_RANGE
-from . import tools
+from . import llama_compat, tools
 from .api_errors import APIError, as_api_error, error_body
 from .guard import Guard
 from .metrics import Metrics
-from .openai_format import as_infill, echo_logprobs, logprobs, spec_stats, usage
-from .schemas import ChatRequest, CompletionRequest, InfillRequest
+from .openai_format import echo_logprobs, logprobs, spec_stats, usage
+from .schemas import ChatRequest, CompletionRequest
 from .streaming import collect, sse
 from .worker import BatchWorker, Busy, Worker
 
@@ -130,20 +131,6 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
             prompts = [await _fim(p, req.suffix) for p in prompts]
         return await _serve(req, request, prompts, chat=False, kind="text")
 
-    @app.post("/infill")
-    async def infill(req: InfillRequest, request: Request):
-        """llama-server's fill-in-the-middle endpoint, answered in its format (`content`, `stop`; streamed as
-        server-sent events of the same), served as a completion of the FIM prompt."""
-        files = [(c.filename, c.text) for c in req.input_extra]
-        ids = await _fim(req.input_prefix + req.prompt, req.input_suffix, files)
-        seed = None if req.seed in (None, -1) else req.seed
-        completion = CompletionRequest(prompt=ids, max_tokens=req.token_limit, temperature=req.temperature,
-                                       top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=seed, stop=req.stop,
-                                       stream=req.stream,
-                                       model=req.model, cache_salt=req.cache_salt,
-                                       stream_options={"include_usage": True} if req.stream else None)
-        return as_infill(await _serve(completion, request, completion.prompt, chat=False, kind="text"), model_name)
-
     async def _fim(prefix: str, suffix: str, files=()) -> list[int]:
         try:  # on a thread, with the encoding copy of the tokenizer (as prompts are encoded)
             return await asyncio.to_thread(fim_prompt, decoder._encoder, prefix, suffix, list(files), None,
@@ -151,9 +138,12 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
         except InvalidRequest as e:
             raise APIError(400, str(e)) from None
 
-    async def _serve(req, request: Request, prompts: list, chat: bool, kind: str):
+    async def _serve(req, request: Request, prompts: list, chat: bool, kind: str, job_extra: dict | None = None,
+                     respond=None):
         """One job per (prompt, choice): separate sequences in the batch (the prefix cache shares a prompt's K/V
-        once the first has been prefilled); a seeded request's choice i gets seed + i."""
+        once the first has been prefilled); a seeded request's choice i gets seed + i. `job_extra`: what the jobs
+        take beside the request's fields; `respond(jobs, encoded, prompts)`: the answer in another API's format
+        (llama_compat.py), else OpenAI's."""
         if req.model is not None and req.model != model_name:
             raise APIError(404, f"model {req.model!r} does not exist; this server serves {model_name!r}",
                            code="model_not_found")
@@ -203,13 +193,15 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
                                              logit_bias=req.logit_bias,
                                              repetition_penalty=req.repetition_penalty or 1.0,
                                              logprobs=req.logprob_count,
-                                             prompt_logprobs=req.logprob_count if echo else None),
+                                             prompt_logprobs=req.logprob_count if echo else None) | (job_extra or {}),
                                         salt=req.tenant_salt(getattr(request.state, "tenant", b"")))
                 except Busy as e:
                     for j in jobs:
                         j.cancel()
                     raise as_api_error(e) from None
                 jobs.append(job)
+        if respond is not None:
+            return await respond(jobs, encoded, prompts)
         meta = dict(id=("chatcmpl-" if kind == "chat" else "cmpl-") + jobs[0].id, created=int(time.time()),
                     model=model_name, specdec={"seed": base})
         if req.stream:
@@ -259,6 +251,7 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
             return APIError(504, f"request exceeded the {timeout_s:g} s timeout", "timeout_error", "timeout")
         return None
 
+    llama_compat.add_routes(app, _serve, _fim, overdue, decoder, model_name, decoder.context_window)
     return app
 
 

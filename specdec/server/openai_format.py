@@ -1,11 +1,6 @@
 """OpenAI's response objects from specdec's results: logprobs (chat's and completions' shapes, an echoed prompt's
-first), usage (with predicted outputs' accepted and rejected tokens), specdec's own statistics, and llama-server's
-/infill format for a completion."""
+first), usage (with predicted outputs' accepted and rejected tokens), specdec's own statistics."""
 from __future__ import annotations
-
-import json
-
-from fastapi.responses import StreamingResponse
 
 
 def logprobs(decoder, result, kind: str):
@@ -63,35 +58,3 @@ def spec_stats(result) -> dict:
     s = result.stats
     return {k: s[k] for k in ("acceptance_rate", "mean_accepted_len", "target_passes", "proposed", "accepted",
                               "acceptance_by_position", "tokens_per_s", "draft_ms", "verify_ms")}
-
-
-def as_infill(out, model_name: str):
-    """A completion (a dict, or a stream of OpenAI chunks) in llama-server's /infill format, with specdec's figures
-    (target passes, acceptance, draft and verify ms) on the last event as on a completion's."""
-    if isinstance(out, StreamingResponse):
-        async def events():
-            counts = {}
-            async for line in out.body_iterator:
-                line = line.decode() if isinstance(line, bytes) else line
-                if not line.startswith("data: "):
-                    continue
-                if line.strip() == "data: [DONE]":
-                    yield f"data: {json.dumps({'content': '', 'stop': True, 'model': model_name, **counts})}\n\n"
-                    continue
-                data = json.loads(line[6:])
-                if "error" in data:
-                    yield line
-                elif data.get("usage"):
-                    counts = {"tokens_predicted": data["usage"]["completion_tokens"],
-                              "tokens_evaluated": data["usage"]["prompt_tokens"],
-                              **({"specdec": data["specdec"]} if "specdec" in data else {})}
-                elif data.get("choices") and data["choices"][0].get("text"):
-                    yield f"data: {json.dumps({'content': data['choices'][0]['text'], 'stop': False})}\n\n"
-        return StreamingResponse(events(), media_type="text/event-stream")
-    if not isinstance(out, dict):
-        return out  # the client hung up (499)
-    choice, usage = out["choices"][0], out["usage"]
-    return {"content": choice["text"], "stop": True, "model": model_name,
-            "stop_type": "limit" if choice["finish_reason"] == "length" else "eos",
-            "tokens_predicted": usage["completion_tokens"], "tokens_evaluated": usage["prompt_tokens"],
-            **({"specdec": out["specdec"]} if "specdec" in out else {})}
