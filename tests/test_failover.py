@@ -24,6 +24,7 @@ def test_sampled_requests_get_a_seed_before_any_replica_and_nothing_else_changes
                        ("/v1/completions", b"not json"), ("/health", b""), ("/v1/models", b"")]:
         assert with_seed(path, body) == body
     assert json.loads(with_seed("/infill", b'{"input_prefix": "a", "seed": -1}'))["seed"] >= 0  # llama's "random"
+    assert json.loads(with_seed("/completion", b'{"prompt": "a"}'))["seed"] >= 0  # llama-server's default: 0.8
 
 
 def sse(events: list[dict | str]) -> list[str]:
@@ -110,3 +111,14 @@ def test_an_infill_stream_resumes_too():
     got.append(r.event(json.dumps({"content": "", "stop": True})))  # a stop again: not sent twice
     sent = [json.loads(g) for g in got if g is not None]
     assert "".join(e["content"] for e in sent) == "def f(x):" and sum(e["stop"] for e in sent) == 1
+
+
+def test_a_cut_completion_event_drops_its_tokens():
+    """A /completion event that straddles what the client has keeps its new text only, and its token ids (which
+    no longer match that text) are left out; whole events keep theirs."""
+    r = Resumer()
+    r.event(json.dumps({"content": "ab", "tokens": [1, 2], "stop": False}))
+    r.restart()
+    cut = json.loads(r.event(json.dumps({"content": "abc", "tokens": [1, 2, 3], "stop": False})))
+    whole = json.loads(r.event(json.dumps({"content": "d", "tokens": [4], "stop": False})))
+    assert cut == {"content": "c", "stop": False} and whole["tokens"] == [4]

@@ -11,7 +11,10 @@ from hypothesis import strategies as st
 FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
           "tau", "policy", "stop", "seed", "n", "stream", "stream_options", "user", "presence_penalty",
           "frequency_penalty", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice", "echo",
-          "store", "metadata", "logit_bias", "role", "content", "type", "text", "json_schema", "schema"]
+          "store", "metadata", "logit_bias", "role", "content", "type", "text", "json_schema", "schema",
+          # llama-server's (llama_compat.py)
+          "n_predict", "n_probs", "repeat_penalty", "repeat_last_n", "grammar", "ignore_eos", "return_tokens",
+          "tokens", "add_special", "with_pieces", "input_prefix", "input_suffix", "mirostat", "cache_prompt"]
 ODD = st.sampled_from(["\ud800", "\x00", "a\udfffb", "", " ", "x" * 3000, "<|im_end|>", "{", "\u202e"])
 scalars = st.one_of(st.none(), st.booleans(), st.integers(min_value=-2**80, max_value=2**80),
                     st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=20), ODD)
@@ -43,16 +46,26 @@ def srv(tok, target, draft_close):
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]), body=bodies | values)
 def test_no_body_gets_a_5xx(srv, path, body):
+    check(srv, path, body)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@given(path=st.sampled_from(["/completion", "/infill", "/tokenize", "/detokenize", "/apply-template"]),
+       body=bodies | values)
+def test_no_body_to_llama_servers_endpoints_gets_a_5xx(srv, path, body):
+    check(srv, path, body)
+
+
+def check(srv, path, body):
     if not isinstance(body, dict):
         body = {"_": body} if body is None else body  # (a bare null would be an empty body)
-    elif isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 16:
-        body["max_tokens"] = 16  # a long answer is not a failure, only slow
-    if isinstance(body, dict) and isinstance(body.get("max_completion_tokens"), int) and body["max_completion_tokens"] > 16:
-        body["max_completion_tokens"] = 16
+    for limit in ("max_tokens", "max_completion_tokens", "n_predict"):  # a long answer is not a failure, only slow
+        if isinstance(body, dict) and isinstance(body.get(limit), int) and body[limit] > 16:
+            body[limit] = 16
     content = json.dumps(body, ensure_ascii=True).encode()  # lone surrogates travel as \\ud800 escapes
     r = httpx.post(srv.url + path, content=content, headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == 200 or 400 <= r.status_code < 500, (r.status_code, r.text, body)
     if r.status_code != 200:
         assert r.json()["error"]["message"]
-    elif isinstance(body, dict) and body.get("stream") is True:
+    elif isinstance(body, dict) and body.get("stream") is True and path.startswith("/v1/"):
         assert "data: [DONE]" in r.text

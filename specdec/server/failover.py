@@ -15,7 +15,8 @@ import secrets
 from collections.abc import AsyncIterator
 
 SAMPLED_PATHS = ("/v1/chat/completions", "/v1/completions")
-DEFAULT_TEMPERATURE = {"/v1/chat/completions": 1.0, "/v1/completions": 1.0, "/infill": 0.8}  # schemas.py's
+DEFAULT_TEMPERATURE = {"/v1/chat/completions": 1.0, "/v1/completions": 1.0, "/infill": 0.8,  # schemas.py's,
+                       "/completion": 0.8, "/completions": 0.8}  # and llama_compat.py's
 
 
 class ReplicaLost(RuntimeError):
@@ -106,12 +107,14 @@ class Resumer:
         for k in ("id", "created"):
             if k in obj:
                 obj[k] = self.ident.setdefault(k, obj[k])
-        if "choices" not in obj and "content" in obj:  # llama-server's /infill events: {content, stop}
+        if "choices" not in obj and "content" in obj:  # llama-server's events (/completion, /infill): {content, stop}
             if obj.get("stop"):
                 return None if (0, "finish") in self.done else self._mark((0, "finish"), json.dumps(obj))
             fresh = self._fresh(0, obj["content"])
             if fresh is None:
                 return None
+            if fresh != obj["content"]:  # a cut event: its tokens and their probabilities no longer match it
+                obj.pop("tokens", None), obj.pop("completion_probabilities", None)
             obj["content"] = fresh
             return json.dumps(obj)
         if not obj.get("choices"):  # the usage chunk

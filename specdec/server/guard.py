@@ -9,7 +9,8 @@ from fastapi.responses import JSONResponse
 from .api_errors import error_body
 from .metrics import Metrics
 
-KNOWN_PATHS = {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", "/infill"}
+KNOWN_PATHS = {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", "/infill", "/completion",
+               "/completions", "/tokenize", "/detokenize", "/apply-template", "/props"}
 
 
 class _BodyTooLarge(Exception):

@@ -188,6 +188,7 @@ def add_routes(app, serve, fim, overdue, decoder, model_name: str, context_windo
     eos = decoder.engine.eos_ids
 
     def encode(text: str, special: bool) -> list[int]:
+        _unicode(text)
         with decoder._encoder_lock:
             return decoder._encoder(text, add_special_tokens=special).input_ids
 
@@ -246,7 +247,7 @@ def add_routes(app, serve, fim, overdue, decoder, model_name: str, context_windo
                 text = decoder._encoder.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001 - no template, or one that raises on these messages
             raise APIError(400, f"the chat template cannot format these messages: {str(e)[:200]}") from None
-        return {"prompt": text}
+        return {"prompt": _unicode(text)}
 
     @app.get("/props")
     async def props():
@@ -254,6 +255,14 @@ def add_routes(app, serve, fim, overdue, decoder, model_name: str, context_windo
         return {"model_alias": model_name, "model_path": model_name, "total_slots": 1, "chat_template": template or "",
                 "default_generation_settings": {"n_ctx": context_window, "params": _settings(LlamaOptions())},
                 "modalities": {"vision": False, "audio": False}, "build_info": "specdec"}
+
+
+def _unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, "the text is not valid Unicode (a lone surrogate such as \\ud800)") from None
+    return text
 
 
 def _settings(options: LlamaOptions) -> dict:
