@@ -54,6 +54,18 @@ def test_completion_answers_what_the_engine_answers(live, sd):
         == want.text
 
 
+@pytest.mark.parametrize("kind", [None, "application/x-www-form-urlencoded", "text/plain"])
+def test_a_json_body_sent_as_curl_d_sends_it_is_read_as_json(live, kind):
+    """`curl -d '{...}'` says the body is a form; llama-server reads it as JSON, and so does every route here."""
+    for path, body in (("/completion", {"prompt": PROMPT, "n_predict": 4, "temperature": 0}),
+                       ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "temperature": 0})):
+        r = httpx.post(live.url + path, content=json.dumps(body).encode(),
+                       headers={"content-type": kind} if kind else {}, timeout=60)
+        assert r.status_code == 200, (path, r.text)
+    bad = httpx.post(live.url + "/completion", content=b"prompt=x", headers={"content-type": kind or ""})
+    assert bad.status_code == 400 and "error" in bad.json()
+
+
 def test_token_and_mixed_prompts(live, sd):
     ids = sd.encode(PROMPT, chat=False)
     text = post(live, "/completion", {"prompt": PROMPT, "n_predict": 12, "temperature": 0}).json()["content"]
@@ -78,6 +90,14 @@ def test_how_it_stopped_a_stop_string_and_the_end_of_text(live, sd):
     ignored = post(live, "/completion", {"prompt": PROMPT, "n_predict": 8, "temperature": 0, "logit_bias": eos,
                                          "ignore_eos": True}).json()
     assert ignored["stop_type"] == "limit" and ignored["tokens_predicted"] == 8
+
+
+def test_an_unseeded_sampled_answer_reports_the_seed_that_reproduces_it(live):
+    first = post(live, "/completion", {"prompt": PROMPT, "n_predict": 16, "temperature": 1.0}).json()
+    seed = first["generation_settings"]["seed"]
+    assert isinstance(seed, int)
+    again = post(live, "/completion", {"prompt": PROMPT, "n_predict": 16, "temperature": 1.0, "seed": seed}).json()
+    assert again["content"] == first["content"] and again["generation_settings"]["seed"] == seed
 
 
 def test_probabilities_are_the_openai_logprobs(live, sd):

@@ -13,6 +13,12 @@ KNOWN_PATHS = {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1
                "/completions", "/tokenize", "/detokenize", "/apply-template", "/props"}
 
 
+def as_json(scope: dict) -> dict:
+    """The request with its body's type said to be JSON (the routes parse nothing else)."""
+    headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+    return {**scope, "headers": headers + [(b"content-type", b"application/json")]}
+
+
 class _BodyTooLarge(Exception):
     pass
 
@@ -71,6 +77,8 @@ class Guard:
                 raise _BodyTooLarge
             else:
                 body, replayed = await read_body(), False
+                if scope["method"] == "POST" and not headers.get(b"content-type", b"").split(b";")[0].endswith(b"json"):
+                    scope = as_json(scope)  # `curl -d` sends a form's type: every body here is JSON, as llama-server reads it
 
                 async def replay():  # the body once, then the real channel (disconnect detection)
                     nonlocal replayed

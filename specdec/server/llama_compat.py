@@ -306,7 +306,9 @@ def _ending(decoder, result, text: str, stops) -> tuple[str, str]:
     return "word", min(stops, key=lambda s: (rest.find(s) if s in rest else len(rest) + 1, -len(s)))
 
 
-def _final(decoder, result, text, prompt_ids, options, model_name) -> dict:
+def _final(decoder, job, result, text, prompt_ids, options, model_name) -> dict:
+    """The totals of a finished completion; generation_settings' seed is the one it ran with (drawn from the OS for
+    an unseeded sampled request: sent back, it reproduces the text)."""
     stop_type, word = _ending(decoder, result, text, options.stop or [])
     n = len(result.token_ids)  # an end-of-text token counted, as llama-server counts it (and OpenAI's usage)
     rate = result.stats.get("tokens_per_s") or 0.0
@@ -314,7 +316,8 @@ def _final(decoder, result, text, prompt_ids, options, model_name) -> dict:
                "predicted_per_second": rate}
     return {"stop": True, "model": model_name, "stop_type": stop_type, "stopping_word": word,
             "tokens_predicted": n, "tokens_evaluated": len(prompt_ids), "truncated": False,
-            "generation_settings": _settings(options), "timings": timings, "specdec": spec_stats(result)}
+            "generation_settings": _settings(options) | {"seed": job.kwargs.get("seed")}, "timings": timings,
+            "specdec": spec_stats(result)}
 
 
 async def _answer(decoder, job, prompt_ids, prompt, options, model_name, request, overdue):
@@ -326,7 +329,7 @@ async def _answer(decoder, job, prompt_ids, prompt, options, model_name, request
     text, result = done
     body = {"index": 0, "content": text, "tokens": [t for t in result.token_ids if t not in decoder.engine.eos_ids]
             if options.return_tokens else [], "id_slot": 0, "prompt": prompt,
-            **_final(decoder, result, text, prompt_ids, options, model_name)}
+            **_final(decoder, job, result, text, prompt_ids, options, model_name)}
     if options.n_probs:
         body["completion_probabilities"] = _probs(decoder, result.token_ids, result.logprobs)
     return body
@@ -362,7 +365,7 @@ def _events(decoder, job, prompt_ids, options, model_name, overdue) -> Streaming
                     yield f"data: {json.dumps(event)}\n\n"
                 text.append(payload.text)
                 if payload.result is not None:
-                    final = _final(decoder, payload.result, "".join(text), prompt_ids, options, model_name)
+                    final = _final(decoder, job, payload.result, "".join(text), prompt_ids, options, model_name)
                     yield f"data: {json.dumps({'index': 0, 'content': '', 'tokens': [], **final})}\n\n"
         finally:
             job.cancel()
