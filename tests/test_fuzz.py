@@ -1,6 +1,7 @@
-"""No request body gets a 5xx: property-based bodies (hypothesis) for every endpoint, built from the fields the
-API knows with values of any JSON type (lone surrogates, NUL, huge and negative numbers, deep nesting, wrong
-types), posted over real HTTP. Every answer is a 200 or a JSON 4xx with an error message."""
+"""No request body gets a 5xx: property-based bodies (hypothesis) for every endpoint (OpenAI's and
+llama-server's), built from the fields the API knows with values of any JSON type (lone surrogates, NUL, huge and
+negative numbers, deep nesting, wrong types), posted over real HTTP. Every answer is a 200 or a JSON 4xx with an
+error message."""
 import json
 
 import httpx
@@ -14,7 +15,10 @@ FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", 
           "store", "metadata", "logit_bias", "role", "content", "type", "text", "json_schema", "schema",
           # llama-server's (llama_compat.py)
           "n_predict", "n_probs", "repeat_penalty", "repeat_last_n", "grammar", "ignore_eos", "return_tokens",
-          "tokens", "add_special", "with_pieces", "input_prefix", "input_suffix", "mirostat", "cache_prompt"]
+          "tokens", "add_special", "with_pieces", "input_prefix", "input_suffix", "mirostat", "cache_prompt",
+          # OpenAI's Responses API (responses_api.py)
+          "input", "instructions", "max_output_tokens", "include", "call_id", "name", "arguments", "output",
+          "format", "previous_response_id"]
 ODD = st.sampled_from(["\ud800", "\x00", "a\udfffb", "", " ", "x" * 3000, "<|im_end|>", "{", "\u202e"])
 scalars = st.one_of(st.none(), st.booleans(), st.integers(min_value=-2**80, max_value=2**80),
                     st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=20), ODD)
@@ -23,8 +27,15 @@ values = st.recursive(scalars, lambda inner: st.one_of(
     max_leaves=12)
 message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "developer", "x"])
                                  | values, "content": st.one_of(st.text(max_size=30), ODD, values)})
+item = st.fixed_dictionaries({"type": st.sampled_from(["message", "function_call", "function_call_output",
+                                                       "reasoning", "input_text"]) | values},
+                             optional={f: values for f in ("role", "content", "call_id", "name", "arguments",
+                                                           "output")})
 bodies = st.one_of(
     st.dictionaries(st.sampled_from(FIELDS), values, max_size=6),
+    st.fixed_dictionaries({"input": st.one_of(st.text(max_size=30), ODD, st.lists(item | message, max_size=3))},
+                          optional={f: values for f in ("tools", "tool_choice", "text", "instructions",
+                                                        "max_output_tokens", "stream", "include", "top_logprobs")}),
     st.fixed_dictionaries({"messages": st.lists(message, max_size=3)},
                           optional={f: values for f in FIELDS[3:20]}),
     st.fixed_dictionaries({"prompt": st.one_of(st.text(max_size=30), ODD, values)},
@@ -44,7 +55,7 @@ def srv(tok, target, draft_close):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-@given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]), body=bodies | values)
+@given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/responses"]), body=bodies | values)
 def test_no_body_gets_a_5xx(srv, path, body):
     check(srv, path, body)
 
@@ -59,7 +70,7 @@ def test_no_body_to_llama_servers_endpoints_gets_a_5xx(srv, path, body):
 def check(srv, path, body):
     if not isinstance(body, dict):
         body = {"_": body} if body is None else body  # (a bare null would be an empty body)
-    for limit in ("max_tokens", "max_completion_tokens", "n_predict"):  # a long answer is not a failure, only slow
+    for limit in ("max_tokens", "max_completion_tokens", "n_predict", "max_output_tokens"):  # long is only slow
         if isinstance(body, dict) and isinstance(body.get(limit), int) and body[limit] > 16:
             body[limit] = 16
     content = json.dumps(body, ensure_ascii=True).encode()  # lone surrogates travel as \\ud800 escapes
@@ -67,5 +78,5 @@ def check(srv, path, body):
     assert r.status_code == 200 or 400 <= r.status_code < 500, (r.status_code, r.text, body)
     if r.status_code != 200:
         assert r.json()["error"]["message"]
-    elif isinstance(body, dict) and body.get("stream") is True and path.startswith("/v1/"):
+    elif isinstance(body, dict) and body.get("stream") is True and path in ("/v1/chat/completions", "/v1/completions"):
         assert "data: [DONE]" in r.text

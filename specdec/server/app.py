@@ -1,5 +1,5 @@
-"""OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions (streaming or not), /v1/models, /health,
-/metrics; llama-server's own endpoints beside them (llama_compat.py). Every error is a 4xx (or 429/504) with an
+"""OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions (streaming or not), /v1/responses
+(responses_api.py), /v1/models, /health, /metrics; llama-server's own endpoints beside them (llama_compat.py). Every error is a 4xx (or 429/504) with an
 OpenAI-style error object."""
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from ..errors import InvalidRequest, SpecDecError
 from ..fim import fim_prompt
 from ..penalties import penalties
 from ..sampling import SEED_RANGE
-from . import llama_compat, tools
+from . import llama_compat, responses_api, tools
 from .api_errors import APIError, as_api_error, error_body
 from .guard import Guard
 from .metrics import Metrics
@@ -252,6 +252,7 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
         return None
 
     llama_compat.add_routes(app, _serve, _fim, overdue, decoder, model_name, decoder.context_window)
+    responses_api.add_routes(app, _serve, overdue, decoder, model_name)
     return app
 
 

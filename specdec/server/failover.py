@@ -14,9 +14,8 @@ import json
 import secrets
 from collections.abc import AsyncIterator
 
-SAMPLED_PATHS = ("/v1/chat/completions", "/v1/completions")
-DEFAULT_TEMPERATURE = {"/v1/chat/completions": 1.0, "/v1/completions": 1.0, "/infill": 0.8,  # schemas.py's,
-                       "/completion": 0.8, "/completions": 0.8}  # and llama_compat.py's
+DEFAULT_TEMPERATURE = {"/v1/chat/completions": 1.0, "/v1/completions": 1.0, "/v1/responses": 1.0, "/infill": 0.8,
+                       "/completion": 0.8, "/completions": 0.8}  # the defaults of schemas.py and its neighbours
 
 
 class ReplicaLost(RuntimeError):

@@ -9,8 +9,8 @@ from fastapi.responses import JSONResponse
 from .api_errors import error_body
 from .metrics import Metrics
 
-KNOWN_PATHS = {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", "/infill", "/completion",
-               "/completions", "/tokenize", "/detokenize", "/apply-template", "/props"}
+KNOWN_PATHS = {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/responses",
+               "/infill", "/completion", "/completions", "/tokenize", "/detokenize", "/apply-template", "/props"}
 
 
 def as_json(scope: dict) -> dict:

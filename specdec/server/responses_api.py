@@ -1,0 +1,306 @@
+"""OpenAI's Responses API (POST /v1/responses), as `client.responses.create` and agents written for it send it:
+served as the chat completion it amounts to, so it gets everything a chat request gets (speculation, batching,
+structured outputs, function calling, seeded sampling) and answers in the Responses format, streamed as its typed
+events or not.
+
+The request is stateless: `input` carries the conversation (text, messages, earlier `function_call`s and their
+`function_call_output`s; `reasoning` items, which no model here produces, are skipped), `instructions` the system
+message. Nothing is stored: `previous_response_id`, `conversation`, `background` and item references are 400s
+that say so, and the response reports `store: false`."""
+from __future__ import annotations
+
+import json
+import time
+
+from fastapi import Request, Response
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..sampling import MAX_TEMPERATURE, SEED_RANGE
+from . import tools
+from .api_errors import APIError, as_api_error
+from .openai_format import logprobs, spec_stats
+from .schemas import ChatRequest
+
+LOGPROBS = "message.output_text.logprobs"  # what `include` asks for to get each token's logprob
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    model: str | None = None
+    input: str | list[dict] = Field(min_length=1)
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1, lt=2**31)
+    temperature: float = Field(default=1.0, ge=0, le=MAX_TEMPERATURE)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    stream: bool = False
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    text: dict | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
+    include: list[str] | None = None
+    prompt_cache_key: str | None = Field(default=None, max_length=256)
+    # extensions, as on chat completions
+    seed: int | None = Field(default=None, ge=-SEED_RANGE // 2, lt=SEED_RANGE)
+    top_k: int = Field(default=0, ge=0, lt=2**31)
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    # accepted, ignored: they change no output here
+    store: bool | None = None
+    metadata: dict | None = None
+    user: str | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning: dict | None = None
+    truncation: str | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    max_tool_calls: int | None = None
+    stream_options: dict | None = None
+    # what needs state this server does not keep: refused by name (unstored)
+    previous_response_id: str | None = None
+    conversation: str | dict | None = None
+    background: bool | None = None
+    prompt: dict | None = None
+
+
+def unstored(req: ResponsesRequest) -> None:
+    for name in ("previous_response_id", "conversation", "prompt"):
+        if getattr(req, name) is not None:
+            raise APIError(400, f"{name} needs stored state, which this server does not keep: send the whole "
+                                "conversation as input")
+    if req.background:
+        raise APIError(400, "background responses are not supported by this server (send background unset)")
+
+
+def _text(content, where: str) -> str:
+    """A message's content: a string, or text parts (input_text / output_text) joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{where}: content must be a string or a list of text parts")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+            raise APIError(400, f"{where}: content part type {str(kind)[:40]!r} is not supported (text parts only)")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def chat_messages(req: ResponsesRequest) -> list[dict]:
+    """`instructions` and `input` as chat messages (ChatRequest's), earlier calls as an assistant's tool_calls."""
+    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    out = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    for k, item in enumerate(items):
+        where = f"input[{k}]"
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message":
+            if item.get("role") not in ("user", "system", "developer", "assistant"):
+                raise APIError(400, f"{where}: role must be user, system, developer or assistant")
+            out.append({"role": item["role"], "content": _text(item.get("content"), where)})
+        elif kind == "function_call":
+            if not all(isinstance(item.get(f), str) for f in ("call_id", "name", "arguments")):
+                raise APIError(400, f"{where}: a function_call needs call_id, name and arguments (strings)")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
+                out[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise APIError(400, f"{where}: a function_call_output needs its call_id")
+            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": _text(item.get("output"), where)})
+        elif kind == "reasoning":
+            continue  # another model's reasoning: nothing here reads it
+        else:
+            raise APIError(400, f"{where}: input items of type {str(kind)[:40]!r} are not supported (message, "
+                                "function_call, function_call_output)")
+    return out
+
+
+def chat_tools(req: ResponsesRequest):
+    """Responses' tools ({"type": "function", "name", "parameters", ...}) and tool_choice in chat's shapes."""
+    if req.tools is None:
+        return None, req.tool_choice
+    converted = []
+    for t in req.tools:
+        if not isinstance(t, dict) or t.get("type") != "function":
+            kind = t.get("type") if isinstance(t, dict) else t
+            raise APIError(400, f"tools of type {str(kind)[:40]!r} are not supported (function tools only)")
+        converted.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
+                                                           if k in t}})
+    choice = req.tool_choice
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise APIError(400, 'tool_choice must be none, auto, required or {"type": "function", "name": ...}')
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    return converted, choice
+
+
+def response_format(req: ResponsesRequest) -> dict | None:
+    fmt = (req.text or {}).get("format")
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {"name": fmt.get("name", "output"), "schema": fmt.get("schema"),
+                                                       "strict": fmt.get("strict")}}
+    return fmt  # json_object, or what ChatRequest refuses
+
+
+def as_chat(req: ResponsesRequest) -> ChatRequest:
+    unstored(req)
+    tool_list, choice = chat_tools(req)
+    want_logprobs = req.top_logprobs is not None or LOGPROBS in (req.include or [])
+    try:
+        return ChatRequest(messages=chat_messages(req), max_completion_tokens=req.max_output_tokens,
+                           temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                           seed=req.seed, stream=req.stream, tools=tool_list, tool_choice=choice,
+                           response_format=response_format(req), logprobs=want_logprobs or None,
+                           top_logprobs=req.top_logprobs if want_logprobs else None,
+                           prompt_cache_key=req.prompt_cache_key, model=req.model)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err.get("loc", ()))
+        raise APIError(400, f"{where + ': ' if where else ''}{str(err.get('msg')).removeprefix('Value error, ')}")
+
+
+class Answer:
+    """One response's objects: its id, its output items from the finished text, and the response itself."""
+
+    def __init__(self, job, req: ResponsesRequest, chat: ChatRequest, model_name: str, prompt_tokens: int):
+        self.id, self.created = "resp_" + job.id, int(time.time())
+        self.req, self.chat, self.model, self.prompt_tokens = req, chat, model_name, prompt_tokens
+        self.calling = bool(chat.tools) and chat.tool_choice != "none"
+        self.seed = job.kwargs.get("seed")
+
+    def message(self, text: str, status: str, lp=None) -> dict:
+        part = {"type": "output_text", "text": text, "annotations": []}
+        if lp is not None:
+            part["logprobs"] = lp
+        return {"type": "message", "id": "msg_" + self.id[5:], "status": status, "role": "assistant",
+                "content": [part] if text or status == "completed" else []}
+
+    def items(self, decoder, text: str, result) -> list[dict]:
+        calls = tools.parse_call(text, self.chat.tools) if self.calling else None
+        if calls:
+            return [{"type": "function_call", "id": "fc_" + c["id"][5:], "call_id": c["id"],
+                     "name": c["function"]["name"], "arguments": c["function"]["arguments"], "status": "completed"}
+                    for c in calls]
+        lp = logprobs(decoder, result, "chat")
+        return [self.message(text, "completed", lp["content"] if lp else None)]
+
+    def response(self, status: str, output: list, result=None) -> dict:
+        body = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+                "model": self.model, "output": output, "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "instructions": self.req.instructions, "max_output_tokens": self.req.max_output_tokens,
+                "temperature": self.req.temperature, "top_p": self.req.top_p, "tools": self.req.tools or [],
+                "tool_choice": self.req.tool_choice or "auto", "parallel_tool_calls": False,
+                "text": self.req.text or {"format": {"type": "text"}}, "previous_response_id": None,
+                "reasoning": {"effort": None, "summary": None}, "store": False, "truncation": "disabled",
+                "metadata": self.req.metadata or {}, "usage": None}
+        if result is not None:
+            n = len(result.token_ids)
+            body["usage"] = {"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                             "output_tokens": n, "output_tokens_details": {"reasoning_tokens": 0},
+                             "total_tokens": self.prompt_tokens + n}
+            body["specdec"] = {**spec_stats(result), "seed": self.seed}
+        return body
+
+
+def add_routes(app, serve, overdue, decoder, model_name: str) -> None:
+    """POST /v1/responses on `app`, through `serve` (app.py's chat path) with its own `respond`."""
+
+    @app.post("/v1/responses")
+    async def responses(req: ResponsesRequest, request: Request):
+        chat = as_chat(req)
+        messages = [m.for_template() for m in chat.messages]
+        if chat.tools and chat.tool_choice != "none":  # described to the model, as on chat completions
+            messages = tools.with_tools(messages, chat.tools)
+
+        async def respond(jobs, encoded, prompts):
+            answer = Answer(jobs[0], req, chat, model_name, len(encoded[0]))
+            if req.stream:
+                return StreamingResponse(_events(decoder, jobs[0], answer, overdue), media_type="text/event-stream")
+            from .streaming import collect
+            done = await collect(jobs[0], request, overdue)
+            if done is None:
+                return Response(status_code=499)  # the client hung up
+            text, result = done
+            status = "incomplete" if result.finish_reason == "length" else "completed"
+            return answer.response(status, answer.items(decoder, text, result), result)
+        return await serve(chat, request, [messages], True, "chat", None, respond)
+
+
+async def _events(decoder, job, answer: Answer, overdue):
+    """The Responses stream: response.created, the message's item and part opened, output_text deltas as text
+    comes, each closed with its whole text, then response.completed (or .incomplete) with the whole response.
+    With tools the text is held to its end and sent as function_call items (arguments in one delta) or as the
+    message. An error is an `error` event."""
+    seq = 0
+
+    def event(kind: str, **fields) -> str:
+        nonlocal seq
+        seq += 1
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **fields})}\n\n"
+
+    opened, text, result = False, [], None
+    msg_id = "msg_" + answer.id[5:]
+    try:
+        yield event("response.created", response=answer.response("in_progress", []))
+        yield event("response.in_progress", response=answer.response("in_progress", []))
+        while result is None:
+            item = await job.next(timeout=0.5)
+            if item is None:
+                if overdue(job):
+                    err = overdue(job)
+                    yield event("error", code=err.code, message=err.message, param=None)
+                    return
+                continue
+            kind, payload = item
+            if kind == "end":
+                break
+            if kind == "error":
+                err = as_api_error(payload)
+                yield event("error", code=err.code, message=err.message, param=None)
+                return
+            text.append(payload.text)
+            result = payload.result
+            if answer.calling or not payload.text:
+                continue
+            if not opened:
+                opened = True
+                yield event("response.output_item.added", output_index=0, item=answer.message("", "in_progress"))
+                yield event("response.content_part.added", item_id=msg_id, output_index=0, content_index=0,
+                            part={"type": "output_text", "text": "", "annotations": []})
+            yield event("response.output_text.delta", item_id=msg_id, output_index=0, content_index=0,
+                        delta=payload.text, logprobs=[])
+        if result is None:
+            return
+        items = answer.items(decoder, "".join(text), result)
+        for k, item in enumerate(items):
+            if item["type"] == "function_call":
+                yield event("response.output_item.added", output_index=k, item={**item, "arguments": "",
+                                                                                "status": "in_progress"})
+                yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=k,
+                            delta=item["arguments"])
+                yield event("response.function_call_arguments.done", item_id=item["id"], output_index=k,
+                            arguments=item["arguments"])
+            else:
+                part = item["content"][0]
+                if not opened:
+                    yield event("response.output_item.added", output_index=0, item=answer.message("", "in_progress"))
+                    yield event("response.content_part.added", item_id=msg_id, output_index=0, content_index=0,
+                                part={"type": "output_text", "text": "", "annotations": []})
+                    if part["text"]:
+                        yield event("response.output_text.delta", item_id=msg_id, output_index=0, content_index=0,
+                                    delta=part["text"], logprobs=[])
+                yield event("response.output_text.done", item_id=msg_id, output_index=0, content_index=0,
+                            text=part["text"], logprobs=part.get("logprobs", []))
+                yield event("response.content_part.done", item_id=msg_id, output_index=0, content_index=0, part=part)
+            yield event("response.output_item.done", output_index=k, item=item)
+        status = "incomplete" if result.finish_reason == "length" else "completed"
+        yield event(f"response.{status}", response=answer.response(status, items, result))
+    finally:
+        job.cancel()
