@@ -11,7 +11,7 @@ import pytest
 
 from specdec import SpecDecoder
 from specdec.server import create_app
-from specdec.server.failover import Resumer, asgi_stream, with_seed
+from specdec.server.failover import Resumer, asgi_stream, split_event, with_seed
 
 
 def test_sampled_requests_get_a_seed_before_any_replica_and_nothing_else_changes():
@@ -122,3 +122,32 @@ def test_a_cut_completion_event_drops_its_tokens():
     cut = json.loads(r.event(json.dumps({"content": "abc", "tokens": [1, 2, 3], "stop": False})))
     whole = json.loads(r.event(json.dumps({"content": "d", "tokens": [4], "stop": False})))
     assert cut == {"content": "c", "stop": False} and whole["tokens"] == [4]
+
+
+def test_a_responses_stream_resumes_under_its_first_ids():
+    """OpenAI Responses events: the retried attempt's text deltas from where the client is, its other events sent
+    once, numbered on, under the first attempt's response and message ids."""
+    def attempt(job, deltas, end=True):
+        rid, mid = f"resp_{job}", f"msg_{job}"
+        out = [{"type": "response.created", "response": {"id": rid}}, {"type": "response.in_progress",
+                                                                      "response": {"id": rid}},
+               {"type": "response.output_item.added", "output_index": 0, "item": {"id": mid}},
+               {"type": "response.content_part.added", "item_id": mid, "output_index": 0, "content_index": 0}]
+        out += [{"type": "response.output_text.delta", "item_id": mid, "output_index": 0, "content_index": 0,
+                 "delta": d} for d in deltas]
+        if end:
+            out += [{"type": "response.output_text.done", "item_id": mid, "output_index": 0, "content_index": 0,
+                     "text": "".join(deltas)}, {"type": "response.completed", "response": {"id": rid}}]
+        return [f"event: {e['type']}\ndata: {json.dumps({**e, 'sequence_number': k})}" for k, e in enumerate(out)]
+    r = Resumer()
+    got = [r.event(split_event(e)[1]) for e in attempt("aaa", ["Hel"], end=False)]
+    r.restart()
+    got += [r.event(split_event(e)[1]) for e in attempt("bbb", ["He", "llo"])]
+    sent = [json.loads(g) for g in got if g is not None]
+    assert [e["sequence_number"] for e in sent] == list(range(len(sent)))
+    assert [e["type"] for e in sent].count("response.created") == 1 and "bbb" not in json.dumps(sent)
+    assert "".join(e["delta"] for e in sent if e["type"] == "response.output_text.delta") == "Hello"
+    assert sent[-1]["response"]["id"] == "resp_aaa"
+    assert split_event('event: x\ndata: {"a": "data: b"}') == ("event: x\n", '{"a": "data: b"}')
+    assert split_event(": ping") == (": ping", None) and split_event("data: [DONE]") == ("", "[DONE]")
+

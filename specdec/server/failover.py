@@ -79,14 +79,23 @@ def with_seed(path: str, body: bytes) -> bytes:
     return json.dumps({**req, "seed": secrets.randbits(63)}).encode()
 
 
+def split_event(event: str) -> tuple[str, str | None]:
+    """A server-sent event -> (what comes before its data: a Responses event's `event: ...` line, or nothing; its
+    data), or (the event, None) where it has no data line."""
+    if event.startswith("data: "):
+        return "", event[6:]
+    head, sep, data = event.partition("\ndata: ")
+    return (head + "\n", data) if sep and head.startswith("event: ") else (event, None)
+
+
 class Resumer:
     """The text each choice of a stream has sent so far, and what of a retried stream's events is new: a chunk's
     text that the client already has is dropped, a chunk that straddles the point is cut, and every event after it
     goes on unchanged but for the first attempt's id and timestamp (one stream to the client)."""
 
     def __init__(self):
-        self.sent: dict[int, int] = {}  # choice -> characters the client has
-        self.seen: dict[int, int] = {}  # choice -> characters of the current attempt so far
+        self.sent: dict = {}  # choice (or a Responses output item) -> characters the client has
+        self.seen: dict = {}  # the same -> characters of the current attempt so far
         self.done: set = set()  # (choice, "finish") and ("usage",) markers sent
         self.ident: dict = {}
 
@@ -103,6 +112,8 @@ class Resumer:
             return data
         if not isinstance(obj, dict) or "error" in obj:
             return data
+        if str(obj.get("type", "")).startswith("response."):
+            return self._response_event(obj)
         for k in ("id", "created"):
             if k in obj:
                 obj[k] = self.ident.setdefault(k, obj[k])
@@ -139,7 +150,29 @@ class Resumer:
             choice["logprobs"] = None
         return json.dumps(obj)
 
-    def _fresh(self, i: int, text: str) -> str | None:
+    def _response_event(self, obj: dict) -> str | None:
+        """A Responses API event (responses_api.py): text deltas cut as a choice's text is, every other event sent
+        once (by type and position), numbered on from the client's last, under the first attempt's ids."""
+        if obj["type"] == "response.created":  # each attempt's ids end in its job's: the client keeps the first's
+            rid = obj.get("response", {}).get("id", "")
+            self.ident.setdefault("response", rid)
+            self.ident["alias"] = (rid[5:], self.ident["response"][5:])
+        if obj["type"] == "response.output_text.delta":
+            fresh = self._fresh(("output", obj.get("output_index")), obj.get("delta", ""))
+            if fresh is None:
+                return None
+            obj["delta"] = fresh
+        else:
+            key = (obj["type"], obj.get("output_index"), obj.get("content_index"))
+            if key in self.done:
+                return None
+            self.done.add(key)
+        obj["sequence_number"] = self.ident["sequence"] = self.ident.get("sequence", -1) + 1
+        new, old = self.ident.get("alias", ("", ""))
+        text = json.dumps(obj)
+        return text.replace(new, old) if new and new != old else text
+
+    def _fresh(self, i, text: str) -> str | None:
         """What of choice i's next `text` the client lacks (None: all of it it has)."""
         start = self.seen.get(i, 0)
         self.seen[i] = start + len(text)

@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .api_errors import error_body
-from .failover import Resumer, with_seed
+from .failover import Resumer, split_event, with_seed
 
 ATTEMPTS = 4  # tries per request: a replica that dies and the ones that take over
 RETRY_WAIT_S = 0.5  # between tries, while Serve notices the death and routes around it
@@ -91,9 +91,11 @@ def router_deployment(serve, timeout_s: float):
                         buffer += chunk.decode()
                         while "\n\n" in buffer:
                             event, buffer = buffer.split("\n\n", 1)
-                            out = resumer.event(event[6:]) if event.startswith("data: ") else event
-                            if out is not None:
-                                yield f"data: {out}\n\n" if event.startswith("data: ") else out + "\n\n"
+                            named, data = split_event(event)
+                            if data is None:
+                                yield event + "\n\n"
+                            elif (out := resumer.event(data)) is not None:
+                                yield f"{named}data: {out}\n\n"
                     return
                 except asyncio.CancelledError:
                     raise
