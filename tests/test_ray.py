@@ -72,9 +72,12 @@ def test_two_replicas_share_requests_and_survive_a_killed_replica(tiny_dirs):
         assert replaced - seen and victim not in replaced  # Ray started a new replica in the dead one's place
 
 
+RESPONSES = 4  # of the 16 streams, the first 4 use OpenAI's Responses API
+
+
 def test_streams_survive_a_replica_killed_mid_stream(tiny_dirs):
-    """Failover without a visible break (issue "serve strangers safely", item 6): 16 concurrent streams, greedy and
-    unseeded sampled, and 4 non-streamed requests over 2 replicas; one replica is killed with SIGKILL mid-stream.
+    """Failover without a visible break (issue "serve strangers safely", item 6): 16 concurrent streams (4 of them
+    Responses API streams), greedy and unseeded sampled, and 4 non-streamed requests over 2 replicas; one replica is killed with SIGKILL mid-stream.
     Every request completes, equal to the request served alone (the router seeded the sampled ones; `specdec.seed`
     says with what), with no token repeated or missing; the longest pause a client saw is printed."""
     import json
@@ -87,16 +90,28 @@ def test_streams_survive_a_replica_killed_mid_stream(tiny_dirs):
         streams = [{"text": [], "seed": None, "times": [], "errors": []} for _ in prompts]
 
         def one(i):
-            body = {"model": "tiny", "prompt": prompts[i], "max_tokens": 48, "stream": True,
-                    "temperature": 0 if i % 2 else 0.9}
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            temperature = 0 if i % 2 else 0.9
+            if i < RESPONSES:  # OpenAI's Responses API: typed events, numbered
+                path, body = "/v1/responses", {"model": "tiny", "input": prompts[i], "max_output_tokens": 48,
+                                               "stream": True, "temperature": temperature}
+            else:
+                path, body = "/v1/completions", {"model": "tiny", "prompt": prompts[i], "max_tokens": 48,
+                                                 "stream": True, "temperature": temperature}
+            with httpx.stream("POST", url + path, json=body, timeout=120) as r:
                 for line in r.iter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     event = json.loads(line[6:])
                     streams[i]["times"].append(time.monotonic())
-                    if "error" in event:
+                    if "error" in event or event.get("type") == "error":
                         streams[i]["errors"].append(event)
+                        continue
+                    if i < RESPONSES:
+                        streams[i].setdefault("numbers", []).append(event["sequence_number"])
+                        if event["type"] == "response.output_text.delta":
+                            streams[i]["text"].append(event["delta"])
+                        elif event["type"] in ("response.completed", "response.incomplete"):
+                            streams[i]["seed"] = event["response"]["specdec"]["seed"]
                         continue
                     streams[i]["seed"] = event.get("specdec", {}).get("seed", streams[i]["seed"])
                     if event.get("choices"):
@@ -119,9 +134,11 @@ def test_streams_survive_a_replica_killed_mid_stream(tiny_dirs):
         alone = SpecDecoder(target=tiny_dirs["target"], draft="none")
         for i, s in enumerate(streams):
             assert not s["errors"], (i, s["errors"])
-            want = alone.generate(prompts[i], max_new_tokens=48, chat=False, temperature=0 if i % 2 else 0.9,
+            want = alone.generate(prompts[i], max_new_tokens=48, chat=i < RESPONSES, temperature=0 if i % 2 else 0.9,
                                   seed=s["seed"]).text
             assert "".join(s["text"]) == want, i
+            if i < RESPONSES:
+                assert s["numbers"] == list(range(len(s["numbers"]))), i  # numbered on across the resume
         for i, r in whole.items():
             assert r.status_code == 200, r.text
             seed = r.json()["specdec"]["seed"]
