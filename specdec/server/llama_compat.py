@@ -13,15 +13,16 @@ from __future__ import annotations
 import asyncio
 import json
 
-from fastapi import Request
+from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..penalties import MAX_BIAS, MAX_PENALTY, MAX_REPETITION
 from ..sampling import MAX_TEMPERATURE, SEED_RANGE
-from .api_errors import APIError, as_api_error, error_body
+from .api_errors import APIError, error_body
 from .openai_format import spec_stats
 from .schemas import CompletionRequest, Message
+from .streaming import chunks, collect
 
 IGNORED = ("cache_prompt", "t_max_prompt_ms", "t_max_predict_ms", "n_indent", "samplers", "id_slot",
            "timings_per_token", "response_fields", "n_keep", "n_cache_reuse", "return_progress", "sse_ping_interval")
@@ -321,10 +322,8 @@ def _final(decoder, job, result, text, prompt_ids, options, model_name) -> dict:
 
 
 async def _answer(decoder, job, prompt_ids, prompt, options, model_name, request, overdue):
-    from .streaming import collect
     done = await collect(job, request, overdue)
     if done is None:
-        from fastapi import Response
         return Response(status_code=499)  # the client hung up
     text, result = done
     body = {"index": 0, "content": text, "tokens": [t for t in result.token_ids if t not in decoder.engine.eos_ids]
@@ -341,32 +340,20 @@ def _events(decoder, job, prompt_ids, options, model_name, overdue) -> Streaming
     async def events():
         text = []
         try:
-            while True:
-                item = await job.next(timeout=0.5)
-                if item is None:
-                    if overdue(job):
-                        err = overdue(job)
-                        yield f"data: {json.dumps(error_body(err.message, err.type, err.code))}\n\n"
-                        return
-                    continue
-                ev, payload = item
-                if ev == "end":
-                    return
-                if ev == "error":
-                    err = as_api_error(payload)
-                    yield f"data: {json.dumps(error_body(err.message, err.type, err.code))}\n\n"
-                    return
-                emitted = [t for t in payload.record.emitted if t not in decoder.engine.eos_ids]
-                if payload.text or emitted:
-                    event = {"index": 0, "content": payload.text, "tokens": emitted, "stop": False, "id_slot": 0}
-                    if options.n_probs and payload.record.logprobs is not None:
-                        event["completion_probabilities"] = _probs(decoder, payload.record.emitted,
-                                                                   payload.record.logprobs)
+            async for chunk in chunks(job, overdue):
+                emitted = [t for t in chunk.record.emitted if t not in decoder.engine.eos_ids]
+                if chunk.text or emitted:
+                    event = {"index": 0, "content": chunk.text, "tokens": emitted, "stop": False, "id_slot": 0}
+                    if options.n_probs and chunk.record.logprobs is not None:
+                        event["completion_probabilities"] = _probs(decoder, chunk.record.emitted,
+                                                                   chunk.record.logprobs)
                     yield f"data: {json.dumps(event)}\n\n"
-                text.append(payload.text)
-                if payload.result is not None:
-                    final = _final(decoder, job, payload.result, "".join(text), prompt_ids, options, model_name)
+                text.append(chunk.text)
+                if chunk.result is not None:
+                    final = _final(decoder, job, chunk.result, "".join(text), prompt_ids, options, model_name)
                     yield f"data: {json.dumps({'index': 0, 'content': '', 'tokens': [], **final})}\n\n"
+        except APIError as err:
+            yield f"data: {json.dumps(error_body(err.message, err.type, err.code))}\n\n"
         finally:
             job.cancel()
     return StreamingResponse(events(), media_type="text/event-stream")

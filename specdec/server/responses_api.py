@@ -18,9 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..sampling import MAX_TEMPERATURE, SEED_RANGE
 from . import tools
-from .api_errors import APIError, as_api_error
+from .api_errors import APIError
 from .openai_format import logprobs, spec_stats
 from .schemas import ChatRequest
+from .streaming import chunks, collect
 
 LOGPROBS = "message.output_text.logprobs"  # what `include` asks for to get each token's logprob
 
@@ -223,7 +224,6 @@ def add_routes(app, serve, overdue, decoder, model_name: str) -> None:
             answer = Answer(jobs[0], req, chat, model_name, len(encoded[0]))
             if req.stream:
                 return StreamingResponse(_events(decoder, jobs[0], answer, overdue), media_type="text/event-stream")
-            from .streaming import collect
             done = await collect(jobs[0], request, overdue)
             if done is None:
                 return Response(status_code=499)  # the client hung up
@@ -250,24 +250,10 @@ async def _events(decoder, job, answer: Answer, overdue):
     try:
         yield event("response.created", response=answer.response("in_progress", []))
         yield event("response.in_progress", response=answer.response("in_progress", []))
-        while result is None:
-            item = await job.next(timeout=0.5)
-            if item is None:
-                if overdue(job):
-                    err = overdue(job)
-                    yield event("error", code=err.code, message=err.message, param=None)
-                    return
-                continue
-            kind, payload = item
-            if kind == "end":
-                break
-            if kind == "error":
-                err = as_api_error(payload)
-                yield event("error", code=err.code, message=err.message, param=None)
-                return
-            text.append(payload.text)
-            result = payload.result
-            if answer.calling or not payload.text:
+        async for chunk in chunks(job, overdue):
+            text.append(chunk.text)
+            result = chunk.result or result
+            if answer.calling or not chunk.text:
                 continue
             if not opened:
                 opened = True
@@ -275,7 +261,7 @@ async def _events(decoder, job, answer: Answer, overdue):
                 yield event("response.content_part.added", item_id=msg_id, output_index=0, content_index=0,
                             part={"type": "output_text", "text": "", "annotations": []})
             yield event("response.output_text.delta", item_id=msg_id, output_index=0, content_index=0,
-                        delta=payload.text, logprobs=[])
+                        delta=chunk.text, logprobs=[])
         if result is None:
             return
         items = answer.items(decoder, "".join(text), result)
@@ -302,5 +288,7 @@ async def _events(decoder, job, answer: Answer, overdue):
             yield event("response.output_item.done", output_index=k, item=item)
         status = "incomplete" if result.finish_reason == "length" else "completed"
         yield event(f"response.{status}", response=answer.response(status, items, result))
+    except APIError as err:
+        yield event("error", code=err.code, message=err.message, param=None)
     finally:
         job.cancel()

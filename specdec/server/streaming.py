@@ -40,6 +40,23 @@ async def collect(job, request, overdue):
     return "".join(text), result
 
 
+async def chunks(job, overdue):
+    """One job's chunks as they come (the other APIs' streams: llama_compat, responses_api, anthropic_api); an
+    APIError should it fail, or its worker stop answering."""
+    while True:
+        item = await job.next(timeout=0.5)
+        if item is None:
+            if overdue(job):
+                raise overdue(job)
+            continue
+        kind, payload = item
+        if kind == "end":
+            return
+        if kind == "error":
+            raise as_api_error(payload)
+        yield payload
+
+
 async def sse(decoder, jobs, meta, kind, include_usage, prompt_tokens: int, overdue, tool_list=None, echoed=None):
     """Server-sent events of one or several jobs (n choices, prompt lists), each chunk with its choice's index.
     With tools (`tool_list`) a choice's text is held to its end, then sent as tool_calls or as content; with echo
