@@ -151,3 +151,25 @@ def test_a_responses_stream_resumes_under_its_first_ids():
     assert split_event('event: x\ndata: {"a": "data: b"}') == ("event: x\n", '{"a": "data: b"}')
     assert split_event(": ping") == (": ping", None) and split_event("data: [DONE]") == ("", "[DONE]")
 
+
+def test_an_anthropic_stream_resumes_under_its_first_message_id():
+    def attempt(job, deltas, end=True):
+        out = [{"type": "message_start", "message": {"id": f"msg_{job}", "content": []}},
+               {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}]
+        out += [{"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": d}}
+                for d in deltas]
+        if end:
+            out += [{"type": "content_block_stop", "index": 0},
+                    {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 3}},
+                    {"type": "message_stop"}]
+        return [f"event: {e['type']}\ndata: {json.dumps(e)}" for e in out]
+    r = Resumer()
+    got = [r.event(split_event(e)[1]) for e in attempt("aaa", ["Hel"], end=False)]
+    r.restart()
+    got += [r.event(split_event(e)[1]) for e in attempt("bbb", ["He", "llo"])]
+    sent = [json.loads(g) for g in got if g is not None]
+    assert [e["type"] for e in sent] == ["message_start", "content_block_start", "content_block_delta",
+                                         "content_block_delta", "content_block_stop", "message_delta", "message_stop"]
+    assert "".join(e["delta"]["text"] for e in sent if e["type"] == "content_block_delta") == "Hello"
+    assert sent[0]["message"]["id"] == "msg_aaa" and "bbb" not in json.dumps(sent)
+

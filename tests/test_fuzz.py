@@ -18,7 +18,9 @@ FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", 
           "tokens", "add_special", "with_pieces", "input_prefix", "input_suffix", "mirostat", "cache_prompt",
           # OpenAI's Responses API (responses_api.py)
           "input", "instructions", "max_output_tokens", "include", "call_id", "name", "arguments", "output",
-          "format", "previous_response_id"]
+          "format", "previous_response_id",
+          # Anthropic's Messages API (anthropic_api.py)
+          "system", "stop_sequences", "tool_use_id", "input_schema", "output_config", "thinking", "source"]
 ODD = st.sampled_from(["\ud800", "\x00", "a\udfffb", "", " ", "x" * 3000, "<|im_end|>", "{", "\u202e"])
 scalars = st.one_of(st.none(), st.booleans(), st.integers(min_value=-2**80, max_value=2**80),
                     st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=20), ODD)
@@ -31,8 +33,16 @@ item = st.fixed_dictionaries({"type": st.sampled_from(["message", "function_call
                                                        "reasoning", "input_text"]) | values},
                              optional={f: values for f in ("role", "content", "call_id", "name", "arguments",
                                                            "output")})
+block = st.fixed_dictionaries({"type": st.sampled_from(["text", "tool_use", "tool_result", "thinking", "image"])
+                              | values}, optional={f: values for f in ("text", "id", "name", "input", "tool_use_id",
+                                                                       "content", "is_error")})
 bodies = st.one_of(
     st.dictionaries(st.sampled_from(FIELDS), values, max_size=6),
+    st.fixed_dictionaries({"model": st.just("tiny"), "max_tokens": st.integers(1, 16) | values, "messages": st.lists(
+        st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]) | values,
+                               "content": st.one_of(st.text(max_size=30), ODD, st.lists(block, max_size=3))}),
+        max_size=3)}, optional={f: values for f in ("system", "tools", "tool_choice", "stop_sequences", "stream",
+                                                    "temperature", "output_config")}),
     st.fixed_dictionaries({"input": st.one_of(st.text(max_size=30), ODD, st.lists(item | message, max_size=3))},
                           optional={f: values for f in ("tools", "tool_choice", "text", "instructions",
                                                         "max_output_tokens", "stream", "include", "top_logprobs")}),
@@ -55,7 +65,8 @@ def srv(tok, target, draft_close):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-@given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/responses"]), body=bodies | values)
+@given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+                             "/v1/messages/count_tokens"]), body=bodies | values)
 def test_no_body_gets_a_5xx(srv, path, body):
     check(srv, path, body)
 

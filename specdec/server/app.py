@@ -1,5 +1,6 @@
 """OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions (streaming or not), /v1/responses
-(responses_api.py), /v1/models, /health, /metrics; llama-server's own endpoints beside them (llama_compat.py). Every error is a 4xx (or 429/504) with an
+(responses_api.py), /v1/models, /health, /metrics; Anthropic's /v1/messages (anthropic_api.py) and llama-server's own
+endpoints (llama_compat.py) beside them. Every error is a 4xx (or 429/504) with an
 OpenAI-style error object."""
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from ..errors import InvalidRequest, SpecDecError
 from ..fim import fim_prompt
 from ..penalties import penalties
 from ..sampling import SEED_RANGE
-from . import llama_compat, responses_api, tools
+from . import anthropic_api, llama_compat, responses_api, tools
 from .api_errors import APIError, as_api_error, error_body
 from .guard import Guard
 from .metrics import Metrics
@@ -78,29 +79,36 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
 
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics)
 
+    def failed(request, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
+               headers: dict | None = None) -> JSONResponse:
+        """An error in the shape its API's clients parse: Anthropic's on /v1/messages, else OpenAI's."""
+        body = anthropic_api.error(status, message) if request.url.path.startswith("/v1/messages") else \
+            error_body(message, type_, code)
+        return JSONResponse(body, status_code=status, headers=headers)
+
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
-        return JSONResponse(error_body(exc.message, exc.type, exc.code), status_code=exc.status, headers=exc.headers)
+        return failed(request, exc.status, exc.message, exc.type, exc.code, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request, exc: RequestValidationError):
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
         msg = str(err.get("msg", "invalid request")).removeprefix("Value error, ")  # pydantic's prefix
-        return JSONResponse(error_body(f"{where + ': ' if where else ''}{msg}"), 400)
+        return failed(request, 400, f"{where + ': ' if where else ''}{msg}")
 
     @app.exception_handler(SpecDecError)
     async def _specdec(request, exc: SpecDecError):
-        return JSONResponse(error_body(str(exc)), status_code=400)
+        return failed(request, 400, str(exc))
 
     @app.exception_handler(Exception)
     async def _unexpected(request, exc: Exception):  # never a plain-text traceback page
-        return JSONResponse(error_body(f"internal error in this request: {type(exc).__name__}", "server_error",
-                                       "internal_error"), status_code=500)
+        return failed(request, 500, f"internal error in this request: {type(exc).__name__}", "server_error",
+                      "internal_error")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, exc: StarletteHTTPException):
-        return JSONResponse(error_body(str(exc.detail), "invalid_request_error"), status_code=exc.status_code)
+        return failed(request, exc.status_code, str(exc.detail))
 
     @app.get("/health")
     async def health():  # pid: which process answered (replicas behind Ray Serve's proxy)
@@ -253,6 +261,7 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
 
     llama_compat.add_routes(app, _serve, _fim, overdue, decoder, model_name, decoder.context_window)
     responses_api.add_routes(app, _serve, overdue, decoder, model_name)
+    anthropic_api.add_routes(app, _serve, overdue, decoder, model_name)
     return app
 
 

@@ -14,8 +14,8 @@ import json
 import secrets
 from collections.abc import AsyncIterator
 
-DEFAULT_TEMPERATURE = {"/v1/chat/completions": 1.0, "/v1/completions": 1.0, "/v1/responses": 1.0, "/infill": 0.8,
-                       "/completion": 0.8, "/completions": 0.8}  # the defaults of schemas.py and its neighbours
+DEFAULT_TEMPERATURE = {"/v1/chat/completions": 1.0, "/v1/completions": 1.0, "/v1/responses": 1.0, "/v1/messages": 1.0,
+                       "/infill": 0.8, "/completion": 0.8, "/completions": 0.8}  # the routes' schemas' defaults
 
 
 class ReplicaLost(RuntimeError):
@@ -79,9 +79,13 @@ def with_seed(path: str, body: bytes) -> bytes:
     return json.dumps({**req, "seed": secrets.randbits(63)}).encode()
 
 
+ANTHROPIC_EVENTS = ("message_start", "content_block_start", "content_block_delta", "content_block_stop",
+                    "message_delta", "message_stop")
+
+
 def split_event(event: str) -> tuple[str, str | None]:
-    """A server-sent event -> (what comes before its data: a Responses event's `event: ...` line, or nothing; its
-    data), or (the event, None) where it has no data line."""
+    """A server-sent event -> (what comes before its data: a typed event's `event: ...` line, or nothing; its data),
+    or (the event, None) where it has no data line."""
     if event.startswith("data: "):
         return "", event[6:]
     head, sep, data = event.partition("\ndata: ")
@@ -112,8 +116,8 @@ class Resumer:
             return data
         if not isinstance(obj, dict) or "error" in obj:
             return data
-        if str(obj.get("type", "")).startswith("response."):
-            return self._response_event(obj)
+        if str(obj.get("type", "")).startswith("response.") or obj.get("type") in ANTHROPIC_EVENTS:
+            return self._typed_event(obj)
         for k in ("id", "created"):
             if k in obj:
                 obj[k] = self.ident.setdefault(k, obj[k])
@@ -150,24 +154,29 @@ class Resumer:
             choice["logprobs"] = None
         return json.dumps(obj)
 
-    def _response_event(self, obj: dict) -> str | None:
-        """A Responses API event (responses_api.py): text deltas cut as a choice's text is, every other event sent
-        once (by type and position), numbered on from the client's last, under the first attempt's ids."""
-        if obj["type"] == "response.created":  # each attempt's ids end in its job's: the client keeps the first's
-            rid = obj.get("response", {}).get("id", "")
-            self.ident.setdefault("response", rid)
-            self.ident["alias"] = (rid[5:], self.ident["response"][5:])
-        if obj["type"] == "response.output_text.delta":
-            fresh = self._fresh(("output", obj.get("output_index")), obj.get("delta", ""))
+    def _typed_event(self, obj: dict) -> str | None:
+        """An event of the Responses API (responses_api.py) or of Anthropic's (anthropic_api.py): text deltas cut as
+        a choice's text is, every other event sent once (by type and position), Responses events numbered on from
+        the client's last, all under the first attempt's ids."""
+        kind = obj["type"]
+        if kind in ("response.created", "message_start"):  # each attempt's ids end in its job's: the first's stay
+            first = (obj.get("response") or obj.get("message") or {}).get("id", "")
+            self.ident.setdefault("first", first)
+            self.ident["alias"] = (first.partition("_")[2], self.ident["first"].partition("_")[2])
+        delta = obj.get("delta") if kind == "content_block_delta" else None
+        if kind == "response.output_text.delta" or (isinstance(delta, dict) and delta.get("type") == "text_delta"):
+            holder, field = (obj, "delta") if delta is None else (delta, "text")
+            fresh = self._fresh(("output", obj.get("output_index", obj.get("index"))), holder.get(field, ""))
             if fresh is None:
                 return None
-            obj["delta"] = fresh
+            holder[field] = fresh
         else:
-            key = (obj["type"], obj.get("output_index"), obj.get("content_index"))
+            key = (kind, obj.get("output_index", obj.get("index")), obj.get("content_index"))
             if key in self.done:
                 return None
             self.done.add(key)
-        obj["sequence_number"] = self.ident["sequence"] = self.ident.get("sequence", -1) + 1
+        if "sequence_number" in obj:
+            obj["sequence_number"] = self.ident["sequence"] = self.ident.get("sequence", -1) + 1
         new, old = self.ident.get("alias", ("", ""))
         text = json.dumps(obj)
         return text.replace(new, old) if new and new != old else text

@@ -10,7 +10,8 @@ from .api_errors import error_body
 from .metrics import Metrics
 
 KNOWN_PATHS = {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/responses",
-               "/infill", "/completion", "/completions", "/tokenize", "/detokenize", "/apply-template", "/props"}
+               "/v1/messages", "/v1/messages/count_tokens", "/infill", "/completion", "/completions", "/tokenize",
+               "/detokenize", "/apply-template", "/props"}
 
 
 def as_json(scope: dict) -> dict:
@@ -36,7 +37,7 @@ class Guard:
         when no keys are set, None for a missing or wrong key. Every key is compared in constant time."""
         if not self.keys:
             return b""
-        sent = headers.get(b"authorization", b"")
+        sent = headers.get(b"authorization") or b"Bearer " + headers.get(b"x-api-key", b"")  # Anthropic's clients
         match = [hmac.compare_digest(sent, f"Bearer {k}".encode()) for k in self.keys]  # all of them: no timing
         return hashlib.blake2b(b"key:" + self.keys[match.index(True)].encode(), digest_size=16).digest() \
             if any(match) else None

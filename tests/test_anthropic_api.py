@@ -1,0 +1,166 @@
+"""Anthropic's Messages API through the official `anthropic` client over real HTTP: a message is the chat completion
+of the same conversation (greedy token for token, seeded text for text), streamed as events the client's own stream
+helper accumulates; system blocks, stop sequences, tool_use and tool_result history, token counting, the x-api-key
+header; errors in Anthropic's shape; on the default model, tools and JSON schemas."""
+import json
+
+import anthropic
+import httpx
+import pytest
+from test_server import LiveServer
+
+from specdec import SpecDecoder, models
+from specdec.server import create_app
+
+QUESTION = "Name a colour."
+GREEDY = {"temperature": 0}  # the current API has no sampling fields (it samples at 1); earlier ones had them
+
+
+@pytest.fixture(scope="module")
+def sd(tiny_dirs):
+    model, tok = models.load(tiny_dirs["target"], backend="runtime")
+    return SpecDecoder.from_models(model, tok, draft="ngram", tau=3)
+
+
+@pytest.fixture(scope="module")
+def live(sd):
+    srv = LiveServer(create_app(sd, model_name="tiny"))
+    yield srv
+    srv.stop()
+
+
+def client(srv, key="none") -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=srv.url, api_key=key, max_retries=0, timeout=60)
+
+
+def chat(srv, messages, **kw) -> dict:
+    r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": messages, **kw}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_a_message_is_the_chat_completion_of_its_conversation(live, sd):
+    c = client(live)
+    m = c.messages.create(model="tiny", max_tokens=12, system=[{"type": "text", "text": "Be brief."}],
+                          messages=[{"role": "user", "content": [{"type": "text", "text": QUESTION}]}], extra_body=GREEDY)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}]
+    want = chat(live, messages, max_tokens=12, temperature=0)
+    assert m.content[0].text == want["choices"][0]["message"]["content"] == sd.generate(messages, max_new_tokens=12).text
+    assert m.stop_reason == "max_tokens" and m.role == "assistant" and m.id.startswith("msg_")
+    assert m.usage.input_tokens == want["usage"]["prompt_tokens"] and m.usage.output_tokens == 12
+    assert c.messages.count_tokens(model="tiny", system="Be brief.",
+                                   messages=[{"role": "user", "content": QUESTION}]).input_tokens == m.usage.input_tokens
+    seeded = c.messages.create(model="tiny", max_tokens=16, messages=[{"role": "user", "content": QUESTION}],
+                               extra_body={"seed": 5, "temperature": 0.9})
+    assert seeded.content[0].text == chat(live, [{"role": "user", "content": QUESTION}], max_tokens=16, temperature=0.9,
+                                          seed=5)["choices"][0]["message"]["content"]
+
+
+def test_stop_sequences_end_the_message_and_say_which(live):
+    c = client(live)
+    full = c.messages.create(model="tiny", max_tokens=24, messages=[{"role": "user", "content": QUESTION}],
+                             extra_body=GREEDY).content[0].text
+    word = full[4:6]
+    m = c.messages.create(model="tiny", max_tokens=24, stop_sequences=["\x01", word], extra_body=GREEDY,
+                          messages=[{"role": "user", "content": QUESTION}])
+    assert m.content[0].text == full[:full.index(word)]
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == word
+
+
+def test_streams_are_what_the_clients_stream_helper_accumulates(live):
+    c = client(live)
+    ask = dict(model="tiny", max_tokens=20, extra_body=GREEDY, messages=[{"role": "user", "content": QUESTION}])
+    whole = c.messages.create(**ask).content[0].text
+    with c.messages.stream(**ask) as s:
+        streamed = "".join(s.text_stream)
+        final = s.get_final_message()
+    assert streamed == whole == final.content[0].text
+    assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 20
+    kinds = [e.type for e in c.messages.create(**ask, stream=True)]
+    assert kinds[:2] == ["message_start", "content_block_start"] and kinds[-3:] == [
+        "content_block_stop", "message_delta", "message_stop"]
+
+
+def test_tool_use_and_results_are_the_chat_history(live):
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": "x"},
+                                                 {"type": "tool_use", "id": "t1", "name": "weather",
+                                                  "input": {"city": "Paris"}}]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "rain"}]}]
+    m = client(live).messages.create(model="tiny", max_tokens=10, extra_body=GREEDY, messages=history)
+    as_chat = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "t1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "t1", "content": "rain"}]
+    assert m.content[0].text == chat(live, as_chat, max_tokens=10, temperature=0)["choices"][0]["message"]["content"]
+
+
+def test_the_x_api_key_header_is_the_key(sd):
+    srv = LiveServer(create_app(sd, model_name="tiny", api_key="k1"))
+    try:
+        ask = dict(model="tiny", max_tokens=4, messages=[{"role": "user", "content": QUESTION}])
+        assert client(srv, "k1").messages.create(**ask).content
+        with pytest.raises(anthropic.AuthenticationError):
+            client(srv, "wrong").messages.create(**ask)
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("body,says", [
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "image"),
+    ({"messages": [{"role": "system", "content": "x"}]}, "role"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}, "tool_use_id"),
+    ({"temperature": 1.5}, "temperature"),
+    ({"max_tokens": None}, "max_tokens"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "web_search_20250305"),
+    ({"tools": [{"name": "f", "input_schema": {}}], "tool_choice": {"type": "sometimes"}}, "tool_choice"),
+    ({"output_config": {"format": {"type": "xml"}}}, "output_config"),
+    ({"container": "c1"}, "container"),
+    ({"mcp_servers": []}, "mcp_servers"),
+])
+def test_bad_requests_are_400s_in_anthropics_shape(live, body, says):
+    base = {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": QUESTION}]}
+    r = httpx.post(live.url + "/v1/messages", json={k: v for k, v in {**base, **body}.items() if v is not None},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["type"] == "error", r.text
+    assert r.json()["error"]["type"] == "invalid_request_error" and says in r.json()["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError, match=says):
+        client(live).messages.create(**base, extra_body=body)
+
+
+# ---- the real default model: tools and schemas need a byte-level vocabulary --------------------------------------
+WEATHER = {"name": "get_weather", "description": "The weather in a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+@pytest.fixture(scope="module")
+def real():
+    srv = LiveServer(create_app(SpecDecoder(draft="ngram"), model_name="smol"))
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.real
+def test_tools_are_used_and_schemas_followed(real):
+    c = client(real)
+    ask = dict(model="smol", max_tokens=40, extra_body=GREEDY, tools=[WEATHER],
+               messages=[{"role": "user", "content": "What is the weather in Paris?"}])
+    m = c.messages.create(**ask, tool_choice={"type": "any"})
+    use = m.content[0]
+    assert m.stop_reason == "tool_use" and use.type == "tool_use" and use.name == "get_weather"
+    assert set(use.input) == {"city"}
+    named = c.messages.create(**ask, tool_choice={"type": "tool", "name": "get_weather"})
+    assert named.content[0].input == use.input
+    with c.messages.stream(**ask, tool_choice={"type": "any"}) as s:
+        final = s.get_final_message()
+    assert final.content[0].type == "tool_use" and final.content[0].input == use.input
+    with c.messages.stream(model="smol", max_tokens=64, extra_body=GREEDY,
+                           messages=[{"role": "user", "content": "Say hello."}]) as s:
+        hello = s.get_final_message()
+    assert hello.stop_reason == "end_turn" and hello.content[0].text
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "enum": ["red", "blue"]}},
+              "required": ["colour"], "additionalProperties": False}
+    out = c.messages.create(model="smol", max_tokens=30, extra_body=GREEDY,
+                            output_config={"format": {"type": "json_schema", "schema": schema}},
+                            messages=[{"role": "user", "content": "Pick a colour as JSON."}])
+    assert json.loads(out.content[0].text)["colour"] in ("red", "blue")
