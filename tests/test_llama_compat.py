@@ -201,6 +201,12 @@ def test_gbnf_grammars_and_json_schemas_constrain_the_output(real):
     assert set(json.loads(out["content"])) == {"n"}
     bad = post(real, "/completion", {"prompt": "x", "grammar": "root ::= missing"})
     assert bad.status_code == 400 and "grammar" in bad.text
+    chat = post(real, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Is the sky blue?"}],
+                                               "max_tokens": 8, "grammar": 'root ::= "Yes" | "No"'})  # as llama-server
+    assert chat.json()["choices"][0]["message"]["content"] in ("Yes", "No")
+    both = post(real, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "grammar": "root ::= x",
+                                               "response_format": {"type": "json_object"}})
+    assert both.status_code == 400 and "grammar" in both.text
 
 
 @pytest.mark.real

@@ -178,7 +178,8 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
                     raise APIError(400, str(e), code="context_length_exceeded") from None
         calling = kind == "chat" and bool(req.tools) and req.tool_choice != "none"
         echo = kind == "text" and req.echo
-        response_format = tools.call_format(req.tools, req.tool_choice) if calling else req.response_format
+        response_format = tools.call_format(req.tools, req.tool_choice) if calling else req.response_format or (
+            {"type": "gbnf", "grammar": req.grammar} if req.grammar is not None else None)
         # a bias on a token the model lacks: a 400 before any stream starts (the worker checks again in prepare)
         penalties(decoder.model.config.vocab_size, req.presence_penalty or 0.0, req.frequency_penalty or 0.0,
                   req.logit_bias, req.repetition_penalty or 1.0)

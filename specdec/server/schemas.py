@@ -74,6 +74,7 @@ class _Request(BaseModel):
     logprobs: bool | int | None = None  # chat: a bool (with top_logprobs); completions: the alternatives wanted
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: dict | None = None  # text, json_object, json_schema (constraints.py)
+    grammar: str | None = None  # llama-server's extension: a GBNF grammar
     prediction: Prediction | None = None  # OpenAI's predicted outputs: drafted beside the output, never changing it
     tools: Any = None
     tool_choice: Any = None
@@ -94,6 +95,8 @@ class _Request(BaseModel):
     def _unsupported(self):
         refuse = {
             "tools with response_format": bool(self.tools) and self.response_format is not None,
+            "grammar with response_format or tools": self.grammar is not None and (
+                self.response_format is not None or bool(self.tools)),
             "functions": bool(self.functions),
             "function_call": self.function_call not in (None, "none", "auto"),
         }
