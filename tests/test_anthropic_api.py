@@ -6,6 +6,7 @@ import json
 
 import anthropic
 import httpx
+import openai
 import pytest
 from test_server import LiveServer
 
@@ -93,6 +94,17 @@ def test_tool_use_and_results_are_the_chat_history(live):
                    {"id": "t1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
                {"role": "tool", "tool_call_id": "t1", "content": "rain"}]
     assert m.content[0].text == chat(live, as_chat, max_tokens=10, temperature=0)["choices"][0]["message"]["content"]
+
+
+def test_both_clients_list_and_retrieve_the_model(live):
+    assert [m.id for m in client(live).models.list()] == ["tiny"]
+    assert client(live).models.retrieve("tiny").display_name == "tiny"
+    oai = openai.OpenAI(base_url=live.url + "/v1", api_key="none", max_retries=0)
+    assert [m.id for m in oai.models.list()] == ["tiny"] and oai.models.retrieve("tiny").owned_by == "specdec"
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("gpt-4")
+    with pytest.raises(anthropic.NotFoundError):
+        client(live).models.retrieve("claude")
 
 
 def test_the_x_api_key_header_is_the_key(sd):

@@ -120,10 +120,20 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
     async def prometheus():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    # the model as OpenAI's clients read it, with the fields Anthropic's read beside them
+    served = {"id": model_name, "object": "model", "created": 0, "owned_by": "specdec", "type": "model",
+              "display_name": model_name, "created_at": "1970-01-01T00:00:00Z"}
+
     @app.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "specdec"}]}
+        return {"object": "list", "data": [served], "has_more": False, "first_id": model_name, "last_id": model_name}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str):
+        if model_id != model_name:
+            raise APIError(404, f"model {model_id!r} does not exist; this server serves {model_name!r}",
+                           code="model_not_found")
+        return served
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):

@@ -92,5 +92,6 @@ class Guard:
             await JSONResponse(error_body(f"request body larger than {self.max_body} bytes"), 413)(
                 scope, receive, send_counted)
         finally:
-            self.metrics.requests.labels(endpoint=path if path in KNOWN_PATHS else "other",
+            self.metrics.requests.labels(endpoint=path if path in KNOWN_PATHS else "/v1/models/{id}"
+                                         if path.startswith("/v1/models/") else "other",
                                          status=str(status["code"])).inc()
