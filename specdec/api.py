@@ -166,12 +166,13 @@ class SpecDecoder:
         self.grammars = Grammars(tok, model.config.vocab_size, self.engine.eos_ids)  # structured outputs
 
     # ---- prompts -------------------------------------------------------------------------------------------
-    def encode(self, prompt, chat: bool = True) -> list[int]:
-        """A string or a list of {role, content} messages -> prompt token ids (chat template unless chat=False)."""
+    def encode(self, prompt, chat: bool = True, tools: list[dict] | None = None) -> list[int]:
+        """A string or a list of {role, content} messages -> prompt token ids (chat template unless chat=False;
+        `tools` handed to a template that describes tools itself)."""
         with self._encoder_lock:
             if self.max_token_chars is None:
                 self.max_token_chars = longest_token_chars(self._encoder) or 0
-            return encode_prompt(self._encoder, prompt, chat, self.context_window, self.max_token_chars)
+            return encode_prompt(self._encoder, prompt, chat, self.context_window, self.max_token_chars, tools)
 
     # ---- generation ----------------------------------------------------------------------------------------
     def prepare(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,

@@ -41,13 +41,17 @@ class Grammars:
 
     def constraint(self, response_format: dict | None) -> Constraint | None:
         """OpenAI's response_format -> a Constraint (None for text); {"type": "gbnf", "grammar": text} is llama.cpp's
-        grammar format (what llama-server's `grammar` field takes). InvalidRequest for what cannot be compiled."""
+        grammar format (what llama-server's `grammar` field takes), {"type": "lark", ...} llguidance's (the server's
+        own: never from a client, whose response_format schemas.py checks). InvalidRequest for what cannot be
+        compiled."""
         kind = (response_format or {}).get("type", "text")
         if kind == "text":
             return None
         import llguidance
         if kind == "gbnf":  # llama.cpp's grammar format (llama-server's `grammar` field), through llguidance's Lark
             return self._compiled(self._gbnf(response_format.get("grammar")), "grammar")
+        if kind == "lark":  # llguidance's own (server/tools.py: a call in its chat template's tags)
+            return self._compiled(llguidance.LLMatcher.grammar_from_lark(response_format["grammar"]), "the grammar")
         if kind == "json_object":
             schema = {"type": "object"}
         elif kind == "json_schema":

@@ -40,10 +40,11 @@ def load_prompts(path=None) -> list[dict]:
 
 
 def encode_prompt(tokenizer, prompt, chat: bool = True, context_window: int | None = None,
-                  max_token_chars: int | None = None) -> list[int]:
+                  max_token_chars: int | None = None, tools: list[dict] | None = None) -> list[int]:
     """A string or a list of {role, content} messages -> prompt token ids, as `generate` prompts the target (chat
     template unless chat=False); PromptTooLong at or past `context_window`. With `max_token_chars` (the longest
-    token's text), a prompt too long to fit whatever its tokens is refused before it is tokenized."""
+    token's text), a prompt too long to fit whatever its tokens is refused before it is tokenized. `tools`: OpenAI
+    tools for a chat template that describes them itself (server/tools.py, `native`)."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str)
@@ -62,7 +63,8 @@ def encode_prompt(tokenizer, prompt, chat: bool = True, context_window: int | No
                             f"{max_token_chars} characters each: it cannot fit the target's context window")
     if chat and tokenizer.chat_template:
         try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                 **({"tools": tools} if tools else {}))
         except Exception as e:  # noqa: BLE001 - a template's own raise_exception ("roles must alternate") and the like
             raise InvalidRequest(f"the chat template refused these messages: {e}") from None
         ids = tokenizer(text, add_special_tokens=False).input_ids

@@ -202,9 +202,7 @@ def add_routes(app, serve, overdue, decoder, model_name: str) -> None:
 
     def prompt(req: MessagesRequest) -> tuple[ChatRequest, list[dict]]:
         chat = as_chat(req)
-        messages = [m.for_template() for m in chat.messages]
-        if chat.tools and chat.tool_choice != "none":  # described to the model, as on chat completions
-            messages = tools.with_tools(messages, chat.tools)
+        messages = [m.for_template() for m in chat.messages]  # tools described in serve, as on chat completions
         return chat, messages
 
     @app.post("/v1/messages")
@@ -225,8 +223,11 @@ def add_routes(app, serve, overdue, decoder, model_name: str) -> None:
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(req: CountRequest):
         full = MessagesRequest(**req.model_dump(exclude_none=True), max_tokens=1)
-        _, conversation = prompt(full)
-        return {"input_tokens": len(await asyncio.to_thread(decoder.encode, conversation, True))}
+        chat, conversation = prompt(full)
+        listed = None
+        if chat.tools and chat.tool_choice != "none":  # as serve describes them
+            conversation, listed = tools.described(decoder.tokenizer, conversation, chat.tools)
+        return {"input_tokens": len(await asyncio.to_thread(decoder.encode, conversation, True, listed))}
 
 
 class CountRequest(BaseModel):

@@ -137,10 +137,7 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
-        messages = [m.for_template() for m in req.messages]
-        if req.tools and req.tool_choice != "none":  # described to the model; a call may be forced (tools.py)
-            messages = tools.with_tools(messages, req.tools)
-        return await _serve(req, request, [messages], chat=True, kind="chat")
+        return await _serve(req, request, [[m.for_template() for m in req.messages]], chat=True, kind="chat")
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
@@ -167,10 +164,17 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
                            code="model_not_found")
         if not worker.alive:
             raise APIError(503, "the model worker is down; retry later", "server_error", "worker_down")
+        # tools are described to the model: by its own chat template where it has a tool format, else in a system
+        # message; a call may be forced (tools.py)
+        calling = kind == "chat" and bool(req.tools) and req.tool_choice != "none"
+        template_tools = None
+        if calling:
+            described = [tools.described(decoder.tokenizer, p, req.tools) for p in prompts]
+            prompts, template_tools = [m for m, _ in described], described[0][1]
         # on a thread (the tokenizer releases the GIL), with its own copy of the tokenizer: neither the event loop
         # nor the model worker waits for a long prompt; raises InvalidRequest / PromptTooLong -> 400
-        encoded = [await asyncio.to_thread(decoder.encode, p, chat) if chat or isinstance(p, str)
-                   else _token_prompt(p) for p in prompts]
+        encoded = [await asyncio.to_thread(decoder.encode, p, chat, template_tools)
+                   if chat or isinstance(p, str) else _token_prompt(p) for p in prompts]
         if not chat:  # token-id prompts travel as their text (echo, the job's prompt) and their ids
             with decoder.tokenizer_lock:
                 prompts = [p if isinstance(p, str) else decoder.tokenizer.decode(p) for p in prompts]
@@ -186,10 +190,12 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
                     worker.engine.check_fits(prompt_ids)
                 except InvalidRequest as e:
                     raise APIError(400, str(e), code="context_length_exceeded") from None
-        calling = kind == "chat" and bool(req.tools) and req.tool_choice != "none"
         echo = kind == "text" and req.echo
-        response_format = tools.call_format(req.tools, req.tool_choice) if calling else req.response_format or (
-            {"type": "gbnf", "grammar": req.grammar} if req.grammar is not None else None)
+        if calling:
+            response_format = tools.call_format(req.tools, req.tool_choice, tools.native(decoder.tokenizer))
+        else:
+            response_format = req.response_format or (
+                {"type": "gbnf", "grammar": req.grammar} if req.grammar is not None else None)
         # a bias on a token the model lacks: a 400 before any stream starts (the worker checks again in prepare)
         penalties(decoder.model.config.vocab_size, req.presence_penalty or 0.0, req.frequency_penalty or 0.0,
                   req.logit_bias, req.repetition_penalty or 1.0)

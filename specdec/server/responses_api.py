@@ -216,9 +216,7 @@ def add_routes(app, serve, overdue, decoder, model_name: str) -> None:
     @app.post("/v1/responses")
     async def responses(req: ResponsesRequest, request: Request):
         chat = as_chat(req)
-        messages = [m.for_template() for m in chat.messages]
-        if chat.tools and chat.tool_choice != "none":  # described to the model, as on chat completions
-            messages = tools.with_tools(messages, chat.tools)
+        messages = [m.for_template() for m in chat.messages]  # tools described in serve, as on chat completions
 
         async def respond(jobs, encoded, prompts):
             answer = Answer(jobs[0], req, chat, model_name, len(encoded[0]))

@@ -1,12 +1,18 @@
-"""Function calling (OpenAI `tools`) on any chat model: the tools are described to the model in a system message,
-and a call is a JSON object {"name": ..., "arguments": {...}}. With `tool_choice` "required" or a named function the
-output is constrained to such an object by a JSON-schema grammar (constraints.py), so it always parses; with "auto"
-the model answers freely and an answer that is exactly such an object for a known tool becomes the call.
+"""Function calling (OpenAI `tools`) on any chat model. A chat template with a tool format of its own (Qwen's and
+Hermes': tools listed in <tools></tools>, each call a JSON object {"name": ..., "arguments": {...}} inside
+<tool_call></tool_call>) gets the tools and renders them as its model was trained to read them; any other model
+gets them described in a system message, a call being such a JSON object alone. With `tool_choice` "required" or a
+named function the output is constrained to a call by a grammar (constraints.py), so it always parses; with "auto"
+the model answers freely and an answer that holds calls of known tools (in its format) becomes the calls.
 """
 from __future__ import annotations
 
 import json
+import re
 import uuid
+
+HERMES = "hermes"  # the <tool_call> format (vLLM's parser of the same name)
+CALL_TAGS = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 PREAMBLE = ("You can call these tools:\n{tools}\nTo call one, reply with only a JSON object of the form "
             '{{"name": <tool name>, "arguments": {{<its arguments>}}}} and nothing else.')
@@ -50,6 +56,18 @@ def check(tools, tool_choice) -> None:
                          "{\"name\": ...}}")
 
 
+def native(tokenizer) -> str | None:
+    """The tool format of the tokenizer's chat template (HERMES), or None: tools then go in a system message."""
+    template = getattr(tokenizer, "chat_template", None)
+    return HERMES if isinstance(template, str) and "<tool_call>" in template and "tools" in template else None
+
+
+def described(tokenizer, messages: list[dict], tools: list[dict]) -> tuple[list[dict], list[dict] | None]:
+    """(messages, tools for the chat template): the template's own tool format where it has one, else the tools
+    described in a system message."""
+    return (messages, tools) if native(tokenizer) else (with_tools(messages, tools), None)
+
+
 def with_tools(messages: list[dict], tools: list[dict]) -> list[dict]:
     """The messages with the tools described in the system message (appended to the first one, or a new one)."""
     spec = json.dumps([{k: v for k, v in t["function"].items() if k in ("name", "description", "parameters")}
@@ -60,8 +78,9 @@ def with_tools(messages: list[dict], tools: list[dict]) -> list[dict]:
     return [{"role": "system", "content": text}, *messages]
 
 
-def call_format(tools: list[dict], tool_choice) -> dict | None:
-    """The response_format that forces a call ("required" or a named function), else None."""
+def call_format(tools: list[dict], tool_choice, fmt: str | None = None) -> dict | None:
+    """The response_format that forces a call ("required" or a named function), else None; in the HERMES format,
+    one call inside its tags, its JSON spaced as the template writes it."""
     if tool_choice != "required" and not isinstance(tool_choice, dict):
         return None
     chosen = [t for t in tools if not isinstance(tool_choice, dict)
@@ -71,6 +90,11 @@ def call_format(tools: list[dict], tool_choice) -> dict | None:
         "arguments": closed(t["function"].get("parameters") or {"type": "object", "properties": {}})},
         "required": ["name", "arguments"], "additionalProperties": False} for t in chosen]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
+    if fmt == HERMES:
+        spaced = {"x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "},
+                  **schema}
+        return {"type": "lark", "grammar": 'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json '
+                + json.dumps(spaced)}
     return {"type": "json_schema", "json_schema": {"name": "tool_call", "schema": schema}}
 
 
@@ -88,13 +112,22 @@ def closed(schema):
 
 
 def parse_call(text: str, tools: list[dict]) -> list[dict] | None:
-    """OpenAI tool_calls for an answer that is exactly a call of a known tool, else None."""
+    """OpenAI tool_calls for an answer that holds calls of known tools in <tool_call> tags (every one of them must
+    parse), or that is exactly one such call, else None."""
+    names = {t["function"]["name"] for t in tools}
+    tagged = CALL_TAGS.findall(text)
+    calls = [_call(body, names) for body in tagged] if tagged else [_call(text, names)]
+    if not calls or any(c is None for c in calls):
+        return None
+    return [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+             "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}} for name, args in calls]
+
+
+def _call(text: str, names: set) -> tuple[str, dict] | None:
     try:
         obj = json.loads(text)
     except ValueError:
         return None
-    names = {t["function"]["name"] for t in tools}
     if not isinstance(obj, dict) or obj.get("name") not in names or not isinstance(obj.get("arguments", {}), dict):
         return None
-    return [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-             "function": {"name": obj["name"], "arguments": json.dumps(obj.get("arguments", {}), ensure_ascii=False)}}]
+    return obj["name"], obj.get("arguments", {})
