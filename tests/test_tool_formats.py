@@ -32,6 +32,9 @@ def test_the_tool_format_is_the_templates():
      '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>', [("get_weather", {"city": "Oslo"}),
                                                                        ("get_time", {})]),
     ('{"name": "get_time", "arguments": {}}', [("get_time", {})]),  # the system-message format
+    ('```json\n{\n  "name": "get_time",\n  "arguments": {}\n}\n```', [("get_time", {})]),  # a small model's
+    ('```\n{"name": "get_time", "arguments": {}}\n```\n', [("get_time", {})]),
+    ('Here:\n```json\n{"name": "get_time", "arguments": {}}\n```', None),  # a block inside an answer: no call
     ('<tool_call>{"name": "get_weather", "arguments": {}}</tool_call><tool_call>{"name": "nope"}</tool_call>', None),
     ('<tool_call>{"name": "get_weather", "arguments": </tool_call>', None),
     ("It is sunny.", None),

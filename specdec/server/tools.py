@@ -13,6 +13,7 @@ import uuid
 
 HERMES = "hermes"  # the <tool_call> format (vLLM's parser of the same name)
 CALL_TAGS = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+FENCED = re.compile(r"```(?:json)?\s*\n(.*?)\n?```", re.S)  # a small model's call in a Markdown code block
 
 PREAMBLE = ("You can call these tools:\n{tools}\nTo call one, reply with only a JSON object of the form "
             '{{"name": <tool name>, "arguments": {{<its arguments>}}}} and nothing else.')
@@ -113,10 +114,12 @@ def closed(schema):
 
 def parse_call(text: str, tools: list[dict]) -> list[dict] | None:
     """OpenAI tool_calls for an answer that holds calls of known tools in <tool_call> tags (every one of them must
-    parse), or that is exactly one such call, else None."""
+    parse), or that is exactly one such call, bare or as the only thing in a ```json block (as small models, Qwen's
+    Coder among them, write calls whatever their template asks for), else None."""
     names = {t["function"]["name"] for t in tools}
     tagged = CALL_TAGS.findall(text)
-    calls = [_call(body, names) for body in tagged] if tagged else [_call(text, names)]
+    fenced = FENCED.fullmatch(text.strip())
+    calls = [_call(body, names) for body in tagged] if tagged else [_call(fenced.group(1) if fenced else text, names)]
     if not calls or any(c is None for c in calls):
         return None
     return [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
