@@ -43,3 +43,35 @@ def tiny_dirs(tmp_path_factory, target, draft_close, draft_random):
         tk.save_pretrained(root / name)
         paths[name] = str(root / name)
     return paths
+
+
+@pytest.fixture(scope="session")
+def rt_sd(tiny_dirs):
+    """The tiny target on specdec's runtime (the production path), n-gram drafts."""
+    from specdec import SpecDecoder, models
+    model, tok = models.load(tiny_dirs["target"], backend="runtime")
+    return SpecDecoder.from_models(model, tok, draft="ngram", tau=3)
+
+
+@pytest.fixture(scope="session")
+def rt_live(rt_sd):
+    """A live server (real HTTP) on rt_sd, named "tiny"."""
+    from test_server import LiveServer
+
+    from specdec.server import create_app
+    srv = LiveServer(create_app(rt_sd, model_name="tiny"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def smol_live():
+    """A live server on the default model (a byte-level vocabulary: what grammars and tools need), named "smol"."""
+    from test_server import LiveServer
+
+    from specdec import SpecDecoder
+    from specdec.server import create_app
+    srv = LiveServer(create_app(SpecDecoder(draft="ngram"), model_name="smol"))
+    yield srv
+    srv.stop()
+

@@ -10,24 +10,10 @@ import openai
 import pytest
 from test_server import LiveServer
 
-from specdec import SpecDecoder, models
 from specdec.server import create_app
 
 QUESTION = "Name a colour."
 GREEDY = {"temperature": 0}  # the current API has no sampling fields (it samples at 1); earlier ones had them
-
-
-@pytest.fixture(scope="module")
-def sd(tiny_dirs):
-    model, tok = models.load(tiny_dirs["target"], backend="runtime")
-    return SpecDecoder.from_models(model, tok, draft="ngram", tau=3)
-
-
-@pytest.fixture(scope="module")
-def live(sd):
-    srv = LiveServer(create_app(sd, model_name="tiny"))
-    yield srv
-    srv.stop()
 
 
 def client(srv, key="none") -> anthropic.Anthropic:
@@ -40,25 +26,28 @@ def chat(srv, messages, **kw) -> dict:
     return r.json()
 
 
-def test_a_message_is_the_chat_completion_of_its_conversation(live, sd):
-    c = client(live)
+def test_a_message_is_the_chat_completion_of_its_conversation(rt_live, rt_sd):
+    c = client(rt_live)
     m = c.messages.create(model="tiny", max_tokens=12, system=[{"type": "text", "text": "Be brief."}],
-                          messages=[{"role": "user", "content": [{"type": "text", "text": QUESTION}]}], extra_body=GREEDY)
+                          messages=[{"role": "user", "content": [{"type": "text", "text": QUESTION}]}],
+                          extra_body=GREEDY)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}]
-    want = chat(live, messages, max_tokens=12, temperature=0)
-    assert m.content[0].text == want["choices"][0]["message"]["content"] == sd.generate(messages, max_new_tokens=12).text
+    want = chat(rt_live, messages, max_tokens=12, temperature=0)
+    assert m.content[0].text == want["choices"][0]["message"]["content"]
+    assert m.content[0].text == rt_sd.generate(messages, max_new_tokens=12).text
     assert m.stop_reason == "max_tokens" and m.role == "assistant" and m.id.startswith("msg_")
     assert m.usage.input_tokens == want["usage"]["prompt_tokens"] and m.usage.output_tokens == 12
-    assert c.messages.count_tokens(model="tiny", system="Be brief.",
-                                   messages=[{"role": "user", "content": QUESTION}]).input_tokens == m.usage.input_tokens
+    counted = c.messages.count_tokens(model="tiny", system="Be brief.",
+                                      messages=[{"role": "user", "content": QUESTION}])
+    assert counted.input_tokens == m.usage.input_tokens
     seeded = c.messages.create(model="tiny", max_tokens=16, messages=[{"role": "user", "content": QUESTION}],
                                extra_body={"seed": 5, "temperature": 0.9})
-    assert seeded.content[0].text == chat(live, [{"role": "user", "content": QUESTION}], max_tokens=16, temperature=0.9,
-                                          seed=5)["choices"][0]["message"]["content"]
+    want = chat(rt_live, [{"role": "user", "content": QUESTION}], max_tokens=16, temperature=0.9, seed=5)
+    assert seeded.content[0].text == want["choices"][0]["message"]["content"]
 
 
-def test_stop_sequences_end_the_message_and_say_which(live):
-    c = client(live)
+def test_stop_sequences_end_the_message_and_say_which(rt_live):
+    c = client(rt_live)
     full = c.messages.create(model="tiny", max_tokens=24, messages=[{"role": "user", "content": QUESTION}],
                              extra_body=GREEDY).content[0].text
     word = full[4:6]
@@ -68,8 +57,8 @@ def test_stop_sequences_end_the_message_and_say_which(live):
     assert m.stop_reason == "stop_sequence" and m.stop_sequence == word
 
 
-def test_streams_are_what_the_clients_stream_helper_accumulates(live):
-    c = client(live)
+def test_streams_are_what_the_clients_stream_helper_accumulates(rt_live):
+    c = client(rt_live)
     ask = dict(model="tiny", max_tokens=20, extra_body=GREEDY, messages=[{"role": "user", "content": QUESTION}])
     whole = c.messages.create(**ask).content[0].text
     with c.messages.stream(**ask) as s:
@@ -82,33 +71,34 @@ def test_streams_are_what_the_clients_stream_helper_accumulates(live):
         "content_block_stop", "message_delta", "message_stop"]
 
 
-def test_tool_use_and_results_are_the_chat_history(live):
+def test_tool_use_and_results_are_the_chat_history(rt_live):
     history = [{"role": "user", "content": "Weather in Paris?"},
                {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": "x"},
                                                  {"type": "tool_use", "id": "t1", "name": "weather",
                                                   "input": {"city": "Paris"}}]},
                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "rain"}]}]
-    m = client(live).messages.create(model="tiny", max_tokens=10, extra_body=GREEDY, messages=history)
+    m = client(rt_live).messages.create(model="tiny", max_tokens=10, extra_body=GREEDY, messages=history)
     as_chat = [{"role": "user", "content": "Weather in Paris?"},
                {"role": "assistant", "content": None, "tool_calls": [
-                   {"id": "t1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+                   {"id": "t1", "type": "function",
+                    "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
                {"role": "tool", "tool_call_id": "t1", "content": "rain"}]
-    assert m.content[0].text == chat(live, as_chat, max_tokens=10, temperature=0)["choices"][0]["message"]["content"]
+    assert m.content[0].text == chat(rt_live, as_chat, max_tokens=10, temperature=0)["choices"][0]["message"]["content"]
 
 
-def test_both_clients_list_and_retrieve_the_model(live):
-    assert [m.id for m in client(live).models.list()] == ["tiny"]
-    assert client(live).models.retrieve("tiny").display_name == "tiny"
-    oai = openai.OpenAI(base_url=live.url + "/v1", api_key="none", max_retries=0)
+def test_both_clients_list_and_retrieve_the_model(rt_live):
+    assert [m.id for m in client(rt_live).models.list()] == ["tiny"]
+    assert client(rt_live).models.retrieve("tiny").display_name == "tiny"
+    oai = openai.OpenAI(base_url=rt_live.url + "/v1", api_key="none", max_retries=0)
     assert [m.id for m in oai.models.list()] == ["tiny"] and oai.models.retrieve("tiny").owned_by == "specdec"
     with pytest.raises(openai.NotFoundError):
         oai.models.retrieve("gpt-4")
     with pytest.raises(anthropic.NotFoundError):
-        client(live).models.retrieve("claude")
+        client(rt_live).models.retrieve("claude")
 
 
-def test_the_x_api_key_header_is_the_key(sd):
-    srv = LiveServer(create_app(sd, model_name="tiny", api_key="k1"))
+def test_the_x_api_key_header_is_the_key(rt_sd):
+    srv = LiveServer(create_app(rt_sd, model_name="tiny", api_key="k1"))
     try:
         ask = dict(model="tiny", max_tokens=4, messages=[{"role": "user", "content": QUESTION}])
         assert client(srv, "k1").messages.create(**ask).content
@@ -130,14 +120,14 @@ def test_the_x_api_key_header_is_the_key(sd):
     ({"container": "c1"}, "container"),
     ({"mcp_servers": []}, "mcp_servers"),
 ])
-def test_bad_requests_are_400s_in_anthropics_shape(live, body, says):
+def test_bad_requests_are_400s_in_anthropics_shape(rt_live, body, says):
     base = {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": QUESTION}]}
-    r = httpx.post(live.url + "/v1/messages", json={k: v for k, v in {**base, **body}.items() if v is not None},
+    r = httpx.post(rt_live.url + "/v1/messages", json={k: v for k, v in {**base, **body}.items() if v is not None},
                    timeout=60)
     assert r.status_code == 400 and r.json()["type"] == "error", r.text
     assert r.json()["error"]["type"] == "invalid_request_error" and says in r.json()["error"]["message"]
     with pytest.raises(anthropic.BadRequestError, match=says):
-        client(live).messages.create(**base, extra_body=body)
+        client(rt_live).messages.create(**base, extra_body=body)
 
 
 # ---- the real default model: tools and schemas need a byte-level vocabulary --------------------------------------
@@ -145,16 +135,9 @@ WEATHER = {"name": "get_weather", "description": "The weather in a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 
 
-@pytest.fixture(scope="module")
-def real():
-    srv = LiveServer(create_app(SpecDecoder(draft="ngram"), model_name="smol"))
-    yield srv
-    srv.stop()
-
-
 @pytest.mark.real
-def test_tools_are_used_and_schemas_followed(real):
-    c = client(real)
+def test_tools_are_used_and_schemas_followed(smol_live):
+    c = client(smol_live)
     ask = dict(model="smol", max_tokens=40, extra_body=GREEDY, tools=[WEATHER],
                messages=[{"role": "user", "content": "What is the weather in Paris?"}])
     m = c.messages.create(**ask, tool_choice={"type": "any"})

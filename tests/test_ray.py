@@ -77,7 +77,8 @@ RESPONSES = 4  # of the 16 streams, the first 4 use OpenAI's Responses API
 
 def test_streams_survive_a_replica_killed_mid_stream(tiny_dirs):
     """Failover without a visible break (issue "serve strangers safely", item 6): 16 concurrent streams (4 of them
-    Responses API streams), greedy and unseeded sampled, and 4 non-streamed requests over 2 replicas; one replica is killed with SIGKILL mid-stream.
+    Responses API streams), greedy and unseeded sampled, and 4 non-streamed requests over 2 replicas; one replica
+    is killed with SIGKILL mid-stream.
     Every request completes, equal to the request served alone (the router seeded the sampled ones; `specdec.seed`
     says with what), with no token repeated or missing; the longest pause a client saw is printed."""
     import json

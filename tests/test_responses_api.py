@@ -8,25 +8,9 @@ import json
 import httpx
 import openai
 import pytest
-from test_server import LiveServer
 
-from specdec import SpecDecoder, models
-from specdec.server import create_app
 
 QUESTION = "Name a colour."
-
-
-@pytest.fixture(scope="module")
-def sd(tiny_dirs):
-    model, tok = models.load(tiny_dirs["target"], backend="runtime")
-    return SpecDecoder.from_models(model, tok, draft="ngram", tau=3)
-
-
-@pytest.fixture(scope="module")
-def live(sd):
-    srv = LiveServer(create_app(sd, model_name="tiny"))
-    yield srv
-    srv.stop()
 
 
 def client(srv) -> openai.OpenAI:
@@ -39,13 +23,13 @@ def chat_text(srv, messages, **kw) -> dict:
     return r.json()
 
 
-def test_a_response_is_the_chat_completion_of_its_conversation(live, sd):
-    c = client(live)
+def test_a_response_is_the_chat_completion_of_its_conversation(rt_live, rt_sd):
+    c = client(rt_live)
     r = c.responses.create(model="tiny", input=QUESTION, instructions="Be brief.", max_output_tokens=12,
                            temperature=0)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}]
-    want = chat_text(live, messages, max_tokens=12, temperature=0)
-    assert r.output_text == want["choices"][0]["message"]["content"] == sd.generate(messages, max_new_tokens=12).text
+    want = chat_text(rt_live, messages, max_tokens=12, temperature=0)
+    assert r.output_text == want["choices"][0]["message"]["content"] == rt_sd.generate(messages, max_new_tokens=12).text
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.usage.input_tokens == want["usage"]["prompt_tokens"] and r.usage.output_tokens == 12
     assert r.id.startswith("resp_") and r.output[0].type == "message" and r.output[0].role == "assistant"
@@ -55,19 +39,19 @@ def test_a_response_is_the_chat_completion_of_its_conversation(live, sd):
     assert c.responses.create(input=items, max_output_tokens=12, temperature=0).output_text == r.output_text
 
 
-def test_seeded_sampling_gives_the_chat_completions_text(live):
-    r = client(live).responses.create(input=QUESTION, max_output_tokens=16, temperature=0.9,
+def test_seeded_sampling_gives_the_chat_completions_text(rt_live):
+    r = client(rt_live).responses.create(input=QUESTION, max_output_tokens=16, temperature=0.9,
                                       extra_body={"seed": 7})
-    want = chat_text(live, [{"role": "user", "content": QUESTION}], max_tokens=16, temperature=0.9, seed=7)
+    want = chat_text(rt_live, [{"role": "user", "content": QUESTION}], max_tokens=16, temperature=0.9, seed=7)
     assert r.output_text == want["choices"][0]["message"]["content"]
-    unseeded = client(live).responses.create(input=QUESTION, max_output_tokens=16, temperature=0.9)
-    again = client(live).responses.create(input=QUESTION, max_output_tokens=16, temperature=0.9,
+    unseeded = client(rt_live).responses.create(input=QUESTION, max_output_tokens=16, temperature=0.9)
+    again = client(rt_live).responses.create(input=QUESTION, max_output_tokens=16, temperature=0.9,
                                           extra_body={"seed": unseeded.model_extra["specdec"]["seed"]})
     assert again.output_text == unseeded.output_text  # the reported seed reproduces it
 
 
-def test_streamed_events_are_what_the_clients_stream_helper_accepts(live):
-    c = client(live)
+def test_streamed_events_are_what_the_clients_stream_helper_accepts(rt_live):
+    c = client(rt_live)
     whole = c.responses.create(input=QUESTION, max_output_tokens=20, temperature=0).output_text
     with c.responses.stream(model="tiny", input=QUESTION, max_output_tokens=20, temperature=0) as s:
         seen = list(s)  # the helper checks each event against what it has accumulated
@@ -84,23 +68,25 @@ def test_streamed_events_are_what_the_clients_stream_helper_accepts(live):
                           "response.incomplete"]
 
 
-def test_earlier_calls_and_their_outputs_are_the_chat_history(live):
+def test_earlier_calls_and_their_outputs_are_the_chat_history(rt_live):
     items = [{"role": "user", "content": "Weather in Paris?"},
              {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": '{"city": "Paris"}'},
              {"type": "function_call_output", "call_id": "c1", "output": "rain"},
              {"type": "reasoning", "id": "rs_1", "summary": []}]
-    r = client(live).responses.create(input=items, max_output_tokens=10, temperature=0)
+    r = client(rt_live).responses.create(input=items, max_output_tokens=10, temperature=0)
     history = [{"role": "user", "content": "Weather in Paris?"},
                {"role": "assistant", "content": None, "tool_calls": [
-                   {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+                   {"id": "c1", "type": "function",
+                    "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
                {"role": "tool", "tool_call_id": "c1", "content": "rain"}]
-    assert r.output_text == chat_text(live, history, max_tokens=10, temperature=0)["choices"][0]["message"]["content"]
+    want = chat_text(rt_live, history, max_tokens=10, temperature=0)
+    assert r.output_text == want["choices"][0]["message"]["content"]
 
 
-def test_logprobs_are_the_chat_completions(live):
-    r = client(live).responses.create(input=QUESTION, max_output_tokens=5, temperature=0, top_logprobs=2,
+def test_logprobs_are_the_chat_completions(rt_live):
+    r = client(rt_live).responses.create(input=QUESTION, max_output_tokens=5, temperature=0, top_logprobs=2,
                                       include=["message.output_text.logprobs"])
-    want = chat_text(live, [{"role": "user", "content": QUESTION}], max_tokens=5, temperature=0, logprobs=True,
+    want = chat_text(rt_live, [{"role": "user", "content": QUESTION}], max_tokens=5, temperature=0, logprobs=True,
                      top_logprobs=2)["choices"][0]["logprobs"]["content"]
     got = r.output[0].content[0].logprobs
     assert [(p.token, p.logprob) for p in got] == [(w["token"], w["logprob"]) for w in want]
@@ -122,11 +108,11 @@ def test_logprobs_are_the_chat_completions(live):
     ({"temperature": 3}, "temperature"),
     ({"modalities": ["audio"]}, "modalities"),
 ])
-def test_bad_requests_are_400s_that_say_why(live, body, says):
-    r = httpx.post(live.url + "/v1/responses", json={"input": QUESTION, **body}, timeout=60)
+def test_bad_requests_are_400s_that_say_why(rt_live, body, says):
+    r = httpx.post(rt_live.url + "/v1/responses", json={"input": QUESTION, **body}, timeout=60)
     assert r.status_code == 400 and says in r.text, r.text
     with pytest.raises(openai.BadRequestError):
-        client(live).responses.create(**{"input": QUESTION, **{k: v for k, v in body.items()
+        client(rt_live).responses.create(**{"input": QUESTION, **{k: v for k, v in body.items()
                                                                if k in ("previous_response_id", "background")}},
                                       **({} if set(body) & {"previous_response_id", "background"} else
                                          {"extra_body": body}))
@@ -137,16 +123,9 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 
 
-@pytest.fixture(scope="module")
-def real():
-    srv = LiveServer(create_app(SpecDecoder(draft="ngram"), model_name="smol"))
-    yield srv
-    srv.stop()
-
-
 @pytest.mark.real
-def test_function_tools_are_called_and_schemas_followed(real):
-    c = client(real)
+def test_function_tools_are_called_and_schemas_followed(smol_live):
+    c = client(smol_live)
     ask = dict(model="smol", input="What is the weather in Paris?", tools=[WEATHER], max_output_tokens=40,
                temperature=0)
     r = c.responses.create(**ask, tool_choice="required")

@@ -78,8 +78,9 @@ class Guard:
                 raise _BodyTooLarge
             else:
                 body, replayed = await read_body(), False
+                # `curl -d` says its body is a form: every body here is JSON, and read as such (as llama-server does)
                 if scope["method"] == "POST" and not headers.get(b"content-type", b"").split(b";")[0].endswith(b"json"):
-                    scope = as_json(scope)  # `curl -d` sends a form's type: every body here is JSON, as llama-server reads it
+                    scope = as_json(scope)
 
                 async def replay():  # the body once, then the real channel (disconnect detection)
                     nonlocal replayed
