@@ -8,8 +8,9 @@ import anthropic
 import httpx
 import openai
 import pytest
-from test_server import LiveServer
+from test_server import LiveServer, chat_completion
 
+from specdec import SpecDecoder
 from specdec.server import create_app
 
 QUESTION = "Name a colour."
@@ -20,19 +21,13 @@ def client(srv, key="none") -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=srv.url, api_key=key, max_retries=0, timeout=60)
 
 
-def chat(srv, messages, **kw) -> dict:
-    r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": messages, **kw}, timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 def test_a_message_is_the_chat_completion_of_its_conversation(rt_live, rt_sd):
     c = client(rt_live)
     m = c.messages.create(model="tiny", max_tokens=12, system=[{"type": "text", "text": "Be brief."}],
                           messages=[{"role": "user", "content": [{"type": "text", "text": QUESTION}]}],
                           extra_body=GREEDY)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}]
-    want = chat(rt_live, messages, max_tokens=12, temperature=0)
+    want = chat_completion(rt_live, messages, max_tokens=12, temperature=0)
     assert m.content[0].text == want["choices"][0]["message"]["content"]
     assert m.content[0].text == rt_sd.generate(messages, max_new_tokens=12).text
     assert m.stop_reason == "max_tokens" and m.role == "assistant" and m.id.startswith("msg_")
@@ -42,7 +37,7 @@ def test_a_message_is_the_chat_completion_of_its_conversation(rt_live, rt_sd):
     assert counted.input_tokens == m.usage.input_tokens
     seeded = c.messages.create(model="tiny", max_tokens=16, messages=[{"role": "user", "content": QUESTION}],
                                extra_body={"seed": 5, "temperature": 0.9})
-    want = chat(rt_live, [{"role": "user", "content": QUESTION}], max_tokens=16, temperature=0.9, seed=5)
+    want = chat_completion(rt_live, [{"role": "user", "content": QUESTION}], max_tokens=16, temperature=0.9, seed=5)
     assert seeded.content[0].text == want["choices"][0]["message"]["content"]
 
 
@@ -83,7 +78,7 @@ def test_tool_use_and_results_are_the_chat_history(rt_live):
                    {"id": "t1", "type": "function",
                     "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
                {"role": "tool", "tool_call_id": "t1", "content": "rain"}]
-    assert m.content[0].text == chat(rt_live, as_chat, max_tokens=10, temperature=0)["choices"][0]["message"]["content"]
+    assert m.content[0].text == chat_completion(rt_live, as_chat, max_tokens=10, temperature=0)["choices"][0]["message"]["content"]
 
 
 def test_both_clients_list_and_retrieve_the_model(rt_live):
@@ -97,8 +92,8 @@ def test_both_clients_list_and_retrieve_the_model(rt_live):
         client(rt_live).models.retrieve("claude")
 
 
-def test_the_x_api_key_header_is_the_key(rt_sd):
-    srv = LiveServer(create_app(rt_sd, model_name="tiny", api_key="k1"))
+def test_the_x_api_key_header_is_the_key(tok, target):
+    srv = LiveServer(create_app(SpecDecoder.from_models(target, tok, draft="ngram"), model_name="tiny", api_key="k1"))
     try:
         ask = dict(model="tiny", max_tokens=4, messages=[{"role": "user", "content": QUESTION}])
         assert client(srv, "k1").messages.create(**ask).content

@@ -8,7 +8,7 @@ import json
 import httpx
 import openai
 import pytest
-
+from test_server import chat_completion
 
 QUESTION = "Name a colour."
 
@@ -17,18 +17,12 @@ def client(srv) -> openai.OpenAI:
     return openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
 
 
-def chat_text(srv, messages, **kw) -> dict:
-    r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": messages, **kw}, timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 def test_a_response_is_the_chat_completion_of_its_conversation(rt_live, rt_sd):
     c = client(rt_live)
     r = c.responses.create(model="tiny", input=QUESTION, instructions="Be brief.", max_output_tokens=12,
                            temperature=0)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}]
-    want = chat_text(rt_live, messages, max_tokens=12, temperature=0)
+    want = chat_completion(rt_live, messages, max_tokens=12, temperature=0)
     assert r.output_text == want["choices"][0]["message"]["content"] == rt_sd.generate(messages, max_new_tokens=12).text
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.usage.input_tokens == want["usage"]["prompt_tokens"] and r.usage.output_tokens == 12
@@ -42,7 +36,7 @@ def test_a_response_is_the_chat_completion_of_its_conversation(rt_live, rt_sd):
 def test_seeded_sampling_gives_the_chat_completions_text(rt_live):
     r = client(rt_live).responses.create(input=QUESTION, max_output_tokens=16, temperature=0.9,
                                       extra_body={"seed": 7})
-    want = chat_text(rt_live, [{"role": "user", "content": QUESTION}], max_tokens=16, temperature=0.9, seed=7)
+    want = chat_completion(rt_live, [{"role": "user", "content": QUESTION}], max_tokens=16, temperature=0.9, seed=7)
     assert r.output_text == want["choices"][0]["message"]["content"]
     unseeded = client(rt_live).responses.create(input=QUESTION, max_output_tokens=16, temperature=0.9)
     again = client(rt_live).responses.create(input=QUESTION, max_output_tokens=16, temperature=0.9,
@@ -79,14 +73,14 @@ def test_earlier_calls_and_their_outputs_are_the_chat_history(rt_live):
                    {"id": "c1", "type": "function",
                     "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
                {"role": "tool", "tool_call_id": "c1", "content": "rain"}]
-    want = chat_text(rt_live, history, max_tokens=10, temperature=0)
+    want = chat_completion(rt_live, history, max_tokens=10, temperature=0)
     assert r.output_text == want["choices"][0]["message"]["content"]
 
 
 def test_logprobs_are_the_chat_completions(rt_live):
     r = client(rt_live).responses.create(input=QUESTION, max_output_tokens=5, temperature=0, top_logprobs=2,
                                       include=["message.output_text.logprobs"])
-    want = chat_text(rt_live, [{"role": "user", "content": QUESTION}], max_tokens=5, temperature=0, logprobs=True,
+    want = chat_completion(rt_live, [{"role": "user", "content": QUESTION}], max_tokens=5, temperature=0, logprobs=True,
                      top_logprobs=2)["choices"][0]["logprobs"]["content"]
     got = r.output[0].content[0].logprobs
     assert [(p.token, p.logprob) for p in got] == [(w["token"], w["logprob"]) for w in want]

@@ -86,6 +86,13 @@ class LiveServer:
         return out
 
 
+def chat_completion(srv, messages, **kw) -> dict:
+    """A chat completion over real HTTP (what the other APIs' answers are compared with)."""
+    r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": messages, **kw}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
 @pytest.fixture(scope="module")
 def decoder(tok, target, draft_close):
     return SpecDecoder.from_models(target, tok, draft=draft_close, tau=3)

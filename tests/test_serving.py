@@ -21,7 +21,7 @@ REQUESTS = [dict(prompt="Hello there", max_tokens=30, temperature=0),
 
 
 @pytest.fixture(scope="module")
-def rt_decoder(tiny_dirs):
+def rt_decoder(tiny_dirs):  # a model of its own (not conftest's rt_sd): its KV pool's usage is checked
     model, tok = models.load(tiny_dirs["target"], backend="runtime")
     return SpecDecoder.from_models(model, tok, draft="ngram", tau=3)
 
