@@ -50,6 +50,22 @@ def test_a_json_body_sent_as_curl_d_sends_it_is_read_as_json(rt_live, kind):
     assert bad.status_code == 400 and "error" in bad.json()
 
 
+def test_n_predict_0_caches_the_prompt_and_answers_nothing(rt_live):
+    """As llama.vscode sends a file's context ahead of need: the prompt is prefilled into the prefix cache, nothing
+    comes back, and the next request that starts with it finds it there."""
+    def hits():
+        m = rt_live.metrics()
+        return m.get(("vllm:prefix_cache_hits_total", ()), 0)
+    context = "import os\n" + "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(5))
+    warm = post(rt_live, "/completion", {"prompt": context, "n_predict": 0, "return_tokens": True}).json()
+    assert (warm["content"], warm["tokens"], warm["tokens_predicted"], warm["stop_type"]) == ("", [], 0, "limit")
+    streamed = stream(rt_live, "/completion", {"prompt": context, "n_predict": 0})
+    assert [e["content"] for e in streamed] == [""] and streamed[-1]["tokens_predicted"] == 0
+    before = hits()
+    post(rt_live, "/completion", {"prompt": context + "def g(", "n_predict": 4, "temperature": 0})
+    assert hits() - before >= 64  # the context's blocks were found
+
+
 def test_token_and_mixed_prompts(rt_live, rt_sd):
     ids = rt_sd.encode(PROMPT, chat=False)
     text = post(rt_live, "/completion", {"prompt": PROMPT, "n_predict": 12, "temperature": 0}).json()["content"]

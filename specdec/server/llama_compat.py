@@ -32,7 +32,7 @@ class LlamaOptions(BaseModel):
     """The options /completion and /infill share, with llama-server's defaults."""
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    n_predict: int = Field(default=-1, ge=-1, lt=2**31)  # -1: until the end of text or of the context
+    n_predict: int = Field(default=-1, ge=-1, lt=2**31)  # -1: until the end of text; 0: the prompt cached only
     max_tokens: int | None = Field(default=None, ge=1, lt=2**31)
     temperature: float = Field(default=0.8, ge=0, le=MAX_TEMPERATURE)
     top_k: int = Field(default=40, ge=0, lt=2**31)
@@ -91,8 +91,16 @@ class LlamaOptions(BaseModel):
         return self
 
     @property
+    def warm_only(self) -> bool:
+        """n_predict 0: the prompt is prefilled into the prefix cache and nothing is answered (editors send such
+        requests to have a file's context ready before it is needed); one token is generated and dropped."""
+        return self.n_predict == 0 and self.max_tokens is None
+
+    @property
     def token_limit(self) -> int | None:
-        return self.max_tokens if self.max_tokens is not None else self.n_predict if self.n_predict > 0 else None
+        if self.max_tokens is not None:
+            return self.max_tokens
+        return self.n_predict if self.n_predict > 0 else 1 if self.warm_only else None
 
     def completion(self, prompt, vocab_size: int, eos_ids, tokenize) -> tuple[CompletionRequest, dict]:
         """The OpenAI completion request these options ask for, and what the job needs beside it (the repetition
@@ -310,8 +318,9 @@ def _ending(decoder, result, text: str, stops) -> tuple[str, str]:
 def _final(decoder, job, result, text, prompt_ids, options, model_name) -> dict:
     """The totals of a finished completion; generation_settings' seed is the one it ran with (drawn from the OS for
     an unseeded sampled request: sent back, it reproduces the text)."""
-    stop_type, word = _ending(decoder, result, text, options.stop or [])
-    n = len(result.token_ids)  # an end-of-text token counted, as llama-server counts it (and OpenAI's usage)
+    stop_type, word = ("limit", "") if options.warm_only else _ending(decoder, result, text, options.stop or [])
+    # an end-of-text token counted, as llama-server counts it (and OpenAI's usage); a warm-up's token is not
+    n = 0 if options.warm_only else len(result.token_ids)
     rate = result.stats.get("tokens_per_s") or 0.0
     timings = {"prompt_n": len(prompt_ids), "predicted_n": n, "predicted_ms": 1e3 * n / rate if rate else 0.0,
                "predicted_per_second": rate}
@@ -326,6 +335,8 @@ async def _answer(decoder, job, prompt_ids, prompt, options, model_name, request
     if done is None:
         return Response(status_code=499)  # the client hung up
     text, result = done
+    if options.warm_only:
+        text, result.token_ids, result.logprobs = "", [], None if result.logprobs is None else []
     body = {"index": 0, "content": text, "tokens": [t for t in result.token_ids if t not in decoder.engine.eos_ids]
             if options.return_tokens else [], "id_slot": 0, "prompt": prompt,
             **_final(decoder, job, result, text, prompt_ids, options, model_name)}
@@ -342,7 +353,7 @@ def _events(decoder, job, prompt_ids, options, model_name, overdue) -> Streaming
         try:
             async for chunk in chunks(job, overdue):
                 emitted = [t for t in chunk.record.emitted if t not in decoder.engine.eos_ids]
-                if chunk.text or emitted:
+                if (chunk.text or emitted) and not options.warm_only:
                     event = {"index": 0, "content": chunk.text, "tokens": emitted, "stop": False, "id_slot": 0}
                     if options.n_probs and chunk.record.logprobs is not None:
                         event["completion_probabilities"] = _probs(decoder, chunk.record.emitted,
