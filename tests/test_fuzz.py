@@ -65,8 +65,8 @@ def srv(tok, target, draft_close):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-@given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
-                             "/v1/messages/count_tokens"]), body=bodies | values)
+@given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/responses/input_tokens",
+                             "/v1/messages", "/v1/messages/count_tokens"]), body=bodies | values)
 def test_no_body_gets_a_5xx(srv, path, body):
     check(srv, path, body)
 

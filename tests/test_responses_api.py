@@ -28,6 +28,8 @@ def test_a_response_is_the_chat_completion_of_its_conversation(rt_live, rt_sd):
     assert r.usage.input_tokens == want["usage"]["prompt_tokens"] and r.usage.output_tokens == 12
     assert r.id.startswith("resp_") and r.output[0].type == "message" and r.output[0].role == "assistant"
     assert r.model_extra["specdec"]["target_passes"] > 0
+    counted = c.responses.input_tokens.count(model="tiny", input=QUESTION, instructions="Be brief.")
+    assert counted.input_tokens == r.usage.input_tokens
     items = [{"role": "developer", "content": "Be brief."},
              {"type": "message", "role": "user", "content": [{"type": "input_text", "text": QUESTION}]}]
     assert c.responses.create(input=items, max_output_tokens=12, temperature=0).output_text == r.output_text

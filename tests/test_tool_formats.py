@@ -79,6 +79,13 @@ def test_the_template_describes_the_tools_and_forced_calls_come_in_its_tags(qwen
                               "total_tokens": len(ids) + len(out.token_ids)}
         assert c["message"]["tool_calls"][0]["function"]["arguments"] == json.dumps(
             json.loads(out.text.split("\n")[1])["arguments"])
+    fn = WEATHER[0]["function"]  # the other APIs' counts render the tools as the chat path does
+    as_anthropic = {"name": fn["name"], "description": fn["description"], "input_schema": fn["parameters"]}
+    anthropic_count = httpx.post(srv.url + "/v1/messages/count_tokens",
+                                 json={"model": "smol", "messages": ask["messages"], "tools": [as_anthropic]})
+    responses_count = httpx.post(srv.url + "/v1/responses/input_tokens", json={"input": ask["messages"][0]["content"],
+                                                                               "tools": [{"type": "function", **fn}]})
+    assert anthropic_count.json()["input_tokens"] == responses_count.json()["input_tokens"] == len(ids)
     rendered = sd.tokenizer.apply_chat_template(ask["messages"], tokenize=False, add_generation_prompt=True,
                                                 tools=WEATHER)
     assert "<tools>" in rendered and '"get_weather"' in rendered

@@ -222,12 +222,9 @@ def add_routes(app, serve, overdue, decoder, model_name: str) -> None:
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(req: CountRequest):
-        full = MessagesRequest(**req.model_dump(exclude_none=True), max_tokens=1)
-        chat, conversation = prompt(full)
-        listed = None
-        if chat.tools and chat.tool_choice != "none":  # as serve describes them
-            conversation, listed = tools.described(decoder.tokenizer, conversation, chat.tools)
-        return {"input_tokens": len(await asyncio.to_thread(decoder.encode, conversation, True, listed))}
+        messages, listed = tools.chat_prompt(decoder.tokenizer, as_chat(MessagesRequest(**req.model_dump(
+            exclude_none=True), max_tokens=1)))
+        return {"input_tokens": len(await asyncio.to_thread(decoder.encode, messages, True, listed))}
 
 
 class CountRequest(BaseModel):

@@ -10,6 +10,7 @@ from .api_errors import error_body
 from .metrics import Metrics
 
 KNOWN_PATHS = {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/responses",
+               "/v1/responses/input_tokens",
                "/v1/messages", "/v1/messages/count_tokens", "/infill", "/completion", "/completions", "/tokenize",
                "/detokenize", "/apply-template", "/props"}
 

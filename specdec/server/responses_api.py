@@ -9,6 +9,7 @@ message. Nothing is stored: `previous_response_id`, `conversation`, `background`
 that say so, and the response reports `store: false`."""
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -229,6 +230,31 @@ def add_routes(app, serve, overdue, decoder, model_name: str) -> None:
             status = "incomplete" if result.finish_reason == "length" else "completed"
             return answer.response(status, answer.items(decoder, text, result), result)
         return await serve(chat, request, [messages], True, "chat", None, respond)
+
+    @app.post("/v1/responses/input_tokens")
+    async def input_tokens(req: InputTokensRequest):
+        """The prompt tokens a response to this request would start from (the client's `responses.input_tokens`)."""
+        body = ResponsesRequest(**req.model_dump(exclude_none=True, exclude={"personality"}))
+        messages, listed = tools.chat_prompt(decoder.tokenizer, as_chat(body))
+        count = len(await asyncio.to_thread(decoder.encode, messages, True, listed))
+        return {"object": "response.input_tokens", "input_tokens": count}
+
+
+class InputTokensRequest(BaseModel):
+    """/v1/responses/input_tokens: the fields of a response request that shape its prompt."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    input: str | list[dict] = Field(min_length=1)
+    instructions: str | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    text: dict | None = None
+    reasoning: dict | None = None
+    truncation: str | None = None
+    parallel_tool_calls: bool | None = None
+    personality: str | None = None  # changes no prompt here
+    previous_response_id: str | None = None  # refused, as on responses (unstored)
+    conversation: str | dict | None = None
 
 
 async def _events(decoder, job, answer: Answer, overdue):

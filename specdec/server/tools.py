@@ -69,6 +69,15 @@ def described(tokenizer, messages: list[dict], tools: list[dict]) -> tuple[list[
     return (messages, tools) if native(tokenizer) else (with_tools(messages, tools), None)
 
 
+def chat_prompt(tokenizer, chat) -> tuple[list[dict], list[dict] | None]:
+    """A ChatRequest's messages as the template gets them, and the tools it renders itself (None: none, or described
+    in the messages): what the chat path encodes, for the routes that only count it."""
+    messages = [m.for_template() for m in chat.messages]
+    if chat.tools and chat.tool_choice != "none":
+        return described(tokenizer, messages, chat.tools)
+    return messages, None
+
+
 def with_tools(messages: list[dict], tools: list[dict]) -> list[dict]:
     """The messages with the tools described in the system message (appended to the first one, or a new one)."""
     spec = json.dumps([{k: v for k, v in t["function"].items() if k in ("name", "description", "parameters")}
