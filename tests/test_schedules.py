@@ -5,7 +5,8 @@ says (a twin waiting or a preempted request nothing, the others blocks for their
 balances: no block held, every block free or cached. Requests may carry a prediction (their own output, or another
 prompt's), drafted from their prompt's last chunk on. With a drafter that reads the target's hidden states (whose
 cached prefixes carry them), each finished request's drafter holds exactly the hidden states of its tokens.
-Requests may carry presence and frequency penalties (each choice its own state), verified row by row."""
+Requests may carry presence and frequency penalties, or a repetition penalty over a window of the last tokens (each
+choice its own state), verified row by row."""
 from dataclasses import replace
 
 import pytest
@@ -35,16 +36,18 @@ def rt(tiny_dirs):
 _ALONE: dict = {}
 
 
-PENALTIES = dict(presence_penalty=0.3, frequency_penalty=0.7)
+# OpenAI's counted penalties, or a repetition penalty over llama.cpp's window of the last tokens
+PENALTIES = {"counts": dict(presence_penalty=0.3, frequency_penalty=0.7),
+             "window": dict(repetition_penalty=1.3, repetition_window=4)}
 
 
-def alone(rt, prompt: str, params: SamplingParams, n: int, penalized: bool = False) -> list[int]:
+def alone(rt, prompt: str, params: SamplingParams, n: int, penalized: str | None = None) -> list[int]:
     key = (prompt, params.temperature, params.seed, n, penalized)
     if key not in _ALONE:
         model, tok = rt
         sd = SpecDecoder.from_models(model, tok, draft="none")
         _ALONE[key] = sd.generate(prompt, max_new_tokens=n, chat=False, temperature=params.temperature,
-                                  seed=params.seed, **(PENALTIES if penalized else {})).token_ids
+                                  seed=params.seed, **PENALTIES.get(penalized, {})).token_ids
     return _ALONE[key]
 
 
@@ -55,7 +58,7 @@ request = st.tuples(st.integers(0, 6),  # arrival step
                     st.integers(2, 10),  # max new tokens
                     st.one_of(st.none(), st.integers(1, 8)),  # cancelled after this many steps, or never
                     st.sampled_from([None, "own", "other"]),  # a prediction: none, its own output, another's
-                    st.booleans())  # presence and frequency penalties
+                    st.sampled_from([None, "counts", "window"]))  # penalties (PENALTIES)
 
 
 def feature_chain(model):
@@ -89,19 +92,22 @@ def test_random_schedules_equal_each_request_alone_and_the_pool_balances(rt, fea
     engine = BatchEngine(model, feature_chain(model) if features else NgramDrafter(), model.config.vocab_size, eos,
                          256, max_batch_rows=12, prefill_chunk=8)
     model.pool.clear_hashes()
-    waiting = []  # (arrival, sequence, cancel after)
+    waiting, kinds = [], {}  # (arrival, sequence, cancel after, prompt); each sequence's penalties
     for arrival, p, n, seed, new, cancel, predicted, penalized in schedule:
         params = SamplingParams() if seed is None else SamplingParams(0.9, 1.0, 0, seed)
         ids = tok(PROMPTS[p]).input_ids
         for c in range(n):  # n choices of one prompt: one seed each, as the server gives them
             choice = params if seed is None else SamplingParams(0.9, 1.0, 0, seed + c)
             pred = None if predicted is None else alone(rt, PROMPTS[p if predicted == "own" else p - 1], choice, 12)
-            adjust = penalties(None, PENALTIES["presence_penalty"], PENALTIES["frequency_penalty"]) if penalized \
-                else None
+            kw = PENALTIES.get(penalized, {})
+            adjust = None if penalized is None else penalties(
+                None, kw.get("presence_penalty", 0.0), kw.get("frequency_penalty", 0.0), None,
+                kw.get("repetition_penalty", 1.0), ids, kw.get("repetition_window"))
             if adjust is not None:
                 choice = replace(choice, penalties=adjust)
-            waiting.append((arrival, Sequence(ids, new, choice, constraint=adjust, prediction=pred), cancel,
-                            PROMPTS[p]))
+            seq = Sequence(ids, new, choice, constraint=adjust, prediction=pred)
+            kinds[id(seq)] = penalized
+            waiting.append((arrival, seq, cancel, PROMPTS[p]))
     started, done, cancelled, held_features = {}, [], set(), []
     step = 0
     while waiting or engine.running:
@@ -133,7 +139,7 @@ def test_random_schedules_equal_each_request_alone_and_the_pool_balances(rt, fea
         step += 1
         assert step < 500, "the schedule never finished"
     for s in done:
-        want = alone(rt, started[s.id][2], s.params, s.max_new_tokens, s.constraint is not None)
+        want = alone(rt, started[s.id][2], s.params, s.max_new_tokens, kinds[id(s)])
         assert s.generated == want, (s.id, started[s.id])
     pool = model.pool
     assert all(r == 0 for r in pool.refs)  # nothing held once every request left
