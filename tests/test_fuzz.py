@@ -71,9 +71,15 @@ def test_no_body_gets_a_5xx(srv, path, body):
     check(srv, path, body)
 
 
+LLAMA = ["n_predict", "n_probs", "repeat_penalty", "repeat_last_n", "grammar", "ignore_eos", "return_tokens", "stop",
+         "logit_bias", "json_schema", "seed", "temperature", "top_k", "min_p", "stream", "mirostat", "samplers"]
+llama_bodies = st.fixed_dictionaries({"prompt": st.one_of(st.text(max_size=30), ODD, values)},
+                                     optional={f: values for f in LLAMA})
+
+
 @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
 @given(path=st.sampled_from(["/completion", "/infill", "/tokenize", "/detokenize", "/apply-template"]),
-       body=bodies | values)
+       body=bodies | llama_bodies | values)
 def test_no_body_to_llama_servers_endpoints_gets_a_5xx(srv, path, body):
     check(srv, path, body)
 

@@ -169,6 +169,8 @@ def test_tokenize_detokenize_apply_template_props(rt_live, rt_sd):
     ("/completion", {"prompt": PROMPT, "grammar": "root ::= x", "json_schema": {}}, "not both"),
     ("/completion", {"prompt": PROMPT, "bogus": 1}, "bogus"),
     ("/completion", {"prompt": ""}, "prompt"),
+    ("/completion", {"prompt": PROMPT, "stop": [""]}, "stop"),
+    ("/completion", {"prompt": PROMPT, "stop": ["a"] * 9}, "stop"),
     ("/tokenize", {"content": "x", "parse_special": False}, "parse_special"),
     ("/tokenize", {}, "content"),
     ("/detokenize", {"tokens": [-1]}, "token ids"),

@@ -15,10 +15,10 @@ import json
 
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from . import tools
-from .api_errors import APIError
+from .api_errors import APIError, validated
 from .openai_format import spec_stats
 from .schemas import ChatRequest
 from .streaming import chunks, collect
@@ -146,16 +146,11 @@ def as_chat(req: MessagesRequest) -> ChatRequest:
     fmt = (req.output_config or {}).get("format") or req.output_format
     if fmt is not None and (fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict)):
         raise APIError(400, 'output_config.format must be {"type": "json_schema", "schema": {...}}')
-    try:
-        return ChatRequest(messages=chat_messages(req), max_tokens=req.max_tokens, temperature=req.temperature,
-                           top_p=req.top_p, top_k=req.top_k, stop=req.stop_sequences, seed=req.seed,
-                           stream=req.stream, tools=tool_list, tool_choice=choice, model=req.model,
-                           response_format=None if fmt is None else {
-                               "type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}})
-    except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(p) for p in err.get("loc", ()))
-        raise APIError(400, f"{where + ': ' if where else ''}{str(err.get('msg')).removeprefix('Value error, ')}")
+    return validated(ChatRequest, messages=chat_messages(req), max_tokens=req.max_tokens,
+                     temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, stop=req.stop_sequences,
+                     seed=req.seed, stream=req.stream, tools=tool_list, tool_choice=choice, model=req.model,
+                     response_format=None if fmt is None else {
+                         "type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}})
 
 
 class Reply:

@@ -13,6 +13,18 @@ class APIError(Exception):
         self.status, self.message, self.type, self.code, self.headers = status, message, type_, code, headers
 
 
+def validated(kind, /, **fields):
+    """A request model built by a route from another API's request (llama-server's, the Responses API's,
+    Anthropic's): what it refuses is a 400 naming the field, as a client's own body would be."""
+    from pydantic import ValidationError
+    try:
+        return kind(**fields)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err.get("loc", ()))
+        raise APIError(400, f"{where + ': ' if where else ''}{str(err.get('msg')).removeprefix('Value error, ')}")
+
+
 def error_body(message: str, type_: str = "invalid_request_error", code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": None, "code": code}}
 

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..penalties import MAX_BIAS, MAX_PENALTY, MAX_REPETITION
 from ..sampling import MAX_TEMPERATURE, SEED_RANGE
-from .api_errors import APIError, error_body
+from .api_errors import APIError, error_body, validated
 from .openai_format import spec_stats
 from .schemas import CompletionRequest, Message
 from .streaming import chunks, collect
@@ -109,7 +109,7 @@ class LlamaOptions(BaseModel):
         if self.ignore_eos:  # llama.cpp bans the end-of-text tokens; -100 is OpenAI's ban
             bias.update({str(t): -MAX_BIAS for t in eos_ids})
         repetition = self.repeat_penalty if self.repeat_last_n != 0 else 1.0
-        req = CompletionRequest(prompt=prompt, max_tokens=self.token_limit, temperature=self.temperature,
+        req = validated(CompletionRequest, prompt=prompt, max_tokens=self.token_limit, temperature=self.temperature,
                                 top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                                 seed=None if self.seed in (None, -1) else self.seed, stop=self.stop,
                                 stream=self.stream, model=self.model, cache_salt=self.cache_salt,

@@ -15,11 +15,11 @@ import time
 
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..sampling import MAX_TEMPERATURE, SEED_RANGE
 from . import tools
-from .api_errors import APIError
+from .api_errors import APIError, validated
 from .openai_format import logprobs, spec_stats
 from .schemas import ChatRequest
 from .streaming import chunks, collect
@@ -154,17 +154,12 @@ def as_chat(req: ResponsesRequest) -> ChatRequest:
     unstored(req)
     tool_list, choice = chat_tools(req)
     want_logprobs = req.top_logprobs is not None or LOGPROBS in (req.include or [])
-    try:
-        return ChatRequest(messages=chat_messages(req), max_completion_tokens=req.max_output_tokens,
-                           temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-                           seed=req.seed, stream=req.stream, tools=tool_list, tool_choice=choice,
-                           response_format=response_format(req), logprobs=want_logprobs or None,
-                           top_logprobs=req.top_logprobs if want_logprobs else None,
-                           prompt_cache_key=req.prompt_cache_key, model=req.model)
-    except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(p) for p in err.get("loc", ()))
-        raise APIError(400, f"{where + ': ' if where else ''}{str(err.get('msg')).removeprefix('Value error, ')}")
+    return validated(ChatRequest, messages=chat_messages(req), max_completion_tokens=req.max_output_tokens,
+                     temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                     seed=req.seed, stream=req.stream, tools=tool_list, tool_choice=choice,
+                     response_format=response_format(req), logprobs=want_logprobs or None,
+                     top_logprobs=req.top_logprobs if want_logprobs else None,
+                     prompt_cache_key=req.prompt_cache_key, model=req.model)
 
 
 class Answer:
