@@ -26,6 +26,7 @@ from .errors import InvalidRequest
 from .penalties import Adjusted, penalties
 from .policy import make_policy
 from .prompts import encode_prompt  # noqa: F401 - part of the API (specdec.api.encode_prompt)
+from .prompts import read_chat_template, template_kwargs, use_chat_template
 from .sampling import SamplingParams
 from .text import StopText
 from .trace import CycleRecord, summarize
@@ -121,18 +122,26 @@ def set_kv_memory(model, gib: float | None) -> None:
 class SpecDecoder:
     def __init__(self, target: str = models.DEFAULT_MODEL, draft: str | None = DEFAULT_DRAFT, tau: int = DEFAULT_TAU,
                  policy: str = DEFAULT_POLICY, backend: str = "auto", numerics: str = DEFAULT_NUMERICS,
-                 kv_memory: float | None = None):
+                 kv_memory: float | None = None, chat_template: str | None = None,
+                 chat_template_kwargs: dict | None = None):
         """`backend`: auto (specdec's runtime where it runs the model, else transformers), runtime, transformers.
         `numerics`: the runtime's arithmetic, exact (bitwise transformers' fp32 on the dequantized weights), q8
         (int8 activations, close to exact; speculation stays token-identical to q8 target-only), or auto (q8 where
         the runtime's kernels run, else exact). `kv_memory`: GiB for every sequence's K/V together on the runtime
-        (default: half the available memory, at most 64 whole contexts; runtime/blocks.py)."""
+        (default: half the available memory, at most 64 whole contexts; runtime/blocks.py). `chat_template`: a Jinja
+        file's path or a template's text, used for chat prompts in place of the one the model's files carry;
+        `chat_template_kwargs`: variables every chat prompt's template gets (a request's own override them)."""
+        template = None if chat_template is None else read_chat_template(chat_template)  # before loading
+        variables = template_kwargs(chat_template_kwargs)
         draft = draft or default_draft(target)
         model, tok = models.load(target, backend=backend, numerics=numerics)
+        if template is not None:
+            use_chat_template(tok, template)
         set_kv_memory(model, kv_memory)
         drafter = build_drafter(draft, model, tok, target, backend=backend)
         models.release_free_memory()  # loading's temporaries, before the first pass touches the weights
         self._setup(model, tok, drafter, tau, getattr(drafter, "name", draft), policy)
+        self.template_variables = variables
 
     @classmethod
     def from_models(cls, model, tokenizer, draft="ngram", tau: int = 4, draft_tokenizer=None,
@@ -158,6 +167,7 @@ class SpecDecoder:
         self.tokenizer_lock = threading.Lock()
         self._encoder, self._encoder_lock = copy.deepcopy(tok), threading.Lock()
         self.max_token_chars = None  # measured at the first encode
+        self.template_variables = {}  # chat_template_kwargs every chat prompt gets
         self.tau = _positive_int("tau", tau)
         self.policy = make_policy(policy, self.tau).name
         self._policies = {}  # (name, tau) -> policy; adaptive estimates persist across requests
@@ -166,13 +176,16 @@ class SpecDecoder:
         self.grammars = Grammars(tok, model.config.vocab_size, self.engine.eos_ids)  # structured outputs
 
     # ---- prompts -------------------------------------------------------------------------------------------
-    def encode(self, prompt, chat: bool = True, tools: list[dict] | None = None) -> list[int]:
+    def encode(self, prompt, chat: bool = True, tools: list[dict] | None = None,
+               variables: dict | None = None) -> list[int]:
         """A string or a list of {role, content} messages -> prompt token ids (chat template unless chat=False;
-        `tools` handed to a template that describes tools itself)."""
+        `tools` handed to a template that describes tools itself; `variables`: more for the template, a request's
+        chat_template_kwargs)."""
         with self._encoder_lock:
             if self.max_token_chars is None:
                 self.max_token_chars = longest_token_chars(self._encoder) or 0
-            return encode_prompt(self._encoder, prompt, chat, self.context_window, self.max_token_chars, tools)
+            return encode_prompt(self._encoder, prompt, chat, self.context_window, self.max_token_chars, tools,
+                                 {**self.template_variables, **template_kwargs(variables)})
 
     # ---- generation ----------------------------------------------------------------------------------------
     def prepare(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
@@ -181,7 +194,7 @@ class SpecDecoder:
                 response_format: dict | None = None, logprobs: int | None = None,
                 prompt_logprobs: int | None = None, prediction: str | None = None, presence_penalty: float = 0.0,
                 frequency_penalty: float = 0.0, logit_bias: dict | None = None, repetition_penalty: float = 1.0,
-                repetition_window: int | None = None) -> Request:
+                repetition_window: int | None = None, chat_template_kwargs: dict | None = None) -> Request:
         """Validate and encode one request (InvalidRequest / PromptTooLong on bad input). `prompt_ids`: the prompt
         already encoded (the server encodes it once, off the model worker). `response_format`: OpenAI's
         ({"type": "json_object"}, or "json_schema" with {"json_schema": {"schema": ...}}): the output follows the
@@ -194,7 +207,8 @@ class SpecDecoder:
         `presence_penalty`, `frequency_penalty` ([-2, 2]) and `logit_bias` ({token id: bias in [-100, 100]}) adjust
         the target's scores as OpenAI's do, `repetition_penalty` ((0, 2]) as vLLM's (penalties.py), over the last
         `repetition_window` tokens of prompt and output where given (llama.cpp's repeat_last_n); the output is the
-        adjusted target-only output."""
+        adjusted target-only output. `chat_template_kwargs`: more variables for the chat template (such as Qwen3's
+        `enable_thinking`), over the decoder's own."""
         if not (prompt_logprobs is not None and max_new_tokens == 0):
             _positive_int("max_new_tokens", max_new_tokens)
         tau = self.tau if tau is None else _positive_int("tau", tau)
@@ -206,7 +220,7 @@ class SpecDecoder:
         if len(stops) > MAX_STOPS or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
             raise InvalidRequest(f"stop must be up to {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} "
                                  "characters")
-        ids = self.encode(prompt, chat) if prompt_ids is None else prompt_ids
+        ids = self.encode(prompt, chat, None, chat_template_kwargs) if prompt_ids is None else prompt_ids
         req = Request(self, ids, max_new_tokens, params, stops, tau, self._policies[key])
         for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 20):

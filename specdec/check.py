@@ -273,7 +273,8 @@ def cmd_check(args) -> int:
         raise InvalidRequest("the sampling check needs --temperature > 0")
     prompts = load_prompts(args.prompts)[: args.limit or None]
     decoder = SpecDecoder(target=args.target, draft=args.draft, tau=args.tau, policy=args.policy,
-                          backend=args.backend, numerics=args.numerics)
+                          backend=args.backend, numerics=args.numerics, chat_template=args.chat_template,
+                          chat_template_kwargs=args.chat_template_kwargs)
     report = {"draft": decoder.draft_name, "tau": decoder.tau, "policy": decoder.policy, "numerics": decoder.numerics,
               "row_invariance": check_row_invariance(decoder.model,
                                                      decoder.encode(prompts[0]["prompt"], prompts[0]["chat"])),

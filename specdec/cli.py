@@ -22,6 +22,10 @@ def _model_args(p):
                         "'target', a draft dir/.gguf, or A+B (A first, B when A proposes nothing)")
     p.add_argument("--tau", type=int, default=3, help="draft block size (tokens proposed per cycle; default 3)")
     p.add_argument("--policy", default="fixed", help="how tau is chosen each cycle: fixed (default), adaptive, heuristic")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template (a file, or the template's text) in place of the model's own")
+    p.add_argument("--chat-template-kwargs", default=None, type=_json_object, metavar="JSON",
+                   help="variables for the chat template, e.g. '{\"enable_thinking\": false}'")
     backend_arg(p)
 
 
@@ -33,6 +37,29 @@ def backend_arg(p):
                    help="the runtime's arithmetic: exact (bitwise transformers' fp32 on the dequantized weights), q8 "
                         "(int8 activations, close to exact, faster), or auto (default: q8 where the runtime's kernels "
                         "run, else exact)")
+    threads_arg(p)
+
+
+def threads_arg(p):
+    p.add_argument("--threads", type=_threads, default=None,
+                   help="threads the models run on (default: torch's, one per core); outputs are the same whatever "
+                        "the count")
+
+
+def _threads(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return int(text)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text[:60]!r}")
+    return value
 
 
 def _sampling_args(p):
@@ -60,7 +87,8 @@ def cmd_generate(args) -> int:
     from .penalties import penalties
     penalties(None, args.presence_penalty, args.frequency_penalty, bias, args.repetition_penalty)  # before loading
     sd = SpecDecoder(target=args.target, draft=args.draft, tau=args.tau, policy=args.policy, backend=args.backend,
-                     numerics=args.numerics)
+                     numerics=args.numerics, chat_template=args.chat_template,
+                     chat_template_kwargs=args.chat_template_kwargs)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, seed=args.seed, min_p=args.min_p, chat=not args.no_chat, stop=args.stop,
                   response_format=_response_format(args.schema), prediction=prediction,
@@ -193,6 +221,9 @@ def _extra_commands(argv=None):
 
 def main(argv=None) -> int:
     args = build_parser(argv).parse_args(argv)
+    if getattr(args, "threads", None) is not None:
+        import torch
+        torch.set_num_threads(args.threads)  # the kernels split their work over torch's thread count
     try:
         return args.func(args)
     except SpecDecError as e:

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from . import models
+from .cli import threads_arg
 from .drafters.datastore import META, check_datastore, datastore_dir  # noqa: F401 (where they were)
 from .errors import InvalidRequest, SpecDecError
 from .prompts import HERE as PROMPT_DIR, load_prompts
@@ -67,4 +68,5 @@ def register(sub, model_args, sampling_args):
     d.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
     d.add_argument("--max-new-tokens", type=int, default=128, help="length of the target's responses")
     d.add_argument("--batch", type=int, default=16, help="sequences generated together")
+    threads_arg(d)
     d.set_defaults(func=cmd_datastore)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from . import models
+from .cli import threads_arg
 from .errors import InvalidRequest, SpecDecError
 
 
@@ -80,4 +81,5 @@ def register(sub, model_args, sampling_args):
     p.add_argument("--context", type=int, default=512, help="tokens per window (the second half is scored)")
     p.add_argument("--max-tokens", type=int, default=None, help="use only the text's first N tokens")
     p.add_argument("--json", action="store_true")
+    threads_arg(p)
     p.set_defaults(func=cmd_perplexity)

@@ -343,3 +343,28 @@ def test_a_build_from_before_the_l2_distance_is_called_with_its_own_two(tmp_path
     none.write_text('extern "C" int nothing() { return 0; }\n')
     subprocess.run([cxx, "-shared", "-fPIC", str(none), "-o", str(tmp_path / "none.so")], check=True)
     assert kernels._prefetch(ctypes.CDLL(str(tmp_path / "none.so")))(1, 2, 3) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("numerics", ["q8", "exact"])
+def test_passes_are_the_same_bits_on_any_thread_count(numerics):
+    """The kernels split a pass's work over torch's threads (`--threads`); each output is computed by one thread
+    the same way whatever the split, so passes of the default model are bitwise the same on 1, 2, 3 or 5 threads."""
+    from specdec import models
+    model, _ = models.load("default", numerics=numerics)
+    ids = torch.randint(3, 40000, (24,), generator=torch.Generator().manual_seed(3)).tolist()
+    before, seen = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2, 3, 5):
+            torch.set_num_threads(threads)
+            slot = model.acquire_slot()
+            prefill = model.forward(ids[:16], [slot] * 16, list(range(16)))
+            verify = model.forward(ids[16:], [slot] * 8, list(range(16, 24)))  # a verify pass of 8 rows
+            step = model.forward(ids[16:17], [slot], [16])
+            model.release_slot(slot)
+            seen.append((prefill, verify, step))
+    finally:
+        torch.set_num_threads(before)
+    for got in seen[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(seen[0], got))
+    assert torch.equal(seen[0][2], seen[0][1][:1])

@@ -24,6 +24,7 @@ from time import perf_counter
 import torch
 
 from .. import models
+from ..cli import threads_arg
 from ..drafters.datastore import DatastoreDrafter
 from ..drafters.feature import FeatureDrafter
 from ..drafters.feature_net import net_for_target, save_draft
@@ -241,4 +242,5 @@ def register(sub, model_args, sampling_args):
     d.add_argument("--eval-limit", type=int, default=0, help="held-out prompts for the report (0 = all)")
     d.add_argument("--eval-tau", type=int, default=4)
     d.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda")
+    threads_arg(d)
     d.set_defaults(func=cmd_distill)

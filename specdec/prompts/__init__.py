@@ -39,12 +39,62 @@ def load_prompts(path=None) -> list[dict]:
     return out
 
 
+# what a template is rendered with by specdec itself, which a request's chat_template_kwargs may not replace
+RESERVED_TEMPLATE_VARS = ("messages", "tools", "add_generation_prompt")
+MAX_TEMPLATE_VARS = 64
+
+
+def read_chat_template(value: str) -> str:
+    """`--chat-template`: a Jinja file's path, or the template's text itself (vLLM's convention) -> the text; a
+    missing file or a template that does not compile is refused in one line."""
+    from ..runtime.tokenizer import compile_template
+    text = value
+    if "{{" not in value and "{%" not in value:  # not a template: a path
+        try:
+            text = Path(value).read_text(encoding="utf-8")
+        except OSError as e:
+            raise SpecDecError(f"cannot read the chat template {value}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise SpecDecError(f"the chat template {value} is not UTF-8 text") from None
+    try:
+        compile_template(text)
+    except Exception as e:  # noqa: BLE001 - jinja's TemplateSyntaxError and the like
+        raise SpecDecError(f"the chat template does not compile: {e}") from None
+    return text
+
+
+def use_chat_template(tokenizer, text: str) -> None:
+    """Render chat prompts with `text` in place of the template the model's files carry (transformers' tokenizers
+    and the runtime's alike read `chat_template`)."""
+    tokenizer.chat_template = text
+    if hasattr(tokenizer, "_template"):  # the runtime's wrapper compiles it at first use
+        tokenizer._template = None
+
+
+def template_kwargs(kwargs) -> dict:
+    """A request's chat_template_kwargs (vLLM's and llama-server's: variables the template reads, such as
+    `enable_thinking`), checked: an object of at most MAX_TEMPLATE_VARS names, none of RESERVED_TEMPLATE_VARS."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
+        raise InvalidRequest("chat_template_kwargs must be an object whose keys are template variable names")
+    if len(kwargs) > MAX_TEMPLATE_VARS:
+        raise InvalidRequest(f"chat_template_kwargs has {len(kwargs)} variables; at most {MAX_TEMPLATE_VARS}")
+    taken = [k for k in kwargs if k in RESERVED_TEMPLATE_VARS]
+    if taken:
+        raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(taken)} (the request's own fields set "
+                             f"them)")
+    return dict(kwargs)
+
+
 def encode_prompt(tokenizer, prompt, chat: bool = True, context_window: int | None = None,
-                  max_token_chars: int | None = None, tools: list[dict] | None = None) -> list[int]:
+                  max_token_chars: int | None = None, tools: list[dict] | None = None,
+                  variables: dict | None = None) -> list[int]:
     """A string or a list of {role, content} messages -> prompt token ids, as `generate` prompts the target (chat
     template unless chat=False); PromptTooLong at or past `context_window`. With `max_token_chars` (the longest
     token's text), a prompt too long to fit whatever its tokens is refused before it is tokenized. `tools`: OpenAI
-    tools for a chat template that describes them itself (server/tools.py, `native`)."""
+    tools for a chat template that describes them itself (server/tools.py, `native`). `variables`: more variables
+    for the template (a request's chat_template_kwargs, checked by template_kwargs)."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str)
@@ -61,10 +111,11 @@ def encode_prompt(tokenizer, prompt, chat: bool = True, context_window: int | No
     if context_window is not None and max_token_chars and chars >= context_window * max_token_chars:
         raise PromptTooLong(f"prompt is {chars} characters, more than {context_window} tokens of at most "
                             f"{max_token_chars} characters each: it cannot fit the target's context window")
+    extra = template_kwargs(variables)
     if chat and tokenizer.chat_template:
         try:
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                 **({"tools": tools} if tools else {}))
+                                                 **extra, **({"tools": tools} if tools else {}))
         except Exception as e:  # noqa: BLE001 - a template's own raise_exception ("roles must alternate") and the like
             raise InvalidRequest(f"the chat template refused these messages: {e}") from None
         ids = tokenizer(text, add_special_tokens=False).input_ids

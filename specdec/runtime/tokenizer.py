@@ -76,14 +76,19 @@ class Tokenizer:
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template")
         if self._template is None:
-            self._template = _environment().from_string(self.chat_template)
+            self._template = compile_template(self.chat_template)
         text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     **{k: v for k, v in self.special.items() if v is not None}, **kw)
+                                     **{**{k: v for k, v in self.special.items() if v is not None}, **kw})
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
 def _content(token):
     return token.get("content") if isinstance(token, dict) else token
+
+
+def compile_template(text: str):
+    """A chat template compiled as transformers compiles it (jinja2's TemplateSyntaxError if it is not one)."""
+    return _environment().from_string(text)
 
 
 def _environment():

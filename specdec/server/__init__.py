@@ -11,6 +11,7 @@ def cmd_serve(args) -> int:
 
     from ..api import SpecDecoder
     from ..errors import InvalidRequest
+    from ..prompts import read_chat_template
     from ..sampling import seed_from_os
 
     seed_from_os()  # unseeded answers differ across restarts
@@ -22,7 +23,9 @@ def cmd_serve(args) -> int:
     if args.ray:
         from .ray_serve import run
         run(dict(target=args.target, draft=args.draft, tau=args.tau, policy=args.policy, backend=args.backend,
-                 numerics=args.numerics, kv_memory=args.kv_memory,
+                 numerics=args.numerics, kv_memory=args.kv_memory, threads=args.threads,
+                 chat_template=None if args.chat_template is None else read_chat_template(args.chat_template),
+                 chat_template_kwargs=args.chat_template_kwargs,
                  model_name=args.model_name, api_key=args.api_key, max_queue=args.max_queue, timeout=args.timeout,
                  trace_dir=args.trace_dir, batch=not args.no_batch, max_batch_rows=args.max_batch_rows,
                  prefill_chunk=args.prefill_chunk, max_tau=args.max_tau, replicas=args.replicas,
@@ -32,7 +35,8 @@ def cmd_serve(args) -> int:
 
     def decoder():  # built on the model worker's thread (server/worker.py says why)
         return SpecDecoder(target=args.target, draft=args.draft, tau=args.tau, policy=args.policy,
-                           backend=args.backend, numerics=args.numerics, kv_memory=args.kv_memory)
+                           backend=args.backend, numerics=args.numerics, kv_memory=args.kv_memory,
+                           chat_template=args.chat_template, chat_template_kwargs=args.chat_template_kwargs)
     app = create_app(decoder, model_name=args.model_name, api_key=args.api_key, max_queue=args.max_queue,
                      timeout_s=args.timeout, trace_dir=args.trace_dir, batch=not args.no_batch,
                      max_batch_rows=args.max_batch_rows, prefill_chunk=args.prefill_chunk, max_tau=args.max_tau)

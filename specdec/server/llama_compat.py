@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..penalties import MAX_BIAS, MAX_PENALTY, MAX_REPETITION
+from ..prompts import template_kwargs
 from ..sampling import MAX_TEMPERATURE, SEED_RANGE
 from .api_errors import APIError, error_body, validated
 from .openai_format import spec_stats
@@ -166,6 +168,7 @@ class DetokenizeRequest(BaseModel):
 class ApplyTemplateRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")  # a chat request's other fields (model, stream, ...) change nothing
     messages: list[Message] = Field(min_length=1)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 def _bias(raw, vocab_size: int, tokenize) -> dict[str, float]:
@@ -251,9 +254,11 @@ def add_routes(app, serve, fim, overdue, decoder, model_name: str, context_windo
     @app.post("/apply-template")
     async def apply_template(req: ApplyTemplateRequest):
         messages = [m.for_template() for m in req.messages]
+        variables = {**decoder.template_variables, **template_kwargs(req.chat_template_kwargs)}
         try:
             with decoder._encoder_lock:
-                text = decoder._encoder.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                text = decoder._encoder.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                            **variables)
         except Exception as e:  # noqa: BLE001 - no template, or one that raises on these messages
             raise APIError(400, f"the chat template cannot format these messages: {str(e)[:200]}") from None
         return {"prompt": _unicode(text)}

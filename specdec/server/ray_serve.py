@@ -15,7 +15,7 @@ import json
 from ..errors import InvalidRequest
 
 DEFAULTS = dict(target="default", draft=None, tau=None, policy=None, backend="auto", numerics="auto", kv_memory=None,
-                model_name="specdec",
+                threads=None, chat_template=None, chat_template_kwargs=None, model_name="specdec",
                 api_key=None, max_queue=16, timeout=300.0, trace_dir=None, batch=True, max_batch_rows=None,
                 prefill_chunk=32, max_tau=8, replicas=1, autoscaling=None, cpus_per_replica=1.0)
 
@@ -38,6 +38,12 @@ def build(args: dict | None = None):
             autoscaling = json.loads(autoscaling)
         except ValueError:
             raise InvalidRequest(f"--ray-autoscaling must be a JSON object, got {autoscaling!r}") from None
+    variables = opts["chat_template_kwargs"]
+    if isinstance(variables, str):  # `serve run` passes strings
+        try:
+            variables = json.loads(variables)
+        except ValueError:
+            raise InvalidRequest(f"chat_template_kwargs must be a JSON object, got {variables!r}") from None
     replicas = int(opts["replicas"])
     if replicas < 1 and not autoscaling:
         raise InvalidRequest("--replicas must be >= 1")
@@ -48,12 +54,16 @@ def build(args: dict | None = None):
         from .app import create_app
 
         seed_from_os()  # replicas do not repeat each other's unseeded answers
+        if opts["threads"]:
+            import torch
+            torch.set_num_threads(int(opts["threads"]))
 
         def decoder():
             return SpecDecoder(target=opts["target"], draft=opts["draft"], tau=int(opts["tau"] or DEFAULT_TAU),
                                policy=opts["policy"] or DEFAULT_POLICY, backend=opts["backend"],
                                numerics=opts["numerics"],
-                               kv_memory=float(opts["kv_memory"]) if opts["kv_memory"] else None)
+                               kv_memory=float(opts["kv_memory"]) if opts["kv_memory"] else None,
+                               chat_template=opts["chat_template"], chat_template_kwargs=variables)
         return create_app(decoder, model_name=opts["model_name"], api_key=opts["api_key"],
                           max_queue=int(opts["max_queue"]), timeout_s=float(opts["timeout"]),
                           trace_dir=opts["trace_dir"], batch=str(opts["batch"]).lower() not in ("0", "false", "no"),

@@ -196,6 +196,7 @@ def _tool_call(call: dict) -> dict:
 
 class ChatRequest(_Request):
     messages: list[Message] = Field(min_length=1)
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's and llama-server's: variables for the template
 
     @model_validator(mode="after")
     def _chat_logprobs(self):
