@@ -54,6 +54,20 @@ def test_a_resumed_stream_sends_only_what_the_client_lacks():
     assert got[-1] == "[DONE]" and r.event("[DONE]") is None
 
 
+def test_a_resumed_stream_counts_reasoning_apart_from_content():
+    """A thinking model's stream (reasoning.py): reasoning_content deltas, then content; resumed after a cut inside
+    the reasoning, each field gets exactly the text the client lacks."""
+    r = Resumer()
+    chunk = lambda field, text: {"id": "a", "choices": [{"index": 0, "delta": {field: text}}]}  # noqa: E731
+    got = [r.event(e) for e in sse([chunk("reasoning_content", "I will"), chunk("reasoning_content", " say")])]
+    r.restart()
+    got += [r.event(e) for e in sse([chunk("reasoning_content", "I"), chunk("reasoning_content", " will say hi"),
+                                     chunk("content", "Hi"), chunk("content", " there")])]
+    sent = [json.loads(g)["choices"][0]["delta"] for g in got if g is not None]
+    assert "".join(d.get("reasoning_content", "") for d in sent) == "I will say hi"
+    assert "".join(d.get("content", "") for d in sent) == "Hi there"
+
+
 def run_stream(app, body: dict, cut_after: int | None = None) -> list[str]:
     """The `data:` payloads of one streamed request through asgi_stream; cut_after: stop after that many (a replica
     killed mid-stream)."""

@@ -29,6 +29,7 @@ def cmd_serve(args) -> int:
                  model_name=args.model_name, api_key=args.api_key, max_queue=args.max_queue, timeout=args.timeout,
                  trace_dir=args.trace_dir, batch=not args.no_batch, max_batch_rows=args.max_batch_rows,
                  prefill_chunk=args.prefill_chunk, max_tau=args.max_tau, replicas=args.replicas,
+                 reasoning_format=args.reasoning_format,
                  autoscaling=args.ray_autoscaling, cpus_per_replica=args.cpus_per_replica),
             args.host, args.port, args.ray_address)
         return 0
@@ -39,7 +40,8 @@ def cmd_serve(args) -> int:
                            chat_template=args.chat_template, chat_template_kwargs=args.chat_template_kwargs)
     app = create_app(decoder, model_name=args.model_name, api_key=args.api_key, max_queue=args.max_queue,
                      timeout_s=args.timeout, trace_dir=args.trace_dir, batch=not args.no_batch,
-                     max_batch_rows=args.max_batch_rows, prefill_chunk=args.prefill_chunk, max_tau=args.max_tau)
+                     max_batch_rows=args.max_batch_rows, prefill_chunk=args.prefill_chunk, max_tau=args.max_tau,
+                     reasoning_format=args.reasoning_format)
     print(describe_kv(app.state.decoder.model), file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
@@ -78,6 +80,9 @@ def register(sub, model_args, sampling_args):
                    help="GiB for every request's K/V together (default: half the available memory, at most 64 "
                         "whole contexts); requests wait, or are preempted, when it is full")
     s.add_argument("--no-batch", action="store_true", help="serve one request at a time (no continuous batching)")
+    s.add_argument("--reasoning-format", default="auto", choices=["auto", "deepseek", "none"],
+                   help="a thinking model's <think> text: in the message's reasoning_content (auto, deepseek: where "
+                        "the chat template writes the tags) or left in the content (none)")
     r = s.add_argument_group("scale-out on Ray Serve (pip install 'specdec[ray]')")
     r.add_argument("--ray", action="store_true", help="serve N replicas behind Ray Serve's HTTP proxy")
     r.add_argument("--replicas", type=int, default=1, help="replicas, each with its own model")

@@ -23,7 +23,7 @@ from ..errors import InvalidRequest, SpecDecError
 from ..fim import fim_prompt
 from ..penalties import penalties
 from ..sampling import SEED_RANGE
-from . import anthropic_api, llama_compat, responses_api, tools
+from . import anthropic_api, llama_compat, reasoning, responses_api, tools
 from .api_errors import APIError, as_api_error, error_body
 from .guard import Guard
 from .metrics import Metrics
@@ -46,14 +46,19 @@ def _warm_grammars(decoder) -> None:
 def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | None = None,
                max_queue: int = 16, timeout_s: float = 300.0, max_tokens_default: int = 256,
                max_body_bytes: int = 1 << 20, trace_dir: str | None = None, batch: bool = True,
-               max_batch_rows: int | None = None, prefill_chunk: int = 32, max_tau: int = 8) -> FastAPI:
+               max_batch_rows: int | None = None, prefill_chunk: int = 32, max_tau: int = 8,
+               reasoning_format: str = "auto") -> FastAPI:
     """`decoder`: a SpecDecoder, or a function that makes one on the model worker's thread (what `specdec serve`
     passes: see worker.Worker). `batch`: on specdec's runtime, serve all admitted requests in each target pass
     (BatchWorker) with `max_batch_rows` rows per pass (default: from the pass curve measured at start,
-    batch.default_budget); the transformers backend, or batch=False, serves one request at a time."""
+    batch.default_budget); the transformers backend, or batch=False, serves one request at a time.
+    `reasoning_format`: auto (a thinking template's reasoning goes to `reasoning_content`, reasoning.py) or none
+    (left in the content), a request's own `reasoning_format` over it."""
     metrics = Metrics()
     if (max_batch_rows is not None and max_batch_rows < 1) or prefill_chunk < 1 or max_tau < 0:
         raise InvalidRequest("--max-batch-rows and --prefill-chunk must be >= 1, --max-tau >= 0")
+    if reasoning_format not in reasoning.FORMATS:
+        raise InvalidRequest(f"--reasoning-format must be one of {', '.join(reasoning.FORMATS)}")
     if batch:
         worker = BatchWorker(decoder, metrics, max_queue, timeout_s, trace_dir,
                              lambda d: batch_engine(d, max_batch_rows, prefill_chunk), max_tau)
@@ -228,12 +233,19 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
                 jobs.append(job)
         if respond is not None:
             return await respond(jobs, encoded, prompts)
+        # a thinking template's answers: reasoning apart from content, each choice from where its prompt leaves it
+        thinking = None
+        if kind == "chat" and (req.reasoning_format or reasoning_format) != "none" and reasoning.thinks(
+                decoder.tokenizer):
+            with decoder.tokenizer_lock:
+                thinking = [reasoning.opens_inside(decoder.tokenizer, encoded[i // req.n]) for i in range(len(jobs))]
         meta = dict(id=("chatcmpl-" if kind == "chat" else "cmpl-") + jobs[0].id, created=int(time.time()),
                     model=model_name, specdec={"seed": base})
         if req.stream:
             return StreamingResponse(sse(decoder, jobs, meta, kind, req.include_usage, sum(len(ids) for ids in encoded),
                                          overdue, req.tools if calling else None,
-                                         [prompts[i // req.n] for i in range(len(jobs))] if echo else None),
+                                         [prompts[i // req.n] for i in range(len(jobs))] if echo else None,
+                                         thinking),
                                      media_type="text/event-stream")
         try:
             done = await asyncio.gather(*(collect(job, request, overdue) for job in jobs))
@@ -248,9 +260,14 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
             if echo:  # the prompt, then the completion; prompt tokens lead the logprobs (the first has none)
                 text = prompts[i // req.n] + text
                 lp = echo_logprobs(decoder, encoded[i // req.n], result, lp)
+            thought = None
+            if thinking is not None:
+                thought, text = reasoning.split(text, thinking[i])
             calls = tools.parse_call(text, req.tools) if calling else None
             message = ({"role": "assistant", "content": None, "tool_calls": calls} if calls else
                        {"role": "assistant", "content": text})
+            if thought is not None:
+                message["reasoning_content"] = thought
             choices.append({"index": i, "message": message, "logprobs": lp,
                             "finish_reason": "tool_calls" if calls else finish} if kind == "chat" else
                            {"index": i, "text": text, "logprobs": lp, "finish_reason": finish})

@@ -136,18 +136,19 @@ class Resumer:
         choice = obj["choices"][0]
         i = choice.get("index", 0)
         delta = choice.get("delta")
-        text = (delta or {}).get("content") if delta is not None else choice.get("text")
+        field = "reasoning_content" if isinstance((delta or {}).get("reasoning_content"), str) else "content"
+        text = (delta or {}).get(field) if delta is not None else choice.get("text")
         if choice.get("finish_reason"):
             return None if (i, "finish") in self.done else self._mark((i, "finish"), json.dumps(obj))
         if delta is not None and "role" in delta:
             return None if (i, "role") in self.done else self._mark((i, "role"), json.dumps(obj))
         if not isinstance(text, str):
             return json.dumps(obj)
-        fresh = self._fresh(i, text)
+        fresh = self._fresh(i if field == "content" else (i, field), text)  # a reasoning's text counts apart
         if fresh is None:
             return None
         if delta is not None:
-            delta["content"] = fresh
+            delta[field] = fresh
         else:
             choice["text"] = fresh
         if choice.get("logprobs") and fresh != text:  # a cut chunk: its tokens' logprobs no longer line up

@@ -17,7 +17,8 @@ from ..errors import InvalidRequest
 DEFAULTS = dict(target="default", draft=None, tau=None, policy=None, backend="auto", numerics="auto", kv_memory=None,
                 threads=None, chat_template=None, chat_template_kwargs=None, model_name="specdec",
                 api_key=None, max_queue=16, timeout=300.0, trace_dir=None, batch=True, max_batch_rows=None,
-                prefill_chunk=32, max_tau=8, replicas=1, autoscaling=None, cpus_per_replica=1.0)
+                prefill_chunk=32, max_tau=8, reasoning_format="auto", replicas=1, autoscaling=None,
+                cpus_per_replica=1.0)
 
 
 def _ray():
@@ -68,7 +69,8 @@ def build(args: dict | None = None):
                           max_queue=int(opts["max_queue"]), timeout_s=float(opts["timeout"]),
                           trace_dir=opts["trace_dir"], batch=str(opts["batch"]).lower() not in ("0", "false", "no"),
                           max_batch_rows=int(opts["max_batch_rows"]) if opts["max_batch_rows"] else None,
-                          prefill_chunk=int(opts["prefill_chunk"]), max_tau=int(opts["max_tau"]))
+                          prefill_chunk=int(opts["prefill_chunk"]), max_tau=int(opts["max_tau"]),
+                          reasoning_format=opts["reasoning_format"])
 
     scaling = {"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": replicas}
 

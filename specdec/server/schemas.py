@@ -197,6 +197,7 @@ def _tool_call(call: dict) -> dict:
 class ChatRequest(_Request):
     messages: list[Message] = Field(min_length=1)
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's and llama-server's: variables for the template
+    reasoning_format: Literal["auto", "deepseek", "none"] | None = None  # llama-server's: none keeps <think> in content
 
     @model_validator(mode="after")
     def _chat_logprobs(self):

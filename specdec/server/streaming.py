@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from . import tools
 from .api_errors import as_api_error, error_body
 from .openai_format import logprobs, spec_stats, usage
+from .reasoning import ReasoningSplit
 
 
 async def collect(job, request, overdue):
@@ -57,17 +58,20 @@ async def chunks(job, overdue):
         yield payload
 
 
-async def sse(decoder, jobs, meta, kind, include_usage, prompt_tokens: int, overdue, tool_list=None, echoed=None):
+async def sse(decoder, jobs, meta, kind, include_usage, prompt_tokens: int, overdue, tool_list=None, echoed=None,
+              reasoning=None):
     """Server-sent events of one or several jobs (n choices, prompt lists), each chunk with its choice's index.
     With tools (`tool_list`) a choice's text is held to its end, then sent as tool_calls or as content; with echo
-    (`echoed`: each choice's prompt text) the prompt comes first."""
+    (`echoed`: each choice's prompt text) the prompt comes first. `reasoning`: per job, whether its answer starts
+    inside a `<think>` (a thinking template's; reasoning.py), its reasoning then sent as `reasoning_content`."""
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    splits = [ReasoningSplit(inside) for inside in reasoning] if reasoning is not None else None
 
-    def event(i, delta_text, finish=None, first=False, record=None):
+    def event(i, delta_text, finish=None, first=False, record=None, field="content"):
         lp = None if record is None or record.logprobs is None else logprobs(  # this cycle's tokens
             decoder, SimpleNamespace(token_ids=record.emitted, logprobs=record.logprobs), kind)
         if kind == "chat":
-            delta = {"role": "assistant", "content": delta_text} if first else {"content": delta_text}
+            delta = {"role": "assistant", "content": delta_text} if first else {field: delta_text}
             if finish:
                 delta = {}
             choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
@@ -118,15 +122,26 @@ async def sse(decoder, jobs, meta, kind, include_usage, prompt_tokens: int, over
                 err = as_api_error(payload)
                 yield f"data: {json.dumps(error_body(err.message, err.type, err.code))}\n\n"
                 break
+            final = payload.result is not None
             if tool_list:
                 held[i].append(payload.text)
+            elif splits is not None:
+                thought, said = splits[i].feed(payload.text, final)
+                if thought:
+                    yield event(i, thought, record=payload.record, field="reasoning_content")
+                if said or (payload.record.logprobs and not thought):
+                    yield event(i, said, record=None if thought else payload.record)
             elif payload.text or payload.record.logprobs:
                 yield event(i, payload.text, record=payload.record)
-            if payload.result is not None:
+            if final:
                 results[i] = payload.result
                 finish = payload.result.finish_reason
                 if tool_list:
                     text = "".join(held[i])
+                    if splits is not None:
+                        thought, text = splits[i].feed(text, final=True)
+                        if thought:
+                            yield event(i, thought, field="reasoning_content")
                     calls = tools.parse_call(text, tool_list)
                     if calls:
                         finish = "tool_calls"
