@@ -26,6 +26,7 @@ class CycleRecord:
     short: str | None = None  # why fewer than τ drafts were verified (SHORTFALLS); None: all τ (or no record of it)
     by: str | None = None  # "prediction" when the request's predicted output proposed this cycle's draft
     draft_prefill_ms: float = 0.0  # of draft_ms, a model draft's catch-up on unseen tokens (Draft.prefill_ms)
+    cached_tokens: int = 0  # (first record) prompt positions found computed: the prefix cache's or a twin's
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -135,6 +136,7 @@ def summarize(records: list[CycleRecord], wall_s: float, new_tokens: int) -> dic
         "draft_ms": round(sum(r.draft_ms for r in records), 3),
         "verify_ms": round(sum(r.verify_ms for r in records), 3),
         "finish_reason": records[-1].finish_reason if records else None,
+        "cached_tokens": records[0].cached_tokens if records else 0,
         **prediction_usage(records),
         **({"trees": trees} if (trees := tree_stats(records)) else {}),
     }

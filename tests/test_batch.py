@@ -395,12 +395,15 @@ def test_a_prompt_prefilled_once_for_its_twins(rt):
     model.pool.clear_hashes()  # nothing cached from earlier tests
     params = [SamplingParams(1.0, 1.0, 0, 40 + i) for i in range(3)]
     seqs = [engine.add(Sequence(ids, 8, p)) for p in params]
-    rows = 0
+    rows, first = 0, {}
     while engine.running:
-        engine.step()
+        for s, rec in engine.step():
+            first.setdefault(s.id, rec)
         rows += engine.last.get("rows", 0)
     for s, p in zip(seqs, params):
         assert s.generated == alone(rt, PROMPTS[2], p, 8)
+    # usage's cached_tokens: the twins found all but the last prompt position computed, the first nothing
+    assert [first[s.id].cached_tokens for s in seqs] == [0, len(ids) - 1, len(ids) - 1]
     assert rows < len(ids) + 3 * 8 + 4  # the prompt once, then about one row per token per choice
     assert engine.prefixes.hits == 2
     engine.close()
@@ -555,9 +558,11 @@ def test_the_prefix_cache_is_salted_per_tenant(rt):
     def run(salt):
         hits = engine.prefixes.hits
         seq = engine.add(Sequence(ids, 6, SamplingParams(), cache_salt=salt))
+        cached = []
         while engine.running:
-            engine.step()
+            cached += [rec.cached_tokens for s, rec in engine.step() if s is seq]
         assert seq.generated == alone(rt, prompt, SamplingParams(), 6)
+        assert (cached[0] > 0) == (engine.prefixes.hits > hits) and not any(cached[1:])  # usage's cached_tokens
         return engine.prefixes.hits - hits
     assert run(alice) == 0
     assert engine.uncached(ids, bob) == 0 and engine.uncached(ids, alice) > 0

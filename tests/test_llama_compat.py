@@ -27,7 +27,10 @@ def test_completion_answers_what_the_engine_answers(rt_live, rt_sd):
                                       "cache_prompt": True, "samplers": ["top_k"]}).json()
     assert body["content"] == want.text and body["tokens"] == want.token_ids
     assert body["stop"] is True and body["stop_type"] == "limit" and body["tokens_predicted"] == 24
-    assert body["tokens_evaluated"] == len(rt_sd.encode(PROMPT, chat=False)) == body["timings"]["prompt_n"]
+    timings = body["timings"]
+    assert body["tokens_evaluated"] == len(rt_sd.encode(PROMPT, chat=False)) == timings["prompt_n"] + timings["cache_n"]
+    assert timings["draft_n"] == body["specdec"]["proposed"] and timings["draft_n_accepted"] == body["specdec"][
+        "accepted"]
     assert body["generation_settings"]["n_predict"] == 24 and 0 < body["specdec"]["target_passes"] <= 24
     events = stream(rt_live, "/completion", {"prompt": PROMPT, "n_predict": 24, "temperature": 0})
     assert "".join(e["content"] for e in events) == want.text

@@ -185,7 +185,11 @@ def test_tenants_do_not_share_cached_prompts_over_http(rt_decoder):
             r = httpx.post(srv.url + "/v1/completions", json={"prompt": system + "Hi", "max_tokens": 6,
                                                               "temperature": 0, **tenant}, timeout=60)
             assert r.status_code == 200, r.text
-            return r.json()["choices"][0]["text"], srv.metrics()[("vllm:prefix_cache_hits_total", ())] - before
+            hits = srv.metrics()[("vllm:prefix_cache_hits_total", ())] - before
+            usage = r.json()["usage"]  # OpenAI's count of the prompt tokens served from the cache
+            assert (usage["prompt_tokens_details"]["cached_tokens"] > 0) == (hits > 0)
+            assert usage["prompt_tokens_details"]["cached_tokens"] < usage["prompt_tokens"]
+            return r.json()["choices"][0]["text"], hits
         first, hits = ask(cache_salt="alice")
         assert hits == 0
         assert ask(cache_salt="bob") == (first, 0)  # another tenant learns nothing from alice's cached prompt
@@ -194,5 +198,44 @@ def test_tenants_do_not_share_cached_prompts_over_http(rt_decoder):
         assert again == first and hits > 0  # the owner's repeat is served from its cache
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "cache_salt": "s" * 300})
         assert r.status_code == 400 and "cache_salt" in r.text
+    finally:
+        srv.stop()
+
+
+def test_every_api_reports_the_prompt_tokens_served_from_the_cache(rt_decoder):
+    """The same conversation twice through each API: the repeat reports its cached prompt tokens in that API's own
+    field (OpenAI's prompt_tokens_details, streamed too; the Responses API's input_tokens_details; Anthropic's
+    cache_read_input_tokens beside the input_tokens it did not read; llama-server's cache_n), the first none."""
+    srv = LiveServer(create_app(rt_decoder, model_name="tiny", max_queue=8, max_batch_rows=8))
+    system = "You are a careful assistant for ACME's internal billing team. " * 3
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
+    apis = {
+        "/v1/chat/completions": ({"messages": messages, "max_tokens": 4, "temperature": 0},
+                                 lambda u: (u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"])),
+        "stream": ({"messages": messages, "max_tokens": 4, "temperature": 0, "stream": True,
+                    "stream_options": {"include_usage": True}},
+                   lambda u: (u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"])),
+        "/v1/responses": ({"input": messages, "max_output_tokens": 4, "temperature": 0},
+                          lambda u: (u["input_tokens"], u["input_tokens_details"]["cached_tokens"])),
+        "/v1/messages": ({"model": "tiny", "system": system, "messages": messages[1:], "max_tokens": 4,
+                          "temperature": 0},
+                         lambda u: (u["input_tokens"] + u["cache_read_input_tokens"], u["cache_read_input_tokens"])),
+        "/completion": ({"prompt": system + "Hi", "n_predict": 4, "temperature": 0},
+                        lambda t: (t["prompt_n"] + t["cache_n"], t["cache_n"])),
+    }
+    try:
+        for api, (body, read) in apis.items():
+            rt_decoder.model.pool.clear_hashes()
+            counts = []
+            for _ in range(2):
+                r = httpx.post(srv.url + ("/v1/chat/completions" if api == "stream" else api), json=body, timeout=60)
+                assert r.status_code == 200, r.text
+                if api == "stream":
+                    got = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+                    counts.append(read(got[-1]["usage"]))
+                else:
+                    counts.append(read(r.json()["timings" if api == "/completion" else "usage"]))
+            (prompt, first), (again, cached) = counts
+            assert prompt == again and first == 0 and 0 < cached < prompt, (api, counts)
     finally:
         srv.stop()

@@ -540,6 +540,7 @@ class BatchEngine(Admission):
                           cycle_ms=round((perf_counter() - t0) * 1e3, 3), finish_reason=finish,
                           parents=draft.parents if tree else None, path=nodes if tree else None,
                           prompt_logprobs=s.scored if s.prompt_logprobs is not None and s.cycle == 0 else None,
+                          cached_tokens=s.cached if s.cycle == 0 else 0,
                           asked=asked, drafted=drafted,
                           short=shortfall(limit, asked, drafted, len(proposed), asked_cut, later_cut), by=by)
         if s.logprobs is not None:

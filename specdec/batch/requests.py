@@ -65,6 +65,7 @@ class Sequence:
     def __post_init__(self):
         self.tokens = list(self.prompt)
         self.fed = 0  # positions of `tokens` already in the KV slot
+        self.cached = 0  # prompt positions it found computed when it joined (the prefix cache's, or its twin's)
         self.cycle = 0
         self.idle = 0  # cycles in a row it could have drafted and got no rows
         self.generator = self.params.generator()
@@ -113,13 +114,14 @@ class Sequence:
         tokens: prefilling, or decoding when only the last prompt token is left to feed."""
         def change():
             self.joined, self.fed, self.after = True, 0 if twin is not None else fed, twin
+            self.cached = self.fed
         self._move("join", change, State.WAITING)
 
     def release(self, fed: int) -> None:
         """waiting_for_twin -> prefilling / decoding: its slot holds `fed` positions (the cache's blocks and those
         copied from its twin, bitwise what its own prefill would write) and blocks reserved for the rest."""
         def change():
-            self.after, self.fed = None, fed
+            self.after, self.fed, self.cached = None, fed, fed
         self._move("release", change, State.WAITING_FOR_TWIN)
 
     def advance(self, rows: int) -> None:

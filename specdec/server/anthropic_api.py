@@ -184,12 +184,13 @@ class Reply:
     def message(self, content: list[dict], result, text: str) -> dict:
         reason, sequence = self.stop(content, result, text)
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
-                "stop_reason": reason, "stop_sequence": sequence, "usage": self.usage(len(result.token_ids)),
+                "stop_reason": reason, "stop_sequence": sequence, "usage": self.usage(len(result.token_ids), result.stats.get("cached_tokens", 0)),
                 "specdec": {**spec_stats(result), "seed": self.seed}}
 
-    def usage(self, output_tokens: int) -> dict:
-        return {"input_tokens": self.prompt_tokens, "output_tokens": output_tokens,
-                "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+    def usage(self, output_tokens: int, cached: int = 0) -> dict:
+        """Anthropic's: input_tokens are those not read from the cache (every prompt is cached, none written apart)."""
+        return {"input_tokens": self.prompt_tokens - cached, "output_tokens": output_tokens,
+                "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
 def add_routes(app, serve, overdue, decoder, model_name: str) -> None:
@@ -269,7 +270,7 @@ async def _events(job, reply: Reply, overdue):
         final = reply.message(content, result, "".join(text))
         yield event("message_delta", delta={"stop_reason": final["stop_reason"],
                                             "stop_sequence": final["stop_sequence"]},
-                    usage={"output_tokens": final["usage"]["output_tokens"]}, specdec=final["specdec"])
+                    usage=final["usage"], specdec=final["specdec"])
         yield event("message_stop")
     except APIError as err:
         yield f"event: error\ndata: {json.dumps(error(err.status, err.message))}\n\n"

@@ -245,7 +245,7 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
             return StreamingResponse(sse(decoder, jobs, meta, kind, req.include_usage, sum(len(ids) for ids in encoded),
                                          overdue, req.tools if calling else None,
                                          [prompts[i // req.n] for i in range(len(jobs))] if echo else None,
-                                         thinking),
+                                         thinking, req.n),
                                      media_type="text/event-stream")
         try:
             done = await asyncio.gather(*(collect(job, request, overdue) for job in jobs))
@@ -272,7 +272,7 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
                             "finish_reason": "tool_calls" if calls else finish} if kind == "chat" else
                            {"index": i, "text": text, "logprobs": lp, "finish_reason": finish})
         return {**meta, "object": "chat.completion" if kind == "chat" else "text_completion", "choices": choices,
-                "usage": usage(sum(len(ids) for ids in encoded), [r for _, r in done]),
+                "usage": usage(sum(len(ids) for ids in encoded), [r for _, r in done], req.n),
                 "specdec": {**spec_stats(done[0][1]), "seed": base}}
 
     def _token_prompt(ids: list[int]) -> list[int]:

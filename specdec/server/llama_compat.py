@@ -327,8 +327,10 @@ def _final(decoder, job, result, text, prompt_ids, options, model_name) -> dict:
     # an end-of-text token counted, as llama-server counts it (and OpenAI's usage); a warm-up's token is not
     n = 0 if options.warm_only else len(result.token_ids)
     rate = result.stats.get("tokens_per_s") or 0.0
-    timings = {"prompt_n": len(prompt_ids), "predicted_n": n, "predicted_ms": 1e3 * n / rate if rate else 0.0,
-               "predicted_per_second": rate}
+    cached, stats = result.stats.get("cached_tokens", 0), result.stats
+    timings = {"cache_n": cached, "prompt_n": len(prompt_ids) - cached, "predicted_n": n,
+               "predicted_ms": 1e3 * n / rate if rate else 0.0, "predicted_per_second": rate,
+               "draft_n": stats["proposed"], "draft_n_accepted": stats["accepted"]}  # llama-server's speculation
     return {"stop": True, "model": model_name, "stop_type": stop_type, "stopping_word": word,
             "tokens_predicted": n, "tokens_evaluated": len(prompt_ids), "truncated": False,
             "generation_settings": _settings(options) | {"seed": job.kwargs.get("seed")}, "timings": timings,

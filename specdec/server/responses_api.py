@@ -199,7 +199,8 @@ class Answer:
                 "metadata": self.req.metadata or {}, "usage": None}
         if result is not None:
             n = len(result.token_ids)
-            body["usage"] = {"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+            body["usage"] = {"input_tokens": self.prompt_tokens, "input_tokens_details": {
+                "cached_tokens": result.stats.get("cached_tokens", 0)},
                              "output_tokens": n, "output_tokens_details": {"reasoning_tokens": 0},
                              "total_tokens": self.prompt_tokens + n}
             body["specdec"] = {**spec_stats(result), "seed": self.seed}

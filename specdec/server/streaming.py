@@ -59,7 +59,7 @@ async def chunks(job, overdue):
 
 
 async def sse(decoder, jobs, meta, kind, include_usage, prompt_tokens: int, overdue, tool_list=None, echoed=None,
-              reasoning=None):
+              reasoning=None, choices: int = 1):
     """Server-sent events of one or several jobs (n choices, prompt lists), each chunk with its choice's index.
     With tools (`tool_list`) a choice's text is held to its end, then sent as tool_calls or as content; with echo
     (`echoed`: each choice's prompt text) the prompt comes first. `reasoning`: per job, whether its answer starts
@@ -152,7 +152,7 @@ async def sse(decoder, jobs, meta, kind, include_usage, prompt_tokens: int, over
                         yield event(i, text)
                 yield event(i, "", finish=finish)
         if include_usage and len(results) == len(jobs):
-            last = {**meta, "object": obj, "choices": [], "usage": usage(prompt_tokens, list(results.values())),
+            last = {**meta, "object": obj, "choices": [], "usage": usage(prompt_tokens, [results[i] for i in sorted(results)], choices),
                     "specdec": {**spec_stats(results[0]), **meta.get("specdec", {})}}
             yield f"data: {json.dumps(last)}\n\n"
         yield "data: [DONE]\n\n"
