@@ -52,7 +52,8 @@ def test_a_streamed_answer_splits_as_the_whole_answer_does(pieces, inside, cuts)
 
 
 THINKING = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% if opened %}<think>\n{% endif %}{% endif %}"
+            "{% if add_generation_prompt %}<|assistant|>{% if opened %}<think>\n{% endif %}"
+            "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
             "{# answers may carry <think>...</think> #}")
 GRAMMAR = 'root ::= "<think>\\nfirst the plan\\n</think>\\n\\n" [a-z]+ "."'
 OPENED = 'root ::= "first the plan\\n</think>\\n\\n" [a-z]+ "."'
@@ -67,7 +68,7 @@ def live():
 
 def ask(live, grammar, stream=False, **kw):
     body = {"messages": [{"role": "user", "content": "Plan, then answer in one word."}], "max_tokens": 40,
-            "temperature": 0, "grammar": grammar, "stream": stream, **kw}
+            "temperature": 0, "stream": stream, **({"grammar": grammar} if grammar else {}), **kw}
     r = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     if not stream:
@@ -94,3 +95,135 @@ def test_over_http_the_reasoning_goes_to_reasoning_content(live, stream):
     r = httpx.post(live.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
                                                             "reasoning_format": "verbose"})
     assert r.status_code == 400 and "reasoning_format" in r.text
+
+
+# ---- the other APIs: Anthropic's thinking blocks, the Responses API's reasoning items -------------------------------
+class ScriptedJob:
+    """A job whose answer comes in the given chunks (what the worker streams), the last with its result."""
+
+    def __init__(self, chunks, result):
+        from specdec.api import Chunk
+        from specdec.trace import CycleRecord
+        record = CycleRecord(0, 0, [], 0, [], 0.0, 0.0, 0.0)
+        self.items = [("chunk", Chunk(c, record, result if k == len(chunks) - 1 else None))
+                      for k, c in enumerate(chunks)] + [("end", None)]
+        self.id, self.kwargs = "scripted", {"seed": None}
+
+    async def next(self, timeout=None):
+        return self.items.pop(0)
+
+    def cancel(self):
+        pass
+
+
+ANSWER = "<think>\nfirst the plan\n</think>\n\nThe answer."
+
+
+def scripted_streams(decoder):
+    """The answer cut into chunks every way at the tags' edges, each with its final result."""
+    from types import SimpleNamespace
+    ids = decoder.tokenizer(ANSWER, add_special_tokens=False).input_ids
+    stats = {k: 0 for k in ("acceptance_rate", "mean_accepted_len", "target_passes", "proposed", "accepted",
+                            "acceptance_by_position", "tokens_per_s", "draft_ms", "verify_ms", "cached_tokens")}
+    result = SimpleNamespace(token_ids=ids + list(decoder.engine.eos_ids)[:1], finish_reason="stop", stats=stats,
+                             logprobs=None)
+    for cuts in ([], [3], [7, 9], [12, 21, 30], list(range(1, len(ANSWER), 4))):
+        bounds = [0] + cuts + [len(ANSWER)]
+        yield [ANSWER[a:b] for a, b in zip(bounds, bounds[1:])], result
+
+
+def events_of(stream) -> list[dict]:
+    import asyncio
+
+    async def drain():
+        return [e async for e in stream]
+    return [json.loads(e.split("data: ", 1)[1]) for e in asyncio.run(drain())]
+
+
+@pytest.fixture(scope="module")
+def thinking_decoder(live):
+    return live.app.state.decoder
+
+
+def test_anthropic_streams_the_thinking_block_first_as_its_client_accumulates_it(thinking_decoder):
+    from anthropic.lib.streaming._messages import accumulate_event
+
+    from specdec.server import anthropic_api
+    req = anthropic_api.MessagesRequest(model="smol", messages=[{"role": "user", "content": "x"}], max_tokens=40)
+    chat = anthropic_api.as_chat(req)
+    prompt = thinking_decoder.encode([{"role": "user", "content": "x"}])
+    for chunks, result in scripted_streams(thinking_decoder):
+        reply = anthropic_api.Reply(ScriptedJob(chunks, result), req, chat, thinking_decoder, "smol", prompt)
+        snapshot = None
+        for e in events_of(anthropic_api._events(ScriptedJob(chunks, result), reply, lambda job: None)):
+            snapshot = accumulate_event(event=e, current_snapshot=snapshot, json_bufs={})
+        blocks = [b.to_dict() for b in snapshot.content]
+        assert blocks == [{"type": "thinking", "thinking": "first the plan", "signature": ""},
+                          {"type": "text", "text": "The answer."}], chunks
+        assert blocks == reply.content(ANSWER) and snapshot.stop_reason == "end_turn"
+
+
+def test_the_responses_stream_has_the_reasoning_item_first_as_its_client_accumulates_it(thinking_decoder):
+    from openai._models import construct_type
+    from openai.lib.streaming.responses import ResponseStreamState
+    from openai.types.responses import ResponseStreamEvent
+
+    from specdec.server import responses_api
+    req = responses_api.ResponsesRequest(input="x", max_output_tokens=40)
+    chat = responses_api.as_chat(req)
+    prompt = thinking_decoder.encode([{"role": "user", "content": "x"}])
+    for chunks, result in scripted_streams(thinking_decoder):
+        answer = responses_api.Answer(ScriptedJob(chunks, result), req, chat, "smol", thinking_decoder, prompt)
+        state, done = ResponseStreamState(input_tools=[], text_format=openai_omit()), None
+        for e in events_of(responses_api._events(thinking_decoder, ScriptedJob(chunks, result), answer,
+                                                 lambda job: None)):
+            state.handle_event(construct_type(type_=ResponseStreamEvent, value=e))
+            done = e.get("response") if e["type"] == "response.completed" else done
+        output = done["output"]
+        assert [o["type"] for o in output] == ["reasoning", "message"], chunks
+        assert output[0]["content"] == [{"type": "reasoning_text", "text": "first the plan"}]
+        assert output[1]["content"][0]["text"] == "The answer."
+        assert output == answer.items(thinking_decoder, ANSWER, result)
+
+
+def openai_omit():
+    from openai import omit
+    return omit
+
+
+@pytest.fixture(scope="module")
+def opened_live():
+    """A server whose template opens <think> at the end of every prompt (as R1's do): every answer is reasoning
+    until the model closes the tag."""
+    sd = SpecDecoder(draft="ngram", chat_template=THINKING, chat_template_kwargs={"opened": True})
+    srv = LiveServer(create_app(sd, model_name="smol"))
+    yield srv
+    srv.stop()
+
+
+def test_the_official_clients_get_the_reasoning_as_thinking_blocks_and_reasoning_items(opened_live):
+    import anthropic
+    import openai
+    reasoning = ask(opened_live, None)["reasoning_content"]  # chat completions: 40 tokens of reasoning, no answer
+    assert reasoning and "</think>" not in reasoning
+    a = anthropic.Anthropic(base_url=opened_live.url, api_key="none", max_retries=0, timeout=120)
+    body = dict(model="smol", max_tokens=40, extra_body={"temperature": 0},
+                messages=[{"role": "user", "content": "Plan, then answer in one word."}])
+    message = a.messages.create(**body)
+    assert [b.type for b in message.content] == ["thinking", "text"]
+    assert message.content[0].thinking == reasoning and message.content[1].text == ""
+    with a.messages.stream(**body) as stream:
+        assert [(b.type, getattr(b, "thinking", None), getattr(b, "text", None))
+                for b in stream.get_final_message().content] == [("thinking", reasoning, None), ("text", None, "")]
+    quiet = a.messages.create(**body, thinking={"type": "disabled"})  # the template closes the tag itself
+    assert [b.type for b in quiet.content] == ["text"]
+    o = openai.OpenAI(base_url=opened_live.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    response = o.responses.create(model="smol", input=body["messages"], max_output_tokens=40, temperature=0)
+    assert [item.type for item in response.output] == ["reasoning", "message"]
+    assert response.output[0].content[0].text == reasoning and response.output_text == ""
+    with o.responses.stream(model="smol", input=body["messages"], max_output_tokens=40, temperature=0) as stream:
+        streamed = stream.get_final_response().output
+    assert [(o.type, o.content[0].text) for o in streamed] == [("reasoning", reasoning), ("message", "")]
+    quiet = o.responses.create(model="smol", input=body["messages"], max_output_tokens=40, temperature=0,
+                               reasoning={"effort": "none"})
+    assert [item.type for item in quiet.output] == ["message"]

@@ -3,10 +3,12 @@ written for it send it (an `x-api-key` header is taken as the API key): served a
 conversation, answered in Anthropic's format, streamed as its typed events or not, errors in its error shape.
 
 What maps: `system` (a string or text blocks), messages whose content is a string or blocks (`text`; the
-assistant's `tool_use` as a chat tool call, the user's `tool_result` as a tool message; `thinking` blocks, which no
-model here produces, are skipped), `max_tokens`, `stop_sequences`, `tools` (custom tools: name, description,
-input_schema), `tool_choice` (auto, any, tool, none), `output_config.format` (a JSON schema), and the sampling
-fields earlier versions of the API had (`temperature`, `top_p`, `top_k`; the current one samples at temperature 1).
+assistant's `tool_use` as a chat tool call, the user's `tool_result` as a tool message; `thinking` blocks sent back
+are skipped, as thinking templates drop earlier turns' reasoning), `max_tokens`, `stop_sequences`, `tools` (custom
+tools: name, description, input_schema), `tool_choice` (auto, any, tool, none), `output_config.format` (a JSON
+schema), `thinking` (disabled: the template's enable_thinking false), and the sampling fields earlier versions of
+the API had (`temperature`, `top_p`, `top_k`; the current one samples at temperature 1). A thinking model's
+reasoning (reasoning.py) comes back as a `thinking` block before the text or tool calls, its signature empty.
 Images, documents, containers and Anthropic's server tools are 400s that name them."""
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from . import tools
+from . import reasoning, tools
 from .api_errors import APIError, validated
 from .openai_format import spec_stats
 from .schemas import ChatRequest
@@ -51,7 +53,7 @@ class MessagesRequest(BaseModel):
     # accepted, ignored: they change no output here
     metadata: dict | None = None
     service_tier: str | None = None
-    thinking: dict | None = None  # no model here thinks: no thinking blocks come back
+    thinking: dict | None = None  # {"type": "disabled"}: enable_thinking false for the template (Qwen3's)
     cache_control: dict | None = None  # prompts are cached whole anyway (the prefix cache)
     speed: str | None = None
     inference_geo: str | None = None
@@ -141,6 +143,15 @@ def chat_tools(req: MessagesRequest):
     return converted, {"auto": "auto", "any": "required", "none": "none"}[kind]
 
 
+def thinking_variables(thinking: dict | None) -> dict | None:
+    """Anthropic's `thinking` as the template variable thinking models read (Qwen3's enable_thinking)."""
+    if thinking is None:
+        return None
+    if not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "disabled", "adaptive"):
+        raise APIError(400, "thinking.type must be enabled, disabled or adaptive")
+    return {"enable_thinking": thinking["type"] != "disabled"}
+
+
 def as_chat(req: MessagesRequest) -> ChatRequest:
     tool_list, choice = chat_tools(req)
     fmt = (req.output_config or {}).get("format") or req.output_format
@@ -149,6 +160,7 @@ def as_chat(req: MessagesRequest) -> ChatRequest:
     return validated(ChatRequest, messages=chat_messages(req), max_tokens=req.max_tokens,
                      temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, stop=req.stop_sequences,
                      seed=req.seed, stream=req.stream, tools=tool_list, tool_choice=choice, model=req.model,
+                     chat_template_kwargs=thinking_variables(req.thinking),
                      response_format=None if fmt is None else {
                          "type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}})
 
@@ -156,20 +168,29 @@ def as_chat(req: MessagesRequest) -> ChatRequest:
 class Reply:
     """One answer's Anthropic objects: its id, content blocks and stop reason from the finished text."""
 
-    def __init__(self, job, req: MessagesRequest, chat: ChatRequest, decoder, model_name: str, prompt_tokens: int):
+    def __init__(self, job, req: MessagesRequest, chat: ChatRequest, decoder, model_name: str, prompt_ids: list[int]):
         self.id, self.req, self.chat, self.decoder = "msg_" + job.id, req, chat, decoder
-        self.model, self.prompt_tokens, self.seed = req.model or model_name, prompt_tokens, job.kwargs.get("seed")
+        self.model, self.prompt_tokens, self.seed = req.model or model_name, len(prompt_ids), job.kwargs.get("seed")
         self.calling = bool(chat.tools) and chat.tool_choice != "none"
+        self.inside = None  # a thinking template's answer: whether it starts inside <think> (reasoning.py); else None
+        if reasoning.thinks(decoder.tokenizer):
+            with decoder.tokenizer_lock:
+                self.inside = reasoning.opens_inside(decoder.tokenizer, prompt_ids)
 
     def content(self, text: str) -> list[dict]:
+        """The blocks of a whole answer: its thinking (a thinking model's), then its text or tool calls."""
+        thought = None
+        if self.inside is not None:
+            thought, text = reasoning.split(text, self.inside)
+        first = [] if thought is None else [{"type": "thinking", "thinking": thought, "signature": ""}]
         calls = tools.parse_call(text, self.chat.tools) if self.calling else None
         if calls:
-            return [{"type": "tool_use", "id": "toolu_" + c["id"][5:], "name": c["function"]["name"],
-                     "input": json.loads(c["function"]["arguments"])} for c in calls]
-        return [{"type": "text", "text": text}]
+            return first + [{"type": "tool_use", "id": "toolu_" + c["id"][5:], "name": c["function"]["name"],
+                             "input": json.loads(c["function"]["arguments"])} for c in calls]
+        return first + [{"type": "text", "text": text}]
 
     def stop(self, content: list[dict], result, text: str) -> tuple[str, str | None]:
-        if content[0]["type"] == "tool_use":
+        if content[-1]["type"] == "tool_use":
             return "tool_use", None
         if result.finish_reason == "length":
             return "max_tokens", None
@@ -206,7 +227,7 @@ def add_routes(app, serve, overdue, decoder, model_name: str) -> None:
         chat, conversation = prompt(req)
 
         async def respond(jobs, encoded, prompts):
-            reply = Reply(jobs[0], req, chat, decoder, model_name, len(encoded[0]))
+            reply = Reply(jobs[0], req, chat, decoder, model_name, encoded[0])
             if req.stream:
                 return StreamingResponse(_events(jobs[0], reply, overdue), media_type="text/event-stream")
             done = await collect(jobs[0], request, overdue)
@@ -235,37 +256,57 @@ class CountRequest(BaseModel):
 
 async def _events(job, reply: Reply, overdue):
     """Anthropic's stream: message_start, a text block opened, text_delta events as text comes, the block closed,
-    message_delta with the stop reason and usage, message_stop. With tools the text is held to its end and sent as
-    tool_use blocks (their input in one input_json_delta) or as text. An error is an `error` event."""
+    message_delta with the stop reason and usage, message_stop; a thinking model's reasoning first, in a thinking
+    block of thinking_delta events. With tools the text is held to its end and sent as tool_use blocks (their input
+    in one input_json_delta) or as text. An error is an `error` event."""
     def event(kind: str, **fields) -> str:
         return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields})}\n\n"
 
     start = {"id": reply.id, "type": "message", "role": "assistant", "model": reply.model, "content": [],
              "stop_reason": None, "stop_sequence": None, "usage": reply.usage(0)}
-    opened, text, result = False, [], None
+    split = None if reply.inside is None else reasoning.ReasoningSplit(reply.inside)
+    blocks = []  # the types of the blocks opened so far; the last is open
+    text, result = [], None
+
+    def block(kind: str) -> list[str]:  # open a block of this kind (the one before closed), unless it is open
+        if blocks and blocks[-1] == kind:
+            return []
+        out = [event("content_block_stop", index=len(blocks) - 1)] if blocks else []
+        blocks.append(kind)
+        body = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {"type": kind,
+                                                                                                  "text": ""}
+        return out + [event("content_block_start", index=len(blocks) - 1, content_block=body)]
     try:
         yield event("message_start", message=start)
         async for chunk in chunks(job, overdue):
             text.append(chunk.text)
             result = chunk.result or result
-            if reply.calling or not chunk.text:
-                continue
-            if not opened:
-                opened = True
-                yield event("content_block_start", index=0, content_block={"type": "text", "text": ""})
-            yield event("content_block_delta", index=0, delta={"type": "text_delta", "text": chunk.text})
+            thought, said = split.feed(chunk.text, result is not None) if split is not None else ("", chunk.text)
+            if split is not None and split.reasoned and not blocks:  # its thinking block opens with the tag
+                for e in block("thinking"):
+                    yield e
+            if thought:
+                yield event("content_block_delta", index=len(blocks) - 1,
+                            delta={"type": "thinking_delta", "thinking": thought})
+            if said and not reply.calling:
+                for e in block("text"):
+                    yield e
+                yield event("content_block_delta", index=len(blocks) - 1, delta={"type": "text_delta", "text": said})
         if result is None:
             return
-        content = reply.content("".join(text))
-        for k, block in enumerate(content):
-            if block["type"] == "tool_use":
-                yield event("content_block_start", index=k, content_block={**block, "input": {}})
-                yield event("content_block_delta", index=k, delta={"type": "input_json_delta",
-                                                                   "partial_json": json.dumps(block["input"])})
-            elif not opened:
-                yield event("content_block_start", index=k, content_block={"type": "text", "text": ""})
-                if block["text"]:
-                    yield event("content_block_delta", index=k, delta={"type": "text_delta", "text": block["text"]})
+        content = reply.content("".join(text))  # begins with the blocks streamed, in their order
+        for k, part in enumerate(content):
+            if k < len(blocks) - 1:
+                continue  # closed when the next one opened
+            if k >= len(blocks):  # not streamed: a call (the text was held for it), or an empty answer's text
+                if part["type"] == "tool_use":
+                    yield event("content_block_start", index=k, content_block={**part, "input": {}})
+                    yield event("content_block_delta", index=k, delta={"type": "input_json_delta",
+                                                                       "partial_json": json.dumps(part["input"])})
+                else:
+                    yield event("content_block_start", index=k, content_block={"type": "text", "text": ""})
+                    if part["text"]:
+                        yield event("content_block_delta", index=k, delta={"type": "text_delta", "text": part["text"]})
             yield event("content_block_stop", index=k)
         final = reply.message(content, result, "".join(text))
         yield event("message_delta", delta={"stop_reason": final["stop_reason"],

@@ -83,6 +83,11 @@ ANTHROPIC_EVENTS = ("message_start", "content_block_start", "content_block_delta
                     "message_delta", "message_stop")
 
 
+# events that carry a piece of a text (cut like a choice's text on a retry, each output item or block its own)
+TEXT_EVENTS = ("response.output_text.delta", "response.reasoning_text.delta")
+TEXT_DELTAS = {"text_delta": "text", "thinking_delta": "thinking"}  # Anthropic's, and the field with the text
+
+
 def split_event(event: str) -> tuple[str, str | None]:
     """A server-sent event -> (what comes before its data: a typed event's `event: ...` line, or nothing; its data),
     or (the event, None) where it has no data line."""
@@ -165,8 +170,8 @@ class Resumer:
             self.ident.setdefault("first", first)
             self.ident["alias"] = (first.partition("_")[2], self.ident["first"].partition("_")[2])
         delta = obj.get("delta") if kind == "content_block_delta" else None
-        if kind == "response.output_text.delta" or (isinstance(delta, dict) and delta.get("type") == "text_delta"):
-            holder, field = (obj, "delta") if delta is None else (delta, "text")
+        if kind in TEXT_EVENTS or (isinstance(delta, dict) and delta.get("type") in TEXT_DELTAS):
+            holder, field = (obj, "delta") if delta is None else (delta, TEXT_DELTAS[delta["type"]])
             fresh = self._fresh(("output", obj.get("output_index", obj.get("index"))), holder.get(field, ""))
             if fresh is None:
                 return None

@@ -4,9 +4,13 @@ structured outputs, function calling, seeded sampling) and answers in the Respon
 events or not.
 
 The request is stateless: `input` carries the conversation (text, messages, earlier `function_call`s and their
-`function_call_output`s; `reasoning` items, which no model here produces, are skipped), `instructions` the system
-message. Nothing is stored: `previous_response_id`, `conversation`, `background` and item references are 400s
-that say so, and the response reports `store: false`."""
+`function_call_output`s; `reasoning` items sent back are skipped, as thinking templates drop earlier turns'
+reasoning), `instructions` the system message. Nothing is stored: `previous_response_id`, `conversation`,
+`background` and item references are 400s that say so, and the response reports `store: false`.
+
+A thinking model's reasoning (reasoning.py) comes back as a `reasoning` item (its text as `reasoning_text`, streamed
+as `response.reasoning_text.delta` events) before the message or calls; `reasoning.effort: "none"` sets the
+template's enable_thinking false."""
 from __future__ import annotations
 
 import asyncio
@@ -18,7 +22,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..sampling import MAX_TEMPERATURE, SEED_RANGE
-from . import tools
+from . import reasoning, tools
 from .api_errors import APIError, validated
 from .openai_format import logprobs, spec_stats
 from .schemas import ChatRequest
@@ -159,17 +163,28 @@ def as_chat(req: ResponsesRequest) -> ChatRequest:
                      seed=req.seed, stream=req.stream, tools=tool_list, tool_choice=choice,
                      response_format=response_format(req), logprobs=want_logprobs or None,
                      top_logprobs=req.top_logprobs if want_logprobs else None,
-                     prompt_cache_key=req.prompt_cache_key, model=req.model)
+                     prompt_cache_key=req.prompt_cache_key, model=req.model,
+                     # effort "none": a thinking template's enable_thinking false (Qwen3's; anything else as it is)
+                     chat_template_kwargs={"enable_thinking": False} if (req.reasoning or {}).get(
+                         "effort") == "none" else None)
 
 
 class Answer:
     """One response's objects: its id, its output items from the finished text, and the response itself."""
 
-    def __init__(self, job, req: ResponsesRequest, chat: ChatRequest, model_name: str, prompt_tokens: int):
+    def __init__(self, job, req: ResponsesRequest, chat: ChatRequest, model_name: str, decoder, prompt_ids: list[int]):
         self.id, self.created = "resp_" + job.id, int(time.time())
-        self.req, self.chat, self.model, self.prompt_tokens = req, chat, model_name, prompt_tokens
+        self.req, self.chat, self.model, self.prompt_tokens = req, chat, model_name, len(prompt_ids)
         self.calling = bool(chat.tools) and chat.tool_choice != "none"
         self.seed = job.kwargs.get("seed")
+        self.inside = None  # a thinking template's answer: whether it starts inside <think> (reasoning.py); else None
+        if reasoning.thinks(decoder.tokenizer):
+            with decoder.tokenizer_lock:
+                self.inside = reasoning.opens_inside(decoder.tokenizer, prompt_ids)
+
+    def reasoning(self, text: str, status: str) -> dict:
+        return {"type": "reasoning", "id": "rs_" + self.id[5:], "summary": [], "status": status,
+                "content": [{"type": "reasoning_text", "text": text}]}
 
     def message(self, text: str, status: str, lp=None) -> dict:
         part = {"type": "output_text", "text": text, "annotations": []}
@@ -179,13 +194,18 @@ class Answer:
                 "content": [part] if text or status == "completed" else []}
 
     def items(self, decoder, text: str, result) -> list[dict]:
+        """The output items of a whole answer: its reasoning (a thinking model's), then its message or calls."""
+        thought = None
+        if self.inside is not None:
+            thought, text = reasoning.split(text, self.inside)
+        first = [] if thought is None else [self.reasoning(thought, "completed")]
         calls = tools.parse_call(text, self.chat.tools) if self.calling else None
         if calls:
-            return [{"type": "function_call", "id": "fc_" + c["id"][5:], "call_id": c["id"],
-                     "name": c["function"]["name"], "arguments": c["function"]["arguments"], "status": "completed"}
-                    for c in calls]
+            return first + [{"type": "function_call", "id": "fc_" + c["id"][5:], "call_id": c["id"],
+                             "name": c["function"]["name"], "arguments": c["function"]["arguments"],
+                             "status": "completed"} for c in calls]
         lp = logprobs(decoder, result, "chat")
-        return [self.message(text, "completed", lp["content"] if lp else None)]
+        return first + [self.message(text, "completed", lp["content"] if lp else None)]
 
     def response(self, status: str, output: list, result=None) -> dict:
         body = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
@@ -216,7 +236,7 @@ def add_routes(app, serve, overdue, decoder, model_name: str) -> None:
         messages = [m.for_template() for m in chat.messages]  # tools described in serve, as on chat completions
 
         async def respond(jobs, encoded, prompts):
-            answer = Answer(jobs[0], req, chat, model_name, len(encoded[0]))
+            answer = Answer(jobs[0], req, chat, model_name, decoder, encoded[0])
             if req.stream:
                 return StreamingResponse(_events(decoder, jobs[0], answer, overdue), media_type="text/event-stream")
             done = await collect(jobs[0], request, overdue)
@@ -265,27 +285,64 @@ async def _events(decoder, job, answer: Answer, overdue):
         seq += 1
         return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **fields})}\n\n"
 
-    opened, text, result = False, [], None
-    msg_id = "msg_" + answer.id[5:]
+    text, result, thought = [], None, []
+    msg_id, rs_id = "msg_" + answer.id[5:], "rs_" + answer.id[5:]
+    split = None if answer.inside is None else reasoning.ReasoningSplit(answer.inside)
+    items = []  # the kinds of the items opened so far ("reasoning", "message"); the last is open
+
+    def close(k: int, item: dict | None = None) -> list[str]:  # the events that close open item k
+        if items[k] == "reasoning":
+            item = item or answer.reasoning("".join(thought), "completed")
+            return [event("response.reasoning_text.done", item_id=rs_id, output_index=k, content_index=0,
+                          text=item["content"][0]["text"]),
+                    event("response.output_item.done", output_index=k, item=item)]
+        part = item["content"][0]
+        return [event("response.output_text.done", item_id=msg_id, output_index=k, content_index=0,
+                      text=part["text"], logprobs=part.get("logprobs", [])),
+                event("response.content_part.done", item_id=msg_id, output_index=k, content_index=0, part=part),
+                event("response.output_item.done", output_index=k, item=item)]
+
+    def open_item(kind: str) -> list[str]:  # open an item of this kind (the one before closed), unless it is open
+        if items and items[-1] == kind:
+            return []
+        out = close(len(items) - 1) if items else []
+        items.append(kind)
+        k = len(items) - 1
+        if kind == "reasoning":
+            return out + [event("response.output_item.added", output_index=k,
+                                item={**answer.reasoning("", "in_progress"), "content": []})]
+        return out + [event("response.output_item.added", output_index=k, item=answer.message("", "in_progress")),
+                      event("response.content_part.added", item_id=msg_id, output_index=k, content_index=0,
+                            part={"type": "output_text", "text": "", "annotations": []})]
     try:
         yield event("response.created", response=answer.response("in_progress", []))
         yield event("response.in_progress", response=answer.response("in_progress", []))
         async for chunk in chunks(job, overdue):
             text.append(chunk.text)
             result = chunk.result or result
-            if answer.calling or not chunk.text:
-                continue
-            if not opened:
-                opened = True
-                yield event("response.output_item.added", output_index=0, item=answer.message("", "in_progress"))
-                yield event("response.content_part.added", item_id=msg_id, output_index=0, content_index=0,
-                            part={"type": "output_text", "text": "", "annotations": []})
-            yield event("response.output_text.delta", item_id=msg_id, output_index=0, content_index=0,
-                        delta=chunk.text, logprobs=[])
+            got, said = split.feed(chunk.text, result is not None) if split is not None else ("", chunk.text)
+            if split is not None and split.reasoned and not items:  # its reasoning item opens with the tag
+                for e in open_item("reasoning"):
+                    yield e
+            if got:
+                thought.append(got)
+                yield event("response.reasoning_text.delta", item_id=rs_id, output_index=len(items) - 1,
+                            content_index=0, delta=got)
+            if said and not answer.calling:
+                for e in open_item("message"):
+                    yield e
+                yield event("response.output_text.delta", item_id=msg_id, output_index=len(items) - 1,
+                            content_index=0, delta=said, logprobs=[])
         if result is None:
             return
-        items = answer.items(decoder, "".join(text), result)
-        for k, item in enumerate(items):
+        output = answer.items(decoder, "".join(text), result)  # begins with the items streamed, in their order
+        for k, item in enumerate(output):
+            if k < len(items) - 1:
+                continue  # closed when the next one opened
+            if k == len(items) - 1:
+                for e in close(k, item):
+                    yield e
+                continue
             if item["type"] == "function_call":
                 yield event("response.output_item.added", output_index=k, item={**item, "arguments": "",
                                                                                 "status": "in_progress"})
@@ -293,21 +350,20 @@ async def _events(decoder, job, answer: Answer, overdue):
                             delta=item["arguments"])
                 yield event("response.function_call_arguments.done", item_id=item["id"], output_index=k,
                             arguments=item["arguments"])
-            else:
-                part = item["content"][0]
-                if not opened:
-                    yield event("response.output_item.added", output_index=0, item=answer.message("", "in_progress"))
-                    yield event("response.content_part.added", item_id=msg_id, output_index=0, content_index=0,
-                                part={"type": "output_text", "text": "", "annotations": []})
-                    if part["text"]:
-                        yield event("response.output_text.delta", item_id=msg_id, output_index=0, content_index=0,
-                                    delta=part["text"], logprobs=[])
-                yield event("response.output_text.done", item_id=msg_id, output_index=0, content_index=0,
-                            text=part["text"], logprobs=part.get("logprobs", []))
-                yield event("response.content_part.done", item_id=msg_id, output_index=0, content_index=0, part=part)
-            yield event("response.output_item.done", output_index=k, item=item)
+                yield event("response.output_item.done", output_index=k, item=item)
+                continue
+            items.append("message")  # not streamed: the text held for calls that did not come, or an empty answer
+            part = item["content"][0]
+            yield event("response.output_item.added", output_index=k, item=answer.message("", "in_progress"))
+            yield event("response.content_part.added", item_id=msg_id, output_index=k, content_index=0,
+                        part={"type": "output_text", "text": "", "annotations": []})
+            if part["text"]:
+                yield event("response.output_text.delta", item_id=msg_id, output_index=k, content_index=0,
+                            delta=part["text"], logprobs=[])
+            for e in close(k, item):
+                yield e
         status = "incomplete" if result.finish_reason == "length" else "completed"
-        yield event(f"response.{status}", response=answer.response(status, items, result))
+        yield event(f"response.{status}", response=answer.response(status, output, result))
     except APIError as err:
         yield event("error", code=err.code, message=err.message, param=None)
     finally:
