@@ -227,3 +227,25 @@ def test_the_official_clients_get_the_reasoning_as_thinking_blocks_and_reasoning
     quiet = o.responses.create(model="smol", input=body["messages"], max_output_tokens=40, temperature=0,
                                reasoning={"effort": "none"})
     assert [item.type for item in quiet.output] == ["message"]
+
+
+def test_an_answer_a_grammar_wrote_is_content_even_where_the_prompt_opened_a_think(opened_live):
+    """Structured outputs and forced calls constrain the answer from its first token, so it holds no reasoning even
+    where the prompt opened <think>: it stays the content (JSON, a call), on every API."""
+    import anthropic
+    messages = [{"role": "user", "content": "Give a JSON object with a name."}]
+    for stream in (False, True):
+        schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name"],
+                  "additionalProperties": False}
+        got = ask(opened_live, None, stream, messages=messages,
+                  response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}})
+        assert got.get("reasoning_content") is None and json.loads(got["content"]) is not None, got
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}}
+    r = httpx.post(opened_live.url + "/v1/chat/completions", timeout=120, json={
+        "messages": messages, "max_tokens": 40, "temperature": 0, "tools": [tool], "tool_choice": "required"})
+    assert r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "lookup", r.text
+    a = anthropic.Anthropic(base_url=opened_live.url, api_key="none", max_retries=0, timeout=120)
+    m = a.messages.create(model="smol", max_tokens=40, messages=messages, tool_choice={"type": "any"},
+                          tools=[{"name": "lookup", "input_schema": tool["function"]["parameters"]}])
+    assert [b.type for b in m.content] == ["tool_use"]

@@ -173,7 +173,7 @@ class Reply:
         self.model, self.prompt_tokens, self.seed = req.model or model_name, len(prompt_ids), job.kwargs.get("seed")
         self.calling = bool(chat.tools) and chat.tool_choice != "none"
         self.inside = None  # a thinking template's answer: whether it starts inside <think> (reasoning.py); else None
-        if reasoning.thinks(decoder.tokenizer):
+        if reasoning.thinks(decoder.tokenizer) and not chat.constrained:
             with decoder.tokenizer_lock:
                 self.inside = reasoning.opens_inside(decoder.tokenizer, prompt_ids)
 

@@ -178,7 +178,7 @@ class Answer:
         self.calling = bool(chat.tools) and chat.tool_choice != "none"
         self.seed = job.kwargs.get("seed")
         self.inside = None  # a thinking template's answer: whether it starts inside <think> (reasoning.py); else None
-        if reasoning.thinks(decoder.tokenizer):
+        if reasoning.thinks(decoder.tokenizer) and not chat.constrained:
             with decoder.tokenizer_lock:
                 self.inside = reasoning.opens_inside(decoder.tokenizer, prompt_ids)
 

@@ -137,6 +137,14 @@ class _Request(BaseModel):
         return hashlib.blake2b(key_tenant + b"|tenant:" + (name or "").encode(), digest_size=16).digest()
 
     @property
+    def constrained(self) -> bool:
+        """Whether a grammar writes the answer from its first token (structured outputs, GBNF, a forced call): it
+        then holds no reasoning, whatever the prompt opened (server/reasoning.py)."""
+        forced = bool(getattr(self, "tools", None)) and (self.tool_choice == "required" or
+                                                          isinstance(self.tool_choice, dict))
+        return (self.response_format or {"type": "text"}).get("type") != "text" or self.grammar is not None or forced
+
+    @property
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
 
