@@ -2,7 +2,6 @@
 split however the answer streams in, and over real HTTP on the default model with a thinking template (its answers
 forced by a grammar, the only way a 135M model writes the tags)."""
 import json
-import re
 
 import httpx
 import pytest
@@ -56,7 +55,6 @@ THINKING = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% en
             "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
             "{# answers may carry <think>...</think> #}")
 GRAMMAR = 'root ::= "<think>\\nfirst the plan\\n</think>\\n\\n" [a-z]+ "."'
-OPENED = 'root ::= "first the plan\\n</think>\\n\\n" [a-z]+ "."'
 
 
 @pytest.fixture(scope="module")
@@ -87,10 +85,6 @@ def test_over_http_the_reasoning_goes_to_reasoning_content(live, stream):
     message = ask(live, GRAMMAR, stream)
     assert message["reasoning_content"] == "first the plan"
     assert message["content"] == raw.removeprefix("<think>\nfirst the plan\n</think>\n\n")
-    opened = ask(live, OPENED, stream, chat_template_kwargs={"opened": True})  # R1: the prompt opens the tag
-    assert opened["reasoning_content"] == "first the plan" and re.fullmatch("[a-z]+[.]", opened["content"])
-    raw = ask(live, OPENED, chat_template_kwargs={"opened": True}, reasoning_format="none")["content"]
-    assert opened["content"] == raw.removeprefix("first the plan\n</think>\n\n")
     assert ask(live, 'root ::= [a-z]+ "."', stream).get("reasoning_content") is None  # no tags: none
     r = httpx.post(live.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
                                                             "reasoning_format": "verbose"})

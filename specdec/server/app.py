@@ -235,10 +235,11 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
             return await respond(jobs, encoded, prompts)
         # a thinking template's answers: reasoning apart from content, each choice from where its prompt leaves it
         thinking = None
-        if kind == "chat" and (req.reasoning_format or reasoning_format) != "none" and not req.constrained and \
-                reasoning.thinks(decoder.tokenizer):
+        if kind == "chat" and (req.reasoning_format or reasoning_format) != "none" and reasoning.thinks(
+                decoder.tokenizer):  # (an answer a grammar writes starts outside any <think> the prompt opened)
             with decoder.tokenizer_lock:
-                thinking = [reasoning.opens_inside(decoder.tokenizer, encoded[i // req.n]) for i in range(len(jobs))]
+                thinking = [not req.constrained and reasoning.opens_inside(decoder.tokenizer, encoded[i // req.n])
+                            for i in range(len(jobs))]
         meta = dict(id=("chatcmpl-" if kind == "chat" else "cmpl-") + jobs[0].id, created=int(time.time()),
                     model=model_name, specdec={"seed": base})
         if req.stream:

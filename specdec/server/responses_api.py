@@ -178,9 +178,9 @@ class Answer:
         self.calling = bool(chat.tools) and chat.tool_choice != "none"
         self.seed = job.kwargs.get("seed")
         self.inside = None  # a thinking template's answer: whether it starts inside <think> (reasoning.py); else None
-        if reasoning.thinks(decoder.tokenizer) and not chat.constrained:
+        if reasoning.thinks(decoder.tokenizer):  # (an answer a grammar writes starts outside any <think>)
             with decoder.tokenizer_lock:
-                self.inside = reasoning.opens_inside(decoder.tokenizer, prompt_ids)
+                self.inside = not chat.constrained and reasoning.opens_inside(decoder.tokenizer, prompt_ids)
 
     def reasoning(self, text: str, status: str) -> dict:
         return {"type": "reasoning", "id": "rs_" + self.id[5:], "summary": [], "status": status,

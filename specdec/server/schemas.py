@@ -139,7 +139,7 @@ class _Request(BaseModel):
     @property
     def constrained(self) -> bool:
         """Whether a grammar writes the answer from its first token (structured outputs, GBNF, a forced call): it
-        then holds no reasoning, whatever the prompt opened (server/reasoning.py)."""
+        then starts outside any <think> the prompt opened (server/reasoning.py)."""
         forced = bool(getattr(self, "tools", None)) and (self.tool_choice == "required" or
                                                           isinstance(self.tool_choice, dict))
         return (self.response_format or {"type": "text"}).get("type") != "text" or self.grammar is not None or forced
