@@ -235,11 +235,12 @@ def test_an_answer_a_grammar_wrote_is_content_even_where_the_prompt_opened_a_thi
                   response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}})
         assert got.get("reasoning_content") is None and json.loads(got["content"]) is not None, got
     tool = {"type": "function", "function": {"name": "lookup", "parameters": {
-        "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}}
+        "type": "object", "properties": {"q": {"type": "string", "maxLength": 8}}, "required": ["q"]}}}
     r = httpx.post(opened_live.url + "/v1/chat/completions", timeout=120, json={
-        "messages": messages, "max_tokens": 40, "temperature": 0, "tools": [tool], "tool_choice": "required"})
+        "messages": messages, "max_tokens": 60, "temperature": 0, "tools": [tool], "tool_choice": "required"})
     assert r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "lookup", r.text
     a = anthropic.Anthropic(base_url=opened_live.url, api_key="none", max_retries=0, timeout=120)
-    m = a.messages.create(model="smol", max_tokens=40, messages=messages, tool_choice={"type": "any"},
-                          tools=[{"name": "lookup", "input_schema": tool["function"]["parameters"]}])
+    m = a.messages.create(model="smol", max_tokens=60, messages=messages, tool_choice={"type": "any"},
+                          tools=[{"name": "lookup", "input_schema": tool["function"]["parameters"]}],
+                          extra_body={"temperature": 0})
     assert [b.type for b in m.content] == ["tool_use"]
