@@ -78,6 +78,31 @@ def ask(live, grammar, stream=False, **kw):
             "content": "".join(d.get("content") or "" for d in deltas)}
 
 
+def ask_usage(live, grammar, stream=False, **kw) -> dict:
+    body = {"messages": [{"role": "user", "content": "Plan, then answer in one word."}], "max_tokens": 40,
+            "temperature": 0, "grammar": grammar, "stream": stream, **kw}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    r = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=120)
+    if not stream:
+        return r.json()["usage"]
+    return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")][-1]["usage"]
+
+
+def test_reasoning_tokens_are_those_up_to_the_closing_tag(thinking_decoder):
+    from specdec.server.reasoning import reasoning_tokens
+    tok = thinking_decoder.tokenizer
+    ids = tok(ANSWER, add_special_tokens=False).input_ids
+    n = reasoning_tokens(tok, ids, ANSWER, False)
+    end = ANSWER.index("</think>") + len("</think>")
+    assert len(tok.decode(ids[:n])) >= end > len(tok.decode(ids[:n - 1]))
+    assert reasoning_tokens(tok, ids[:n - 1], ANSWER[:end - 1], False) == n - 1  # not closed: all of them
+    assert reasoning_tokens(tok, ids, "The answer.", False) == 0
+    opened = ANSWER.removeprefix("<think>")
+    ids = tok(opened, add_special_tokens=False).input_ids
+    assert 0 < reasoning_tokens(tok, ids, opened, True) < len(ids)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_over_http_the_reasoning_goes_to_reasoning_content(live, stream):
     raw = ask(live, GRAMMAR, reasoning_format="none")["content"]
@@ -86,6 +111,10 @@ def test_over_http_the_reasoning_goes_to_reasoning_content(live, stream):
     assert message["reasoning_content"] == "first the plan"
     assert message["content"] == raw.removeprefix("<think>\nfirst the plan\n</think>\n\n")
     assert ask(live, 'root ::= [a-z]+ "."', stream).get("reasoning_content") is None  # no tags: none
+    usage = ask_usage(live, GRAMMAR)  # the tokens up to the closing tag, as OpenAI counts reasoning_tokens
+    assert 0 < usage["completion_tokens_details"]["reasoning_tokens"] < usage["completion_tokens"]
+    assert ask_usage(live, GRAMMAR, stream=True) == usage
+    assert "completion_tokens_details" not in ask_usage(live, GRAMMAR, reasoning_format="none")
     r = httpx.post(live.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
                                                             "reasoning_format": "verbose"})
     assert r.status_code == 400 and "reasoning_format" in r.text
@@ -120,7 +149,7 @@ def scripted_streams(decoder):
     stats = {k: 0 for k in ("acceptance_rate", "mean_accepted_len", "target_passes", "proposed", "accepted",
                             "acceptance_by_position", "tokens_per_s", "draft_ms", "verify_ms", "cached_tokens")}
     result = SimpleNamespace(token_ids=ids + list(decoder.engine.eos_ids)[:1], finish_reason="stop", stats=stats,
-                             logprobs=None)
+                             logprobs=None, text=ANSWER)
     for cuts in ([], [3], [7, 9], [12, 21, 30], list(range(1, len(ANSWER), 4))):
         bounds = [0] + cuts + [len(ANSWER)]
         yield [ANSWER[a:b] for a, b in zip(bounds, bounds[1:])], result
@@ -214,6 +243,7 @@ def test_the_official_clients_get_the_reasoning_as_thinking_blocks_and_reasoning
     o = openai.OpenAI(base_url=opened_live.url + "/v1", api_key="none", max_retries=0, timeout=120)
     response = o.responses.create(model="smol", input=body["messages"], max_output_tokens=40, temperature=0)
     assert [item.type for item in response.output] == ["reasoning", "message"]
+    assert response.usage.output_tokens_details.reasoning_tokens == response.usage.output_tokens  # never closed
     assert response.output[0].content[0].text == reasoning and response.output_text == ""
     with o.responses.stream(model="smol", input=body["messages"], max_output_tokens=40, temperature=0) as stream:
         streamed = stream.get_final_response().output

@@ -273,7 +273,8 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
                             "finish_reason": "tool_calls" if calls else finish} if kind == "chat" else
                            {"index": i, "text": text, "logprobs": lp, "finish_reason": finish})
         return {**meta, "object": "chat.completion" if kind == "chat" else "text_completion", "choices": choices,
-                "usage": usage(sum(len(ids) for ids in encoded), [r for _, r in done], req.n),
+                "usage": usage(sum(len(ids) for ids in encoded), [r for _, r in done], req.n,
+                               reasoning.count(decoder, [r for _, r in done], thinking)),
                 "specdec": {**spec_stats(done[0][1]), "seed": base}}
 
     def _token_prompt(ids: list[int]) -> list[int]:

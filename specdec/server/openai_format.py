@@ -42,11 +42,11 @@ def echo_logprobs(decoder, prompt_ids, result, lp):
             "top_logprobs": tops + gen["top_logprobs"], "text_offset": offsets + [at + o for o in gen["text_offset"]]}
 
 
-def usage(prompt_tokens: int, results: list, choices: int = 1) -> dict:
+def usage(prompt_tokens: int, results: list, choices: int = 1, reasoning_tokens: int | None = None) -> dict:
     """OpenAI's usage object: `results` in job order, `choices` a prompt (n). prompt_tokens_details.cached_tokens: of
     each prompt, the positions its first choice found computed (the prefix cache's; its other choices reuse that
     prefill). With a prediction, completion_tokens_details counts its drafted tokens the target accepted and rejected
-    (every choice's together)."""
+    (every choice's together); `reasoning_tokens` (a thinking model's, reasoning.py) go there too."""
     completion = sum(len(r.token_ids) for r in results)
     cached = sum(min(r.stats.get("cached_tokens", 0) for r in results[i:i + choices])
                  for i in range(0, len(results), choices))
@@ -55,6 +55,9 @@ def usage(prompt_tokens: int, results: list, choices: int = 1) -> dict:
     if any("accepted_prediction_tokens" in r.stats for r in results):
         usage["completion_tokens_details"] = {k: sum(r.stats.get(k, 0) for r in results) for k in
                                               ("accepted_prediction_tokens", "rejected_prediction_tokens")}
+    if reasoning_tokens is not None:
+        usage["completion_tokens_details"] = {**usage.get("completion_tokens_details", {}),
+                                              "reasoning_tokens": reasoning_tokens}
     return usage
 
 

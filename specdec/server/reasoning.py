@@ -87,3 +87,35 @@ def split(text: str, inside: bool) -> tuple[str | None, str]:
     s = ReasoningSplit(inside)
     reasoning, content = s.feed(text, final=True)
     return (reasoning if s.reasoned else None), content
+
+
+def reasoning_tokens(tokenizer, token_ids: list[int], text: str, inside: bool) -> int:
+    """How many of an answer's tokens wrote its reasoning, the tags included (usage's reasoning_tokens): the fewest
+    leading tokens whose text reaches the end of `</think>`, or all of them if the reasoning never closed; 0 for an
+    answer without reasoning."""
+    s = ReasoningSplit(inside)
+    s.feed(text, final=True)
+    if not s.reasoned:
+        return 0
+    head = len(text) - len(text.lstrip()) if not inside else 0
+    end = text.find(CLOSE, head)
+    if end < 0:
+        return len(token_ids)
+    end += len(CLOSE)
+    lo, hi = 0, len(token_ids)  # the fewest tokens whose decoded text is at least `end` characters long
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(tokenizer.decode(token_ids[:mid])) >= end:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def count(decoder, results: list, inside: list[bool] | None) -> int | None:
+    """The reasoning tokens of several answers (results in job order, `inside` each one's start), or None where
+    nothing is split."""
+    if inside is None:
+        return None
+    with decoder.tokenizer_lock:
+        return sum(reasoning_tokens(decoder.tokenizer, r.token_ids, r.text, i) for r, i in zip(results, inside))

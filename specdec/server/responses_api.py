@@ -177,10 +177,14 @@ class Answer:
         self.req, self.chat, self.model, self.prompt_tokens = req, chat, model_name, len(prompt_ids)
         self.calling = bool(chat.tools) and chat.tool_choice != "none"
         self.seed = job.kwargs.get("seed")
+        self.decoder = decoder
         self.inside = None  # a thinking template's answer: whether it starts inside <think> (reasoning.py); else None
         if reasoning.thinks(decoder.tokenizer):  # (an answer a grammar writes starts outside any <think>)
             with decoder.tokenizer_lock:
                 self.inside = not chat.constrained and reasoning.opens_inside(decoder.tokenizer, prompt_ids)
+
+    def thought_tokens(self, result) -> int:
+        return reasoning.count(self.decoder, [result], [self.inside]) if self.inside is not None else 0
 
     def reasoning(self, text: str, status: str) -> dict:
         return {"type": "reasoning", "id": "rs_" + self.id[5:], "summary": [], "status": status,
@@ -221,7 +225,8 @@ class Answer:
             n = len(result.token_ids)
             body["usage"] = {"input_tokens": self.prompt_tokens, "input_tokens_details": {
                 "cached_tokens": result.stats.get("cached_tokens", 0)},
-                             "output_tokens": n, "output_tokens_details": {"reasoning_tokens": 0},
+                             "output_tokens": n, "output_tokens_details": {"reasoning_tokens": self.thought_tokens(
+                                 result)},
                              "total_tokens": self.prompt_tokens + n}
             body["specdec"] = {**spec_stats(result), "seed": self.seed}
         return body

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from . import tools
 from .api_errors import as_api_error, error_body
 from .openai_format import logprobs, spec_stats, usage
-from .reasoning import ReasoningSplit
+from .reasoning import ReasoningSplit, count
 
 
 async def collect(job, request, overdue):
@@ -152,7 +152,9 @@ async def sse(decoder, jobs, meta, kind, include_usage, prompt_tokens: int, over
                         yield event(i, text)
                 yield event(i, "", finish=finish)
         if include_usage and len(results) == len(jobs):
-            last = {**meta, "object": obj, "choices": [], "usage": usage(prompt_tokens, [results[i] for i in sorted(results)], choices),
+            ordered = [results[i] for i in sorted(results)]
+            last = {**meta, "object": obj, "choices": [],
+                    "usage": usage(prompt_tokens, ordered, choices, count(decoder, ordered, reasoning)),
                     "specdec": {**spec_stats(results[0]), **meta.get("specdec", {})}}
             yield f"data: {json.dumps(last)}\n\n"
         yield "data: [DONE]\n\n"
