@@ -239,6 +239,9 @@ def test_the_official_clients_get_the_reasoning_as_thinking_blocks_and_reasoning
         assert [(b.type, getattr(b, "thinking", None), getattr(b, "text", None))
                 for b in stream.get_final_message().content] == [("thinking", reasoning, None), ("text", None, "")]
     quiet = a.messages.create(**body, thinking={"type": "disabled"})  # the template closes the tag itself
+    effortless = httpx.post(opened_live.url + "/v1/chat/completions", timeout=120, json={
+        "messages": body["messages"], "max_tokens": 8, "temperature": 0, "reasoning_effort": "none"}).json()
+    assert "reasoning_content" not in effortless["choices"][0]["message"], effortless
     assert [b.type for b in quiet.content] == ["text"]
     o = openai.OpenAI(base_url=opened_live.url + "/v1", api_key="none", max_retries=0, timeout=120)
     response = o.responses.create(model="smol", input=body["messages"], max_output_tokens=40, temperature=0)

@@ -178,7 +178,7 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
             prompts, template_tools = [m for m, _ in described], described[0][1]
         # on a thread (the tokenizer releases the GIL), with its own copy of the tokenizer: neither the event loop
         # nor the model worker waits for a long prompt; raises InvalidRequest / PromptTooLong -> 400
-        variables = getattr(req, "chat_template_kwargs", None)
+        variables = req.template_variables if kind == "chat" else None
         encoded = [await asyncio.to_thread(decoder.encode, p, chat, template_tools, variables)
                    if chat or isinstance(p, str) else _token_prompt(p) for p in prompts]
         if not chat:  # token-id prompts travel as their text (echo, the job's prompt) and their ids

@@ -14,8 +14,7 @@ from ..sampling import MAX_TEMPERATURE, SEED_RANGE
 from . import tools
 
 # Sent by SDK helpers and gateways; they change no output of this server, so they are accepted and ignored.
-IGNORED = ("store", "metadata", "service_tier", "user", "parallel_tool_calls", "reasoning_effort", "modalities",
-           "safety_identifier")
+IGNORED = ("store", "metadata", "service_tier", "user", "parallel_tool_calls", "modalities", "safety_identifier")
 
 
 MAX_PROMPTS = 16  # sequences one request may start (prompts x n): each takes a place in the queue
@@ -65,7 +64,7 @@ class _Request(BaseModel):
     metadata: dict | None = None
     service_tier: str | None = None
     parallel_tool_calls: bool | None = None
-    reasoning_effort: str | None = None
+    reasoning_effort: str | None = None  # "none": a thinking template's enable_thinking false (template_variables)
     modalities: list[str] | None = None
     # the tenant whose cached prompts this request may use (vLLM's cache_salt, else OpenAI's prompt_cache_key)
     cache_salt: str | None = Field(default=None, max_length=256)
@@ -206,6 +205,14 @@ class ChatRequest(_Request):
     messages: list[Message] = Field(min_length=1)
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's and llama-server's: variables for the template
     reasoning_format: Literal["auto", "deepseek", "none"] | None = None  # llama-server's: none keeps <think> in content
+
+    @property
+    def template_variables(self) -> dict | None:
+        """chat_template_kwargs, with reasoning_effort "none" as enable_thinking false (Qwen3's switch) where they
+        do not set it."""
+        if self.reasoning_effort != "none" or not isinstance(self.chat_template_kwargs, (dict, type(None))):
+            return self.chat_template_kwargs
+        return {"enable_thinking": False, **(self.chat_template_kwargs or {})}
 
     @model_validator(mode="after")
     def _chat_logprobs(self):
