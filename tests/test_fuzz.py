@@ -20,7 +20,9 @@ FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", 
           "input", "instructions", "max_output_tokens", "include", "call_id", "name", "arguments", "output",
           "format", "previous_response_id",
           # Anthropic's Messages API (anthropic_api.py)
-          "system", "stop_sequences", "tool_use_id", "input_schema", "output_config", "thinking", "source"]
+          "system", "stop_sequences", "tool_use_id", "input_schema", "output_config", "thinking", "source",
+          # chat templates and thinking models (server/reasoning.py)
+          "chat_template_kwargs", "reasoning_format", "reasoning_effort", "reasoning", "enable_thinking"]
 ODD = st.sampled_from(["\ud800", "\x00", "a\udfffb", "", " ", "x" * 3000, "<|im_end|>", "{", "\u202e"])
 scalars = st.one_of(st.none(), st.booleans(), st.integers(min_value=-2**80, max_value=2**80),
                     st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=20), ODD)
@@ -69,6 +71,36 @@ def srv(tok, target, draft_close):
                              "/v1/messages", "/v1/messages/count_tokens"]), body=bodies | values)
 def test_no_body_gets_a_5xx(srv, path, body):
     check(srv, path, body)
+
+
+@pytest.fixture(scope="module")
+def thinking_srv(tok, target, draft_close):
+    """The same model behind a thinking template that opens <think> at the end of every prompt (as R1's do): every
+    answer goes through the reasoning split."""
+    import copy
+
+    from specdec import SpecDecoder
+    from specdec.server import create_app
+    from test_server import LiveServer
+    thinker = copy.deepcopy(tok)
+    thinker.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                             "{% if add_generation_prompt %}<assistant><think>\n{% endif %}{# </think> #}")
+    server = LiveServer(create_app(SpecDecoder.from_models(target, thinker, draft=draft_close, tau=3),
+                                   model_name="tiny", max_tokens_default=8))
+    yield server
+    server.stop()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(path=st.sampled_from(["/v1/chat/completions", "/v1/responses", "/v1/messages"]), body=bodies)
+def test_no_body_to_a_thinking_model_gets_a_5xx(thinking_srv, path, body):
+    check(thinking_srv, path, body)
+
+
+def test_the_thinking_server_splits_its_answers(thinking_srv):
+    r = httpx.post(thinking_srv.url + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0})
+    assert "reasoning_content" in r.json()["choices"][0]["message"], r.text  # (what the fuzzing above goes through)
 
 
 LLAMA = ["n_predict", "n_probs", "repeat_penalty", "repeat_last_n", "grammar", "ignore_eos", "return_tokens", "stop",
