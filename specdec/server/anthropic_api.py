@@ -23,7 +23,7 @@ from . import reasoning, tools
 from .api_errors import APIError, validated
 from .openai_format import spec_stats
 from .schemas import ChatRequest
-from .streaming import chunks, collect
+from .streaming import collect, pieces
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error", 504: "api_error"}
@@ -264,9 +264,7 @@ async def _events(job, reply: Reply, overdue):
 
     start = {"id": reply.id, "type": "message", "role": "assistant", "model": reply.model, "content": [],
              "stop_reason": None, "stop_sequence": None, "usage": reply.usage(0)}
-    split = None if reply.inside is None else reasoning.ReasoningSplit(reply.inside)
     blocks = []  # the types of the blocks opened so far; the last is open
-    text, result = [], None
 
     def block(kind: str) -> list[str]:  # open a block of this kind (the one before closed), unless it is open
         if blocks and blocks[-1] == kind:
@@ -278,23 +276,21 @@ async def _events(job, reply: Reply, overdue):
         return out + [event("content_block_start", index=len(blocks) - 1, content_block=body)]
     try:
         yield event("message_start", message=start)
-        async for chunk in chunks(job, overdue):
-            text.append(chunk.text)
-            result = chunk.result or result
-            thought, said = split.feed(chunk.text, result is not None) if split is not None else ("", chunk.text)
-            if split is not None and split.reasoned and not blocks:  # its thinking block opens with the tag
-                for e in block("thinking"):
-                    yield e
-            if thought:
-                yield event("content_block_delta", index=len(blocks) - 1,
-                            delta={"type": "thinking_delta", "thinking": thought})
-            if said and not reply.calling:
-                for e in block("text"):
-                    yield e
-                yield event("content_block_delta", index=len(blocks) - 1, delta={"type": "text_delta", "text": said})
-        if result is None:
+        answer = None
+        async for kind, piece in pieces(job, overdue, reply.inside, reply.calling):
+            if kind == "end":
+                answer = piece
+                continue
+            for e in block("thinking" if kind == "reasoning" else "text"):
+                yield e
+            if piece:
+                delta = {"type": "thinking_delta", "thinking": piece} if kind == "reasoning" else {
+                    "type": "text_delta", "text": piece}
+                yield event("content_block_delta", index=len(blocks) - 1, delta=delta)
+        if answer is None:
             return
-        content = reply.content("".join(text))  # begins with the blocks streamed, in their order
+        text, result = answer
+        content = reply.content(text)  # begins with the blocks streamed, in their order
         for k, part in enumerate(content):
             if k < len(blocks) - 1:
                 continue  # closed when the next one opened
@@ -308,7 +304,7 @@ async def _events(job, reply: Reply, overdue):
                     if part["text"]:
                         yield event("content_block_delta", index=k, delta={"type": "text_delta", "text": part["text"]})
             yield event("content_block_stop", index=k)
-        final = reply.message(content, result, "".join(text))
+        final = reply.message(content, result, text)
         yield event("message_delta", delta={"stop_reason": final["stop_reason"],
                                             "stop_sequence": final["stop_sequence"]},
                     usage=final["usage"], specdec=final["specdec"])

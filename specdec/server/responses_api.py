@@ -26,7 +26,7 @@ from . import reasoning, tools
 from .api_errors import APIError, validated
 from .openai_format import logprobs, spec_stats
 from .schemas import ChatRequest
-from .streaming import chunks, collect
+from .streaming import collect, pieces
 
 LOGPROBS = "message.output_text.logprobs"  # what `include` asks for to get each token's logprob
 
@@ -290,9 +290,8 @@ async def _events(decoder, job, answer: Answer, overdue):
         seq += 1
         return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **fields})}\n\n"
 
-    text, result, thought = [], None, []
+    thought = []
     msg_id, rs_id = "msg_" + answer.id[5:], "rs_" + answer.id[5:]
-    split = None if answer.inside is None else reasoning.ReasoningSplit(answer.inside)
     items = []  # the kinds of the items opened so far ("reasoning", "message"); the last is open
 
     def close(k: int, item: dict | None = None) -> list[str]:  # the events that close open item k
@@ -322,25 +321,24 @@ async def _events(decoder, job, answer: Answer, overdue):
     try:
         yield event("response.created", response=answer.response("in_progress", []))
         yield event("response.in_progress", response=answer.response("in_progress", []))
-        async for chunk in chunks(job, overdue):
-            text.append(chunk.text)
-            result = chunk.result or result
-            got, said = split.feed(chunk.text, result is not None) if split is not None else ("", chunk.text)
-            if split is not None and split.reasoned and not items:  # its reasoning item opens with the tag
-                for e in open_item("reasoning"):
-                    yield e
-            if got:
-                thought.append(got)
+        done = None
+        async for kind, piece in pieces(job, overdue, answer.inside, answer.calling):
+            if kind == "end":
+                done = piece
+                continue
+            for e in open_item("reasoning" if kind == "reasoning" else "message"):
+                yield e
+            if kind == "reasoning" and piece:
+                thought.append(piece)
                 yield event("response.reasoning_text.delta", item_id=rs_id, output_index=len(items) - 1,
-                            content_index=0, delta=got)
-            if said and not answer.calling:
-                for e in open_item("message"):
-                    yield e
+                            content_index=0, delta=piece)
+            elif piece:
                 yield event("response.output_text.delta", item_id=msg_id, output_index=len(items) - 1,
-                            content_index=0, delta=said, logprobs=[])
-        if result is None:
+                            content_index=0, delta=piece, logprobs=[])
+        if done is None:
             return
-        output = answer.items(decoder, "".join(text), result)  # begins with the items streamed, in their order
+        text, result = done
+        output = answer.items(decoder, text, result)  # begins with the items streamed, in their order
         for k, item in enumerate(output):
             if k < len(items) - 1:
                 continue  # closed when the next one opened

@@ -58,6 +58,26 @@ async def chunks(job, overdue):
         yield payload
 
 
+async def pieces(job, overdue, inside: bool | None, hold: bool):
+    """One job's answer as the other APIs stream it (anthropic_api, responses_api): ("reasoning", text) pieces of a
+    thinking model's reasoning (`inside`: where its answer starts, reasoning.py; None: no split), the first, possibly
+    empty, as soon as the tag opens it; then ("text", text) pieces of the rest (none when `hold`: the text is sent
+    whole at the end, as with tools); last ("end", (the whole text, the result)), unless the job never finished."""
+    split = None if inside is None else ReasoningSplit(inside)
+    text, result, opened = [], None, False
+    async for chunk in chunks(job, overdue):
+        text.append(chunk.text)
+        result = chunk.result or result
+        thought, said = split.feed(chunk.text, result is not None) if split is not None else ("", chunk.text)
+        if thought or (split is not None and split.reasoned and not opened):
+            opened = True
+            yield "reasoning", thought
+        if said and not hold:
+            yield "text", said
+    if result is not None:
+        yield "end", ("".join(text), result)
+
+
 async def sse(decoder, jobs, meta, kind, include_usage, prompt_tokens: int, overdue, tool_list=None, echoed=None,
               reasoning=None, choices: int = 1):
     """Server-sent events of one or several jobs (n choices, prompt lists), each chunk with its choice's index.
