@@ -146,6 +146,23 @@ def test_openai_client_chat_and_completions_equal_generate(live, decoder):
     assert streamed == want.text
 
 
+def test_a_server_without_batching_answers_as_generate(rt_sd):
+    """`serve --no-batch` (one request at a time, worker.Worker) on the runtime: the same answers, streamed or not.
+    (Its admission once took a tenant argument only the batching worker accepted: every request a 500.)"""
+    srv = LiveServer(create_app(rt_sd, model_name="tiny", batch=False))
+    try:
+        c = client(srv)
+        want = rt_sd.generate([{"role": "user", "content": "Hello"}], max_new_tokens=12)
+        r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=12,
+                                      temperature=0, extra_body={"cache_salt": "t1"})
+        assert r.choices[0].message.content == want.text
+        streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+            model="tiny", prompt="def f(x):", max_tokens=10, temperature=0, stream=True))
+        assert streamed == rt_sd.generate("def f(x):", max_new_tokens=10, chat=False).text
+    finally:
+        srv.stop()
+
+
 def test_http_greedy_equals_cli_generate(live, tiny_dirs, capsys):
     from specdec.cli import main
     assert main(["generate", "abc", "--target", tiny_dirs["target"], "--draft", "ngram", "--no-chat",

@@ -202,7 +202,7 @@ class Worker:
     def pending(self) -> int:
         return self._pending
 
-    def predict(self, kwargs: dict) -> tuple | None:
+    def predict(self, kwargs: dict, salt: bytes = b"") -> tuple | None:
         """(ms of work this request adds, seconds until it would finish if queued now, what the work is made of),
         or None where the worker cannot tell."""
         return None
