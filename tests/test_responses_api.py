@@ -142,3 +142,130 @@ def test_function_tools_are_called_and_schemas_followed(smol_live):
     out = c.responses.create(input="Pick a colour as JSON.", max_output_tokens=30, temperature=0,
                              text={"format": {"type": "json_schema", "name": "pick", "schema": schema, "strict": True}})
     assert json.loads(out.output_text)["colour"] in ("red", "blue")
+
+
+# ---- stored responses: previous_response_id, retrieve, input_items, delete (response_store.py) -------------------
+def test_a_follow_up_is_the_chat_completion_of_the_stored_conversation(rt_live):
+    """A response continued by id gets what the whole conversation sent as chat messages gets, greedy token for
+    token; instructions are not carried on (OpenAI's rule), new ones lead; a streamed response is stored too."""
+    c = client(rt_live)
+    first = c.responses.create(input=QUESTION, instructions="Be brief.", max_output_tokens=8, temperature=0)
+    assert first.store is True and first.previous_response_id is None
+    second = c.responses.create(input="And another?", previous_response_id=first.id, max_output_tokens=8,
+                                temperature=0)
+    talk = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "And another?"}]
+    assert second.output_text == chat_completion(rt_live, talk, max_tokens=8, temperature=0)[
+        "choices"][0]["message"]["content"]
+    assert second.previous_response_id == first.id
+    with c.responses.stream(model="tiny", input="A third?", previous_response_id=second.id, instructions="Be kind.",
+                            max_output_tokens=8, temperature=0) as s:
+        third = list(s)[-1].response  # response.incomplete: cut at the limit
+    talk += [{"role": "assistant", "content": second.output_text}, {"role": "user", "content": "A third?"}]
+    assert third.output_text == chat_completion(rt_live, [{"role": "system", "content": "Be kind."}] + talk,
+                                                max_tokens=8, temperature=0)["choices"][0]["message"]["content"]
+    fourth = c.responses.create(input="More?", previous_response_id=third.id, max_output_tokens=8, temperature=0)
+    talk += [{"role": "assistant", "content": third.output_text}, {"role": "user", "content": "More?"}]
+    assert fourth.output_text == chat_completion(rt_live, talk, max_tokens=8, temperature=0)[
+        "choices"][0]["message"]["content"]
+    counted = c.responses.input_tokens.count(input="More?", previous_response_id=third.id)
+    assert counted.input_tokens == fourth.usage.input_tokens
+
+
+def test_stored_responses_are_retrieved_listed_and_deleted(rt_live):
+    c = client(rt_live)
+    items = [{"role": "user", "content": "One."}, {"role": "assistant", "content": "Two."},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Three?"}]}]
+    r = c.responses.create(input=items, max_output_tokens=6, temperature=0)
+    got = c.responses.retrieve(r.id)
+    assert got.output_text == r.output_text and got.usage.output_tokens == r.usage.output_tokens
+    listed = c.responses.input_items.list(r.id)
+    assert [i.content[0].text for i in listed.data] == ["Three?", "Two.", "One."]  # newest first, as OpenAI's
+    assert [i.role for i in listed.data] == ["user", "assistant", "user"] and all(i.id for i in listed.data)
+    page = httpx.get(f"{rt_live.url}/v1/responses/{r.id}/input_items", params={"order": "asc", "limit": 1},
+                     timeout=30).json()
+    assert [i["content"][0]["text"] for i in page["data"]] == ["One."] and page["has_more"]
+    rest = httpx.get(f"{rt_live.url}/v1/responses/{r.id}/input_items",
+                     params={"order": "asc", "after": page["last_id"]}, timeout=30).json()
+    assert [i["content"][0]["text"] for i in rest["data"]] == ["Two.", "Three?"] and not rest["has_more"]
+    follow = c.responses.create(input="Four?", previous_response_id=r.id, max_output_tokens=6, temperature=0)
+    assert c.responses.delete(r.id) is None  # the client's own check of {"deleted": true}
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.delete(r.id)
+    with pytest.raises(openai.BadRequestError, match=r.id):  # its follow-up's chain is broken at r: named
+        c.responses.create(input="Five?", previous_response_id=follow.id, max_output_tokens=6, temperature=0)
+    unkept = c.responses.create(input=QUESTION, store=False, max_output_tokens=4, temperature=0)
+    assert unkept.store is False
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(unkept.id)
+    for params in ({"limit": 0}, {"order": "up"}, {"after": "msg_nope"}):
+        bad = httpx.get(f"{rt_live.url}/v1/responses/{follow.id}/input_items", params=params, timeout=30)
+        assert bad.status_code == 400 and "error" in bad.json(), bad.text
+
+
+def test_a_keys_responses_are_its_own(tiny_dirs):
+    """Each API key finds only the responses it stored: another key's id is a 404 (retrieve, delete, input_items)
+    and a 400 as previous_response_id, the same as an id never made."""
+    from test_server import LiveServer
+
+    from specdec import SpecDecoder, models
+    from specdec.server import create_app
+    model, tok = models.load(tiny_dirs["target"], backend="runtime")
+    srv = LiveServer(create_app(SpecDecoder.from_models(model, tok, draft="ngram"), model_name="tiny",
+                                api_key=["ka", "kb"]))
+    try:
+        a, b = (openai.OpenAI(base_url=srv.url + "/v1", api_key=k, max_retries=0, timeout=60) for k in ("ka", "kb"))
+        r = a.responses.create(input=QUESTION, max_output_tokens=4, temperature=0)
+        assert a.responses.retrieve(r.id).id == r.id
+        for call in (lambda: b.responses.retrieve(r.id), lambda: b.responses.delete(r.id),
+                     lambda: b.responses.input_items.list(r.id)):
+            with pytest.raises(openai.NotFoundError):
+                call()
+        with pytest.raises(openai.BadRequestError, match="not found"):
+            b.responses.create(input="x", previous_response_id=r.id, max_output_tokens=4)
+        assert a.responses.create(input="x", previous_response_id=r.id, max_output_tokens=4).previous_response_id == r.id
+    finally:
+        srv.stop()
+
+
+def test_a_server_that_stores_nothing_says_so(rt_sd):
+    from test_server import LiveServer
+
+    from specdec.server import create_app
+    srv = LiveServer(create_app(rt_sd, model_name="tiny", response_store_mb=0, batch=False))
+    try:
+        c = client(srv)
+        r = c.responses.create(input=QUESTION, max_output_tokens=4, temperature=0)
+        assert r.store is False
+        with pytest.raises(openai.BadRequestError, match="stores no responses"):
+            c.responses.create(input="x", previous_response_id=r.id, max_output_tokens=4)
+        with pytest.raises(openai.NotFoundError):
+            c.responses.retrieve(r.id)
+    finally:
+        srv.stop()
+
+
+@pytest.mark.real
+def test_an_agent_loop_continues_a_stored_call_with_its_output(smol_live):
+    """The loop agents run: a forced call, then only its output sent with previous_response_id; the answer is the
+    chat completion of the whole exchange (the call as the assistant's tool_calls), its first turn's prompt blocks
+    found in the prefix cache."""
+    c = client(smol_live)
+    ask = dict(model="smol", tools=[WEATHER], max_output_tokens=24, temperature=0)
+    first = c.responses.create(input="What is the weather in Paris?", tool_choice="required", **ask)
+    call = first.output[0]
+    assert call.type == "function_call"
+    answer = c.responses.create(input=[{"type": "function_call_output", "call_id": call.call_id,
+                                        "output": "rain, 12 C"}], previous_response_id=first.id, **ask)
+    history = [{"role": "user", "content": "What is the weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": call.call_id, "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments}}]},
+               {"role": "tool", "tool_call_id": call.call_id, "content": "rain, 12 C"}]
+    want = c.chat.completions.create(model="smol", messages=history, tools=[{"type": "function", "function": {
+        k: WEATHER[k] for k in ("name", "description", "parameters")}}], max_tokens=24, temperature=0)
+    assert answer.output_text == want.choices[0].message.content and answer.output_text
+    cached = answer.usage.input_tokens_details.cached_tokens  # the first turn's blocks, from the prefix cache
+    assert first.usage.input_tokens - 16 <= cached < answer.usage.input_tokens

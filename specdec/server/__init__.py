@@ -41,7 +41,7 @@ def cmd_serve(args) -> int:
     app = create_app(decoder, model_name=args.model_name, api_key=args.api_key, max_queue=args.max_queue,
                      timeout_s=args.timeout, trace_dir=args.trace_dir, batch=not args.no_batch,
                      max_batch_rows=args.max_batch_rows, prefill_chunk=args.prefill_chunk, max_tau=args.max_tau,
-                     reasoning_format=args.reasoning_format)
+                     reasoning_format=args.reasoning_format, response_store_mb=args.response_store_mb)
     print(describe_kv(app.state.decoder.model), file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
@@ -83,6 +83,9 @@ def register(sub, model_args, sampling_args):
     s.add_argument("--reasoning-format", default="auto", choices=["auto", "deepseek", "none"],
                    help="a thinking model's <think> text: in the message's reasoning_content (auto, deepseek: where "
                         "the chat template writes the tags) or left in the content (none)")
+    s.add_argument("--response-store-mb", type=float, default=64.0, metavar="MB",
+                   help="memory for stored Responses API responses (previous_response_id, GET /v1/responses/{id}), "
+                        "per process, least recently used out first; 0 stores none (as behind --ray)")
     r = s.add_argument_group("scale-out on Ray Serve (pip install 'specdec[ray]')")
     r.add_argument("--ray", action="store_true", help="serve N replicas behind Ray Serve's HTTP proxy")
     r.add_argument("--replicas", type=int, default=1, help="replicas, each with its own model")

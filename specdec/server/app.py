@@ -28,6 +28,7 @@ from .api_errors import APIError, as_api_error, error_body
 from .guard import Guard
 from .metrics import Metrics
 from .openai_format import echo_logprobs, logprobs, spec_stats, usage
+from .response_store import ResponseStore
 from .schemas import ChatRequest, CompletionRequest
 from .streaming import collect, sse
 from .worker import BatchWorker, Busy, Worker
@@ -47,16 +48,19 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
                max_queue: int = 16, timeout_s: float = 300.0, max_tokens_default: int = 256,
                max_body_bytes: int = 1 << 20, trace_dir: str | None = None, batch: bool = True,
                max_batch_rows: int | None = None, prefill_chunk: int = 32, max_tau: int = 8,
-               reasoning_format: str = "auto") -> FastAPI:
+               reasoning_format: str = "auto", response_store_mb: float = 64) -> FastAPI:
     """`decoder`: a SpecDecoder, or a function that makes one on the model worker's thread (what `specdec serve`
     passes: see worker.Worker). `batch`: on specdec's runtime, serve all admitted requests in each target pass
     (BatchWorker) with `max_batch_rows` rows per pass (default: from the pass curve measured at start,
     batch.default_budget); the transformers backend, or batch=False, serves one request at a time.
     `reasoning_format`: auto (a thinking template's reasoning goes to `reasoning_content`, reasoning.py) or none
-    (left in the content), a request's own `reasoning_format` over it."""
+    (left in the content), a request's own `reasoning_format` over it. `response_store_mb`: the memory for stored
+    Responses API responses (response_store.py; 0 stores none)."""
     metrics = Metrics()
     if (max_batch_rows is not None and max_batch_rows < 1) or prefill_chunk < 1 or max_tau < 0:
         raise InvalidRequest("--max-batch-rows and --prefill-chunk must be >= 1, --max-tau >= 0")
+    if not response_store_mb >= 0:
+        raise InvalidRequest("--response-store-mb must be >= 0")
     if reasoning_format not in reasoning.FORMATS:
         raise InvalidRequest(f"--reasoning-format must be one of {', '.join(reasoning.FORMATS)}")
     if batch:
@@ -297,7 +301,8 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
         return None
 
     llama_compat.add_routes(app, _serve, _fim, overdue, decoder, model_name, decoder.context_window)
-    responses_api.add_routes(app, _serve, overdue, decoder, model_name)
+    app.state.responses = ResponseStore(int(response_store_mb * 2**20))
+    responses_api.add_routes(app, _serve, overdue, decoder, model_name, app.state.responses)
     anthropic_api.add_routes(app, _serve, overdue, decoder, model_name)
     return app
 

@@ -70,7 +70,8 @@ def build(args: dict | None = None):
                           trace_dir=opts["trace_dir"], batch=str(opts["batch"]).lower() not in ("0", "false", "no"),
                           max_batch_rows=int(opts["max_batch_rows"]) if opts["max_batch_rows"] else None,
                           prefill_chunk=int(opts["prefill_chunk"]), max_tau=int(opts["max_tau"]),
-                          reasoning_format=opts["reasoning_format"])
+                          reasoning_format=opts["reasoning_format"],
+                          response_store_mb=0)  # a follow-up may reach another replica: no replica stores
 
     scaling = {"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": replicas}
 

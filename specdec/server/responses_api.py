@@ -3,10 +3,12 @@ served as the chat completion it amounts to, so it gets everything a chat reques
 structured outputs, function calling, seeded sampling) and answers in the Responses format, streamed as its typed
 events or not.
 
-The request is stateless: `input` carries the conversation (text, messages, earlier `function_call`s and their
-`function_call_output`s; `reasoning` items sent back are skipped, as thinking templates drop earlier turns'
-reasoning), `instructions` the system message. Nothing is stored: `previous_response_id`, `conversation`,
-`background` and item references are 400s that say so, and the response reports `store: false`.
+`input` carries the conversation (text, messages, earlier `function_call`s and their `function_call_output`s;
+`reasoning` items sent back are skipped, as thinking templates drop earlier turns' reasoning), `instructions` the
+system message. A response is stored unless the request says `store: false` (response_store.py: per API key, in
+memory, bounded): `previous_response_id` continues its conversation (its instructions are not carried on, as on
+OpenAI's), and GET / DELETE /v1/responses/{id} and GET /v1/responses/{id}/input_items read and remove it.
+`conversation`, `background`, `prompt` and item references need state this server does not keep: 400s that say so.
 
 A thinking model's reasoning (reasoning.py) comes back as a `reasoning` item (its text as `reasoning_text`, streamed
 as `response.reasoning_text.delta` events) before the message or calls; `reasoning.effort: "none"` sets the
@@ -15,9 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
+from typing import Literal
 
-from fastapi import Request, Response
+from fastapi import Query, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -25,6 +29,7 @@ from ..sampling import MAX_TEMPERATURE, SEED_RANGE
 from . import reasoning, tools
 from .api_errors import APIError, validated
 from .openai_format import logprobs, spec_stats
+from .response_store import ResponseStore, Stored
 from .schemas import ChatRequest
 from .streaming import collect, pieces
 
@@ -51,8 +56,9 @@ class ResponsesRequest(BaseModel):
     seed: int | None = Field(default=None, ge=-SEED_RANGE // 2, lt=SEED_RANGE)
     top_k: int = Field(default=0, ge=0, lt=2**31)
     min_p: float = Field(default=0.0, ge=0, le=1)
+    store: bool = True  # kept for previous_response_id and GET /v1/responses/{id} (OpenAI's default too)
+    previous_response_id: str | None = Field(default=None, max_length=256)
     # accepted, ignored: they change no output here
-    store: bool | None = None
     metadata: dict | None = None
     user: str | None = None
     parallel_tool_calls: bool | None = None
@@ -63,14 +69,13 @@ class ResponsesRequest(BaseModel):
     max_tool_calls: int | None = None
     stream_options: dict | None = None
     # what needs state this server does not keep: refused by name (unstored)
-    previous_response_id: str | None = None
     conversation: str | dict | None = None
     background: bool | None = None
     prompt: dict | None = None
 
 
 def unstored(req: ResponsesRequest) -> None:
-    for name in ("previous_response_id", "conversation", "prompt"):
+    for name in ("conversation", "prompt"):
         if getattr(req, name) is not None:
             raise APIError(400, f"{name} needs stored state, which this server does not keep: send the whole "
                                 "conversation as input")
@@ -93,20 +98,28 @@ def _text(content, where: str) -> str:
     return "\n".join(texts)
 
 
-def chat_messages(req: ResponsesRequest) -> list[dict]:
-    """`instructions` and `input` as chat messages (ChatRequest's), earlier calls as an assistant's tool_calls."""
+def chat_messages(req: ResponsesRequest, history: list[dict] = ()) -> list[dict]:
+    """`instructions`, the stored conversation before this response (`history`) and `input` as chat messages
+    (ChatRequest's)."""
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
-    out = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    return ([{"role": "system", "content": req.instructions}] if req.instructions else []) + list(history) + \
+        as_messages(items, "input")
+
+
+def as_messages(items: list, where: str) -> list[dict]:
+    """Items (an input's, or a stored response's output) as chat messages, earlier calls as an assistant's
+    tool_calls."""
+    out = []
     for k, item in enumerate(items):
-        where = f"input[{k}]"
+        at = f"{where}[{k}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message":
             if item.get("role") not in ("user", "system", "developer", "assistant"):
-                raise APIError(400, f"{where}: role must be user, system, developer or assistant")
-            out.append({"role": item["role"], "content": _text(item.get("content"), where)})
+                raise APIError(400, f"{at}: role must be user, system, developer or assistant")
+            out.append({"role": item["role"], "content": _text(item.get("content"), at)})
         elif kind == "function_call":
             if not all(isinstance(item.get(f), str) for f in ("call_id", "name", "arguments")):
-                raise APIError(400, f"{where}: a function_call needs call_id, name and arguments (strings)")
+                raise APIError(400, f"{at}: a function_call needs call_id, name and arguments (strings)")
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
             if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
@@ -115,13 +128,31 @@ def chat_messages(req: ResponsesRequest) -> list[dict]:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
-                raise APIError(400, f"{where}: a function_call_output needs its call_id")
-            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": _text(item.get("output"), where)})
+                raise APIError(400, f"{at}: a function_call_output needs its call_id")
+            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": _text(item.get("output"), at)})
         elif kind == "reasoning":
             continue  # another model's reasoning: nothing here reads it
         else:
-            raise APIError(400, f"{where}: input items of type {str(kind)[:40]!r} are not supported (message, "
+            raise APIError(400, f"{at}: input items of type {str(kind)[:40]!r} are not supported (message, "
                                 "function_call, function_call_output)")
+    return out
+
+
+ID_PREFIX = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_", "reasoning": "rs_"}
+
+
+def input_items(req: ResponsesRequest) -> list[dict]:
+    """The request's input as the items GET /v1/responses/{id}/input_items lists: typed, with ids, text as parts."""
+    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    out = []
+    for item in items:
+        item = {"type": "message", **item}
+        if item["type"] == "message" and isinstance(item.get("content"), str):
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            item["content"] = [{"type": part, "text": item["content"]}]
+        item.setdefault("id", ID_PREFIX.get(item["type"], "item_") + secrets.token_hex(12))
+        item.setdefault("status", "completed")
+        out.append(item)
     return out
 
 
@@ -154,11 +185,12 @@ def response_format(req: ResponsesRequest) -> dict | None:
     return fmt  # json_object, or what ChatRequest refuses
 
 
-def as_chat(req: ResponsesRequest) -> ChatRequest:
+def as_chat(req: ResponsesRequest, history: list[dict] = ()) -> ChatRequest:
+    """The chat request a response amounts to; `history`: the stored conversation its previous_response_id names."""
     unstored(req)
     tool_list, choice = chat_tools(req)
     want_logprobs = req.top_logprobs is not None or LOGPROBS in (req.include or [])
-    return validated(ChatRequest, messages=chat_messages(req), max_completion_tokens=req.max_output_tokens,
+    return validated(ChatRequest, messages=chat_messages(req, history), max_completion_tokens=req.max_output_tokens,
                      temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                      seed=req.seed, stream=req.stream, tools=tool_list, tool_choice=choice,
                      response_format=response_format(req), logprobs=want_logprobs or None,
@@ -173,11 +205,12 @@ class Answer:
     """One response's objects: its id, its output items from the finished text, and the response itself."""
 
     def __init__(self, job, req: ResponsesRequest, chat: ChatRequest, model_name: str, decoder, prompt_ids: list[int]):
-        self.id, self.created = "resp_" + job.id, int(time.time())
+        self.id, self.created = "resp_" + secrets.token_hex(16), int(time.time())  # random: ids name stored state
         self.req, self.chat, self.model, self.prompt_tokens = req, chat, model_name, len(prompt_ids)
         self.calling = bool(chat.tools) and chat.tool_choice != "none"
         self.seed = job.kwargs.get("seed")
         self.decoder = decoder
+        self.stored = False  # set by add_routes where the server keeps it
         self.inside = None  # a thinking template's answer: whether it starts inside <think> (reasoning.py); else None
         if reasoning.thinks(decoder.tokenizer):  # (an answer a grammar writes starts outside any <think>)
             with decoder.tokenizer_lock:
@@ -218,8 +251,9 @@ class Answer:
                 "instructions": self.req.instructions, "max_output_tokens": self.req.max_output_tokens,
                 "temperature": self.req.temperature, "top_p": self.req.top_p, "tools": self.req.tools or [],
                 "tool_choice": self.req.tool_choice or "auto", "parallel_tool_calls": False,
-                "text": self.req.text or {"format": {"type": "text"}}, "previous_response_id": None,
-                "reasoning": {"effort": None, "summary": None}, "store": False, "truncation": "disabled",
+                "text": self.req.text or {"format": {"type": "text"}},
+                "previous_response_id": self.req.previous_response_id,
+                "reasoning": {"effort": None, "summary": None}, "store": self.stored, "truncation": "disabled",
                 "metadata": self.req.metadata or {}, "usage": None}
         if result is not None:
             n = len(result.token_ids)
@@ -232,31 +266,72 @@ class Answer:
         return body
 
 
-def add_routes(app, serve, overdue, decoder, model_name: str) -> None:
-    """POST /v1/responses on `app`, through `serve` (app.py's chat path) with its own `respond`."""
+def add_routes(app, serve, overdue, decoder, model_name: str, store: ResponseStore) -> None:
+    """POST /v1/responses on `app`, through `serve` (app.py's chat path) with its own `respond`; the stored
+    responses' routes over `store`."""
+
+    def tenant(request: Request) -> bytes:
+        return getattr(request.state, "tenant", b"")  # the API key's (guard.py)
+
+    def history(req, request: Request) -> list[dict]:
+        return [] if req.previous_response_id is None else store.history(tenant(request), req.previous_response_id)
 
     @app.post("/v1/responses")
     async def responses(req: ResponsesRequest, request: Request):
-        chat = as_chat(req)
+        chat = as_chat(req, history(req, request))
         messages = [m.for_template() for m in chat.messages]  # tools described in serve, as on chat completions
+        items = input_items(req)
+
+        def keep(answer: Answer, body: dict) -> None:  # a finished response, stored as returned
+            if answer.stored:
+                added = as_messages(items, "input") + as_messages(body["output"], "output")
+                store.put(tenant(request), Stored(answer.id, req.previous_response_id, added, items, body))
 
         async def respond(jobs, encoded, prompts):
             answer = Answer(jobs[0], req, chat, model_name, decoder, encoded[0])
+            answer.stored = req.store and store.enabled
             if req.stream:
-                return StreamingResponse(_events(decoder, jobs[0], answer, overdue), media_type="text/event-stream")
+                return StreamingResponse(_events(decoder, jobs[0], answer, overdue, keep),
+                                         media_type="text/event-stream")
             done = await collect(jobs[0], request, overdue)
             if done is None:
                 return Response(status_code=499)  # the client hung up
             text, result = done
             status = "incomplete" if result.finish_reason == "length" else "completed"
-            return answer.response(status, answer.items(decoder, text, result), result)
+            body = answer.response(status, answer.items(decoder, text, result), result)
+            keep(answer, body)
+            return body
         return await serve(chat, request, [messages], True, "chat", None, respond)
 
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str, request: Request):
+        return store.get(tenant(request), response_id).response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str, request: Request):
+        store.delete(tenant(request), response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, request: Request, limit: int = Query(20, ge=1, le=100),
+                               order: Literal["asc", "desc"] = "desc", after: str | None = None):
+        """A stored response's input items, OpenAI's cursor page (newest first unless order=asc; `after` an id)."""
+        items = store.get(tenant(request), response_id).input_items
+        items = items if order == "asc" else items[::-1]
+        if after is not None:
+            at = [k for k, item in enumerate(items) if item["id"] == after]
+            if not at:
+                raise APIError(400, f"after: no input item {after[:80]!r} in response {response_id[:80]!r}")
+            items = items[at[0] + 1:]
+        page = items[:limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
     @app.post("/v1/responses/input_tokens")
-    async def input_tokens(req: InputTokensRequest):
+    async def input_tokens(req: InputTokensRequest, request: Request):
         """The prompt tokens a response to this request would start from (the client's `responses.input_tokens`)."""
         body = ResponsesRequest(**req.model_dump(exclude_none=True, exclude={"personality"}))
-        messages, listed = tools.chat_prompt(decoder.tokenizer, as_chat(body))
+        messages, listed = tools.chat_prompt(decoder.tokenizer, as_chat(body, history(body, request)))
         count = len(await asyncio.to_thread(decoder.encode, messages, True, listed))
         return {"object": "response.input_tokens", "input_tokens": count}
 
@@ -274,11 +349,11 @@ class InputTokensRequest(BaseModel):
     truncation: str | None = None
     parallel_tool_calls: bool | None = None
     personality: str | None = None  # changes no prompt here
-    previous_response_id: str | None = None  # refused, as on responses (unstored)
+    previous_response_id: str | None = Field(default=None, max_length=256)
     conversation: str | dict | None = None
 
 
-async def _events(decoder, job, answer: Answer, overdue):
+async def _events(decoder, job, answer: Answer, overdue, keep=None):
     """The Responses stream: response.created, the message's item and part opened, output_text deltas as text
     comes, each closed with its whole text, then response.completed (or .incomplete) with the whole response.
     With tools the text is held to its end and sent as function_call items (arguments in one delta) or as the
@@ -366,7 +441,10 @@ async def _events(decoder, job, answer: Answer, overdue):
             for e in close(k, item):
                 yield e
         status = "incomplete" if result.finish_reason == "length" else "completed"
-        yield event(f"response.{status}", response=answer.response(status, output, result))
+        body = answer.response(status, output, result)
+        if keep is not None:
+            keep(answer, body)  # stored before the client reads its end: a follow-up finds it
+        yield event(f"response.{status}", response=body)
     except APIError as err:
         yield event("error", code=err.code, message=err.message, param=None)
     finally:

@@ -1,0 +1,88 @@
+"""Stored responses of OpenAI's Responses API (`store`, `previous_response_id`, GET and DELETE /v1/responses/{id} and
+its input_items), in this process's memory.
+
+- **Per API key.** A response is found only under the key that made it (guard.py's tenant; without keys, the one
+  shared tenant): another key's lookup is the 404 of an id that does not exist. Ids are random, never counted.
+- **A chain, not copies.** A response keeps what it added to the conversation (its input's messages and its answer)
+  and the id before it; a follow-up walks the chain back to its start, so a long agent loop costs each turn once.
+- **Bounded.** At most `max_bytes` (their JSON's size) in all; the least recently used response leaves first, and a
+  follow-up marks its whole chain used. A chain whose link has left is a 400 that names the missing id.
+"""
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from .api_errors import APIError
+
+
+@dataclass
+class Stored:
+    id: str
+    previous: str | None  # the previous_response_id it continued
+    messages: list[dict]  # chat messages it added: its input's, then its answer's (no instructions: not carried on)
+    input_items: list[dict]  # its input as items with ids (GET .../input_items)
+    response: dict  # the response object as it was returned
+    size: int = field(default=0)
+
+    def __post_init__(self):
+        self.size = sum(len(json.dumps(part)) for part in (self.messages, self.input_items, self.response))
+
+
+class ResponseStore:
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._items: OrderedDict[tuple[bytes, str], Stored] = OrderedDict()
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, tenant: bytes, stored: Stored) -> None:
+        if not self.enabled:
+            return
+        key = (tenant, stored.id)
+        if key in self._items:
+            self.bytes -= self._items.pop(key).size
+        self._items[key] = stored
+        self.bytes += stored.size
+        while self.bytes > self.max_bytes and self._items:  # least recently used first (this one too, if too big)
+            self.bytes -= self._items.popitem(last=False)[1].size
+
+    def get(self, tenant: bytes, response_id: str) -> Stored:
+        """The stored response (marked used), or a 404 as OpenAI's for an id this key never stored."""
+        found = self._items.get((tenant, response_id))
+        if found is None:
+            raise APIError(404, f"No response found with id '{response_id[:80]}'.", code="not_found")
+        self._items.move_to_end((tenant, response_id))
+        return found
+
+    def history(self, tenant: bytes, previous_id: str) -> list[dict]:
+        """The chat messages of the conversation up to and including response `previous_id`, oldest first."""
+        if not self.enabled:
+            raise APIError(400, "previous_response_id: this server stores no responses (serve "
+                                "--response-store-mb 0, or replicas behind Ray): send the whole conversation as input")
+        chain, seen, at = [], set(), previous_id
+        while at is not None and at not in seen:
+            seen.add(at)
+            found = self._items.get((tenant, at))
+            if found is None:
+                which = "" if at == previous_id else f" (a response before '{previous_id[:80]}')"
+                raise APIError(400, f"previous_response_id: previous response with id '{at[:80]}'{which} not found: "
+                                    "never stored under this key, deleted, or evicted (serve --response-store-mb)",
+                               code="previous_response_not_found")
+            chain.append(found)
+            at = found.previous
+        for s in chain:  # used: the chain stays together in the least-recently-used order
+            self._items.move_to_end((tenant, s.id))
+        return [m for s in reversed(chain) for m in s.messages]
+
+    def delete(self, tenant: bytes, response_id: str) -> None:
+        found = self.get(tenant, response_id)
+        del self._items[(tenant, found.id)]
+        self.bytes -= found.size

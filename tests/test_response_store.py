@@ -1,0 +1,68 @@
+"""The stored responses' bound and order (server/response_store.py) under random schedules of stores, reads,
+follow-ups and deletes, against a plain model of it: never more than its bytes, the least recently used out first,
+a chain read whole or refused, nothing of one key visible to another."""
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specdec.server.api_errors import APIError
+from specdec.server.response_store import ResponseStore, Stored
+
+TENANTS = [b"", b"a", b"b"]
+steps = st.lists(st.tuples(st.sampled_from(["put", "get", "history", "delete"]), st.sampled_from(TENANTS),
+                           st.integers(0, 11), st.integers(0, 11), st.integers(0, 300)), max_size=60)
+
+
+def stored(n: int, previous: int | None, size: int) -> Stored:
+    return Stored(f"resp_{n}", None if previous is None else f"resp_{previous}",
+                  [{"role": "user", "content": f"q{n}" + "x" * size}, {"role": "assistant", "content": f"a{n}"}],
+                  [], {"id": f"resp_{n}"})
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps=steps, limit=st.sampled_from([600, 1500, 4000]))
+def test_the_store_keeps_its_bound_and_the_least_recently_used_leaves_first(steps, limit):
+    store = ResponseStore(limit)
+    model: dict = {}  # (tenant, id) -> Stored, in use order
+    for op, tenant, n, prev, size in steps:
+        key = (tenant, f"resp_{n}")
+        if op == "put":
+            s = stored(n, prev if prev < n else None, size)
+            store.put(tenant, s)
+            model.pop(key, None)
+            model[key] = s
+            while sum(v.size for v in model.values()) > limit:
+                del model[next(iter(model))]
+        elif op in ("get", "delete"):
+            try:
+                (store.get if op == "get" else store.delete)(tenant, key[1])
+                assert key in model
+                found = model.pop(key)
+                if op == "get":
+                    model[key] = found
+            except APIError as e:
+                assert e.status == 404 and key not in model
+        else:
+            chain, at = [], key[1]
+            while at is not None and (tenant, at) in model:
+                chain.append(model[(tenant, at)])
+                at = chain[-1].previous
+            try:
+                messages = store.history(tenant, key[1])
+                assert at is None and messages == [m for s in reversed(chain) for m in s.messages]
+                for s in chain:
+                    model[(tenant, s.id)] = model.pop((tenant, s.id))
+            except APIError as e:
+                assert e.status == 400 and at is not None and at in e.message
+        assert store.bytes == sum(v.size for v in model.values()) <= limit
+        assert list(store._items) == list(model)  # the same entries, in the same use order
+
+
+def test_a_chain_is_read_oldest_first_and_a_cycle_ends():
+    store = ResponseStore(1 << 20)
+    store.put(b"", stored(1, None, 0))
+    store.put(b"", stored(2, 1, 0))
+    store.put(b"", stored(3, 2, 0))
+    assert [m["content"] for m in store.history(b"", "resp_3")] == ["q1", "a1", "q2", "a2", "q3", "a3"]
+    store.put(b"", stored(1, 3, 0))  # re-stored under an id already in its chain: the walk stops, no loop
+    assert [m["content"] for m in store.history(b"", "resp_3")] == ["q1", "a1", "q2", "a2", "q3", "a3"]
+    assert ResponseStore(0).enabled is False
