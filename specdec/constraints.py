@@ -9,6 +9,10 @@ With speculation (verification.verify_constrained):
 - a draft is cut at the first token the grammar forbids, before the pass (no row spent on it);
 - the tokens the grammar forces (llguidance's fast-forward tokens: keys, punctuation, the rest of an enum value
   once it is unambiguous) are drafted for free, ahead of the drafter's own proposal.
+
+A thinking model's grammar waits for its reasoning (`after_thinking`, as vLLM applies structured outputs after the
+reasoning): the answer may open with `<think>` (or starts inside one the prompt opened), any text runs up to the
+first `</think>`, and the grammar applies from the first non-space character after it.
 """
 from __future__ import annotations
 
@@ -41,17 +45,26 @@ class Grammars:
 
     def constraint(self, response_format: dict | None) -> Constraint | None:
         """OpenAI's response_format -> a Constraint (None for text); {"type": "gbnf", "grammar": text} is llama.cpp's
-        grammar format (what llama-server's `grammar` field takes), {"type": "lark", ...} llguidance's (the server's
-        own: never from a client, whose response_format schemas.py checks). InvalidRequest for what cannot be
-        compiled."""
+        grammar format (what llama-server's `grammar` field takes), {"type": "lark", ...} llguidance's, and
+        {"type": "after_thinking", "inside": bool, "format": {...}} another format applied after a thinking model's
+        reasoning (the server's own: never from a client, whose response_format schemas.py checks). InvalidRequest
+        for what cannot be compiled."""
         kind = (response_format or {}).get("type", "text")
         if kind == "text":
             return None
+        if kind == "after_thinking":
+            grammar, what = self._grammar(response_format["format"])
+            return self._compiled(after_thinking(grammar, response_format["inside"]), what)
+        return self._compiled(*self._grammar(response_format))
+
+    def _grammar(self, response_format: dict) -> tuple[str, str]:
+        """A format's llguidance grammar (Lark text or a JSON TopLevelGrammar) and what to call it in an error."""
         import llguidance
+        kind = response_format.get("type")
         if kind == "gbnf":  # llama.cpp's grammar format (llama-server's `grammar` field), through llguidance's Lark
-            return self._compiled(self._gbnf(response_format.get("grammar")), "grammar")
+            return self._gbnf(response_format.get("grammar")), "grammar"
         if kind == "lark":  # llguidance's own (server/tools.py: a call in its chat template's tags)
-            return self._compiled(llguidance.LLMatcher.grammar_from_lark(response_format["grammar"]), "the grammar")
+            return llguidance.LLMatcher.grammar_from_lark(response_format["grammar"]), "the grammar"
         if kind == "json_object":
             schema = {"type": "object"}
         elif kind == "json_schema":
@@ -65,7 +78,7 @@ class Grammars:
                                                                      defaults={"whitespace_flexible": False})
         except (ValueError, TypeError) as e:
             raise InvalidRequest(f"response_format: not a JSON schema: {str(e)[:200]}")
-        return self._compiled(grammar, "response_format: this schema")
+        return grammar, "response_format: this schema"
 
     @staticmethod
     def _gbnf(text) -> str:
@@ -84,6 +97,31 @@ class Grammars:
         if matcher.is_error():
             raise InvalidRequest(f"{what} cannot be used: {matcher.get_error()[:200]}")
         return Constraint(matcher, self.vocab_size)
+
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def writes_tags(response_format: dict | None) -> bool:
+    """Whether a format writes thinking tags itself (a GBNF or Lark grammar naming them): applied from the first
+    token, never after the reasoning."""
+    grammar = (response_format or {}).get("grammar")
+    return isinstance(grammar, str) and (THINK_OPEN in grammar or THINK_CLOSE in grammar)
+
+
+def after_thinking(grammar: str, inside: bool) -> str:
+    """`grammar` (Lark text or a JSON TopLevelGrammar of one grammar) as the answer after a reasoning: `inside` (the
+    prompt opened <think>) the text up to the first </think> is free; else the answer may open with <think> and
+    such a block. The reasoning is one lexeme, text that ends with its only </think> (a lazy lexeme took 1.9 s for
+    its first mask here); whitespace may follow it."""
+    try:
+        top = json.loads(grammar)
+        answer = {**top["grammars"][0], "name": "answer"}
+    except ValueError:  # Lark text
+        answer = {"name": "answer", "lark_grammar": grammar}
+    lark = ('start: REASONING GAP @answer\n' if inside else f'start: ("{THINK_OPEN}" REASONING GAP)? @answer\n') + \
+        'REASONING: /(?s:.*)<\\/think>/ & ~/(?s:.*)<\\/think>(?s:.+)/\nGAP: /[ \\t\\r\\n]*/\n'
+    return json.dumps({"grammars": [{"name": "thinking", "lark_grammar": lark}, answer]})
 
 
 class Constraint:

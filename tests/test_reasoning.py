@@ -256,24 +256,79 @@ def test_the_official_clients_get_the_reasoning_as_thinking_blocks_and_reasoning
     assert [item.type for item in quiet.output] == ["message"]
 
 
-def test_an_answer_a_grammar_wrote_is_content_even_where_the_prompt_opened_a_think(opened_live):
-    """Structured outputs and forced calls constrain the answer from its first token, so it holds no reasoning even
-    where the prompt opened <think>: it stays the content (JSON, a call), on every API."""
+def test_a_grammar_waits_for_the_reasoning_on_every_api(opened_live):
+    """Structured outputs and forced calls shape the answer, not the reasoning: where the prompt opened <think>, the
+    reasoning runs as it does without them (40 tokens: the 135M never closes the tag), and nothing of it is taken
+    for the content (JSON, a call). Before, the grammar wrote from the first token and the model never thought."""
     import anthropic
     messages = [{"role": "user", "content": "Give a JSON object with a name."}]
+    free = ask(opened_live, None, messages=messages)["reasoning_content"]
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name"],
+              "additionalProperties": False}
     for stream in (False, True):
-        schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name"],
-                  "additionalProperties": False}
         got = ask(opened_live, None, stream, messages=messages,
                   response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}})
-        assert got.get("reasoning_content") is None and json.loads(got["content"]) is not None, got
+        assert got["reasoning_content"] == free and got["content"] == "", got
     tool = {"type": "function", "function": {"name": "lookup", "parameters": {
         "type": "object", "properties": {"q": {"type": "string", "maxLength": 8}}, "required": ["q"]}}}
-    r = httpx.post(opened_live.url + "/v1/chat/completions", timeout=120, json={
-        "messages": messages, "max_tokens": 60, "temperature": 0, "tools": [tool], "tool_choice": "required"})
-    assert r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "lookup", r.text
+    called, unforced = (httpx.post(opened_live.url + "/v1/chat/completions", timeout=120, json={
+        "messages": messages, "max_tokens": 40, "temperature": 0, "tools": [tool], "tool_choice": choice}).json()[
+        "choices"][0]["message"] for choice in ("required", "auto"))
+    assert called["reasoning_content"] == unforced["reasoning_content"] and not called.get("tool_calls"), called
     a = anthropic.Anthropic(base_url=opened_live.url, api_key="none", max_retries=0, timeout=120)
-    m = a.messages.create(model="smol", max_tokens=60, messages=messages, tool_choice={"type": "any"},
+    m = a.messages.create(model="smol", max_tokens=40, messages=messages, tool_choice={"type": "any"},
                           tools=[{"name": "lookup", "input_schema": tool["function"]["parameters"]}],
                           extra_body={"temperature": 0})
-    assert [b.type for b in m.content] == ["tool_use"]
+    assert m.content[0].type == "thinking" and "tool_use" not in [b.type for b in m.content]
+
+
+SCHEMA = {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+    "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}}}
+
+
+def test_after_the_reasoning_the_grammar_holds(thinking_decoder):
+    """The wrapped grammar (constraints.after_thinking) on the default model's tokens: any text up to the first
+    </think> (where the plain grammar allows no such token), whitespace, then only what the grammar allows; an
+    answer may open its own <think> block or skip it; a GBNF that writes the tags itself is not wrapped."""
+    from specdec.constraints import writes_tags
+    tok, grammars = thinking_decoder.tokenizer, thinking_decoder.grammars
+
+    def ids(text):
+        return tok(text, add_special_tokens=False).input_ids
+
+    def run(fmt, text):  # how many of the text's tokens the grammar takes, and whether it then stops
+        c = grammars.constraint(fmt)
+        taken = c.valid_prefix(ids(text))
+        return taken == len(ids(text)), c
+    for inside, lead in ((True, ""), (False, "<think>")):
+        fmt = {"type": "after_thinking", "inside": inside, "format": SCHEMA}
+        whole, _ = run(fmt, lead + 'So 2+2 is 4, </thi not yet.</think>\n\n{"a":4}')
+        assert whole
+        assert not run(fmt, lead + "plan</think>\n\nhello")[0]  # after the reasoning: the schema only
+        assert not run(fmt, lead + 'plan</think>{"a":4}</think>')[0]
+        c = grammars.constraint(fmt)
+        for t in ids(lead + 'plan</think> {"a":4}'):
+            assert c.accept(t)
+        assert c.done
+    hello = ids("hello")[:1]
+    assert grammars.constraint({"type": "after_thinking", "inside": True, "format": SCHEMA}).valid_prefix(hello) == 1
+    assert grammars.constraint(SCHEMA).valid_prefix(hello) == 0
+    outside = {"type": "after_thinking", "inside": False, "format": SCHEMA}
+    assert run(outside, '{"a":4}')[0] and not run(outside, "plan</think>")[0]  # no reasoning: the schema at once
+    gbnf = {"type": "after_thinking", "inside": True, "format": {"type": "gbnf", "grammar": 'root ::= [a-z]+ "."'}}
+    assert run(gbnf, "hmm</think>\nyes.")[0] and not run(gbnf, "hmm</think>\nYes!")[0]
+    assert writes_tags({"type": "gbnf", "grammar": GRAMMAR}) and not writes_tags(SCHEMA)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_grammar_after_the_reasoning_keeps_speculation_lossless(opened_live, temperature):
+    """The wrapped grammar's rows are masked as any grammar's: with drafts the tokens equal target-only's, greedy
+    and seeded."""
+    sd = opened_live.app.state.decoder
+    fmt = {"type": "after_thinking", "inside": True, "format": SCHEMA}
+    messages = [{"role": "user", "content": "Think, then give a JSON object."}]
+    kw = dict(max_new_tokens=24, response_format=fmt, temperature=temperature, seed=5)
+    with_drafts = sd.generate(messages, **kw)
+    alone = SpecDecoder(draft="none", chat_template=THINKING, chat_template_kwargs={"opened": True}).generate(
+        messages, **kw)
+    assert with_drafts.token_ids == alone.token_ids and with_drafts.stats["target_passes"] < 24

@@ -173,9 +173,10 @@ class Reply:
         self.model, self.prompt_tokens, self.seed = req.model or model_name, len(prompt_ids), job.kwargs.get("seed")
         self.calling = bool(chat.tools) and chat.tool_choice != "none"
         self.inside = None  # a thinking template's answer: whether it starts inside <think> (reasoning.py); else None
-        if reasoning.thinks(decoder.tokenizer):  # (an answer a grammar writes starts outside any <think>)
+        if reasoning.thinks(decoder.tokenizer):  # (an answer a GBNF writes from its first token starts outside)
             with decoder.tokenizer_lock:
-                self.inside = not chat.constrained and reasoning.opens_inside(decoder.tokenizer, prompt_ids)
+                self.inside = not chat.grammar_writes_reasoning and reasoning.opens_inside(decoder.tokenizer,
+                                                                                           prompt_ids)
 
     def content(self, text: str) -> list[dict]:
         """The blocks of a whole answer: its thinking (a thinking model's), then its text or tool calls."""

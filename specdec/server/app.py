@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import models
 from ..drafters.base import save as save_drafter
+from ..constraints import writes_tags
 from ..errors import InvalidRequest, SpecDecError
 from ..fim import fim_prompt
 from ..penalties import penalties
@@ -37,9 +38,11 @@ log = logging.getLogger("specdec.server")
 
 
 def _warm_grammars(decoder) -> None:
-    """Read the vocabulary for structured outputs (about a second) at start, not in the first such request."""
+    """Read the vocabulary for structured outputs and mask once (2-5 s here the first time in a process, a few ms
+    after) at start, not in the first such request."""
     try:
-        decoder.grammars.lltokenizer
+        import torch
+        decoder.grammars.constraint({"type": "json_object"}).masked(torch.zeros(decoder.grammars.vocab_size))
     except Exception:  # noqa: BLE001 - no llguidance or a tokenizer it cannot read: such requests get a 400 later
         pass
 
@@ -206,6 +209,11 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
         else:
             response_format = req.response_format or (
                 {"type": "gbnf", "grammar": req.grammar} if req.grammar is not None else None)
+        if response_format is not None and kind == "chat" and reasoning.thinks(decoder.tokenizer) and \
+                not writes_tags(response_format):  # a thinking model reasons first, the grammar shapes the answer
+            with decoder.tokenizer_lock:
+                inside = reasoning.opens_inside(decoder.tokenizer, encoded[0])
+            response_format = {"type": "after_thinking", "inside": inside, "format": response_format}
         # a bias on a token the model lacks: a 400 before any stream starts (the worker checks again in prepare)
         penalties(decoder.model.config.vocab_size, req.presence_penalty or 0.0, req.frequency_penalty or 0.0,
                   req.logit_bias, req.repetition_penalty or 1.0)
@@ -240,9 +248,10 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
         # a thinking template's answers: reasoning apart from content, each choice from where its prompt leaves it
         thinking = None
         if kind == "chat" and (req.reasoning_format or reasoning_format) != "none" and reasoning.thinks(
-                decoder.tokenizer):  # (an answer a grammar writes starts outside any <think> the prompt opened)
+                decoder.tokenizer):  # (an answer a grammar writes from its first token starts outside any <think>)
             with decoder.tokenizer_lock:
-                thinking = [not req.constrained and reasoning.opens_inside(decoder.tokenizer, encoded[i // req.n])
+                thinking = [not req.grammar_writes_reasoning and reasoning.opens_inside(decoder.tokenizer,
+                                                                                        encoded[i // req.n])
                             for i in range(len(jobs))]
         meta = dict(id=("chatcmpl-" if kind == "chat" else "cmpl-") + jobs[0].id, created=int(time.time()),
                     model=model_name, specdec={"seed": base})

@@ -212,9 +212,10 @@ class Answer:
         self.decoder = decoder
         self.stored = False  # set by add_routes where the server keeps it
         self.inside = None  # a thinking template's answer: whether it starts inside <think> (reasoning.py); else None
-        if reasoning.thinks(decoder.tokenizer):  # (an answer a grammar writes starts outside any <think>)
+        if reasoning.thinks(decoder.tokenizer):  # (an answer a GBNF writes from its first token starts outside)
             with decoder.tokenizer_lock:
-                self.inside = not chat.constrained and reasoning.opens_inside(decoder.tokenizer, prompt_ids)
+                self.inside = not chat.grammar_writes_reasoning and reasoning.opens_inside(decoder.tokenizer,
+                                                                                           prompt_ids)
 
     def thought_tokens(self, result) -> int:
         return reasoning.count(self.decoder, [result], [self.inside]) if self.inside is not None else 0

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..api import MAX_STOP_CHARS, MAX_STOPS
+from ..constraints import writes_tags
 from ..penalties import MAX_PENALTY, MAX_REPETITION
 from ..sampling import MAX_TEMPERATURE, SEED_RANGE
 from . import tools
@@ -136,12 +137,11 @@ class _Request(BaseModel):
         return hashlib.blake2b(key_tenant + b"|tenant:" + (name or "").encode(), digest_size=16).digest()
 
     @property
-    def constrained(self) -> bool:
-        """Whether a grammar writes the answer from its first token (structured outputs, GBNF, a forced call): it
-        then starts outside any <think> the prompt opened (server/reasoning.py)."""
-        forced = bool(getattr(self, "tools", None)) and (self.tool_choice == "required" or
-                                                          isinstance(self.tool_choice, dict))
-        return (self.response_format or {"type": "text"}).get("type") != "text" or self.grammar is not None or forced
+    def grammar_writes_reasoning(self) -> bool:
+        """Whether the request's own grammar (llama.cpp's GBNF) writes thinking tags: it then applies from the
+        first token, and the answer starts outside any <think> the prompt opened. Every other grammar (structured
+        outputs, a forced call) waits for a thinking model's reasoning (constraints.after_thinking)."""
+        return writes_tags({"grammar": self.grammar})
 
     @property
     def include_usage(self) -> bool:
