@@ -66,3 +66,13 @@ def test_a_chain_is_read_oldest_first_and_a_cycle_ends():
     store.put(b"", stored(1, 3, 0))  # re-stored under an id already in its chain: the walk stops, no loop
     assert [m["content"] for m in store.history(b"", "resp_3")] == ["q1", "a1", "q2", "a2", "q3", "a3"]
     assert ResponseStore(0).enabled is False
+
+
+def test_a_turn_is_a_user_message_and_all_that_answers_it():
+    from types import SimpleNamespace as M
+
+    from specdec.server.responses_api import turns
+    roles = ["system", "developer", "user", "assistant", "tool", "tool", "assistant", "user", "assistant", "user"]
+    assert turns([M(role=r) for r in roles]) == [2, 7, 9]
+    assert turns([M(role=r) for r in ["system", "assistant", "user"]]) == [1, 2]
+    assert turns([M(role="system")]) == []

@@ -205,6 +205,37 @@ def test_stored_responses_are_retrieved_listed_and_deleted(rt_live):
         assert bad.status_code == 400 and "error" in bad.json(), bad.text
 
 
+def test_truncation_auto_drops_the_oldest_turns_that_do_not_fit(rt_live, rt_sd):
+    """A stored chain that outgrows the context window (the tiny model's 256 positions): without truncation a 400,
+    with truncation "auto" the oldest turns are dropped, the fewest that make room (OpenAI's rule), and the answer is
+    the chat completion of what was kept; the system message stays."""
+    c = client(rt_live)
+    long = "Tell me more about colours and their names, please, and then a bit more about their uses!!"
+    assert len(long) == 90  # 90 tokens here: two turns of it fit, three do not
+    first = c.responses.create(input=long, max_output_tokens=6, temperature=0)
+    second = c.responses.create(input=long, previous_response_id=first.id, max_output_tokens=6, temperature=0)
+    with pytest.raises(openai.BadRequestError, match="context"):
+        c.responses.create(input="Short?", instructions="Be brief.", previous_response_id=second.id,
+                           max_output_tokens=6, temperature=0)
+    cut = c.responses.create(input="Short?", instructions="Be brief.", previous_response_id=second.id,
+                             max_output_tokens=6, temperature=0, truncation="auto")
+    assert cut.truncation == "auto"
+    kept = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": long},
+            {"role": "assistant", "content": second.output_text}, {"role": "user", "content": "Short?"}]
+    assert cut.output_text == chat_completion(rt_live, kept, max_tokens=6, temperature=0)[
+        "choices"][0]["message"]["content"]
+    assert cut.usage.input_tokens + 6 <= rt_sd.context_window
+    counted = c.responses.input_tokens.count(input="Short?", instructions="Be brief.",
+                                             previous_response_id=second.id, truncation="auto")
+    assert counted.input_tokens == cut.usage.input_tokens
+    fits = c.responses.create(input="Short?", previous_response_id=first.id, max_output_tokens=6, temperature=0,
+                              truncation="auto")  # fits whole: nothing dropped
+    assert fits.usage.input_tokens == c.responses.input_tokens.count(input="Short?", previous_response_id=first.id
+                                                                     ).input_tokens
+    r = httpx.post(rt_live.url + "/v1/responses", json={"input": "x", "truncation": "middle"}, timeout=30)
+    assert r.status_code == 400 and "truncation" in r.text
+
+
 def test_a_keys_responses_are_its_own(tiny_dirs):
     """Each API key finds only the responses it stored: another key's id is a 404 (retrieve, delete, input_items)
     and a 400 as previous_response_id, the same as an id never made."""

@@ -25,6 +25,7 @@ from fastapi import Query, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..errors import PromptTooLong
 from ..sampling import MAX_TEMPERATURE, SEED_RANGE
 from . import reasoning, tools
 from .api_errors import APIError, validated
@@ -57,13 +58,13 @@ class ResponsesRequest(BaseModel):
     top_k: int = Field(default=0, ge=0, lt=2**31)
     min_p: float = Field(default=0.0, ge=0, le=1)
     store: bool = True  # kept for previous_response_id and GET /v1/responses/{id} (OpenAI's default too)
+    truncation: Literal["auto", "disabled"] | None = None  # auto: the oldest turns dropped to fit (fit_window)
     previous_response_id: str | None = Field(default=None, max_length=256)
     # accepted, ignored: they change no output here
     metadata: dict | None = None
     user: str | None = None
     parallel_tool_calls: bool | None = None
     reasoning: dict | None = None
-    truncation: str | None = None
     service_tier: str | None = None
     safety_identifier: str | None = None
     max_tool_calls: int | None = None
@@ -201,6 +202,46 @@ def as_chat(req: ResponsesRequest, history: list[dict] = ()) -> ChatRequest:
                          "effort") == "none" else None)
 
 
+def turns(messages: list) -> list[int]:
+    """Where each droppable turn of a conversation starts: the first message after the leading system ones, then
+    each user message (a turn is a user message and all that answers it: roles keep alternating, as some chat
+    templates require, and tool calls stay with their results)."""
+    first = next((k for k, m in enumerate(messages) if m.role not in ("system", "developer")), None)
+    if first is None:
+        return []
+    return [first] + [k for k, m in enumerate(messages) if k > first and m.role == "user"]
+
+
+async def fit_window(chat: ChatRequest, decoder, room_for_answer: int) -> ChatRequest:
+    """truncation "auto" (OpenAI's): the fewest oldest turns dropped (never the system message, nor the last turn) so
+    that the prompt and `room_for_answer` tokens fit the context window; a conversation that fits is kept whole,
+    and one whose last turn alone does not fit is left for the usual 400. Binary search: the prompt's length falls
+    as turns are dropped."""
+    starts = turns(chat.messages)
+    lead = chat.messages[:starts[0]] if starts else chat.messages
+
+    def dropped(k: int) -> ChatRequest:
+        return chat.model_copy(update={"messages": lead + chat.messages[starts[k]:]}) if k else chat
+
+    async def fits(k: int) -> bool:
+        messages, listed = tools.chat_prompt(decoder.tokenizer, dropped(k))
+        try:
+            ids = await asyncio.to_thread(decoder.encode, messages, True, listed, chat.template_variables)
+        except PromptTooLong:
+            return False
+        return len(ids) + room_for_answer <= decoder.context_window
+    if len(starts) < 2 or await fits(0):
+        return chat
+    low, high = 1, len(starts) - 1  # the answer lies in [low, high]; high (the last turn alone) is the fallback
+    while low < high:
+        mid = (low + high) // 2
+        if await fits(mid):
+            high = mid
+        else:
+            low = mid + 1
+    return dropped(high)
+
+
 class Answer:
     """One response's objects: its id, its output items from the finished text, and the response itself."""
 
@@ -254,7 +295,8 @@ class Answer:
                 "tool_choice": self.req.tool_choice or "auto", "parallel_tool_calls": False,
                 "text": self.req.text or {"format": {"type": "text"}},
                 "previous_response_id": self.req.previous_response_id,
-                "reasoning": {"effort": None, "summary": None}, "store": self.stored, "truncation": "disabled",
+                "reasoning": {"effort": None, "summary": None}, "store": self.stored,
+                "truncation": self.req.truncation or "disabled",
                 "metadata": self.req.metadata or {}, "usage": None}
         if result is not None:
             n = len(result.token_ids)
@@ -280,6 +322,8 @@ def add_routes(app, serve, overdue, decoder, model_name: str, store: ResponseSto
     @app.post("/v1/responses")
     async def responses(req: ResponsesRequest, request: Request):
         chat = as_chat(req, history(req, request))
+        if req.truncation == "auto":
+            chat = await fit_window(chat, decoder, req.max_output_tokens or 1)
         messages = [m.for_template() for m in chat.messages]  # tools described in serve, as on chat completions
         items = input_items(req)
 
@@ -332,7 +376,10 @@ def add_routes(app, serve, overdue, decoder, model_name: str, store: ResponseSto
     async def input_tokens(req: InputTokensRequest, request: Request):
         """The prompt tokens a response to this request would start from (the client's `responses.input_tokens`)."""
         body = ResponsesRequest(**req.model_dump(exclude_none=True, exclude={"personality"}))
-        messages, listed = tools.chat_prompt(decoder.tokenizer, as_chat(body, history(body, request)))
+        chat = as_chat(body, history(body, request))
+        if body.truncation == "auto":
+            chat = await fit_window(chat, decoder, 1)
+        messages, listed = tools.chat_prompt(decoder.tokenizer, chat)
         count = len(await asyncio.to_thread(decoder.encode, messages, True, listed))
         return {"object": "response.input_tokens", "input_tokens": count}
 
@@ -347,7 +394,7 @@ class InputTokensRequest(BaseModel):
     tool_choice: str | dict | None = None
     text: dict | None = None
     reasoning: dict | None = None
-    truncation: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None
     parallel_tool_calls: bool | None = None
     personality: str | None = None  # changes no prompt here
     previous_response_id: str | None = Field(default=None, max_length=256)
