@@ -194,7 +194,8 @@ class SpecDecoder:
                 response_format: dict | None = None, logprobs: int | None = None,
                 prompt_logprobs: int | None = None, prediction: str | None = None, presence_penalty: float = 0.0,
                 frequency_penalty: float = 0.0, logit_bias: dict | None = None, repetition_penalty: float = 1.0,
-                repetition_window: int | None = None, chat_template_kwargs: dict | None = None) -> Request:
+                repetition_window: int | None = None, chat_template_kwargs: dict | None = None,
+                min_indent: int = 0, time_limit_ms: int | None = None) -> Request:
         """Validate and encode one request (InvalidRequest / PromptTooLong on bad input). `prompt_ids`: the prompt
         already encoded (the server encodes it once, off the model worker). `response_format`: OpenAI's
         ({"type": "json_object"}, or "json_schema" with {"json_schema": {"schema": ...}}): the output follows the
@@ -208,7 +209,9 @@ class SpecDecoder:
         the target's scores as OpenAI's do, `repetition_penalty` ((0, 2]) as vLLM's (penalties.py), over the last
         `repetition_window` tokens of prompt and output where given (llama.cpp's repeat_last_n); the output is the
         adjusted target-only output. `chat_template_kwargs`: more variables for the chat template (such as Qwen3's
-        `enable_thinking`), over the decoder's own."""
+        `enable_thinking`), over the decoder's own. `min_indent` and `time_limit_ms` end the output early, as
+        llama-server's n_indent and t_max_predict_ms do for editors (text.StopText): the output is then a prefix of
+        the one without them."""
         if not (prompt_logprobs is not None and max_new_tokens == 0):
             _positive_int("max_new_tokens", max_new_tokens)
         tau = self.tau if tau is None else _positive_int("tau", tau)
@@ -220,8 +223,13 @@ class SpecDecoder:
         if len(stops) > MAX_STOPS or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
             raise InvalidRequest(f"stop must be up to {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} "
                                  "characters")
+        for name, value in (("min_indent", min_indent), ("time_limit_ms", time_limit_ms or 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**31:
+                raise InvalidRequest(f"{name} must be an integer >= 0, got {str(value)[:40]}")
         ids = self.encode(prompt, chat, None, chat_template_kwargs) if prompt_ids is None else prompt_ids
-        req = Request(self, ids, max_new_tokens, params, stops, tau, self._policies[key])
+        text = StopText(self.tokenizer, stops, self.tokenizer_lock, min_indent,
+                        time_limit_ms / 1000 if time_limit_ms else None)
+        req = Request(ids, max_new_tokens, params, text, tau, self._policies[key])
         for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 20):
                 raise InvalidRequest(f"{name} must be an integer in [0, 20], got {str(value)[:40]}")
@@ -267,12 +275,12 @@ class Request:
     """One validated request and its output so far: turns cycle records into streamed text chunks (held back while
     a stop string may be starting) and, with the last record, the GenerationResult."""
 
-    def __init__(self, decoder: SpecDecoder, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
-                 stops: list[str], tau: int, policy):
+    def __init__(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, text: StopText, tau: int,
+                 policy):
         self.prompt_ids, self.max_new_tokens, self.params, self.tau, self.policy = (
             prompt_ids, max_new_tokens, params, tau, policy)
-        self.text = StopText(decoder.tokenizer, stops, decoder.tokenizer_lock)
-        self.stop_check = self.text.stop_check if stops else None
+        self.text = text
+        self.stop_check = text.stop_check if text.active else None
         self.records: list[CycleRecord] = []
         self.logprobs: int | None = None  # alternatives asked for (prepare)
         self.token_logprobs: list = []  # per generated token, when asked for

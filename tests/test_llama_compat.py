@@ -213,3 +213,23 @@ def test_pieces_of_partial_characters_are_bytes(smol_live):
     joined = b"".join(p["piece"].encode() if isinstance(p["piece"], str) else bytes(p["piece"]) for p in tokens)
     assert joined == "héllo ☃".encode()
     assert post(smol_live, "/detokenize", {"tokens": [t["id"] for t in tokens]}).json()["content"] == "héllo ☃"
+
+
+@pytest.mark.real
+def test_editor_stops_end_the_answer_early_as_a_prefix_of_the_whole(smol_live):
+    """llama.vscode's n_indent (a later line indented less ends the answer, before that line) and t_max_predict_ms
+    (past it, the answer ends at a line's end): each answer is a prefix of the one without them, reported as the
+    limit, as llama-server does; streamed the same."""
+    from test_text import short_line_cut
+    prompt = "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n"
+    ask = {"prompt": prompt, "n_predict": 80, "temperature": 0}
+    full = post(smol_live, "/completion", ask).json()["content"]
+    for least in (4, 8):
+        body = post(smol_live, "/completion", {**ask, "n_indent": least}).json()
+        assert body["content"] == short_line_cut(full, least) != full and body["stop_type"] == "limit"
+        assert "".join(e["content"] for e in stream(smol_live, "/completion", {**ask, "n_indent": least})) == \
+            body["content"]
+    timed = post(smol_live, "/completion", {**ask, "t_max_predict_ms": 1}).json()
+    assert full.startswith(timed["content"]) and timed["content"].endswith("\n") and len(timed["content"]) < len(full)
+    assert timed["stop_type"] == "limit"
+    assert post(smol_live, "/completion", {**ask, "n_indent": -1}).status_code == 400

@@ -1,6 +1,8 @@
 """Incremental detokenization and stop strings: the same text and the same cut as decoding everything, at a cost
 per token that does not grow with the output."""
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specdec import models
 from specdec.text import IncrementalText, StopText
@@ -128,3 +130,68 @@ def test_the_longest_token_bound_is_remembered_by_the_tokenizer_files_identity(t
     assert Tokenizer(copy).longest_token_chars() == first and not walked  # read back: no walk
     (copy / "tokenizer.json").write_text((copy / "tokenizer.json").read_text() + " ")  # another identity
     assert Tokenizer(copy).longest_token_chars() == first and walked
+
+
+# ---- llama-server's editor stops: n_indent (min_indent) and t_max_predict_ms (time_limit_s) ----------------------
+class Chars:
+    """Each token one character (ids index into the text's alphabet): cuts land on exact characters."""
+    ALPHABET = "\n \tab(){}:x=1"
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.ALPHABET[i] for i in ids)
+
+    def ids(self, text):
+        return [self.ALPHABET.index(c) for c in text]
+
+
+def short_line_cut(text: str, least: int) -> str:
+    """The rule, written plainly: the text before the first line after the first whose indentation (spaces and tabs)
+    is shorter than `least` and which has anything else on it; that line's newline is kept."""
+    lines = text.split("\n")
+    for k in range(1, len(lines)):
+        body = lines[k].lstrip(" \t")
+        if body and len(lines[k]) - len(body) < least:
+            return "\n".join(lines[:k]) + "\n"
+    return text
+
+
+@settings(max_examples=400, deadline=None)
+@given(text=st.text(alphabet="\n \tab:", max_size=40), least=st.integers(1, 4))
+def test_a_short_line_ends_the_text_however_it_streams(text, least):
+    """Streamed one token at a time, the visible text only grows, never shows what is cut, and ends as the plain
+    rule says; the tokens kept are the fewest whose text reaches the short line's first character."""
+    tok = Chars()
+    ids, stop, seen = tok.ids(text), StopText(Chars(), [], min_indent=least), ""
+    kept = None
+    for n in range(1, len(ids) + 1):
+        kept = stop.stop_check(ids[:n])
+        shown = stop.visible(ids[:n], final=False)
+        assert shown.startswith(seen)
+        seen = shown
+        if kept is not None:
+            break
+    final = stop.visible(ids[:kept] if kept else ids, final=True)
+    want = short_line_cut(text, least)
+    assert final == want and seen == final[:len(seen)]
+    assert (kept is None) == (want == text)
+    if kept is not None:  # the fewest tokens: up to the short line's first character
+        assert short_line_cut(text[:kept - 1], least) == text[:kept - 1] and short_line_cut(text[:kept], least) == want
+
+
+def test_past_the_time_limit_the_text_ends_at_a_line_end():
+    tok = Chars()
+    now = [0.0]
+    stop = StopText(Chars(), [], time_limit_s=0.5, clock=lambda: now[0])
+    ids = tok.ids("a(1)\nb(x)\nab")
+    assert stop.stop_check(ids[:3]) is None  # the first call starts the clock
+    now[0] = 0.4
+    assert stop.stop_check(ids[:8]) is None  # within the limit
+    now[0] = 0.6
+    assert stop.stop_check(ids[:12]) == 10 and stop.visible(ids[:12], final=True) == "a(1)\nb(x)\n"
+    later = StopText(Chars(), [], time_limit_s=0.5, clock=lambda: now[0])
+    now[0] = 0.0
+    ids = tok.ids("ab(x)=1\nxx")
+    assert later.stop_check(ids[:2]) is None
+    now[0] = 1.0
+    assert later.stop_check(ids[:4]) is None  # overdue, but no line has ended: the next newline ends it
+    assert later.stop_check(ids[:10]) == 8 and later.visible(ids[:10], final=True) == "ab(x)=1\n"

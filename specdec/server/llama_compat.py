@@ -26,7 +26,7 @@ from .openai_format import spec_stats
 from .schemas import CompletionRequest, Message
 from .streaming import chunks, collect
 
-IGNORED = ("cache_prompt", "t_max_prompt_ms", "t_max_predict_ms", "n_indent", "samplers", "id_slot",
+IGNORED = ("cache_prompt", "t_max_prompt_ms", "samplers", "id_slot",
            "timings_per_token", "response_fields", "n_keep", "n_cache_reuse", "return_progress", "sse_ping_interval")
 
 
@@ -55,6 +55,8 @@ class LlamaOptions(BaseModel):
     json_schema: dict | None = None
     grammar: str | None = None  # GBNF
     ignore_eos: bool = False
+    n_indent: int = Field(default=0, ge=0, lt=2**31)  # a later line indented less ends the answer (text.StopText)
+    t_max_predict_ms: int = Field(default=0, ge=0, lt=2**31)  # past it, the answer ends at a line's end
     # llama-server's fields that specdec does not have: refused by name (_unsupported) when set
     mirostat: int = 0
     typical_p: float = 1.0
@@ -67,8 +69,6 @@ class LlamaOptions(BaseModel):
     # accepted, ignored (IGNORED)
     cache_prompt: bool | None = None
     t_max_prompt_ms: int | None = None
-    t_max_predict_ms: int | None = None
-    n_indent: int | None = None
     samplers: list[str] | None = None
     id_slot: int | None = None
     timings_per_token: bool | None = None
@@ -118,7 +118,8 @@ class LlamaOptions(BaseModel):
                                 presence_penalty=float(self.presence_penalty),
                                 frequency_penalty=float(self.frequency_penalty), logit_bias=bias or None,
                                 repetition_penalty=float(repetition), logprobs=self.n_probs or None)
-        extra = {"repetition_window": self.repeat_last_n if self.repeat_last_n > 0 and repetition != 1 else None}
+        extra = {"repetition_window": self.repeat_last_n if self.repeat_last_n > 0 and repetition != 1 else None,
+                 "min_indent": self.n_indent, "time_limit_ms": self.t_max_predict_ms or None}
         if self.json_schema is not None:
             extra["response_format"] = {"type": "json_schema", "json_schema": {"schema": self.json_schema}}
         elif self.grammar is not None:
@@ -308,22 +309,28 @@ def _probs(decoder, token_ids, logprobs) -> list[dict]:
             for t, (lp, alts) in zip(token_ids, logprobs or []) if t not in decoder.engine.eos_ids]
 
 
-def _ending(decoder, result, text: str, stops) -> tuple[str, str]:
-    """(stop_type, stopping_word) as llama-server reports them: the token limit, an end-of-text token, or a stop
-    string (the first that starts where the text was cut)."""
+def _ending(decoder, result, text: str, options) -> tuple[str, str]:
+    """(stop_type, stopping_word) as llama-server reports them: the token limit (also n_indent's and
+    t_max_predict_ms's ends), an end-of-text token, or a stop string (the first that starts where the text was
+    cut)."""
+    stops = options.stop or []
     if result.finish_reason == "length":
         return "limit", ""
-    if result.token_ids and result.token_ids[-1] in decoder.engine.eos_ids or not stops:
+    if result.token_ids and result.token_ids[-1] in decoder.engine.eos_ids or not (
+            stops or options.n_indent or options.t_max_predict_ms):
         return "eos", ""
     with decoder.tokenizer_lock:
         rest = decoder.tokenizer.decode(result.token_ids)[len(text):]
-    return "word", min(stops, key=lambda s: (rest.find(s) if s in rest else len(rest) + 1, -len(s)))
+    hits = [s for s in stops if s in rest]
+    if not hits:
+        return "limit", ""
+    return "word", min(hits, key=lambda s: (rest.find(s), -len(s)))
 
 
 def _final(decoder, job, result, text, prompt_ids, options, model_name) -> dict:
     """The totals of a finished completion; generation_settings' seed is the one it ran with (drawn from the OS for
     an unseeded sampled request: sent back, it reproduces the text)."""
-    stop_type, word = ("limit", "") if options.warm_only else _ending(decoder, result, text, options.stop or [])
+    stop_type, word = ("limit", "") if options.warm_only else _ending(decoder, result, text, options)
     # an end-of-text token counted, as llama-server counts it (and OpenAI's usage); a warm-up's token is not
     n = 0 if options.warm_only else len(result.token_ids)
     rate = result.stats.get("tokens_per_s") or 0.0
