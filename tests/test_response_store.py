@@ -1,6 +1,6 @@
 """The stored responses' bound and order (server/response_store.py) under random schedules of stores, reads,
-follow-ups and deletes, against a plain model of it: never more than its bytes, the least recently used out first,
-a chain read whole or refused, nothing of one key visible to another."""
+follow-ups and deletes, against a plain model of it: each key within its share of the bytes, its least recently used
+out first, a chain read whole or refused, nothing of one key visible to or pushed out by another."""
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,42 +19,44 @@ def stored(n: int, previous: int | None, size: int) -> Stored:
 
 
 @settings(max_examples=300, deadline=None)
-@given(steps=steps, limit=st.sampled_from([600, 1500, 4000]))
-def test_the_store_keeps_its_bound_and_the_least_recently_used_leaves_first(steps, limit):
-    store = ResponseStore(limit)
-    model: dict = {}  # (tenant, id) -> Stored, in use order
+@given(steps=steps, limit=st.sampled_from([1800, 4500, 12000]))
+def test_each_key_keeps_its_share_and_its_least_recently_used_leaves_first(steps, limit):
+    store = ResponseStore(limit, tenants=len(TENANTS))
+    share = limit // len(TENANTS)
+    model: dict = {t: {} for t in TENANTS}  # per tenant: id -> Stored, in use order
     for op, tenant, n, prev, size in steps:
-        key = (tenant, f"resp_{n}")
+        mine, rid = model[tenant], f"resp_{n}"
         if op == "put":
             s = stored(n, prev if prev < n else None, size)
             store.put(tenant, s)
-            model.pop(key, None)
-            model[key] = s
-            while sum(v.size for v in model.values()) > limit:
-                del model[next(iter(model))]
+            mine.pop(rid, None)
+            mine[rid] = s
+            while sum(v.size for v in mine.values()) > share:
+                del mine[next(iter(mine))]
         elif op in ("get", "delete"):
             try:
-                (store.get if op == "get" else store.delete)(tenant, key[1])
-                assert key in model
-                found = model.pop(key)
+                (store.get if op == "get" else store.delete)(tenant, rid)
+                assert rid in mine
+                found = mine.pop(rid)
                 if op == "get":
-                    model[key] = found
+                    mine[rid] = found
             except APIError as e:
-                assert e.status == 404 and key not in model
+                assert e.status == 404 and rid not in mine
         else:
-            chain, at = [], key[1]
-            while at is not None and (tenant, at) in model:
-                chain.append(model[(tenant, at)])
+            chain, at = [], rid
+            while at is not None and at in mine:
+                chain.append(mine[at])
                 at = chain[-1].previous
             try:
-                messages = store.history(tenant, key[1])
+                messages = store.history(tenant, rid)
                 assert at is None and messages == [m for s in reversed(chain) for m in s.messages]
                 for s in chain:
-                    model[(tenant, s.id)] = model.pop((tenant, s.id))
+                    mine[s.id] = mine.pop(s.id)
             except APIError as e:
                 assert e.status == 400 and at is not None and at in e.message
-        assert store.bytes == sum(v.size for v in model.values()) <= limit
-        assert list(store._items) == list(model)  # the same entries, in the same use order
+        for t in TENANTS:  # the same entries in the same use order, each key within its share
+            assert list(store._items.get(t, {})) == list(model[t])
+            assert store._bytes.get(t, 0) == sum(v.size for v in model[t].values()) <= share
 
 
 def test_a_chain_is_read_oldest_first_and_a_cycle_ends():

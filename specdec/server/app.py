@@ -310,7 +310,8 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
         return None
 
     llama_compat.add_routes(app, _serve, _fim, overdue, decoder, model_name, decoder.context_window)
-    app.state.responses = ResponseStore(int(response_store_mb * 2**20))
+    keys = 1 if isinstance(api_key, str) else max(1, len(api_key or []))
+    app.state.responses = ResponseStore(int(response_store_mb * 2**20), keys)  # a share per key
     responses_api.add_routes(app, _serve, overdue, decoder, model_name, app.state.responses)
     anthropic_api.add_routes(app, _serve, overdue, decoder, model_name)
     return app

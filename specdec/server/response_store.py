@@ -5,8 +5,10 @@ its input_items), in this process's memory.
   shared tenant): another key's lookup is the 404 of an id that does not exist. Ids are random, never counted.
 - **A chain, not copies.** A response keeps what it added to the conversation (its input's messages and its answer)
   and the id before it; a follow-up walks the chain back to its start, so a long agent loop costs each turn once.
-- **Bounded.** At most `max_bytes` (their JSON's size) in all; the least recently used response leaves first, and a
-  follow-up marks its whole chain used. A chain whose link has left is a 400 that names the missing id.
+- **Bounded, a share per key.** At most `max_bytes` (their JSON's size) in all, split evenly between the server's
+  API keys (`tenants`), so no key's responses push out another's. Within a key's share the least recently used
+  response leaves first, and a follow-up marks its whole chain used. A chain whose link has left is a 400 that names
+  the missing id.
 """
 from __future__ import annotations
 
@@ -31,35 +33,40 @@ class Stored:
 
 
 class ResponseStore:
-    def __init__(self, max_bytes: int):
-        self.max_bytes = max_bytes
-        self.bytes = 0
-        self._items: OrderedDict[tuple[bytes, str], Stored] = OrderedDict()
+    def __init__(self, max_bytes: int, tenants: int = 1):
+        self.max_bytes, self.share = max_bytes, max_bytes // max(1, tenants)
+        self._items: dict[bytes, OrderedDict[str, Stored]] = {}  # per tenant, least recently used first
+        self._bytes: dict[bytes, int] = {}
 
     @property
     def enabled(self) -> bool:
         return self.max_bytes > 0
 
+    @property
+    def bytes(self) -> int:
+        return sum(self._bytes.values())
+
     def __len__(self) -> int:
-        return len(self._items)
+        return sum(map(len, self._items.values()))
 
     def put(self, tenant: bytes, stored: Stored) -> None:
         if not self.enabled:
             return
-        key = (tenant, stored.id)
-        if key in self._items:
-            self.bytes -= self._items.pop(key).size
-        self._items[key] = stored
-        self.bytes += stored.size
-        while self.bytes > self.max_bytes and self._items:  # least recently used first (this one too, if too big)
-            self.bytes -= self._items.popitem(last=False)[1].size
+        items = self._items.setdefault(tenant, OrderedDict())
+        if stored.id in items:
+            self._bytes[tenant] -= items.pop(stored.id).size
+        items[stored.id] = stored
+        self._bytes[tenant] = self._bytes.get(tenant, 0) + stored.size
+        while self._bytes[tenant] > self.share and items:  # this key's least recently used first (this one too)
+            self._bytes[tenant] -= items.popitem(last=False)[1].size
 
     def get(self, tenant: bytes, response_id: str) -> Stored:
         """The stored response (marked used), or a 404 as OpenAI's for an id this key never stored."""
-        found = self._items.get((tenant, response_id))
+        items = self._items.get(tenant, {})
+        found = items.get(response_id)
         if found is None:
             raise APIError(404, f"No response found with id '{response_id[:80]}'.", code="not_found")
-        self._items.move_to_end((tenant, response_id))
+        items.move_to_end(response_id)
         return found
 
     def history(self, tenant: bytes, previous_id: str) -> list[dict]:
@@ -67,10 +74,11 @@ class ResponseStore:
         if not self.enabled:
             raise APIError(400, "previous_response_id: this server stores no responses (serve "
                                 "--response-store-mb 0, or replicas behind Ray): send the whole conversation as input")
+        items = self._items.get(tenant, {})
         chain, seen, at = [], set(), previous_id
         while at is not None and at not in seen:
             seen.add(at)
-            found = self._items.get((tenant, at))
+            found = items.get(at)
             if found is None:
                 which = "" if at == previous_id else f" (a response before '{previous_id[:80]}')"
                 raise APIError(400, f"previous_response_id: previous response with id '{at[:80]}'{which} not found: "
@@ -79,10 +87,10 @@ class ResponseStore:
             chain.append(found)
             at = found.previous
         for s in chain:  # used: the chain stays together in the least-recently-used order
-            self._items.move_to_end((tenant, s.id))
+            items.move_to_end(s.id)
         return [m for s in reversed(chain) for m in s.messages]
 
     def delete(self, tenant: bytes, response_id: str) -> None:
         found = self.get(tenant, response_id)
-        del self._items[(tenant, found.id)]
-        self.bytes -= found.size
+        del self._items[tenant][found.id]
+        self._bytes[tenant] -= found.size
