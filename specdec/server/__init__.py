@@ -85,7 +85,8 @@ def register(sub, model_args, sampling_args):
                         "the chat template writes the tags) or left in the content (none)")
     s.add_argument("--response-store-mb", type=float, default=64.0, metavar="MB",
                    help="memory for stored Responses API responses (previous_response_id, GET /v1/responses/{id}), "
-                        "per process, least recently used out first; 0 stores none (as behind --ray)")
+                        "per process, an even share per --api-key, least recently used out first; 0 stores none "
+                        "(as behind --ray)")
     r = s.add_argument_group("scale-out on Ray Serve (pip install 'specdec[ray]')")
     r.add_argument("--ray", action="store_true", help="serve N replicas behind Ray Serve's HTTP proxy")
     r.add_argument("--replicas", type=int, default=1, help="replicas, each with its own model")
