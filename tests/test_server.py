@@ -270,6 +270,32 @@ def test_full_queue_disconnect_and_recovery(slow_server):
     assert slow.metrics()[("specdec_generated_tokens_total", ())] <= 3 + 3
 
 
+def test_a_key_that_fills_the_queue_leaves_a_place_for_each_other_key(slow_server):
+    """Two API keys, max_queue=3: key a's streams take two places, its third request is refused (the last place
+    is kept for key b's first), and key b's first request is served; b's second finds the queue full. The gate holds
+    every stream, so nothing ends meanwhile."""
+    slow = slow_server(max_queue=3, api_key=["ka", "kb"])
+    gate = slow.app.state.decoder.engine.drafter.gate
+    body = {"prompt": "Hello", "max_tokens": 50, "temperature": 0, "stream": True}
+    a, b = ({"Authorization": f"Bearer {k}"} for k in ("ka", "kb"))
+    gate.clear()
+    with httpx.Client(timeout=30) as hc, hc.stream("POST", slow.url + "/v1/completions", json=body, headers=a) as s1, \
+            hc.stream("POST", slow.url + "/v1/completions", json=body, headers=a) as s2:
+        assert s1.status_code == s2.status_code == 200
+        wait_for(lambda: httpx.get(slow.url + "/health").json()["queue_depth"] == 2, "a's streams hold two places")
+        third = hc.post(slow.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=a)
+        assert third.status_code == 429 and "other API keys" in third.json()["error"]["message"]
+        with hc.stream("POST", slow.url + "/v1/completions", json=body, headers=b) as first_of_b:
+            assert first_of_b.status_code == 200
+            full = hc.post(slow.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=b)
+            assert full.status_code == 429 and full.json()["error"]["code"] == "queue_full"
+            gate.set()
+            assert "[DONE]" in "".join(first_of_b.iter_text())
+        assert "[DONE]" in "".join(s1.iter_text()) + "".join(s2.iter_text())
+    again = httpx.post(slow.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=a, timeout=30)
+    assert again.status_code == 200  # every place is free again
+
+
 def test_long_non_streaming_request_completes(slow_server):
     slow = slow_server()
     r = httpx.post(slow.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 40, "temperature": 0},

@@ -71,6 +71,8 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
                              lambda d: batch_engine(d, max_batch_rows, prefill_chunk), max_tau)
     else:
         worker = Worker(decoder, metrics, max_queue, timeout_s, trace_dir)
+    keys = 1 if isinstance(api_key, str) else max(1, len(api_key or []))
+    worker.keys = keys  # each key's first request finds a place in the queue
     worker.wait_ready()
     decoder = worker.decoder
     threading.Thread(target=_warm_grammars, args=(decoder,), daemon=True).start()
@@ -237,7 +239,8 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
                                              repetition_penalty=req.repetition_penalty or 1.0,
                                              logprobs=req.logprob_count,
                                              prompt_logprobs=req.logprob_count if echo else None) | (job_extra or {}),
-                                        salt=req.tenant_salt(getattr(request.state, "tenant", b"")))
+                                        salt=req.tenant_salt(getattr(request.state, "tenant", b"")),
+                                        key=getattr(request.state, "tenant", b""))
                 except Busy as e:
                     for j in jobs:
                         j.cancel()
@@ -310,7 +313,6 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
         return None
 
     llama_compat.add_routes(app, _serve, _fim, overdue, decoder, model_name, decoder.context_window)
-    keys = 1 if isinstance(api_key, str) else max(1, len(api_key or []))
     app.state.responses = ResponseStore(int(response_store_mb * 2**20), keys)  # a share per key
     responses_api.add_routes(app, _serve, overdue, decoder, model_name, app.state.responses)
     anthropic_api.add_routes(app, _serve, overdue, decoder, model_name)

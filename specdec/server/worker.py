@@ -126,6 +126,8 @@ class Worker:
         self.trace_dir = Path(trace_dir) if trace_dir else None
         self._jobs: queue.Queue = queue.Queue()
         self._pending = 0
+        self.keys = 1  # API keys (tenants) the server has: every other key's first request keeps a place
+        self._by_key: collections.Counter = collections.Counter()  # pending requests per key
         self._lock = threading.Lock()
         self._held: set[Job] = set()  # jobs the loop has taken and not ended (the supervisor fails them on a crash)
         self.ready = threading.Event()
@@ -207,10 +209,11 @@ class Worker:
         or None where the worker cannot tell."""
         return None
 
-    def submit(self, kwargs: dict, salt: bytes = b"") -> Job:
+    def submit(self, kwargs: dict, salt: bytes = b"", key: bytes = b"") -> Job:
         """Queue a generation; raises Busy at once when the queue is full or the request is predicted to finish
         past its timeout (429 now, not a 504 after it spent the cores). `salt`: the request's tenant (its prompt is
-        cached and found only among that tenant's: batch.PrefixCache.lookup)."""
+        cached and found only among that tenant's: batch.PrefixCache.lookup). `key`: its API key's tenant: a key
+        never takes the places the other keys with nothing queued would need for a first request each."""
         work = self.predict(kwargs, salt)
         if work is not None and work[1] > self.timeout_s:
             self.metrics.refused.inc()
@@ -220,11 +223,17 @@ class Worker:
             if self._pending >= self.max_queue:
                 self.metrics.refused.inc()
                 raise Busy("server busy: request queue is full, retry later", 1, "queue_full")
+            waiting_keys = self.keys - 1 - sum(1 for k, n in self._by_key.items() if n and k != key)
+            if self._pending + min(max(0, waiting_keys), self.max_queue - 1) >= self.max_queue:
+                self.metrics.refused.inc()
+                raise Busy("server busy: the queue's last places are kept for other API keys' first requests, "
+                           "retry later", 1, "queue_full")
             self._pending += 1
+            self._by_key[key] += 1
             self.metrics.queue_depth.set(self._pending)
         job = Job(kwargs, asyncio.get_running_loop(), self.timeout_s)
         job.plan = work[2] if work is not None else None  # (prefill start, prompt length, max new tokens)
-        job.salt = salt
+        job.salt, job.key = salt, key
         self._jobs.put(job)
         return job
 
@@ -241,6 +250,7 @@ class Worker:
             job.put(kind, payload)
         with self._lock:
             self._pending -= 1
+            self._by_key[getattr(job, "key", b"")] -= 1
             self.metrics.queue_depth.set(self._pending)
         job.put("end")
 
