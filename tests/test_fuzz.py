@@ -16,9 +16,10 @@ FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", 
           # llama-server's (llama_compat.py)
           "n_predict", "n_probs", "repeat_penalty", "repeat_last_n", "grammar", "ignore_eos", "return_tokens",
           "tokens", "add_special", "with_pieces", "input_prefix", "input_suffix", "mirostat", "cache_prompt",
+          "n_indent", "t_max_predict_ms",
           # OpenAI's Responses API (responses_api.py)
           "input", "instructions", "max_output_tokens", "include", "call_id", "name", "arguments", "output",
-          "format", "previous_response_id",
+          "format", "previous_response_id", "truncation", "conversation", "items",
           # Anthropic's Messages API (anthropic_api.py)
           "system", "stop_sequences", "tool_use_id", "input_schema", "output_config", "thinking", "source",
           # chat templates and thinking models (server/reasoning.py)
@@ -50,6 +51,7 @@ bodies = st.one_of(
                                                         "max_output_tokens", "stream", "include", "top_logprobs")}),
     st.fixed_dictionaries({"messages": st.lists(message, max_size=3)},
                           optional={f: values for f in FIELDS[3:20]}),
+    st.fixed_dictionaries({"items": st.lists(item | message, max_size=3)}, optional={"metadata": values}),
     st.fixed_dictionaries({"prompt": st.one_of(st.text(max_size=30), ODD, values)},
                           optional={f: values for f in FIELDS[3:20]}),
 )
@@ -68,8 +70,12 @@ def srv(tok, target, draft_close):
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/responses/input_tokens",
-                             "/v1/messages", "/v1/messages/count_tokens"]), body=bodies | values)
+                             "/v1/messages", "/v1/messages/count_tokens", "/v1/conversations",
+                             "/v1/conversations/{conv}/items", "/v1/conversations/{conv}"]), body=bodies | values)
 def test_no_body_gets_a_5xx(srv, path, body):
+    if "{conv}" in path:  # a conversation of the server's (a random body adds to it, or updates its metadata)
+        conv = httpx.post(srv.url + "/v1/conversations", json={}, timeout=30).json()["id"]
+        path = path.format(conv=conv)
     check(srv, path, body)
 
 

@@ -91,7 +91,6 @@ def test_logprobs_are_the_chat_completions(rt_live):
 
 @pytest.mark.parametrize("body,says", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"conversation": "conv_1"}, "conversation"),
     ({"background": True}, "background"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input_image"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "item_reference"),
@@ -237,8 +236,8 @@ def test_truncation_auto_drops_the_oldest_turns_that_do_not_fit(rt_live, rt_sd):
 
 
 def test_a_keys_responses_are_its_own(tiny_dirs):
-    """Each API key finds only the responses it stored: another key's id is a 404 (retrieve, delete, input_items)
-    and a 400 as previous_response_id, the same as an id never made."""
+    """Each API key finds only the responses and conversations it stored: another key's id is a 404 (retrieve,
+    delete, input_items, items, a response in it) and a 400 as previous_response_id, the same as an id never made."""
     from test_server import LiveServer
 
     from specdec import SpecDecoder, models
@@ -257,6 +256,13 @@ def test_a_keys_responses_are_its_own(tiny_dirs):
         with pytest.raises(openai.BadRequestError, match="not found"):
             b.responses.create(input="x", previous_response_id=r.id, max_output_tokens=4)
         assert a.responses.create(input="x", previous_response_id=r.id, max_output_tokens=4).previous_response_id == r.id
+        conv = a.conversations.create(items=[{"role": "user", "content": "mine"}])
+        for call in (lambda: b.conversations.retrieve(conv.id), lambda: b.conversations.items.list(conv.id),
+                     lambda: b.responses.create(input="x", conversation=conv.id, max_output_tokens=4),
+                     lambda: b.conversations.delete(conv.id)):
+            with pytest.raises(openai.NotFoundError):
+                call()
+        assert a.responses.create(input="x", conversation=conv.id, max_output_tokens=4).conversation.id == conv.id
     finally:
         srv.stop()
 
@@ -274,6 +280,8 @@ def test_a_server_that_stores_nothing_says_so(rt_sd):
             c.responses.create(input="x", previous_response_id=r.id, max_output_tokens=4)
         with pytest.raises(openai.NotFoundError):
             c.responses.retrieve(r.id)
+        with pytest.raises(openai.BadRequestError, match="keeps no conversations"):
+            c.conversations.create()
     finally:
         srv.stop()
 
@@ -300,3 +308,84 @@ def test_an_agent_loop_continues_a_stored_call_with_its_output(smol_live):
     assert answer.output_text == want.choices[0].message.content and answer.output_text
     cached = answer.usage.input_tokens_details.cached_tokens  # the first turn's blocks, from the prefix cache
     assert first.usage.input_tokens - 16 <= cached < answer.usage.input_tokens
+
+
+# ---- conversations (conversations.py) -----------------------------------------------------------------------
+def test_a_response_in_a_conversation_reads_its_items_and_joins_them(rt_live):
+    c = client(rt_live)
+    conv = c.conversations.create(items=[{"role": "user", "content": "One."},
+                                         {"type": "message", "role": "assistant", "content": "Two."}],
+                                  metadata={"topic": "counting"})
+    assert conv.id.startswith("conv_") and conv.metadata == {"topic": "counting"}
+    r = c.responses.create(input=QUESTION, conversation=conv.id, max_output_tokens=8, temperature=0)
+    talk = [{"role": "user", "content": "One."}, {"role": "assistant", "content": "Two."},
+            {"role": "user", "content": QUESTION}]
+    assert r.output_text == chat_completion(rt_live, talk, max_tokens=8, temperature=0)[
+        "choices"][0]["message"]["content"]
+    assert r.conversation.id == conv.id
+    items = c.conversations.items.list(conv.id, order="asc").data
+    assert [(i.role, i.content[0].text) for i in items] == [("user", "One."), ("assistant", "Two."),
+                                                            ("user", QUESTION), ("assistant", r.output_text)]
+    with c.responses.stream(model="tiny", input="More?", conversation={"id": conv.id}, max_output_tokens=8,
+                            temperature=0) as s:
+        second = list(s)[-1].response
+    talk += [{"role": "assistant", "content": r.output_text}, {"role": "user", "content": "More?"}]
+    assert second.output_text == chat_completion(rt_live, talk, max_tokens=8, temperature=0)[
+        "choices"][0]["message"]["content"]
+    added = c.conversations.items.create(conv.id, items=[{"type": "message", "role": "user", "content": "Aside."}])
+    aside = added.data[0]
+    assert c.conversations.items.retrieve(aside.id, conversation_id=conv.id).content[0].text == "Aside."
+    assert len(c.conversations.items.list(conv.id).data) == 7
+    assert c.conversations.items.delete(aside.id, conversation_id=conv.id).id == conv.id
+    with pytest.raises(openai.NotFoundError):
+        c.conversations.items.retrieve(aside.id, conversation_id=conv.id)
+    assert c.conversations.update(conv.id, metadata={"topic": "colours"}).metadata == {"topic": "colours"}
+    assert c.conversations.retrieve(conv.id).metadata == {"topic": "colours"}
+    with pytest.raises(openai.BadRequestError, match="not both"):
+        c.responses.create(input="x", conversation=conv.id, previous_response_id=r.id, max_output_tokens=2)
+    assert c.conversations.delete(conv.id).deleted
+    for call in (lambda: c.conversations.retrieve(conv.id), lambda: c.conversations.items.list(conv.id),
+                 lambda: c.responses.create(input="x", conversation=conv.id, max_output_tokens=2)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+
+
+@pytest.mark.parametrize("path,body,says", [
+    ("/v1/conversations", {"metadata": {"k": 1}}, "metadata"),
+    ("/v1/conversations", {"metadata": {str(k): "v" for k in range(17)}}, "metadata"),
+    ("/v1/conversations", {"items": [{"role": "user", "content": "x"}] * 21}, "at most 20"),
+    ("/v1/conversations", {"items": [{"type": "web_search_call"}]}, "web_search_call"),
+    ("/v1/conversations", {"bogus": 1}, "bogus"),
+    ("/v1/responses", {"input": "x", "conversation": {"id": 1}}, "conversation"),
+])
+def test_bad_conversation_requests_are_400s(rt_live, path, body, says):
+    r = httpx.post(rt_live.url + path, json=body, timeout=30)
+    assert r.status_code == 400 and says in r.text, r.text
+    assert len(httpx.post(rt_live.url + "/v1/conversations", json={}, timeout=30).json()["id"]) > 40
+
+
+def test_conversations_keep_each_keys_share():
+    from specdec.server.conversations import Conversations
+    store = Conversations(3000, tenants=2)
+    a = store.create(b"a", None, [{"role": "user", "content": "x" * 400}])
+    b = store.create(b"b", None, [{"role": "user", "content": "y" * 400}])
+    later = store.create(b"a", None, [{"role": "user", "content": "z" * 400}])
+    store.get(b"a", a.id)  # used: `later` is now the least recently used of key a
+    store.add(b"a", a.id, [{"role": "assistant", "content": "w" * 800}])
+    assert [c for c in store._by_tenant[b"a"]] == [a.id] and store.get(b"b", b.id)  # a's own share, b untouched
+    store.add(b"a", a.id, [{"role": "user", "content": "v" * 1600}])  # alone over the share: it leaves too
+    assert not store._by_tenant[b"a"] and store.get(b"b", b.id) and later.id not in store._by_tenant[b"a"]
+
+
+def test_text_that_is_not_unicode_is_echoed_escaped_never_a_500(rt_live):
+    """A lone surrogate (valid JSON, invalid UTF-8) kept in a conversation or in a response's metadata comes back as
+    its escape (app.SafeJSON); before, encoding the answer failed: a 500."""
+    body = json.dumps({"items": [{"role": "user", "content": "a\ud800b"}]}).encode()
+    r = httpx.post(rt_live.url + "/v1/conversations", content=body, headers={"content-type": "application/json"},
+                   timeout=30)
+    items = httpx.get(f"{rt_live.url}/v1/conversations/{r.json()['id']}/items", timeout=30)
+    assert items.status_code == 200 and '"a\\ud800b"' in items.text
+    body = json.dumps({"input": "Hi", "max_output_tokens": 2, "metadata": {"k": "\udfff"}}).encode()
+    r = httpx.post(rt_live.url + "/v1/responses", content=body, headers={"content-type": "application/json"},
+                   timeout=30)
+    assert r.status_code == 200 and r.json()["metadata"] == {"k": "\udfff"}

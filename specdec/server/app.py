@@ -5,6 +5,7 @@ OpenAI-style error object."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import secrets
@@ -24,17 +25,29 @@ from ..errors import InvalidRequest, SpecDecError
 from ..fim import fim_prompt
 from ..penalties import penalties
 from ..sampling import SEED_RANGE
-from . import anthropic_api, llama_compat, reasoning, responses_api, tools
+from . import anthropic_api, conversations, llama_compat, reasoning, responses_api, tools
 from .api_errors import APIError, as_api_error, error_body
 from .guard import Guard
 from .metrics import Metrics
 from .openai_format import echo_logprobs, logprobs, spec_stats, usage
+from .conversations import Conversations
 from .response_store import ResponseStore
 from .schemas import ChatRequest, CompletionRequest
 from .streaming import collect, sse
 from .worker import BatchWorker, Busy, Worker
 
 log = logging.getLogger("specdec.server")
+
+
+class SafeJSON(JSONResponse):
+    """A JSON answer that can always be sent: text that is not valid Unicode (a lone surrogate a client sent, kept in
+    a conversation or in metadata) goes out as its \\u escape instead of failing the UTF-8 encoding (a 500)."""
+
+    def render(self, content) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
 
 
 def _warm_grammars(decoder) -> None:
@@ -76,7 +89,7 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
     worker.wait_ready()
     decoder = worker.decoder
     threading.Thread(target=_warm_grammars, args=(decoder,), daemon=True).start()
-    app = FastAPI(title="specdec", docs_url=None, redoc_url=None)
+    app = FastAPI(title="specdec", docs_url=None, redoc_url=None, default_response_class=SafeJSON)
     app.state.metrics, app.state.worker, app.state.decoder = metrics, worker, decoder
 
     def shutdown():
@@ -314,7 +327,9 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
 
     llama_compat.add_routes(app, _serve, _fim, overdue, decoder, model_name, decoder.context_window)
     app.state.responses = ResponseStore(int(response_store_mb * 2**20), keys)  # a share per key
-    responses_api.add_routes(app, _serve, overdue, decoder, model_name, app.state.responses)
+    app.state.conversations = Conversations(int(response_store_mb * 2**20), keys)
+    responses_api.add_routes(app, _serve, overdue, decoder, model_name, app.state.responses, app.state.conversations)
+    conversations.add_routes(app, app.state.conversations)
     anthropic_api.add_routes(app, _serve, overdue, decoder, model_name)
     return app
 

@@ -7,8 +7,9 @@ events or not.
 `reasoning` items sent back are skipped, as thinking templates drop earlier turns' reasoning), `instructions` the
 system message. A response is stored unless the request says `store: false` (response_store.py: per API key, in
 memory, bounded): `previous_response_id` continues its conversation (its instructions are not carried on, as on
-OpenAI's), and GET / DELETE /v1/responses/{id} and GET /v1/responses/{id}/input_items read and remove it.
-`conversation`, `background`, `prompt` and item references need state this server does not keep: 400s that say so.
+OpenAI's), and GET / DELETE /v1/responses/{id} and GET /v1/responses/{id}/input_items read and remove it. Or a
+response is made in a `conversation` (conversations.py), whose items it reads first and then joins.
+`background`, `prompt` and item references need state this server does not keep: 400s that say so.
 
 A thinking model's reasoning (reasoning.py) comes back as a `reasoning` item (its text as `reasoning_text`, streamed
 as `response.reasoning_text.delta` events) before the message or calls; `reasoning.effort: "none"` sets the
@@ -30,6 +31,8 @@ from ..sampling import MAX_TEMPERATURE, SEED_RANGE
 from . import reasoning, tools
 from .api_errors import APIError, validated
 from .openai_format import logprobs, spec_stats
+from .conversations import Conversations, conversation_id
+from .response_items import as_items, as_messages, page
 from .response_store import ResponseStore, Stored
 from .schemas import ChatRequest
 from .streaming import collect, pieces
@@ -69,34 +72,19 @@ class ResponsesRequest(BaseModel):
     safety_identifier: str | None = None
     max_tool_calls: int | None = None
     stream_options: dict | None = None
+    conversation: str | dict | None = None  # conversations.py
     # what needs state this server does not keep: refused by name (unstored)
-    conversation: str | dict | None = None
     background: bool | None = None
     prompt: dict | None = None
 
 
 def unstored(req: ResponsesRequest) -> None:
-    for name in ("conversation", "prompt"):
+    for name in ("prompt",):
         if getattr(req, name) is not None:
             raise APIError(400, f"{name} needs stored state, which this server does not keep: send the whole "
                                 "conversation as input")
     if req.background:
         raise APIError(400, "background responses are not supported by this server (send background unset)")
-
-
-def _text(content, where: str) -> str:
-    """A message's content: a string, or text parts (input_text / output_text) joined."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise APIError(400, f"{where}: content must be a string or a list of text parts")
-    texts = []
-    for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-            raise APIError(400, f"{where}: content part type {str(kind)[:40]!r} is not supported (text parts only)")
-        texts.append(part["text"])
-    return "\n".join(texts)
 
 
 def chat_messages(req: ResponsesRequest, history: list[dict] = ()) -> list[dict]:
@@ -107,54 +95,9 @@ def chat_messages(req: ResponsesRequest, history: list[dict] = ()) -> list[dict]
         as_messages(items, "input")
 
 
-def as_messages(items: list, where: str) -> list[dict]:
-    """Items (an input's, or a stored response's output) as chat messages, earlier calls as an assistant's
-    tool_calls."""
-    out = []
-    for k, item in enumerate(items):
-        at = f"{where}[{k}]"
-        kind = item.get("type", "message") if isinstance(item, dict) else None
-        if kind == "message":
-            if item.get("role") not in ("user", "system", "developer", "assistant"):
-                raise APIError(400, f"{at}: role must be user, system, developer or assistant")
-            out.append({"role": item["role"], "content": _text(item.get("content"), at)})
-        elif kind == "function_call":
-            if not all(isinstance(item.get(f), str) for f in ("call_id", "name", "arguments")):
-                raise APIError(400, f"{at}: a function_call needs call_id, name and arguments (strings)")
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]}}
-            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
-                out[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
-            else:
-                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            if not isinstance(item.get("call_id"), str):
-                raise APIError(400, f"{at}: a function_call_output needs its call_id")
-            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": _text(item.get("output"), at)})
-        elif kind == "reasoning":
-            continue  # another model's reasoning: nothing here reads it
-        else:
-            raise APIError(400, f"{at}: input items of type {str(kind)[:40]!r} are not supported (message, "
-                                "function_call, function_call_output)")
-    return out
-
-
-ID_PREFIX = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_", "reasoning": "rs_"}
-
-
 def input_items(req: ResponsesRequest) -> list[dict]:
-    """The request's input as the items GET /v1/responses/{id}/input_items lists: typed, with ids, text as parts."""
-    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
-    out = []
-    for item in items:
-        item = {"type": "message", **item}
-        if item["type"] == "message" and isinstance(item.get("content"), str):
-            part = "output_text" if item.get("role") == "assistant" else "input_text"
-            item["content"] = [{"type": part, "text": item["content"]}]
-        item.setdefault("id", ID_PREFIX.get(item["type"], "item_") + secrets.token_hex(12))
-        item.setdefault("status", "completed")
-        out.append(item)
-    return out
+    """The request's input as the items GET /v1/responses/{id}/input_items lists."""
+    return as_items([{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input)
 
 
 def chat_tools(req: ResponsesRequest):
@@ -295,6 +238,8 @@ class Answer:
                 "tool_choice": self.req.tool_choice or "auto", "parallel_tool_calls": False,
                 "text": self.req.text or {"format": {"type": "text"}},
                 "previous_response_id": self.req.previous_response_id,
+                "conversation": None if self.req.conversation is None else {
+                    "id": conversation_id(self.req.conversation)},
                 "reasoning": {"effort": None, "summary": None}, "store": self.stored,
                 "truncation": self.req.truncation or "disabled",
                 "metadata": self.req.metadata or {}, "usage": None}
@@ -309,14 +254,20 @@ class Answer:
         return body
 
 
-def add_routes(app, serve, overdue, decoder, model_name: str, store: ResponseStore) -> None:
+def add_routes(app, serve, overdue, decoder, model_name: str, store: ResponseStore,
+               conversations: Conversations) -> None:
     """POST /v1/responses on `app`, through `serve` (app.py's chat path) with its own `respond`; the stored
-    responses' routes over `store`."""
+    responses' routes over `store`; a response's `conversation` in `conversations`."""
 
     def tenant(request: Request) -> bytes:
         return getattr(request.state, "tenant", b"")  # the API key's (guard.py)
 
     def history(req, request: Request) -> list[dict]:
+        """The conversation a response continues: its previous response's chain, or its conversation's items."""
+        if req.conversation is not None:
+            if req.previous_response_id is not None:
+                raise APIError(400, "send previous_response_id or conversation, not both")
+            return conversations.messages(tenant(request), conversation_id(req.conversation))
         return [] if req.previous_response_id is None else store.history(tenant(request), req.previous_response_id)
 
     @app.post("/v1/responses")
@@ -331,6 +282,12 @@ def add_routes(app, serve, overdue, decoder, model_name: str, store: ResponseSto
             if answer.stored:
                 added = as_messages(items, "input") + as_messages(body["output"], "output")
                 store.put(tenant(request), Stored(answer.id, req.previous_response_id, added, items, body))
+            if req.conversation is not None:  # its input and output join the conversation (unless it has left)
+                try:
+                    conversations.add(tenant(request), conversation_id(req.conversation), items + body["output"],
+                                      limit=None, fresh_ids=True)
+                except APIError:
+                    pass  # deleted or evicted while this response ran: nothing to add to
 
         async def respond(jobs, encoded, prompts):
             answer = Answer(jobs[0], req, chat, model_name, decoder, encoded[0])
@@ -361,16 +318,7 @@ def add_routes(app, serve, overdue, decoder, model_name: str, store: ResponseSto
     async def list_input_items(response_id: str, request: Request, limit: int = Query(20, ge=1, le=100),
                                order: Literal["asc", "desc"] = "desc", after: str | None = None):
         """A stored response's input items, OpenAI's cursor page (newest first unless order=asc; `after` an id)."""
-        items = store.get(tenant(request), response_id).input_items
-        items = items if order == "asc" else items[::-1]
-        if after is not None:
-            at = [k for k, item in enumerate(items) if item["id"] == after]
-            if not at:
-                raise APIError(400, f"after: no input item {after[:80]!r} in response {response_id[:80]!r}")
-            items = items[at[0] + 1:]
-        page = items[:limit]
-        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+        return page(store.get(tenant(request), response_id).input_items, limit, order, after)
 
     @app.post("/v1/responses/input_tokens")
     async def input_tokens(req: InputTokensRequest, request: Request):
