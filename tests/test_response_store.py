@@ -15,7 +15,7 @@ steps = st.lists(st.tuples(st.sampled_from(["put", "get", "history", "delete"]),
 def stored(n: int, previous: int | None, size: int) -> Stored:
     return Stored(f"resp_{n}", None if previous is None else f"resp_{previous}",
                   [{"role": "user", "content": f"q{n}" + "x" * size}, {"role": "assistant", "content": f"a{n}"}],
-                  [], {"id": f"resp_{n}"})
+                  [], {"id": f"resp_{n}", "status": "completed"})
 
 
 @settings(max_examples=300, deadline=None)

@@ -8,7 +8,7 @@ import json
 import httpx
 import openai
 import pytest
-from test_server import chat_completion
+from test_server import chat_completion, slow_server  # noqa: F401 - a fixture
 
 QUESTION = "Name a colour."
 
@@ -91,7 +91,7 @@ def test_logprobs_are_the_chat_completions(rt_live):
 
 @pytest.mark.parametrize("body,says", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"background": True}, "background"),
+    ({"background": True, "store": False}, "background"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input_image"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "item_reference"),
     ({"input": [{"role": "robot", "content": "x"}]}, "role"),
@@ -108,7 +108,8 @@ def test_bad_requests_are_400s_that_say_why(rt_live, body, says):
     assert r.status_code == 400 and says in r.text, r.text
     with pytest.raises(openai.BadRequestError):
         client(rt_live).responses.create(**{"input": QUESTION, **{k: v for k, v in body.items()
-                                                               if k in ("previous_response_id", "background")}},
+                                                               if k in ("previous_response_id", "background",
+                                                                        "store")}},
                                       **({} if set(body) & {"previous_response_id", "background"} else
                                          {"extra_body": body}))
 
@@ -389,3 +390,49 @@ def test_text_that_is_not_unicode_is_echoed_escaped_never_a_500(rt_live):
     r = httpx.post(rt_live.url + "/v1/responses", content=body, headers={"content-type": "application/json"},
                    timeout=30)
     assert r.status_code == 200 and r.json()["metadata"] == {"k": "\udfff"}
+
+
+# ---- background responses ---------------------------------------------------------------------------------------
+def poll(c, response_id, until=("completed", "incomplete", "failed", "cancelled")):
+    from test_server import wait_for
+    wait_for(lambda: c.responses.retrieve(response_id).status in until, f"response {response_id} in {until}")
+    return c.responses.retrieve(response_id)
+
+
+def test_a_background_response_is_polled_to_the_same_answer(rt_live):
+    c = client(rt_live)
+    queued = c.responses.create(input=QUESTION, background=True, max_output_tokens=8, temperature=0)
+    assert queued.status == "queued" and queued.background and queued.output == []
+    done = poll(c, queued.id)
+    assert done.status == "incomplete" and done.output_text == c.responses.create(
+        input=QUESTION, max_output_tokens=8, temperature=0).output_text
+    follow = c.responses.create(input="More?", previous_response_id=queued.id, max_output_tokens=4, temperature=0)
+    assert follow.previous_response_id == queued.id
+    with pytest.raises(openai.BadRequestError, match="Only background"):
+        c.responses.cancel(follow.id)
+    assert c.responses.cancel(queued.id).status == "incomplete"  # ended: returned as it is
+    for body, says in (({"stream": True}, "background"), ({"store": False}, "background")):
+        r = httpx.post(rt_live.url + "/v1/responses", json={"input": "x", "background": True, **body}, timeout=30)
+        assert r.status_code == 400 and says in r.text
+
+
+def test_a_background_response_is_cancelled_where_it_is(slow_server):  # noqa: F811 - the fixture
+    """The drafter's gate holds the job: cancelled, it says so, stops, leaves the queue, and cannot be continued;
+    one deleted while it runs stops too."""
+    from test_server import queue_depth, wait_for
+    slow = slow_server(max_queue=4)
+    gate = slow.app.state.decoder.engine.drafter.gate
+    c = client(slow)
+    gate.clear()
+    queued = c.responses.create(input="Hello", background=True, max_output_tokens=60, temperature=0)
+    wait_for(lambda: queue_depth(slow) == 1, "the job is queued")
+    assert c.responses.cancel(queued.id).status == "cancelled"
+    dropped = c.responses.create(input="Hi", background=True, max_output_tokens=60, temperature=0)
+    c.responses.delete(dropped.id)
+    gate.set()
+    wait_for(lambda: queue_depth(slow) == 0, "both jobs leave")
+    assert c.responses.retrieve(queued.id).status == "cancelled"
+    with pytest.raises(openai.BadRequestError, match="cancelled"):
+        c.responses.create(input="x", previous_response_id=queued.id, max_output_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(dropped.id)

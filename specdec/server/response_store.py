@@ -12,6 +12,7 @@ its input_items), in this process's memory.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -84,6 +85,9 @@ class ResponseStore:
                 raise APIError(400, f"previous_response_id: previous response with id '{at[:80]}'{which} not found: "
                                     "never stored under this key, deleted, or evicted (serve --response-store-mb)",
                                code="previous_response_not_found")
+            if found.response.get("status") not in ("completed", "incomplete"):
+                raise APIError(400, f"previous_response_id: response '{at[:80]}' is {found.response.get('status')}: "
+                                    "only a finished response can be continued")
             chain.append(found)
             at = found.previous
         for s in chain:  # used: the chain stays together in the least-recently-used order
@@ -94,3 +98,25 @@ class ResponseStore:
         found = self.get(tenant, response_id)
         del self._items[tenant][found.id]
         self._bytes[tenant] -= found.size
+
+
+class Background:
+    """Responses generated after their request returned (OpenAI's background mode): the job and the task that
+    collects it, by (key, id), until it ends or is cancelled."""
+
+    def __init__(self):
+        self._running: dict[tuple[bytes, str], tuple] = {}
+
+    def start(self, key: tuple[bytes, str], job, work) -> None:
+        task = asyncio.create_task(work)
+        self._running[key] = (job, task)
+        task.add_done_callback(lambda _: self._running.pop(key, None))
+
+    def cancel(self, key: tuple[bytes, str]) -> bool:
+        """Stop it (the job leaves the batch at its next cycle); False if it is not running."""
+        running = self._running.pop(key, None)
+        if running is None:
+            return False
+        running[0].cancel()
+        running[1].cancel()
+        return True

@@ -8,8 +8,9 @@ events or not.
 system message. A response is stored unless the request says `store: false` (response_store.py: per API key, in
 memory, bounded): `previous_response_id` continues its conversation (its instructions are not carried on, as on
 OpenAI's), and GET / DELETE /v1/responses/{id} and GET /v1/responses/{id}/input_items read and remove it. Or a
-response is made in a `conversation` (conversations.py), whose items it reads first and then joins.
-`background`, `prompt` and item references need state this server does not keep: 400s that say so.
+response is made in a `conversation` (conversations.py), whose items it reads first and then joins. A `background`
+response is returned queued and generated with no client waiting, then polled (or cancelled). `prompt` and item
+references need state this server does not keep: 400s that say so.
 
 A thinking model's reasoning (reasoning.py) comes back as a `reasoning` item (its text as `reasoning_text`, streamed
 as `response.reasoning_text.delta` events) before the message or calls; `reasoning.effort: "none"` sets the
@@ -33,7 +34,7 @@ from .api_errors import APIError, validated
 from .openai_format import logprobs, spec_stats
 from .conversations import Conversations, conversation_id
 from .response_items import as_items, as_messages, page
-from .response_store import ResponseStore, Stored
+from .response_store import Background, ResponseStore, Stored
 from .schemas import ChatRequest
 from .streaming import collect, pieces
 
@@ -83,8 +84,9 @@ def unstored(req: ResponsesRequest) -> None:
         if getattr(req, name) is not None:
             raise APIError(400, f"{name} needs stored state, which this server does not keep: send the whole "
                                 "conversation as input")
-    if req.background:
-        raise APIError(400, "background responses are not supported by this server (send background unset)")
+    if req.background and (req.stream or not req.store):
+        raise APIError(400, "background: a background response is stored and polled (GET /v1/responses/{id}): send "
+                            "it with store and without stream")
 
 
 def chat_messages(req: ResponsesRequest, history: list[dict] = ()) -> list[dict]:
@@ -241,6 +243,7 @@ class Answer:
                 "conversation": None if self.req.conversation is None else {
                     "id": conversation_id(self.req.conversation)},
                 "reasoning": {"effort": None, "summary": None}, "store": self.stored,
+                "background": bool(self.req.background),
                 "truncation": self.req.truncation or "disabled",
                 "metadata": self.req.metadata or {}, "usage": None}
         if result is not None:
@@ -257,7 +260,8 @@ class Answer:
 def add_routes(app, serve, overdue, decoder, model_name: str, store: ResponseStore,
                conversations: Conversations) -> None:
     """POST /v1/responses on `app`, through `serve` (app.py's chat path) with its own `respond`; the stored
-    responses' routes over `store`; a response's `conversation` in `conversations`."""
+    responses' routes over `store`; a response's `conversation` in `conversations`; background responses."""
+    background = Background()
 
     def tenant(request: Request) -> bytes:
         return getattr(request.state, "tenant", b"")  # the API key's (guard.py)
@@ -289,9 +293,42 @@ def add_routes(app, serve, overdue, decoder, model_name: str, store: ResponseSto
                 except APIError:
                     pass  # deleted or evicted while this response ran: nothing to add to
 
+        async def run_in_background(answer: Answer, job) -> None:
+            """Collect the job with no client waiting; the stored response goes from queued to in_progress to its
+            end (completed, incomplete, or failed with the error), unless it was deleted meanwhile."""
+            key = tenant(request)
+
+            def mark(status: str) -> dict | None:
+                try:
+                    stored = store.get(key, answer.id)
+                except APIError:
+                    return None  # deleted: nothing to update
+                stored.response["status"] = status
+                return stored.response
+            try:
+                text, result = await collect(job, None, overdue, on_first=lambda: mark("in_progress"))
+                status = "incomplete" if result.finish_reason == "length" else "completed"
+                body = answer.response(status, answer.items(decoder, text, result), result)
+            except APIError as e:
+                failed = mark("failed")
+                if failed is not None:
+                    failed["error"] = {"code": e.code or e.type, "message": e.message}
+                return
+            if mark(body["status"]) is not None:
+                keep(answer, body)
+
         async def respond(jobs, encoded, prompts):
             answer = Answer(jobs[0], req, chat, model_name, decoder, encoded[0])
             answer.stored = req.store and store.enabled
+            if req.background:
+                if not answer.stored:
+                    jobs[0].cancel()
+                    raise APIError(400, "background: this server stores no responses (serve --response-store-mb 0, "
+                                        "or replicas behind Ray), so none can be polled")
+                queued = answer.response("queued", [])
+                store.put(tenant(request), Stored(answer.id, req.previous_response_id, [], items, queued))
+                background.start((tenant(request), answer.id), jobs[0], run_in_background(answer, jobs[0]))
+                return queued
             if req.stream:
                 return StreamingResponse(_events(decoder, jobs[0], answer, overdue, keep),
                                          media_type="text/event-stream")
@@ -312,7 +349,18 @@ def add_routes(app, serve, overdue, decoder, model_name: str, store: ResponseSto
     @app.delete("/v1/responses/{response_id}")
     async def delete(response_id: str, request: Request):
         store.delete(tenant(request), response_id)
+        background.cancel((tenant(request), response_id))  # a background one still running stops
         return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel(response_id: str, request: Request):
+        """A background response stops where it is (status cancelled); one that has ended is returned as it is."""
+        stored = store.get(tenant(request), response_id)
+        if not stored.response.get("background"):
+            raise APIError(400, "Only background responses can be cancelled.")
+        if background.cancel((tenant(request), response_id)):
+            stored.response["status"] = "cancelled"
+        return stored.response
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def list_input_items(response_id: str, request: Request, limit: int = Query(20, ge=1, le=100),

@@ -14,13 +14,14 @@ from .openai_format import logprobs, spec_stats, usage
 from .reasoning import ReasoningSplit, count
 
 
-async def collect(job, request, overdue):
-    """A job's text and result; None when the client hung up. `overdue(job)`: the error of a job past its deadline
-    or on a dead worker, else None."""
+async def collect(job, request, overdue, on_first=None):
+    """A job's text and result; None when the client hung up (`request` None: no client waits, a background
+    response). `overdue(job)`: the error of a job past its deadline or on a dead worker, else None. `on_first()` is
+    called when the first text comes."""
     text, result, checked = [], None, time.monotonic()
     try:
         while True:
-            if time.monotonic() - checked > 0.5:  # notice a client that hung up while it waits or runs
+            if request is not None and time.monotonic() - checked > 0.5:  # a client that hung up while it waits
                 checked = time.monotonic()
                 if await request.is_disconnected():
                     return None
@@ -34,6 +35,8 @@ async def collect(job, request, overdue):
                 break
             if ev == "error":
                 raise as_api_error(payload)
+            if on_first is not None and not text:
+                on_first()
             text.append(payload.text)
             result = payload.result or result
     finally:
