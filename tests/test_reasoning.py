@@ -191,14 +191,14 @@ def test_the_responses_stream_has_the_reasoning_item_first_as_its_client_accumul
     from openai.lib.streaming.responses import ResponseStreamState
     from openai.types.responses import ResponseStreamEvent
 
-    from specdec.server import responses_api
+    from specdec.server import responses_api, responses_events
     req = responses_api.ResponsesRequest(input="x", max_output_tokens=40)
     chat = responses_api.as_chat(req)
     prompt = thinking_decoder.encode([{"role": "user", "content": "x"}])
     for chunks, result in scripted_streams(thinking_decoder):
         answer = responses_api.Answer(ScriptedJob(chunks, result), req, chat, "smol", thinking_decoder, prompt)
         state, done = ResponseStreamState(input_tools=[], text_format=openai_omit()), None
-        for e in events_of(responses_api._events(thinking_decoder, ScriptedJob(chunks, result), answer,
+        for e in events_of(responses_events.events(thinking_decoder, ScriptedJob(chunks, result), answer,
                                                  lambda job: None)):
             state.handle_event(construct_type(type_=ResponseStreamEvent, value=e))
             done = e.get("response") if e["type"] == "response.completed" else done

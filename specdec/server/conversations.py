@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .api_errors import APIError
 from .response_items import as_items, as_messages, page
+from .response_store import used
 
 MAX_ITEMS_A_CALL = 20  # items a create or an add takes at once (OpenAI's limit)
 
@@ -69,12 +70,8 @@ class Conversations:
 
     def get(self, tenant: bytes, conversation_id: str) -> Conversation:
         """The conversation (marked used), or a 404 as OpenAI's for an id this key does not have."""
-        mine = self._by_tenant.get(tenant, {})
-        found = mine.get(conversation_id)
-        if found is None:
-            raise APIError(404, f"Conversation with id '{conversation_id[:80]}' not found.", code="not_found")
-        mine.move_to_end(conversation_id)
-        return found
+        return used(self._by_tenant.get(tenant, {}), conversation_id,
+                    f"Conversation with id '{conversation_id[:80]}' not found.")
 
     def delete(self, tenant: bytes, conversation_id: str) -> None:
         found = self.get(tenant, conversation_id)  # (a 404 before the key's table is looked at)

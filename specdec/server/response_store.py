@@ -33,6 +33,15 @@ class Stored:
         self.size = sum(len(json.dumps(part)) for part in (self.messages, self.input_items, self.response))
 
 
+def used(table: dict, key: str, missing: str):
+    """table[key], marked most recently used (an OrderedDict's end); a 404 saying `missing` where it is not there."""
+    found = table.get(key)
+    if found is None:
+        raise APIError(404, missing, code="not_found")
+    table.move_to_end(key)
+    return found
+
+
 class ResponseStore:
     def __init__(self, max_bytes: int, tenants: int = 1):
         self.max_bytes, self.share = max_bytes, max_bytes // max(1, tenants)
@@ -63,12 +72,7 @@ class ResponseStore:
 
     def get(self, tenant: bytes, response_id: str) -> Stored:
         """The stored response (marked used), or a 404 as OpenAI's for an id this key never stored."""
-        items = self._items.get(tenant, {})
-        found = items.get(response_id)
-        if found is None:
-            raise APIError(404, f"No response found with id '{response_id[:80]}'.", code="not_found")
-        items.move_to_end(response_id)
-        return found
+        return used(self._items.get(tenant, {}), response_id, f"No response found with id '{response_id[:80]}'.")
 
     def history(self, tenant: bytes, previous_id: str) -> list[dict]:
         """The chat messages of the conversation up to and including response `previous_id`, oldest first."""
