@@ -340,6 +340,9 @@ def test_a_response_in_a_conversation_reads_its_items_and_joins_them(rt_live):
     assert c.conversations.items.delete(aside.id, conversation_id=conv.id).id == conv.id
     with pytest.raises(openai.NotFoundError):
         c.conversations.items.retrieve(aside.id, conversation_id=conv.id)
+    stored = rt_live.metrics()  # the stores' bytes at each scrape
+    assert stored[("specdec_stored_bytes", (("kind", "conversations"),))] > 0
+    assert stored[("specdec_stored_bytes", (("kind", "responses"),))] > 0
     assert c.conversations.update(conv.id, metadata={"topic": "colours"}).metadata == {"topic": "colours"}
     assert c.conversations.retrieve(conv.id).metadata == {"topic": "colours"}
     with pytest.raises(openai.BadRequestError, match="not both"):

@@ -55,6 +55,10 @@ class Conversations:
     def enabled(self) -> bool:
         return self.max_bytes > 0
 
+    @property
+    def bytes(self) -> int:
+        return sum(c.size for mine in self._by_tenant.values() for c in mine.values())
+
     def _check_enabled(self) -> None:
         if not self.enabled:
             raise APIError(400, "this server keeps no conversations (serve --response-store-mb 0, or replicas behind "

@@ -29,6 +29,8 @@ class Metrics:
         self.batch_rows = Histogram("specdec_batch_rows", "Rows per target pass (all requests' tokens and drafts)",
                                     buckets=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128), registry=r)
         self.running = Gauge("specdec_requests_running", "Requests in the running batch", registry=r)
+        self.stored = Gauge("specdec_stored_bytes", "Stored responses and conversations (their JSON), by kind",
+                            ["kind"], registry=r)
         self.waiting = Gauge("specdec_requests_waiting", "Requests queued for a place in the batch", registry=r)
         # the same two figures under the names inference gateways and routers scrape (vLLM's)
         self.running_alias = Gauge("vllm:num_requests_running", "Alias of specdec_requests_running", registry=r)
