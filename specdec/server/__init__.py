@@ -17,9 +17,9 @@ def cmd_serve(args) -> int:
     seed_from_os()  # unseeded answers differ across restarts
 
     if not 0 < args.port < 65536 or args.max_queue < 1 or args.timeout <= 0 or args.max_tau < 0 or (
-            args.kv_memory is not None and not args.kv_memory > 0):
-        raise InvalidRequest("--port must be 1-65535, --max-queue >= 1, --timeout > 0, --max-tau >= 0 and "
-                             "--kv-memory > 0")
+            args.kv_memory is not None and not args.kv_memory > 0) or not args.response_store_mb >= 0:
+        raise InvalidRequest("--port must be 1-65535, --max-queue >= 1, --timeout > 0, --max-tau >= 0, "
+                             "--kv-memory > 0 and --response-store-mb >= 0")
     if args.ray:
         from .ray_serve import run
         run(dict(target=args.target, draft=args.draft, tau=args.tau, policy=args.policy, backend=args.backend,
