@@ -370,15 +370,19 @@ def test_bad_conversation_requests_are_400s(rt_live, path, body, says):
 
 def test_conversations_keep_each_keys_share():
     from specdec.server.conversations import Conversations
-    store = Conversations(3000, tenants=2)
+    store = Conversations(6000, tenants=2)  # 3,000 bytes a key
     a = store.create(b"a", None, [{"role": "user", "content": "x" * 400}])
     b = store.create(b"b", None, [{"role": "user", "content": "y" * 400}])
     later = store.create(b"a", None, [{"role": "user", "content": "z" * 400}])
     store.get(b"a", a.id)  # used: `later` is now the least recently used of key a
-    store.add(b"a", a.id, [{"role": "assistant", "content": "w" * 800}])
+    store.add(b"a", a.id, [{"role": "assistant", "content": "w" * 1400}])
     assert [c for c in store._by_tenant[b"a"]] == [a.id] and store.get(b"b", b.id)  # a's own share, b untouched
-    store.add(b"a", a.id, [{"role": "user", "content": "v" * 1600}])  # alone over the share: it leaves too
+    store.add(b"a", a.id, [{"role": "user", "content": "v" * 3000}])  # alone over the share: it leaves too
     assert not store._by_tenant[b"a"] and store.get(b"b", b.id) and later.id not in store._by_tenant[b"a"]
+    for _ in range(100):  # empty conversations count too: a flood of them stays within the share
+        store.create(b"a", {"k": "v"}, [])
+    assert 0 < len(store._by_tenant[b"a"]) < 10 and sum(c.size for c in store._by_tenant[b"a"].values()) <= 3000
+    assert store.get(b"b", b.id)
 
 
 def test_text_that_is_not_unicode_is_echoed_escaped_never_a_500(rt_live):

@@ -23,6 +23,7 @@ from .response_items import as_items, as_messages, page
 from .response_store import used
 
 MAX_ITEMS_A_CALL = 20  # items a create or an add takes at once (OpenAI's limit)
+ENTRY_BYTES = 256  # a conversation's own bookkeeping, counted beside its JSON
 
 
 def checked_metadata(metadata: dict | None) -> dict:
@@ -40,10 +41,15 @@ class Conversation:
     created_at: int
     metadata: dict
     items: OrderedDict = field(default_factory=OrderedDict)  # id -> item, oldest first
-    size: int = 0
+    items_size: int = 0  # the items' JSON
 
     def body(self) -> dict:
         return {"id": self.id, "object": "conversation", "created_at": self.created_at, "metadata": self.metadata}
+
+    @property
+    def size(self) -> int:
+        """What it holds: its items and its own object (so that empty conversations too count against the share)."""
+        return self.items_size + len(json.dumps(self.body())) + ENTRY_BYTES
 
 
 class Conversations:
@@ -95,11 +101,21 @@ class Conversations:
                 added[k] = as_items([{key: v for key, v in item.items() if key != "id"}])[0]
         for item in added:
             conversation.items[item["id"]] = item
-        conversation.size += sum(len(json.dumps(item)) for item in added)
+        conversation.items_size += sum(len(json.dumps(item)) for item in added)
+        self._trim(tenant)
+        return added
+
+    def update(self, tenant: bytes, conversation_id: str, metadata: dict) -> Conversation:
+        conversation = self.get(tenant, conversation_id)
+        conversation.metadata = checked_metadata(metadata)
+        self._trim(tenant)
+        return conversation
+
+    def _trim(self, tenant: bytes) -> None:
+        """Within the key's share: its least recently used conversations leave first."""
         mine = self._by_tenant[tenant]
         while sum(c.size for c in mine.values()) > self.share and mine:
             mine.popitem(last=False)
-        return added
 
     def item(self, tenant: bytes, conversation_id: str, item_id: str) -> dict:
         found = self.get(tenant, conversation_id).items.get(item_id)
@@ -110,7 +126,7 @@ class Conversations:
     def delete_item(self, tenant: bytes, conversation_id: str, item_id: str) -> Conversation:
         conversation, item = self.get(tenant, conversation_id), self.item(tenant, conversation_id, item_id)
         del conversation.items[item_id]
-        conversation.size -= len(json.dumps(item))
+        conversation.items_size -= len(json.dumps(item))
         return conversation
 
     def messages(self, tenant: bytes, conversation_id: str) -> list[dict]:
@@ -164,9 +180,7 @@ def add_routes(app, conversations: Conversations) -> None:
 
     @app.post("/v1/conversations/{conversation_id}")
     async def update(conversation_id: str, req: UpdateConversation, request: Request):
-        conversation = conversations.get(tenant(request), conversation_id)
-        conversation.metadata = checked_metadata(req.metadata)
-        return conversation.body()
+        return conversations.update(tenant(request), conversation_id, req.metadata).body()
 
     @app.delete("/v1/conversations/{conversation_id}")
     async def delete(conversation_id: str, request: Request):
