@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from time import perf_counter
 
 from . import models
-from .constraints import Grammars
+from .constraints import Grammars, waiting_for_reasoning
 from .drafters import ModelDrafter, registry
 from .drafters.feature_files import is_feature_draft
 from .drafters.prediction import PRIOR, QUOTED_PRIOR, quoted_block
@@ -237,6 +237,9 @@ class SpecDecoder:
                            repetition_penalty, ids, repetition_window)
         if adjust is not None:  # a model draft adjusts its rows alike (it proposes what the adjusted target would)
             req.params = replace(req.params, penalties=adjust)
+        if chat and response_format is not None:  # a thinking model reasons first, the grammar shapes the answer
+            with self.tokenizer_lock:
+                response_format = waiting_for_reasoning(self.tokenizer, ids, response_format)
         grammar = self.grammars.constraint(response_format)
         req.constraint = adjust if grammar is None else grammar if adjust is None else Adjusted(grammar, adjust)
         req.logprobs, req.prompt_logprobs = logprobs, prompt_logprobs

@@ -22,6 +22,9 @@ from functools import cached_property
 import torch
 
 from .errors import InvalidRequest
+from .thinking import CLOSE as THINK_CLOSE
+from .thinking import OPEN as THINK_OPEN
+from .thinking import opens_inside, thinks
 
 
 class Grammars:
@@ -99,14 +102,20 @@ class Grammars:
         return Constraint(matcher, self.vocab_size)
 
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-
-
 def writes_tags(response_format: dict | None) -> bool:
     """Whether a format writes thinking tags itself (a GBNF or Lark grammar naming them): applied from the first
     token, never after the reasoning."""
     grammar = (response_format or {}).get("grammar")
     return isinstance(grammar, str) and (THINK_OPEN in grammar or THINK_CLOSE in grammar)
+
+
+def waiting_for_reasoning(tokenizer, prompt_ids: list[int], response_format: dict | None) -> dict | None:
+    """A chat prompt's format as it applies: after the reasoning where the template thinks (and the format does not
+    write the tags itself), else as it is."""
+    if response_format is None or response_format.get("type", "text") in ("text", "after_thinking") or \
+            not thinks(tokenizer) or writes_tags(response_format):
+        return response_format
+    return {"type": "after_thinking", "inside": opens_inside(tokenizer, prompt_ids), "format": response_format}
 
 
 def after_thinking(grammar: str, inside: bool) -> str:

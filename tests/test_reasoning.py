@@ -332,3 +332,5 @@ def test_a_grammar_after_the_reasoning_keeps_speculation_lossless(opened_live, t
     alone = SpecDecoder(draft="none", chat_template=THINKING, chat_template_kwargs={"opened": True}).generate(
         messages, **kw)
     assert with_drafts.token_ids == alone.token_ids and with_drafts.stats["target_passes"] < 24
+    # the API (and the CLI's --schema) wraps a plain format itself on a thinking template: the same tokens
+    assert sd.generate(messages, **{**kw, "response_format": SCHEMA}).token_ids == with_drafts.token_ids

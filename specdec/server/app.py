@@ -20,7 +20,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import models
 from ..drafters.base import save as save_drafter
-from ..constraints import writes_tags
 from ..errors import InvalidRequest, SpecDecError
 from ..fim import fim_prompt
 from ..penalties import penalties
@@ -224,11 +223,6 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
         else:
             response_format = req.response_format or (
                 {"type": "gbnf", "grammar": req.grammar} if req.grammar is not None else None)
-        if response_format is not None and kind == "chat" and reasoning.thinks(decoder.tokenizer) and \
-                not writes_tags(response_format):  # a thinking model reasons first, the grammar shapes the answer
-            with decoder.tokenizer_lock:
-                inside = reasoning.opens_inside(decoder.tokenizer, encoded[0])
-            response_format = {"type": "after_thinking", "inside": inside, "format": response_format}
         # a bias on a token the model lacks: a 400 before any stream starts (the worker checks again in prepare)
         penalties(decoder.model.config.vocab_size, req.presence_penalty or 0.0, req.frequency_penalty or 0.0,
                   req.logit_bias, req.repetition_penalty or 1.0)

@@ -10,19 +10,10 @@ open with `<think>` is left as it is.
 """
 from __future__ import annotations
 
-OPEN, CLOSE = "<think>", "</think>"
+from ..thinking import CLOSE, OPEN, opens_inside, thinks
+
+__all__ = ["CLOSE", "OPEN", "opens_inside", "thinks"]  # (and what follows)
 FORMATS = ("auto", "deepseek", "none")  # llama-server's reasoning_format names; deepseek is auto here
-
-
-def thinks(tokenizer) -> bool:
-    """Whether the chat template writes thinking tags (its answers may carry reasoning)."""
-    template = getattr(tokenizer, "chat_template", None)
-    return isinstance(template, str) and OPEN in template and CLOSE in template
-
-
-def opens_inside(tokenizer, prompt_ids: list[int]) -> bool:
-    """Whether the prompt ends with an open `<think>` (the answer starts as reasoning)."""
-    return tokenizer.decode(prompt_ids[-8:]).rstrip().endswith(OPEN)
 
 
 class ReasoningSplit:
