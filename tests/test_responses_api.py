@@ -443,3 +443,13 @@ def test_a_background_response_is_cancelled_where_it_is(slow_server):  # noqa: F
         c.responses.create(input="x", previous_response_id=queued.id, max_output_tokens=2)
     with pytest.raises(openai.NotFoundError):
         c.responses.retrieve(dropped.id)
+
+
+def test_an_empty_tools_list_is_no_tools(rt_live):
+    """The Agents SDK sends `tools: []` for an agent without tools (OpenAI accepts it): the answer is the plain
+    one; a tool_choice that needs a tool is then a 400."""
+    c = client(rt_live)
+    plain = c.responses.create(input=QUESTION, max_output_tokens=6, temperature=0).output_text
+    assert c.responses.create(input=QUESTION, tools=[], max_output_tokens=6, temperature=0).output_text == plain
+    with pytest.raises(openai.BadRequestError, match="no tools"):
+        c.responses.create(input=QUESTION, tools=[], tool_choice="required", max_output_tokens=6)

@@ -103,9 +103,14 @@ def input_items(req: ResponsesRequest) -> list[dict]:
 
 
 def chat_tools(req: ResponsesRequest):
-    """Responses' tools ({"type": "function", "name", "parameters", ...}) and tool_choice in chat's shapes."""
+    """Responses' tools ({"type": "function", "name", "parameters", ...}) and tool_choice in chat's shapes. An empty
+    list is no tools (the Agents SDK sends `tools: []` for an agent without any), with nothing to choose among."""
     if req.tools is None:
         return None, req.tool_choice
+    if not req.tools:
+        if req.tool_choice not in (None, "auto", "none"):
+            raise APIError(400, "tool_choice: there are no tools to choose (tools is empty)")
+        return None, None
     converted = []
     for t in req.tools:
         if not isinstance(t, dict) or t.get("type") != "function":
