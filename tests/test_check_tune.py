@@ -211,6 +211,7 @@ def test_bench_json_schema(tiny_dirs, tmp_path, capsys):
     (["serve", "--max-queue", "0"], "--max-queue"),
     (["serve", "--timeout", "-1"], "--timeout"),
     (["serve", "--response-store-mb", "-1"], "--response-store-mb"),
+    (["serve", "--max-tokens", "-1"], "--max-tokens"),
     (["tune", "--max-tau", "0"], "--max-tau"),
     (["tune", "--confirm", "0"], "--confirm"),
 ])

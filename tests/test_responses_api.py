@@ -96,7 +96,7 @@ def test_logprobs_are_the_chat_completions(rt_live):
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "item_reference"),
     ({"input": [{"role": "robot", "content": "x"}]}, "role"),
     ({"input": [{"type": "function_call", "name": "f"}]}, "call_id"),
-    ({"tools": [{"type": "web_search"}]}, "web_search"),
+    ({"tools": ["web_search"]}, "tools"),
     ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "mcp"}}, "tool_choice"),
     ({"text": {"format": {"type": "xml"}}}, "response_format"),
     ({"input": []}, "input"),
@@ -451,5 +451,23 @@ def test_an_empty_tools_list_is_no_tools(rt_live):
     c = client(rt_live)
     plain = c.responses.create(input=QUESTION, max_output_tokens=6, temperature=0).output_text
     assert c.responses.create(input=QUESTION, tools=[], max_output_tokens=6, temperature=0).output_text == plain
-    with pytest.raises(openai.BadRequestError, match="no tools"):
+    with pytest.raises(openai.BadRequestError, match="no function tools"):
         c.responses.create(input=QUESTION, tools=[], tool_choice="required", max_output_tokens=6)
+
+
+@pytest.mark.real
+def test_hosted_tools_are_left_out_and_named(smol_live):
+    """Codex sends web_search and namespace tools beside its functions, and client_metadata: the hosted tools are
+    left out of the prompt (as llama-server leaves them) and named in `specdec.tools_left_out`."""
+    c = client(smol_live)
+    fn = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}
+    alone = c.responses.create(input=QUESTION, tools=[fn], max_output_tokens=6, temperature=0)
+    mixed = c.responses.create(input=QUESTION, tools=[fn, {"type": "web_search"}, {"type": "namespace", "name": "n"}],
+                               max_output_tokens=6, temperature=0, extra_body={"client_metadata": {"a": "b"}})
+    assert mixed.output_text == alone.output_text and mixed.usage.input_tokens == alone.usage.input_tokens
+    assert mixed.model_extra["specdec"]["tools_left_out"] == ["web_search", "namespace"]
+    assert "tools_left_out" not in alone.model_extra["specdec"]
+    only_hosted = c.responses.create(input=QUESTION, tools=[{"type": "web_search"}], max_output_tokens=6,
+                                     temperature=0)
+    assert only_hosted.output_text == c.responses.create(input=QUESTION, max_output_tokens=6,
+                                                         temperature=0).output_text

@@ -575,3 +575,18 @@ def test_unseeded_answers_differ_across_restarts_and_their_reported_seed_reprodu
         finally:
             srv.stop()
     assert answers[0][0] != answers[1][0] and answers[0][1] != answers[1][1]
+
+
+def test_max_tokens_0_answers_until_the_context_window(rt_sd):
+    """serve --max-tokens 0: a request that sets no limit (as Codex sends none) runs until the context window."""
+    eos = rt_sd.engine.eos_ids
+    ban = {str(t): -100 for t in (eos if isinstance(eos, (list, set, tuple)) else [eos])}
+    srv = LiveServer(create_app(rt_sd, model_name="tiny", max_tokens_default=0, batch=False))
+    try:
+        r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                               "temperature": 0, "logit_bias": ban},
+                       timeout=120).json()
+        assert r["usage"]["completion_tokens"] + r["usage"]["prompt_tokens"] == rt_sd.context_window
+        assert r["choices"][0]["finish_reason"] == "length"
+    finally:
+        srv.stop()

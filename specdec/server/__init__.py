@@ -17,9 +17,10 @@ def cmd_serve(args) -> int:
     seed_from_os()  # unseeded answers differ across restarts
 
     if not 0 < args.port < 65536 or args.max_queue < 1 or args.timeout <= 0 or args.max_tau < 0 or (
-            args.kv_memory is not None and not args.kv_memory > 0) or not args.response_store_mb >= 0:
+            args.kv_memory is not None and not args.kv_memory > 0) or not args.response_store_mb >= 0 or \
+            args.max_tokens < 0:
         raise InvalidRequest("--port must be 1-65535, --max-queue >= 1, --timeout > 0, --max-tau >= 0, "
-                             "--kv-memory > 0 and --response-store-mb >= 0")
+                             "--kv-memory > 0, --response-store-mb >= 0 and --max-tokens >= 0")
     if args.ray:
         from .ray_serve import run
         run(dict(target=args.target, draft=args.draft, tau=args.tau, policy=args.policy, backend=args.backend,
@@ -27,6 +28,7 @@ def cmd_serve(args) -> int:
                  chat_template=None if args.chat_template is None else read_chat_template(args.chat_template),
                  chat_template_kwargs=args.chat_template_kwargs,
                  model_name=args.model_name, api_key=args.api_key, max_queue=args.max_queue, timeout=args.timeout,
+                 max_tokens=args.max_tokens,
                  trace_dir=args.trace_dir, batch=not args.no_batch, max_batch_rows=args.max_batch_rows,
                  prefill_chunk=args.prefill_chunk, max_tau=args.max_tau, replicas=args.replicas,
                  reasoning_format=args.reasoning_format,
@@ -41,7 +43,8 @@ def cmd_serve(args) -> int:
     app = create_app(decoder, model_name=args.model_name, api_key=args.api_key, max_queue=args.max_queue,
                      timeout_s=args.timeout, trace_dir=args.trace_dir, batch=not args.no_batch,
                      max_batch_rows=args.max_batch_rows, prefill_chunk=args.prefill_chunk, max_tau=args.max_tau,
-                     reasoning_format=args.reasoning_format, response_store_mb=args.response_store_mb)
+                     reasoning_format=args.reasoning_format, response_store_mb=args.response_store_mb,
+                     max_tokens_default=args.max_tokens)
     print(describe_kv(app.state.decoder.model), file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
@@ -69,6 +72,9 @@ def register(sub, model_args, sampling_args):
     s.add_argument("--model-name", default="specdec", help="the model id clients send and /v1/models lists")
     s.add_argument("--max-queue", type=int, default=16, help="requests waiting or running; beyond: 429")
     s.add_argument("--timeout", type=float, default=300.0, help="seconds per request before it is stopped")
+    s.add_argument("--max-tokens", type=int, default=256,
+                   help="the answer's length for a request that sets none (max_tokens, max_output_tokens, n_predict "
+                        "-1); 0: until the context window (agents such as Codex send none)")
     s.add_argument("--trace-dir", default=None, help="write one per-cycle JSONL trace per request here")
     s.add_argument("--max-batch-rows", type=int, default=None,
                    help="rows per target pass, all requests together (default: from the pass curve measured at start)")

@@ -74,8 +74,8 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
     metrics = Metrics()
     if (max_batch_rows is not None and max_batch_rows < 1) or prefill_chunk < 1 or max_tau < 0:
         raise InvalidRequest("--max-batch-rows and --prefill-chunk must be >= 1, --max-tau >= 0")
-    if not response_store_mb >= 0:
-        raise InvalidRequest("--response-store-mb must be >= 0")
+    if not response_store_mb >= 0 or max_tokens_default < 0:
+        raise InvalidRequest("--response-store-mb and --max-tokens must be >= 0")
     if reasoning_format not in reasoning.FORMATS:
         raise InvalidRequest(f"--reasoning-format must be one of {', '.join(reasoning.FORMATS)}")
     if batch:
@@ -208,7 +208,8 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
         limits = []
         for prompt_ids in encoded:
             room = decoder.context_window - len(prompt_ids)
-            limits.append(req.token_limit if req.token_limit is not None else min(max_tokens_default, room))
+            limits.append(req.token_limit if req.token_limit is not None else
+                          min(max_tokens_default, room) if max_tokens_default else room)
             if limits[-1] > room:
                 raise APIError(400, f"max_tokens {limits[-1]} + prompt {len(prompt_ids)} tokens exceed the context "
                                     f"window of {decoder.context_window}", code="context_length_exceeded")

@@ -16,7 +16,7 @@ from ..errors import InvalidRequest
 
 DEFAULTS = dict(target="default", draft=None, tau=None, policy=None, backend="auto", numerics="auto", kv_memory=None,
                 threads=None, chat_template=None, chat_template_kwargs=None, model_name="specdec",
-                api_key=None, max_queue=16, timeout=300.0, trace_dir=None, batch=True, max_batch_rows=None,
+                api_key=None, max_queue=16, timeout=300.0, max_tokens=256, trace_dir=None, batch=True, max_batch_rows=None,
                 prefill_chunk=32, max_tau=8, reasoning_format="auto", replicas=1, autoscaling=None,
                 cpus_per_replica=1.0)
 
@@ -66,6 +66,7 @@ def build(args: dict | None = None):
                                kv_memory=float(opts["kv_memory"]) if opts["kv_memory"] else None,
                                chat_template=opts["chat_template"], chat_template_kwargs=variables)
         return create_app(decoder, model_name=opts["model_name"], api_key=opts["api_key"],
+                          max_tokens_default=int(opts["max_tokens"]),
                           max_queue=int(opts["max_queue"]), timeout_s=float(opts["timeout"]),
                           trace_dir=opts["trace_dir"], batch=str(opts["batch"]).lower() not in ("0", "false", "no"),
                           max_batch_rows=int(opts["max_batch_rows"]) if opts["max_batch_rows"] else None,

@@ -66,6 +66,7 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = Field(default=None, max_length=256)
     # accepted, ignored: they change no output here
     metadata: dict | None = None
+    client_metadata: dict | None = None  # Codex's
     user: str | None = None
     parallel_tool_calls: bool | None = None
     reasoning: dict | None = None
@@ -102,22 +103,26 @@ def input_items(req: ResponsesRequest) -> list[dict]:
     return as_items([{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input)
 
 
+def hosted_tools(req: ResponsesRequest) -> list[str]:
+    """The types of the request's tools this server cannot run (OpenAI's hosted ones: web_search, file_search, mcp,
+    Codex's namespaces, ...): left out of the prompt, as llama-server leaves them, and named in `specdec`."""
+    return [str(t.get("type"))[:40] for t in req.tools or [] if isinstance(t, dict) and t.get("type") != "function"]
+
+
 def chat_tools(req: ResponsesRequest):
-    """Responses' tools ({"type": "function", "name", "parameters", ...}) and tool_choice in chat's shapes. An empty
-    list is no tools (the Agents SDK sends `tools: []` for an agent without any), with nothing to choose among."""
+    """Responses' function tools ({"type": "function", "name", "parameters", ...}) and tool_choice in chat's shapes;
+    hosted tools are left out (hosted_tools). No function tool (the Agents SDK sends `tools: []` for an agent without
+    any; Codex sends hosted ones beside its functions) is no tools, with nothing to choose among."""
     if req.tools is None:
         return None, req.tool_choice
-    if not req.tools:
+    if not all(isinstance(t, dict) for t in req.tools):
+        raise APIError(400, "tools must be objects ({\"type\": \"function\", \"name\": ...})")
+    converted = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
+                 for t in req.tools if t.get("type") == "function"]
+    if not converted:
         if req.tool_choice not in (None, "auto", "none"):
-            raise APIError(400, "tool_choice: there are no tools to choose (tools is empty)")
+            raise APIError(400, "tool_choice: there are no function tools to choose")
         return None, None
-    converted = []
-    for t in req.tools:
-        if not isinstance(t, dict) or t.get("type") != "function":
-            kind = t.get("type") if isinstance(t, dict) else t
-            raise APIError(400, f"tools of type {str(kind)[:40]!r} are not supported (function tools only)")
-        converted.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
-                                                           if k in t}})
     choice = req.tool_choice
     if isinstance(choice, dict):
         if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
@@ -259,6 +264,8 @@ class Answer:
                                  result)},
                              "total_tokens": self.prompt_tokens + n}
             body["specdec"] = {**spec_stats(result), "seed": self.seed}
+            if hosted_tools(self.req):
+                body["specdec"]["tools_left_out"] = hosted_tools(self.req)
         return body
 
 
