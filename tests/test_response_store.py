@@ -78,3 +78,75 @@ def test_a_turn_is_a_user_message_and_all_that_answers_it():
     assert turns([M(role=r) for r in roles]) == [2, 7, 9]
     assert turns([M(role=r) for r in ["system", "assistant", "user"]]) == [1, 2]
     assert turns([M(role="system")]) == []
+
+
+conversation_steps = st.lists(st.tuples(st.sampled_from(["create", "add", "get", "delete", "delete_item", "update"]),
+                                        st.sampled_from(TENANTS), st.integers(0, 5), st.integers(0, 400)),
+                              max_size=60)
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps=conversation_steps)
+def test_conversations_keep_each_keys_share_under_any_schedule(steps):
+    """Conversations (server/conversations.py) against a plain model: each key within its share, its least recently
+    used conversation out first (the one that grew too, if it alone is over), items in order, keys apart."""
+    import json
+    import time
+
+    from specdec.server.conversations import ENTRY_BYTES, Conversations
+    from specdec.server.response_items import as_items
+    store, share = Conversations(3600, tenants=len(TENANTS)), 3600 // len(TENANTS)
+    model = {t: {} for t in TENANTS}  # per key: conversation id -> {"items": [(role, text)], "meta": {}}, use order
+    ids = {t: [] for t in TENANTS}  # every id a key was given, in the order it was made
+
+    def size(conv):  # the measure the store documents: items' JSON, its own object's, and ENTRY_BYTES
+        items = sum(len(json.dumps(as_items([{"role": r, "content": x}])[0])) for r, x in conv["items"])
+        own = {"id": "conv_" + "0" * 48, "object": "conversation", "created_at": int(time.time()),
+               "metadata": conv["meta"]}
+        return items + len(json.dumps(own)) + ENTRY_BYTES
+
+    def trim(t):
+        while sum(size(c) for c in model[t].values()) > share:
+            del model[t][next(iter(model[t]))]
+
+    def touch(t, cid):
+        model[t][cid] = model[t].pop(cid)
+    for op, t, n, length in steps:
+        cid = ids[t][n % len(ids[t])] if ids[t] else "conv_none"
+        text = "x" * length
+        try:
+            if op == "create":
+                made = store.create(t, None, [{"role": "user", "content": text}])
+                ids[t].append(made.id)
+                model[t][made.id] = {"items": [("user", text)], "meta": {}}
+                trim(t)
+            elif op == "add":
+                store.add(t, cid, [{"role": "assistant", "content": text}])
+                touch(t, cid)
+                model[t][cid]["items"].append(("assistant", text))
+                trim(t)
+            elif op == "get":
+                got = [i["content"][0]["text"] for i in store.get(t, cid).items.values()]
+                assert got == [x for _, x in model[t][cid]["items"]]
+                touch(t, cid)
+            elif op == "delete":
+                store.delete(t, cid)
+                del model[t][cid]
+            elif op == "delete_item":
+                held = store._by_tenant.get(t, {}).get(cid)
+                store.delete_item(t, cid, next(iter(held.items)) if held is not None and held.items else "msg_x")
+                touch(t, cid)
+                model[t][cid]["items"].pop(0)
+            else:
+                store.update(t, cid, {"k": text[:500]})
+                touch(t, cid)
+                model[t][cid]["meta"] = {"k": text[:500]}
+                trim(t)
+        except APIError as e:
+            assert e.status == 404 and (cid not in model[t] or op == "delete_item"), (op, e.message)
+            if op == "delete_item" and cid in model[t]:
+                touch(t, cid)  # found, then its item was not: the conversation was used
+        for k in TENANTS:
+            assert list(store._by_tenant.get(k, {})) == list(model[k])
+            assert [c.size for c in store._by_tenant.get(k, {}).values()] == [size(c) for c in model[k].values()]
+            assert sum(size(c) for c in model[k].values()) <= share
