@@ -29,7 +29,6 @@ from .api_errors import APIError, as_api_error, error_body
 from .guard import Guard
 from .metrics import Metrics
 from .openai_format import echo_logprobs, logprobs, spec_stats, usage
-from .conversations import Conversations
 from .response_store import ResponseStore
 from .schemas import ChatRequest, CompletionRequest
 from .streaming import collect, sse
@@ -70,7 +69,8 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
     batch.default_budget); the transformers backend, or batch=False, serves one request at a time.
     `reasoning_format`: auto (a thinking template's reasoning goes to `reasoning_content`, reasoning.py) or none
     (left in the content), a request's own `reasoning_format` over it. `response_store_mb`: the memory for stored
-    Responses API responses (response_store.py; 0 stores none)."""
+    Responses API responses and for conversations, each (response_store.py, conversations.py; 0 keeps none).
+    `max_tokens_default`: the answer's length for a request that sets none (0: until the context window)."""
     metrics = Metrics()
     if (max_batch_rows is not None and max_batch_rows < 1) or prefill_chunk < 1 or max_tau < 0:
         raise InvalidRequest("--max-batch-rows and --prefill-chunk must be >= 1, --max-tau >= 0")
@@ -322,7 +322,7 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
 
     llama_compat.add_routes(app, _serve, _fim, overdue, decoder, model_name, decoder.context_window)
     app.state.responses = ResponseStore(int(response_store_mb * 2**20), keys)  # a share per key
-    app.state.conversations = Conversations(int(response_store_mb * 2**20), keys)
+    app.state.conversations = conversations.Conversations(int(response_store_mb * 2**20), keys)
     for kind, store in (("responses", app.state.responses), ("conversations", app.state.conversations)):
         metrics.stored.labels(kind).set_function(lambda store=store: store.bytes)  # read at each scrape
     responses_api.add_routes(app, _serve, overdue, decoder, model_name, app.state.responses, app.state.conversations)
