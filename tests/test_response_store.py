@@ -150,3 +150,37 @@ def test_conversations_keep_each_keys_share_under_any_schedule(steps):
             assert list(store._by_tenant.get(k, {})) == list(model[k])
             assert [c.size for c in store._by_tenant.get(k, {}).values()] == [size(c) for c in model[k].values()]
             assert sum(size(c) for c in model[k].values()) <= share
+
+
+def test_an_event_log_is_followed_from_any_point_by_any_number_of_clients_and_counted_in_the_share():
+    """responses_events.EventLog: followers that join before, during and after the stream each get the events after
+    their sequence number, in order, and end when it closes; its bytes count in its response's size."""
+    import asyncio
+
+    from specdec.server.responses_events import EventLog
+
+    async def run():
+        log = EventLog()
+        early = asyncio.create_task(_drain(log.follow()))
+        log.append("e0")
+        await asyncio.sleep(0)
+        middle = asyncio.create_task(_drain(log.follow(0)))
+        for e in ("e1", "e2"):
+            await asyncio.sleep(0)
+            log.append(e)
+        log.close()
+        late = await _drain(log.follow(1))
+        return await early, await middle, late, log
+    early, middle, late, log = asyncio.run(run())
+    assert early == ["e0", "e1", "e2"] and middle == ["e1", "e2"] and late == ["e2"]
+    store = ResponseStore(40, tenants=1)
+    kept = Stored("resp_1", None, [], [], {}, log)
+    store.put(b"", kept)
+    assert kept.size == len("[]") * 2 + len("{}") + 6 and store.bytes == kept.size
+    log.events.append("x" * 40)  # a log that grows past the share: measured again, it leaves
+    store.put(b"", kept)
+    assert len(store) == 0 and store.bytes == 0
+
+
+async def _drain(events) -> list[str]:
+    return [e async for e in events]

@@ -418,9 +418,43 @@ def test_a_background_response_is_polled_to_the_same_answer(rt_live):
     with pytest.raises(openai.BadRequestError, match="Only background"):
         c.responses.cancel(follow.id)
     assert c.responses.cancel(queued.id).status == "incomplete"  # ended: returned as it is
-    for body, says in (({"stream": True}, "background"), ({"store": False}, "background")):
-        r = httpx.post(rt_live.url + "/v1/responses", json={"input": "x", "background": True, **body}, timeout=30)
-        assert r.status_code == 400 and says in r.text
+    r = httpx.post(rt_live.url + "/v1/responses", json={"input": "x", "background": True, "store": False}, timeout=30)
+    assert r.status_code == 400 and "background" in r.text
+    with pytest.raises(openai.BadRequestError, match="only a response created with background and stream"):
+        list(c.responses.retrieve(queued.id, stream=True))  # polled, not streamed: no events were kept
+
+
+def test_a_background_stream_is_followed_from_any_event_and_replayed(rt_live):
+    """background + stream (OpenAI's resumable stream): the client that made it hangs up after a few events, the
+    answer goes on without it, and GET ?stream=true&starting_after=N gives the rest, then the whole stream again
+    once it has ended; the text is the foreground answer's."""
+    c = client(rt_live)
+    want = c.responses.create(input=QUESTION, max_output_tokens=12, temperature=0)
+    first = []
+    with c.responses.create(input=QUESTION, background=True, stream=True, max_output_tokens=12,
+                            temperature=0) as s:
+        for e in s:
+            first.append(e)
+            if e.type == "response.output_text.delta":
+                break  # hang up mid-answer
+    rid = first[0].response.id
+    assert first[0].type == "response.created" and first[0].response.status == "queued"
+    assert first[0].response.background
+    last = first[-1].sequence_number
+    rest = list(c.responses.retrieve(rid, stream=True, starting_after=last))
+    seen = first + rest
+    assert [e.sequence_number for e in seen] == list(range(len(seen)))  # nothing lost, nothing twice
+    assert seen[-1].type == "response.incomplete" and seen[-1].response.output_text == want.output_text
+    assert "".join(e.delta for e in seen if e.type == "response.output_text.delta") == want.output_text
+    done = poll(c, rid)
+    assert done.status == "incomplete" and done.output_text == want.output_text and done.background
+    again = list(c.responses.retrieve(rid, stream=True))  # ended: the whole stream, replayed
+    assert [e.model_dump() for e in again] == [e.model_dump() for e in seen]
+    assert list(c.responses.retrieve(rid, stream=True, starting_after=len(seen) - 1)) == []
+    follow = c.responses.create(input="More?", previous_response_id=rid, max_output_tokens=4, temperature=0)
+    assert follow.previous_response_id == rid
+    bad = httpx.get(f"{rt_live.url}/v1/responses/{rid}", params={"stream": "true", "starting_after": -1}, timeout=30)
+    assert bad.status_code == 400 and "starting_after" in bad.text
 
 
 def test_a_background_response_is_cancelled_where_it_is(slow_server):  # noqa: F811 - the fixture
@@ -443,6 +477,15 @@ def test_a_background_response_is_cancelled_where_it_is(slow_server):  # noqa: F
         c.responses.create(input="x", previous_response_id=queued.id, max_output_tokens=2)
     with pytest.raises(openai.NotFoundError):
         c.responses.retrieve(dropped.id)
+    gate.clear()  # a background stream cancelled while it is followed: the follower's stream ends there
+    streamed = c.responses.create(input="Hello", background=True, stream=True, max_output_tokens=60, temperature=0)
+    created = next(iter(streamed))
+    wait_for(lambda: queue_depth(slow) == 1, "the streamed job is queued")
+    assert c.responses.cancel(created.response.id).status == "cancelled"
+    assert [e.type for e in streamed] == ["response.in_progress"]  # what came before the cancel, then the end
+    gate.set()
+    wait_for(lambda: queue_depth(slow) == 0, "it leaves")
+    assert c.responses.retrieve(created.response.id).status == "cancelled"
 
 
 def test_an_empty_tools_list_is_no_tools(rt_live):

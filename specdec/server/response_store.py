@@ -27,10 +27,17 @@ class Stored:
     messages: list[dict]  # chat messages it added: its input's, then its answer's (no instructions: not carried on)
     input_items: list[dict]  # its input as items with ids (GET .../input_items)
     response: dict  # the response object as it was returned
+    events: object = None  # a background stream's responses_events.EventLog, followed and replayed from here
     size: int = field(default=0)
 
     def __post_init__(self):
-        self.size = sum(len(json.dumps(part)) for part in (self.messages, self.input_items, self.response))
+        self.measure()
+
+    def measure(self) -> int:
+        """Its bytes: its parts' JSON, and its stream's events so far."""
+        self.size = sum(len(json.dumps(part)) for part in (self.messages, self.input_items, self.response)) + (
+            self.events.bytes if self.events is not None else 0)
+        return self.size
 
 
 def used(table: dict, key: str, missing: str):
@@ -65,6 +72,7 @@ class ResponseStore:
         items = self._items.setdefault(tenant, OrderedDict())
         if stored.id in items:
             self._bytes[tenant] -= items.pop(stored.id).size
+        stored.measure()  # (again: a stream's log grows after it is first stored)
         items[stored.id] = stored
         self._bytes[tenant] = self._bytes.get(tenant, 0) + stored.size
         while self._bytes[tenant] > self.share and items:  # this key's least recently used first (this one too)

@@ -9,8 +9,10 @@ system message. A response is stored unless the request says `store: false` (res
 memory, bounded): `previous_response_id` continues its conversation (its instructions are not carried on, as on
 OpenAI's), and GET / DELETE /v1/responses/{id} and GET /v1/responses/{id}/input_items read and remove it. Or a
 response is made in a `conversation` (conversations.py), whose items it reads first and then joins. A `background`
-response is returned queued and generated with no client waiting, then polled (or cancelled). `prompt` and item
-references need state this server does not keep: 400s that say so.
+response is generated with no client waiting: returned queued, then polled (or cancelled); with `stream` its events
+are also kept, and any client follows them from any sequence number (GET /v1/responses/{id}?stream=true&
+starting_after=N), while it runs and after. `prompt` and item references need state this server does not keep: 400s
+that say so.
 
 A thinking model's reasoning (reasoning.py) comes back as a `reasoning` item (its text as `reasoning_text`, streamed
 as `response.reasoning_text.delta` events) before the message or calls; `reasoning.effort: "none"` sets the
@@ -18,6 +20,7 @@ template's enable_thinking false."""
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 import time
 from typing import Literal
@@ -33,7 +36,7 @@ from .api_errors import APIError, validated
 from .openai_format import logprobs, spec_stats
 from .conversations import Conversations, conversation_id
 from .response_items import as_items, as_messages, page
-from .responses_events import events
+from .responses_events import EventLog, events
 from .response_store import Background, ResponseStore, Stored
 from .schemas import ChatRequest
 from .streaming import collect
@@ -85,9 +88,9 @@ def unstored(req: ResponsesRequest) -> None:
         if getattr(req, name) is not None:
             raise APIError(400, f"{name} needs stored state, which this server does not keep: send the whole "
                                 "conversation as input")
-    if req.background and (req.stream or not req.store):
+    if req.background and not req.store:
         raise APIError(400, "background: a background response is stored and polled (GET /v1/responses/{id}): send "
-                            "it with store and without stream")
+                            "it with store")
 
 
 def chat_messages(req: ResponsesRequest, history: list[dict] = ()) -> list[dict]:
@@ -294,10 +297,12 @@ def add_routes(app, serve, overdue, decoder, model_name: str, store: ResponseSto
         messages = [m.for_template() for m in chat.messages]  # tools described in serve, as on chat completions
         items = input_items(req)
 
+        log = EventLog() if req.background and req.stream else None  # a background stream's events, kept
+
         def keep(answer: Answer, body: dict) -> None:  # a finished response, stored as returned
             if answer.stored:
                 added = as_messages(items, "input") + as_messages(body["output"], "output")
-                store.put(tenant(request), Stored(answer.id, req.previous_response_id, added, items, body))
+                store.put(tenant(request), Stored(answer.id, req.previous_response_id, added, items, body, log))
             if req.conversation is not None:  # its input and output join the conversation (unless it has left)
                 try:
                     conversations.add(tenant(request), conversation_id(req.conversation), items + body["output"],
@@ -309,25 +314,37 @@ def add_routes(app, serve, overdue, decoder, model_name: str, store: ResponseSto
             """Collect the job with no client waiting; the stored response goes from queued to in_progress to its
             end (completed, incomplete, or failed with the error), unless it was deleted meanwhile."""
             key = tenant(request)
-
-            def mark(status: str) -> dict | None:
-                try:
-                    stored = store.get(key, answer.id)
-                except APIError:
-                    return None  # deleted: nothing to update
-                stored.response["status"] = status
-                return stored.response
             try:
-                text, result = await collect(job, None, overdue, on_first=lambda: mark("in_progress"))
+                text, result = await collect(job, None, overdue,
+                                             on_first=lambda: _mark(store, key, answer.id, status="in_progress"))
                 status = "incomplete" if result.finish_reason == "length" else "completed"
                 body = answer.response(status, answer.items(decoder, text, result), result)
             except APIError as e:
-                failed = mark("failed")
-                if failed is not None:
-                    failed["error"] = {"code": e.code or e.type, "message": e.message}
+                _mark(store, key, answer.id, status="failed", error={"code": e.code or e.type, "message": e.message})
                 return
-            if mark(body["status"]) is not None:
+            if _mark(store, key, answer.id, status=body["status"]) is not None:
                 keep(answer, body)
+
+        async def stream_in_background(answer: Answer, job) -> None:
+            """The same with its stream's events kept in `log` as they come (keep stores the ended response with
+            it); an error event marks it failed. The log closes however it ends (cancelled too)."""
+            key, started = tenant(request), False
+            try:
+                async for e in events(decoder, job, answer, overdue, keep, status="queued"):
+                    log.append(e)
+                    if not started and e.startswith("event: response.output_"):
+                        started = True
+                        _mark(store, key, answer.id, status="in_progress")
+                    if e.startswith("event: error\n"):
+                        err = json.loads(e.split("data: ", 1)[1])
+                        _mark(store, key, answer.id, status="failed",
+                             error={"code": err["code"] or "server_error", "message": err["message"]})
+            finally:
+                log.close()
+                try:
+                    store.put(key, store.get(key, answer.id))  # measured again with its whole log
+                except APIError:
+                    pass  # deleted meanwhile
 
         async def respond(jobs, encoded, prompts):
             answer = Answer(jobs[0], req, chat, model_name, decoder, encoded[0])
@@ -338,8 +355,11 @@ def add_routes(app, serve, overdue, decoder, model_name: str, store: ResponseSto
                     raise APIError(400, "background: this server stores no responses (serve --response-store-mb 0, "
                                         "or replicas behind Ray), so none can be polled")
                 queued = answer.response("queued", [])
-                store.put(tenant(request), Stored(answer.id, req.previous_response_id, [], items, queued))
-                background.start((tenant(request), answer.id), jobs[0], run_in_background(answer, jobs[0]))
+                store.put(tenant(request), Stored(answer.id, req.previous_response_id, [], items, queued, log))
+                work = stream_in_background if log is not None else run_in_background
+                background.start((tenant(request), answer.id), jobs[0], work(answer, jobs[0]))
+                if log is not None:  # this client follows the events; hanging up stops only its following
+                    return StreamingResponse(log.follow(), media_type="text/event-stream")
                 return queued
             if req.stream:
                 return StreamingResponse(events(decoder, jobs[0], answer, overdue, keep),
@@ -355,8 +375,18 @@ def add_routes(app, serve, overdue, decoder, model_name: str, store: ResponseSto
         return await serve(chat, request, [messages], True, "chat", None, respond)
 
     @app.get("/v1/responses/{response_id}")
-    async def retrieve(response_id: str, request: Request):
-        return store.get(tenant(request), response_id).response
+    async def retrieve(response_id: str, request: Request, stream: bool = False,
+                       starting_after: int | None = Query(None, ge=0)):
+        """A stored response; with stream=true a background stream's events after `starting_after`, followed until
+        it ends (OpenAI resumes only those)."""
+        stored = store.get(tenant(request), response_id)
+        if not stream:
+            return stored.response
+        if stored.events is None:
+            raise APIError(400, "stream: only a response created with background and stream can be streamed again; "
+                                "GET it without stream")
+        after = -1 if starting_after is None else starting_after
+        return StreamingResponse(stored.events.follow(after), media_type="text/event-stream")
 
     @app.delete("/v1/responses/{response_id}")
     async def delete(response_id: str, request: Request):
@@ -407,3 +437,13 @@ class InputTokensRequest(BaseModel):
     personality: str | None = None  # changes no prompt here
     previous_response_id: str | None = Field(default=None, max_length=256)
     conversation: str | dict | None = None
+
+
+def _mark(store: ResponseStore, key: bytes, response_id: str, **fields) -> dict | None:
+    """Update a stored response's fields (its status, its error) -> the response; None if it was deleted."""
+    try:
+        response = store.get(key, response_id).response
+    except APIError:
+        return None
+    response.update(fields)
+    return response

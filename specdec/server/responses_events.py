@@ -1,18 +1,60 @@
 """The Responses API's stream (responses_api.py): its typed server-sent events for one answer (responses_api.Answer),
-as OpenAI sends them and its clients' stream helpers accumulate them."""
+as OpenAI sends them and its clients' stream helpers accumulate them; and a background stream's log, which any
+number of clients follow from any sequence number."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 from .api_errors import APIError
 from .streaming import pieces
 
 
-async def events(decoder, job, answer, overdue, keep=None):
+class EventLog:
+    """A background stream's events as sent (their SSE text, index = sequence_number), kept with its stored response
+    so that a client can follow it from any point (GET /v1/responses/{id}?stream=true&starting_after=N) until it
+    ends, and replay it afterwards."""
+
+    def __init__(self):
+        self.events: list[str] = []
+        self.closed = False
+        self._grew = asyncio.Event()
+
+    def append(self, event: str) -> None:
+        self.events.append(event)
+        self._wake()
+
+    def close(self) -> None:
+        self.closed = True
+        self._wake()
+
+    def _wake(self) -> None:  # every follower waiting wakes; later ones wait on a fresh event
+        self._grew.set()
+        self._grew = asyncio.Event()
+
+    @property
+    def bytes(self) -> int:
+        return sum(map(len, self.events))
+
+    async def follow(self, after: int = -1):
+        """The events after sequence number `after`, then each as it comes, until the log closes (a follower that
+        hangs up stops only itself)."""
+        at = max(-1, after) + 1
+        while True:
+            while at < len(self.events):
+                yield self.events[at]
+                at += 1
+            if self.closed:
+                return
+            await self._grew.wait()
+
+
+async def events(decoder, job, answer, overdue, keep=None, status: str = "in_progress"):
     """The Responses stream: response.created, the message's item and part opened, output_text deltas as text
     comes, each closed with its whole text, then response.completed (or .incomplete) with the whole response.
     With tools the text is held to its end and sent as function_call items (arguments in one delta) or as the
-    message. An error is an `error` event."""
+    message. An error is an `error` event. `status`: the response's in response.created (a background one's is
+    queued)."""
     seq = 0
 
     def event(kind: str, **fields) -> str:
@@ -49,7 +91,7 @@ async def events(decoder, job, answer, overdue, keep=None):
                       event("response.content_part.added", item_id=msg_id, output_index=k, content_index=0,
                             part={"type": "output_text", "text": "", "annotations": []})]
     try:
-        yield event("response.created", response=answer.response("in_progress", []))
+        yield event("response.created", response=answer.response(status, []))
         yield event("response.in_progress", response=answer.response("in_progress", []))
         done = None
         async for kind, piece in pieces(job, overdue, answer.inside, answer.calling):
