@@ -48,6 +48,9 @@ ADVICE = {
                   "datastore); speculation pays only when acceptance clearly exceeds the draft/target cost ratio",
     "verify_cost": "verify fewer tokens per pass (a smaller tau), or run a backend whose multi-token pass costs "
                    "little more than one token (specdec's runtime, a GPU)",
+    "verify_cost_at_best_tau": "a smaller tau does not help (the measured acceptance favours tau={best_tau}): what "
+                               "a pass's added rows cost is the machine's (the verify curve above); a CPU whose "
+                               "kernels add rows for less (AMX, more cores) or a GPU verifies as much for less",
     "overhead": "profile the loop: tokenizer decoding, stop-string checks, logging or I/O inside the cycle; move "
                 "them out of the hot path",
     "tau_too_large": "run with the suggested --tau, or --policy adaptive to choose it per cycle",
@@ -238,8 +241,11 @@ def analyze(records: list[CycleRecord], decode_only: bool = False, target_curve:
         "tau_too_small": f"tau={tau}; {100 * filled:.0f}% of the proposals filled it, and their acceptance by "
                          f"position favours tau={best_tau}",
     }
+    advice = dict(ADVICE)
+    if best_tau >= tau:  # a smaller tau cannot help: the curve itself is what costs
+        advice["verify_cost"] = ADVICE["verify_cost_at_best_tau"].format(best_tau=best_tau)
     findings = sorted(({"kind": k, "speedup_if_fixed": round(v, 3), "gain": round(v / measured, 3),
-                        "finding": why[k], "recommendation": ADVICE[k]} for k, v in gains.items()),
+                        "finding": why[k], "recommendation": advice[k]} for k, v in gains.items()),
                       key=lambda f: -f["speedup_if_fixed"])
     if bottleneck == "low_acceptance":
         findings.insert(0, {"kind": "low_acceptance", "speedup_if_fixed": None, "gain": None,
@@ -316,6 +322,19 @@ def load_traces(paths: list[str]) -> dict[str, tuple[list[CycleRecord], dict]]:
     return traces
 
 
+def position_groups(alphas: list, single: int = 8) -> list[tuple[str, float | None]]:
+    """(column label, alpha) for the report's table: positions 1..`single` apart, then doubling ranges (9-16,
+    17-32, ...) with the mean of their measured alphas, so a long proposal (a prediction's 32 tokens) fits a line."""
+    out = [(str(k + 1), a) for k, a in enumerate(alphas[:single])]
+    lo = single + 1
+    while lo <= len(alphas):
+        hi = min(len(alphas), 2 * (lo - 1))
+        seen = [a for a in alphas[lo - 1:hi] if a is not None]
+        out.append((f"{lo}-{hi}" if hi > lo else str(lo), sum(seen) / len(seen) if seen else None))
+        lo = hi + 1
+    return out
+
+
 def print_report(rep: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -330,9 +349,9 @@ def print_report(rep: dict) -> None:
         con.print(f"the drafter was asked in {s['asked_cycles']} cycles and proposed in "
                   f"{100 * s['proposal_rate']:.0f}% of them; cycles verifying fewer than tau: {short}")
     pos = Table(title="acceptance by draft position (alpha_k)")
-    for k in range(len(rep["acceptance_by_position"])):
-        pos.add_column(str(k + 1), justify="right")
-    pos.add_row(*["-" if a is None else f"{a:.2f}" for a in rep["acceptance_by_position"]])
+    for label, a in position_groups(rep["acceptance_by_position"]):
+        pos.add_column(label, justify="right")
+    pos.add_row(*["-" if a is None else f"{a:.2f}" for _, a in position_groups(rep["acceptance_by_position"])])
     con.print(pos)
     con.print(f"time: draft {100 * t['draft_frac']:.0f}%  verify {100 * t['verify_frac']:.0f}%  "
               f"other {100 * t['other_frac']:.0f}%   target step {c['target_step_ms']} ms, verify ms by tokens "

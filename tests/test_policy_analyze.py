@@ -87,6 +87,31 @@ def test_analyze_cli(tmp_path, capsys):
     assert "no trace files" in capsys.readouterr().err
 
 
+def test_verify_cost_advice_says_a_smaller_tau_only_where_one_would_help():
+    """verify_cost with tau above its best: cut tau; at or below its best (a copy accepted whole, a curve that
+    charges every row) a smaller tau cannot help, and the advice says the curve is the machine's."""
+    too_big = analyze(synthetic(**CASES["verify_cost"]))
+    assert too_big["speedup"]["best_tau"] < 4
+    assert "a smaller tau" in next(f for f in too_big["findings"] if f["kind"] == "verify_cost")["recommendation"]
+    copy = analyze(synthetic(alphas=[1.0], tau=4, verify=lambda n: T * (1 + 0.3 * (n - 1)), empty_every=5))
+    assert copy["bottleneck"] == "verify_cost" and copy["speedup"]["best_tau"] >= 4
+    said = next(f for f in copy["findings"] if f["kind"] == "verify_cost")["recommendation"]
+    assert said.startswith("a smaller tau does not help") and f"tau={copy['speedup']['best_tau']}" in said
+
+
+def test_a_long_proposals_acceptance_is_grouped_to_fit_a_line(tmp_path, capsys):
+    from specdec.analyze import position_groups
+    assert position_groups([0.9, 0.8]) == [("1", 0.9), ("2", 0.8)]
+    groups = position_groups([0.5] * 8 + [1.0, None, 0.5] + [None] * 5 + [0.25] * 9)
+    assert groups[8:] == [("9-16", 0.75), ("17-25", 0.25)]
+    assert position_groups([0.5] * 9)[8:] == [("9", 0.5)]
+    path = tmp_path / "long.jsonl"
+    write_jsonl(synthetic(alphas=[0.99], tau=32, verify=lambda n: T * (1 + 0.05 * (n - 1))), path)
+    assert main(["analyze", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "17-32" in out and "…" not in out  # every column readable
+
+
 def test_analyze_a_directory_of_traces_lists_outliers(tmp_path, capsys):
     runs = tmp_path / "traces"
     runs.mkdir()
