@@ -27,7 +27,7 @@ from collections import Counter
 from pathlib import Path
 from statistics import mean, median
 
-from .costs import blocks_at, interpolate, non_decreasing, predicted_speedup, verify_curve
+from .costs import blocks_at, expected_tokens, interpolate, non_decreasing, predicted_speedup, verify_curve
 from .errors import SpecDecError
 from .trace import CycleRecord, acceptance_by_position, asked_of, read_trace, step_curve, tree_stats
 
@@ -37,6 +37,7 @@ MAX_TAU = 16
 LOW_CEILING = 1.15  # tokens per target pass below this: speculation cannot pay, whatever else is fixed
 NONE_MARGIN = 0.10  # no cause worth more than +10%: healthy
 EXPLAIN_MARGIN = 0.10  # the cost model within 10% of the measured speedup, or the cycles it misses are named
+TIME_EXPLAINED = 0.02  # cycles within 2% of their predicted time in all: the cost model's miss is in the tokens
 
 ADVICE = {
     "low_acceptance": "use a draft closer to the target (distil it on the target's outputs: specdec distill), check "
@@ -128,9 +129,11 @@ def _proposing_always(blocks, no_match: float):
     return [(w - moved if n == 0 else w * (1 + moved / rest), n, a) for w, n, a in blocks]
 
 
-def _unexplained(steady: list[CycleRecord], draft_cost, curve, overhead: float, top: int = 5) -> dict:
+def _unexplained(steady: list[CycleRecord], draft_cost, curve, overhead: float, top: int = 5,
+                 blocks=None) -> dict:
     """Where the cost model misses: each cycle's time against what its proposal length predicts (drafting, the
-    verify curve, the mean overhead) -> the total gap and the cycles furthest off."""
+    verify curve, the mean overhead) -> the total gap and the cycles furthest off; or, where the time is right,
+    the tokens a cycle emitted against those the acceptance by position expects (`blocks`, predicted_speedup's)."""
     a, b = draft_cost
     rows = []
     for r in steady:
@@ -139,12 +142,20 @@ def _unexplained(steady: list[CycleRecord], draft_cost, curve, overhead: float, 
         rows.append((r.cycle_ms - predicted, r.cycle, n, r.cycle_ms, predicted))
     gap = sum(x[0] for x in rows)
     worst = sorted(rows, key=lambda x: -abs(x[0]))[:top]
+    if blocks and abs(gap) <= TIME_EXPLAINED * sum(r.cycle_ms for r in steady):  # the time is right: the tokens
+        expected = sum(w * expected_tokens(alphas, n) for w, n, alphas in blocks)
+        emitted = sum(len(r.emitted) for r in steady) / len(steady)
+        finding = (f"the cycles take what their proposal lengths predict ({gap:+.1f} ms in all), but emitted "
+                   f"{emitted:.2f} tokens each where the acceptance by position expects {expected:.2f} (a proposal "
+                   f"length seen in fewer than {MIN_GROUP} cycles is priced at all cycles' odds by position: a "
+                   "prediction's long proposals accepted whole beat them)")
+    else:
+        finding = (f"the cycles take {gap:+.1f} ms in all against what their proposal lengths predict; the furthest "
+                   "off: " + ", ".join(f"cycle {c} ({ms:.1f} ms, predicted {p:.1f})" for _, c, _, ms, p in worst[:3])
+                   + " (one-time work, or the machine's load changing during the run)")
     return {"gap_ms": round(gap, 3), "cycles": [{"cycle": c, "proposed": n, "ms": round(ms, 3),
                                                   "predicted_ms": round(p, 3)} for _, c, n, ms, p in worst],
-            "finding": f"the cycles take {gap:+.1f} ms in all against what their proposal lengths predict; the "
-                       "furthest off: " + ", ".join(f"cycle {c} ({ms:.1f} ms, predicted {p:.1f})"
-                                                    for _, c, _, ms, p in worst[:3])
-                       + " (one-time work, or the machine's load changing during the run)"}
+            "finding": finding}
 
 
 def analyze(records: list[CycleRecord], decode_only: bool = False, target_curve: dict | None = None) -> dict:
@@ -253,7 +264,7 @@ def analyze(records: list[CycleRecord], decode_only: bool = False, target_curve:
     predicted_error = predicted / measured_steady - 1 if measured_steady else None
     unexplained = None
     if predicted_error is not None and abs(predicted_error) > EXPLAIN_MARGIN:
-        unexplained = _unexplained(steady, draft_cost, curve, overhead)
+        unexplained = _unexplained(steady, draft_cost, curve, overhead, blocks=blocks)
     return {
         "summary": {"cycles": len(cycles), "new_tokens": tokens, "proposed": proposed, "accepted": accepted,
                     "acceptance_rate": round(accepted / proposed, 4) if proposed else None,

@@ -158,3 +158,19 @@ def test_the_cycles_the_cost_model_cannot_explain_are_named():
     got = _unexplained(recs, (0.0, 0.1), {1: T, 2: T * 1.06, 4: T * 1.18}, 0.6)
     assert got["cycles"][0]["cycle"] == recs[40].cycle and got["gap_ms"] == pytest.approx(5 * T, rel=0.05)
     assert f"cycle {recs[40].cycle}" in got["finding"]
+
+
+def test_a_miss_in_tokens_not_time_is_named_as_such():
+    """Proposals of many lengths, each seen in a few cycles, accepted whole (a prediction's copy): the cycles take
+    the time their lengths predict, so the cost model's miss is named in the tokens, with both counts."""
+    recs = []
+    for i in range(60):
+        n = 2 + (i % 12) * 2 if i % 3 else 3  # short ones half-rejected, long ones accepted whole
+        accepted = 1 if i % 3 == 0 else n
+        verify = T * (1 + 0.05 * n)
+        recs.append(CycleRecord(i + 1, n, [5] * n, accepted, [5] * (accepted + 1), 0.1, verify, verify + 0.5,
+                                asked=n, drafted=n))
+    rep = analyze(recs, decode_only=True)
+    found = rep["speedup"]["unexplained"]
+    assert found is not None and "emitted" in found["finding"] and "ms in all" in found["finding"]
+    assert abs(found["gap_ms"]) < 1.0
