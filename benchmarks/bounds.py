@@ -13,8 +13,10 @@ pass). A dynamic program finds the cheapest cut for each kind of draft; the boun
   prediction; the prompt otherwise), aligned by an oracle; nothing elsewhere;
 - copy+model: the copy, and elsewhere a model draft that is always right and costs `--draft-step` of a one-row pass
   per drafted token (the 0.5B's step is about 0.2 of the 1.5B's one-row pass on the EPYC, docs/pair.md);
-- copy+model at alpha: the same model right with each workload's measured acceptance (`--alpha-system`'s,
-  independent per token: its expected tokens per pass), its chains sized for the best rate.
+- copy+model at alpha: the same model right with probability alpha per token, independently, its chains sized for
+  the best rate. alpha is what reproduces `--alpha-system`'s measured run on each workload (its accepted drafts a
+  pass at its proposed drafts a pass, per_token_alpha): accepted / proposed alone understates it, since every draft
+  after a rejection counts as proposed.
 Prefill, sampling and the loop's own time are left out, so every bound is above what any drafter can reach.
 """
 from __future__ import annotations
@@ -68,6 +70,24 @@ def copy_runs(answer: list[int], source: list[int]) -> list[int]:
     return runs
 
 
+def per_token_alpha(acceptance: float, tokens_per_pass: float) -> float:
+    """The alpha of independent drafts that accepts tokens_per_pass - 1 drafts a pass from chains of the measured
+    proposed length (accepted / acceptance; a fractional length: its last draft proposed that share of the time)."""
+    accepted = tokens_per_pass - 1
+    length = accepted / acceptance if acceptance > 0 else 0.0
+    if accepted <= 0 or length <= 0:
+        return 0.0
+
+    def expected(a: float) -> float:
+        whole = int(length)
+        return sum(a ** k for k in range(1, whole + 1)) + (length - whole) * a ** (whole + 1)
+    lo, hi = 0.0, 1.0
+    for _ in range(60):  # expected() rises with a
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected(mid) < accepted else (lo, mid)
+    return round(lo, 4)
+
+
 def model_rate(alpha: float, step: float, curve: dict[int, float]) -> float:
     """Cost per emitted token of a model draft right with probability alpha per token, at its best chain length."""
     def cost_per_token(k: int) -> float:
@@ -105,7 +125,9 @@ def bounds(results: dict, curve: dict[int, float], tokenizer, step: float, alpha
         if not answers:
             continue
         repeat = max(1, len(answers) // len(ps))
-        alpha = alpha_all or (measured.get(alpha_system, {}).get(w) or {}).get("acceptance")
+        run = measured.get(alpha_system, {}).get(w) or {}
+        alpha = alpha_all or (per_token_alpha(run["acceptance"], run["tokens_per_pass"])
+                              if run.get("acceptance") and run.get("tokens_per_pass") else None)
         rows = []
         for j, r in enumerate(answers[::repeat]):
             answer = tokenizer.encode(r["text"])

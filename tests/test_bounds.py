@@ -32,3 +32,10 @@ def test_a_model_rate_matches_its_best_chain():
     rate = bounds.model_rate(1.0, 0.0, LINEAR)  # always right, free: 16 tokens for 8.5 passes
     assert rate == pytest.approx(8.5 / 16)
     assert bounds.model_rate(0.0, 0.1, LINEAR) == 1.0  # never right: no drafts
+
+
+def test_the_per_token_alpha_reproduces_a_measured_run():
+    a = 0.8  # chains of 3: 0.8 + 0.64 + 0.512 accepted of 3 proposed (acceptance 0.651), 2.952 tokens a pass
+    accepted = a + a ** 2 + a ** 3
+    assert bounds.per_token_alpha(accepted / 3, 1 + accepted) == pytest.approx(a, abs=1e-3)
+    assert bounds.per_token_alpha(0.0, 1.0) == 0.0
