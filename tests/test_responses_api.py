@@ -514,3 +514,26 @@ def test_hosted_tools_are_left_out_and_named(smol_live):
                                      temperature=0)
     assert only_hosted.output_text == c.responses.create(input=QUESTION, max_output_tokens=6,
                                                          temperature=0).output_text
+
+
+def test_an_answers_own_failure_ends_its_stream_or_fails_its_background_response(rt_live, monkeypatch):
+    """A bug while an answer is put together (here: its output items raise) is that response's own failure: a
+    stream ends with an `error` event, a background response (streamed or not) ends `failed` with the error; the
+    server answers the next request."""
+    from specdec.server import responses_api
+    c = client(rt_live)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+    monkeypatch.setattr(responses_api.Answer, "items", broken)
+    last = list(c.responses.create(input=QUESTION, max_output_tokens=4, temperature=0, stream=True))[-1]
+    assert last.type == "error" and last.code == "internal_error" and "RuntimeError" in last.message
+    polled = c.responses.create(input=QUESTION, background=True, max_output_tokens=4, temperature=0)
+    streamed = list(c.responses.create(input=QUESTION, background=True, stream=True, max_output_tokens=4,
+                                       temperature=0))
+    assert streamed[-1].type == "error" and streamed[-1].code == "internal_error"
+    for rid in (polled.id, streamed[0].response.id):
+        failed = poll(c, rid)
+        assert failed.status == "failed" and failed.error.code == "internal_error"
+    monkeypatch.undo()
+    assert c.responses.create(input=QUESTION, max_output_tokens=4, temperature=0).status == "incomplete"

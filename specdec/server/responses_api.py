@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import time
 from typing import Literal
@@ -32,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..errors import PromptTooLong
 from ..sampling import MAX_TEMPERATURE, SEED_RANGE
 from . import reasoning, tools
-from .api_errors import APIError, validated
+from .api_errors import APIError, as_api_error, validated
 from .openai_format import logprobs, spec_stats
 from .conversations import Conversations, conversation_id
 from .response_items import as_items, as_messages, page
@@ -319,8 +320,12 @@ def add_routes(app, serve, overdue, decoder, model_name: str, store: ResponseSto
                                              on_first=lambda: _mark(store, key, answer.id, status="in_progress"))
                 status = "incomplete" if result.finish_reason == "length" else "completed"
                 body = answer.response(status, answer.items(decoder, text, result), result)
-            except APIError as e:
-                _mark(store, key, answer.id, status="failed", error={"code": e.code or e.type, "message": e.message})
+            except Exception as e:  # noqa: BLE001 - its own failure (a bug too): failed, the server goes on
+                if not isinstance(e, APIError):
+                    logging.getLogger("specdec.server").exception("a background response failed")
+                err = as_api_error(e)
+                _mark(store, key, answer.id, status="failed", error={"code": err.code or err.type,
+                                                                     "message": err.message})
                 return
             if _mark(store, key, answer.id, status=body["status"]) is not None:
                 keep(answer, body)

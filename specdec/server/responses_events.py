@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
-from .api_errors import APIError
+from .api_errors import APIError, as_api_error
 from .streaming import pieces
+
+log = logging.getLogger("specdec.server")
 
 
 class EventLog:
@@ -53,7 +56,7 @@ async def events(decoder, job, answer, overdue, keep=None, status: str = "in_pro
     """The Responses stream: response.created, the message's item and part opened, output_text deltas as text
     comes, each closed with its whole text, then response.completed (or .incomplete) with the whole response.
     With tools the text is held to its end and sent as function_call items (arguments in one delta) or as the
-    message. An error is an `error` event. `status`: the response's in response.created (a background one's is
+    message. An error (any: the answer's own failure) is an `error` event. `status`: the response's in response.created (a background one's is
     queued)."""
     seq = 0
 
@@ -142,7 +145,10 @@ async def events(decoder, job, answer, overdue, keep=None, status: str = "in_pro
         if keep is not None:
             keep(answer, body)  # stored before the client reads its end: a follow-up finds it
         yield event(f"response.{status}", response=body)
-    except APIError as err:
+    except Exception as e:  # noqa: BLE001 - this answer's own failure ends its stream with an error event
+        if not isinstance(e, APIError):
+            log.exception("a Responses stream failed")
+        err = as_api_error(e)
         yield event("error", code=err.code, message=err.message, param=None)
     finally:
         job.cancel()
