@@ -590,3 +590,27 @@ def test_max_tokens_0_answers_until_the_context_window(rt_sd):
         assert r["choices"][0]["finish_reason"] == "length"
     finally:
         srv.stop()
+
+
+def test_a_streams_own_failure_ends_it_with_an_error_event_on_every_api(rt_live, monkeypatch):
+    """A bug while a stream is put together (here: the last piece each API builds raises) is that request's own
+    failure: chat completions, Anthropic's messages and llama-server's /completion each end the stream with their
+    API's error event, not a broken connection; the next request is served."""
+    from specdec.server import anthropic_api, llama_compat, streaming
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+    monkeypatch.setattr(streaming, "usage", broken)
+    monkeypatch.setattr(anthropic_api.Reply, "message", broken)
+    monkeypatch.setattr(llama_compat, "_final", broken)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, "stream": True,
+            "stream_options": {"include_usage": True}}
+    claude = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, "stream": True}
+    llama = {"prompt": "Hello", "n_predict": 4, "stream": True}
+    for path, body, says in (("/v1/chat/completions", chat, '"code": "internal_error"'),
+                             ("/v1/messages", claude, "event: error"), ("/completion", llama, "internal_error")):
+        with httpx.stream("POST", rt_live.url + path, json=body, timeout=60) as r:
+            text = "".join(r.iter_text())
+        assert r.status_code == 200 and says in text and "RuntimeError" in text, (path, text[-300:])
+    monkeypatch.undo()
+    assert chat_completion(rt_live, [{"role": "user", "content": "Hello"}], max_tokens=2)["choices"]

@@ -20,7 +20,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from . import reasoning, tools
-from .api_errors import APIError, validated
+from .api_errors import APIError, stream_failure, validated
 from .openai_format import spec_stats
 from .schemas import ChatRequest
 from .streaming import collect, pieces
@@ -310,7 +310,8 @@ async def _events(job, reply: Reply, overdue):
                                             "stop_sequence": final["stop_sequence"]},
                     usage=final["usage"], specdec=final["specdec"])
         yield event("message_stop")
-    except APIError as err:
+    except Exception as e:  # noqa: BLE001 - this request's own failure ends its stream with an error event
+        err = stream_failure(e)
         yield f"event: error\ndata: {json.dumps(error(err.status, err.message))}\n\n"
     finally:
         job.cancel()

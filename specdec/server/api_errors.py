@@ -3,6 +3,8 @@ worker's exceptions mapped to theirs (429 busy, 504 timeout, 503 worker down, 40
 own failure)."""
 from __future__ import annotations
 
+import logging
+
 from ..errors import SpecDecError
 from .worker import Busy, JobTimeout, WorkerDown
 
@@ -42,3 +44,11 @@ def as_api_error(exc) -> APIError:
         return APIError(503, str(exc), "server_error", "worker_down")
     # this request's own failure (the others go on): named, without internals
     return APIError(500, f"internal error in this request: {type(exc).__name__}", "server_error", "internal_error")
+
+
+def stream_failure(exc: BaseException) -> APIError:
+    """What ends a stream that raised: its error as sent (a bug, anything but an APIError, is logged with its
+    traceback and sent as this request's own 500), so a stream ends with an error event, never broken off."""
+    if not isinstance(exc, APIError):
+        logging.getLogger("specdec.server").exception("a stream failed", exc_info=exc)
+    return as_api_error(exc)

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ..penalties import MAX_BIAS, MAX_PENALTY, MAX_REPETITION
 from ..prompts import template_kwargs
 from ..sampling import MAX_TEMPERATURE, SEED_RANGE
-from .api_errors import APIError, error_body, validated
+from .api_errors import APIError, error_body, stream_failure, validated
 from .openai_format import spec_stats
 from .schemas import CompletionRequest, Message
 from .streaming import chunks, collect
@@ -377,7 +377,8 @@ def _events(decoder, job, prompt_ids, options, model_name, overdue) -> Streaming
                 if chunk.result is not None:
                     final = _final(decoder, job, chunk.result, "".join(text), prompt_ids, options, model_name)
                     yield f"data: {json.dumps({'index': 0, 'content': '', 'tokens': [], **final})}\n\n"
-        except APIError as err:
+        except Exception as e:  # noqa: BLE001 - this request's own failure ends its stream with an error event
+            err = stream_failure(e)
             yield f"data: {json.dumps(error_body(err.message, err.type, err.code))}\n\n"
         finally:
             job.cancel()

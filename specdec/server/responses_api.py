@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import secrets
 import time
 from typing import Literal
@@ -33,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..errors import PromptTooLong
 from ..sampling import MAX_TEMPERATURE, SEED_RANGE
 from . import reasoning, tools
-from .api_errors import APIError, as_api_error, validated
+from .api_errors import APIError, stream_failure, validated
 from .openai_format import logprobs, spec_stats
 from .conversations import Conversations, conversation_id
 from .response_items import as_items, as_messages, page
@@ -321,9 +320,7 @@ def add_routes(app, serve, overdue, decoder, model_name: str, store: ResponseSto
                 status = "incomplete" if result.finish_reason == "length" else "completed"
                 body = answer.response(status, answer.items(decoder, text, result), result)
             except Exception as e:  # noqa: BLE001 - its own failure (a bug too): failed, the server goes on
-                if not isinstance(e, APIError):
-                    logging.getLogger("specdec.server").exception("a background response failed")
-                err = as_api_error(e)
+                err = stream_failure(e)
                 _mark(store, key, answer.id, status="failed", error={"code": err.code or err.type,
                                                                      "message": err.message})
                 return

@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 
-from .api_errors import APIError, as_api_error
+from .api_errors import stream_failure
 from .streaming import pieces
-
-log = logging.getLogger("specdec.server")
 
 
 class EventLog:
@@ -146,9 +143,7 @@ async def events(decoder, job, answer, overdue, keep=None, status: str = "in_pro
             keep(answer, body)  # stored before the client reads its end: a follow-up finds it
         yield event(f"response.{status}", response=body)
     except Exception as e:  # noqa: BLE001 - this answer's own failure ends its stream with an error event
-        if not isinstance(e, APIError):
-            log.exception("a Responses stream failed")
-        err = as_api_error(e)
+        err = stream_failure(e)
         yield event("error", code=err.code, message=err.message, param=None)
     finally:
         job.cancel()

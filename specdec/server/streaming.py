@@ -9,7 +9,7 @@ import time
 from types import SimpleNamespace
 
 from . import tools
-from .api_errors import as_api_error, error_body
+from .api_errors import as_api_error, error_body, stream_failure
 from .openai_format import logprobs, spec_stats, usage
 from .reasoning import ReasoningSplit, count
 
@@ -181,6 +181,9 @@ async def sse(decoder, jobs, meta, kind, include_usage, prompt_tokens: int, over
                     "specdec": {**spec_stats(results[0]), **meta.get("specdec", {})}}
             yield f"data: {json.dumps(last)}\n\n"
         yield "data: [DONE]\n\n"
+    except Exception as e:  # noqa: BLE001 - this request's own failure ends its stream with an error chunk
+        err = stream_failure(e)
+        yield f"data: {json.dumps(error_body(err.message, err.type, err.code))}\n\n"
     finally:
         for t in tasks:
             t.cancel()
