@@ -19,7 +19,7 @@ FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", 
           "n_indent", "t_max_predict_ms",
           # OpenAI's Responses API (responses_api.py)
           "input", "instructions", "max_output_tokens", "include", "call_id", "name", "arguments", "output",
-          "format", "previous_response_id", "truncation", "conversation", "items",
+          "format", "previous_response_id", "truncation", "conversation", "items", "background",
           # Anthropic's Messages API (anthropic_api.py)
           "system", "stop_sequences", "tool_use_id", "input_schema", "output_config", "thinking", "source",
           # chat templates and thinking models (server/reasoning.py)
@@ -48,7 +48,8 @@ bodies = st.one_of(
                                                     "temperature", "output_config")}),
     st.fixed_dictionaries({"input": st.one_of(st.text(max_size=30), ODD, st.lists(item | message, max_size=3))},
                           optional={f: values for f in ("tools", "tool_choice", "text", "instructions",
-                                                        "max_output_tokens", "stream", "include", "top_logprobs")}),
+                                                        "max_output_tokens", "stream", "include", "top_logprobs",
+                                                        "background", "store")}),
     st.fixed_dictionaries({"messages": st.lists(message, max_size=3)},
                           optional={f: values for f in FIELDS[3:20]}),
     st.fixed_dictionaries({"items": st.lists(item | message, max_size=3)}, optional={"metadata": values}),
@@ -107,6 +108,25 @@ def test_the_thinking_server_splits_its_answers(thinking_srv):
     r = httpx.post(thinking_srv.url + "/v1/chat/completions", timeout=60, json={
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0})
     assert "reasoning_content" in r.json()["choices"][0]["message"], r.text  # (what the fuzzing above goes through)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(stream=st.sampled_from(["true", "false", "1", "x", ""]) | st.none(),
+       after=st.integers(-2**70, 2**70).map(str) | st.text(max_size=6) | st.none(),
+       streamed=st.booleans())
+def test_no_query_to_a_stored_response_gets_a_5xx(srv, stream, after, streamed):
+    """GET /v1/responses/{id} with any stream / starting_after, on a background stream's response or a plain one:
+    the response, its events, or a JSON 4xx."""
+    body = {"input": "hi", "max_output_tokens": 4, **({"background": True, "stream": True} if streamed else {})}
+    with httpx.stream("POST", srv.url + "/v1/responses", json=body, timeout=60) as r:
+        first = next(line for line in r.iter_lines() if line.startswith("data: ") or line.startswith("{"))
+    rid = json.loads(first.removeprefix("data: "))["response" if streamed else "id"]
+    rid = rid["id"] if streamed else rid
+    params = {k: v for k, v in (("stream", stream), ("starting_after", after)) if v is not None}
+    got = httpx.get(f"{srv.url}/v1/responses/{rid}", params=params, timeout=60)
+    assert got.status_code == 200 or 400 <= got.status_code < 500, (got.status_code, got.text, params)
+    if got.status_code != 200:
+        assert got.json()["error"]["message"]
 
 
 LLAMA = ["n_predict", "n_probs", "repeat_penalty", "repeat_last_n", "grammar", "ignore_eos", "return_tokens", "stop",
