@@ -96,8 +96,20 @@ def model_rate(alpha: float, step: float, curve: dict[int, float]) -> float:
     return min(cost_per_token(k) for k in range(MAX_ROWS))
 
 
+def read_json(path: str) -> dict:
+    try:
+        out = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{path}: cannot read it as JSON ({e.__class__.__name__})") from None
+    if not isinstance(out, dict):
+        raise SystemExit(f"{path}: not a JSON object")
+    return out
+
+
 def load_curve(path: str) -> dict[int, float]:
-    ratios = json.loads(Path(path).read_text())["ratio_to_one_row"]["q8"]
+    ratios = read_json(path).get("ratio_to_one_row", {}).get("q8")
+    if not isinstance(ratios, dict):
+        raise SystemExit(f"{path}: no q8 ratio_to_one_row (a pair_curve.py JSON is needed)")
     curve = {int(k): float(v) for k, v in ratios.items()}
     missing = [r for r in range(1, MAX_ROWS + 1) if r not in curve]
     if missing:
@@ -161,7 +173,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from specdec.models import _gguf_tokenizer
-    results = json.loads(Path(args.results).read_text())
+    results = read_json(args.results)
     if "ours-none" not in results.get("results", {}):
         raise SystemExit(f"{args.results}: no ours-none answers (run pair.py with --systems ours-none,...)")
     tokenizer = _gguf_tokenizer(fetch_model("coder15"))
