@@ -23,6 +23,10 @@ class FeatureCandidates(CandidateGenerator):
         self.drafter, self.tau, self.max_length, self.norm = drafter, tau, max_length, final_norm
         self.drafter.reset()
 
+    @property
+    def num_drafting_tokens(self) -> int:  # transformers >= 5.2x sizes its cache's past recording by this
+        return self.tau
+
     def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False,
                        n_last_matches=0, **kwargs):
         if is_first_iteration:  # the target runs the prompt first; its features arrive with the next call
