@@ -1,5 +1,9 @@
+import os
 import sys
 from pathlib import Path
+
+os.environ.setdefault("SPECDEC_CHECK_OWNER", "1")  # serving state touched off its owner's thread raises (runtime/owner.py)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 

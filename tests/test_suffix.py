@@ -11,7 +11,16 @@ from hypothesis import strategies as st
 
 from specdec import SpecDecoder, models
 from specdec.batch import BatchEngine, Sequence
-from specdec.drafters.suffix import MIN_MATCH, OutputStore, SuffixDrafter, continuation_tree, longest_match, matches
+from specdec.drafters.suffix import (
+    MIN_MATCH,
+    OutputStore,
+    SuffixDrafter,
+    continuation_tree,
+    load_stores,
+    longest_match,
+    matches,
+)
+from specdec.drafters.tenants import PerTenant
 from specdec.sampling import SamplingParams
 
 
@@ -80,11 +89,11 @@ def test_an_output_copying_its_prompt_gets_long_drafts():
 
 def test_earlier_outputs_are_drawn_on_and_the_store_is_bounded():
     store = OutputStore(limit=100)
-    first = SuffixDrafter(store)
+    first = SuffixDrafter(PerTenant(OutputStore, {"": store}))
     first.propose([1, 2, 3], 8, None, None)
     first._context = [1, 2, 3] + list(range(200, 240))  # what the request generated
     first.close()  # its output joins the store
-    later = SuffixDrafter(store)  # another request: three tokens match, so up to MATCH_FACTOR x 3 are drafted
+    later = first.fork()  # another request: three tokens match, so up to MATCH_FACTOR x 3 are drafted
     assert later.propose([9, 9, 200, 201, 202], 8, None, None).tokens == list(range(203, 209))
     for i in range(5):  # older outputs leave, least recently used first
         store.add(list(range(1000 * (i + 1), 1000 * (i + 1) + 40)))
@@ -138,13 +147,13 @@ def test_greedy_suffix_trees_are_verified_and_lossless(rt):
     z = (want[1] + 1) % rt.model.config.vocab_size  # a wrong continuation
     for out in ([*ids[-2:], *want[:6]], [*ids[-2:], want[0], z, z], [*ids[-2:], *want[:2], z]):
         store.add(list(out))
-    sd = SpecDecoder.from_models(rt.model, rt.tokenizer, draft=SuffixDrafter(store))
+    sd = SpecDecoder.from_models(rt.model, rt.tokenizer, draft=SuffixDrafter(PerTenant(OutputStore, {"": store})))
     sd.engine.eos_ids, sd.engine.costs = set(), CheapRows()
     out = sd.generate(PROMPT, max_new_tokens=40, chat=False)
     assert out.token_ids == want
     tree = out.records[1]  # (cycle 0 is the prefill's)
     assert tree.parents is not None and len(set(tree.parents)) < len(tree.parents) and tree.accepted >= 2
-    engine = BatchEngine(rt.model, SuffixDrafter(store), rt.model.config.vocab_size, set(), 256, max_batch_rows=24)
+    engine = BatchEngine(rt.model, SuffixDrafter(PerTenant(OutputStore, {"": store})), rt.model.config.vocab_size, set(), 256, max_batch_rows=24)
     seq = engine.add(Sequence(ids, 40, SamplingParams()))
     trees = 0
     while engine.running:
@@ -189,9 +198,9 @@ def test_suffix_file_keeps_the_outputs_between_runs_and_refuses_a_bad_file_in_on
     assert again.propose([9, 40, 41, 42], 4, None, None).tokens == list(range(43, 47))
     said = []
     meta = {"fingerprint": "another", "vocab": rt.model.config.vocab_size}
-    assert not OutputStore.load_or_new(f, meta, rt.model.config.vocab_size, log=said.append).outputs
+    assert not load_stores(f, meta, rt.model.config.vocab_size, log=said.append).default.outputs
     f.write_bytes(b"\x00not a store" * 5)
-    assert not OutputStore.load_or_new(f, again.meta, rt.model.config.vocab_size, log=said.append).outputs
+    assert not load_stores(f, again.meta, rt.model.config.vocab_size, log=said.append).default.outputs
     assert len(said) == 2 and "another target" in said[0] and "unreadable" in said[1]
     assert all("\n" not in s for s in said)
     from specdec.errors import InvalidRequest

@@ -3,11 +3,14 @@ and resumption, leaving; and the predicted work admission and the 429 prediction
 (engine.py's __init__) is what these methods read and change."""
 from __future__ import annotations
 
+import sys
+import traceback
+
 from ..drafters.base import close, for_request, fork, idle_step, idle_work, makes_trees
-from ..errors import InvalidRequest
 from ..policy import AdaptivePolicy
 from ..runtime.blocks import BLOCK, OutOfBlocks
 from ..sampling import PositionNoise
+from .load import Load, check_fits, prefill_ms
 from .requests import Sequence
 
 
@@ -38,10 +41,7 @@ class Admission:
 
     def check_fits(self, prompt: list[int]) -> None:
         """A prompt the whole KV budget cannot hold (with its first generated token) is refused."""
-        need = -(-(len(prompt) + 1) // BLOCK)
-        if need > self.model.pool.blocks:
-            raise InvalidRequest(f"the prompt's {len(prompt)} tokens need {need * BLOCK} KV positions; this server's "
-                                 f"KV memory holds {self.model.pool.blocks * BLOCK}")
+        check_fits(prompt, self.model.pool.blocks)
 
     def can_start(self, prompt: list[int], salt: bytes = b"", scoring: bool = False) -> bool:
         """Whether a request with this prompt could join now: its uncached blocks are free (or evictable). A cached
@@ -71,10 +71,11 @@ class Admission:
                      and r.state.value == "prefilling" and r.prompt_logprobs is None), None)
 
     def add(self, seq: Sequence) -> Sequence:
+        self.owner.check()
         if len(self.running) >= self.max_batch_rows:
             raise RuntimeError("the batch is full: every running request needs a row")
         est = AdaptivePolicy(seq.max_tau, max(seq.max_tau, 1))
-        for mine, ours in zip(est.alpha, self.shared.alpha):
+        for mine, ours in zip(est.alpha, self.priors(seq.cache_salt).alpha):
             mine.value = ours.value
         if not seq.params.greedy and not isinstance(seq.generator, PositionNoise) and (
                 seq.constraint is not None or makes_trees(self.drafter)):
@@ -132,18 +133,30 @@ class Admission:
                 return
 
     def remove(self, seq: Sequence) -> None:
-        """A finished, cancelled or timed-out request leaves: its slot and drafter state are freed."""
-        if seq.id in self._state:
-            slot, drafter, _ = self._state.pop(seq.id)
-            if self.prefixes is not None and not self.prefixes.features and seq.after is None:
-                # its output's blocks too: a conversation's next turn sends this prompt and answer back (the
-                # blocks of a feature drafter's cache need hidden states, which only prompts keep)
-                self.prefixes.store(seq.tokens[: seq.fed], slot, seq.cache_salt)
-            self._prompt_hidden.pop(seq.id, None)
-            self._copy_est.pop(seq.id, None)
-            self.model.release_slot(slot)
-            close(drafter)
+        """A finished, cancelled, failed or timed-out request leaves. Leaving comes first and cannot fail; then its
+        output's blocks are named for the prefix cache, its slot is freed and its drafter closed, each whatever the
+        others did. A failure there is the worker's, not a request's: it is printed and counted
+        (`cleanup_failures`), the request has left either way, and the worker restarts if they keep coming."""
+        self.owner.check()
+        state = self._state.pop(seq.id, None)
+        if seq in self.running:
             self.running.remove(seq)
+        self._prompt_hidden.pop(seq.id, None)
+        self._copy_est.pop(seq.id, None)
+        if state is None:
+            return
+        slot, drafter, _ = state
+        steps = [lambda: self.model.release_slot(slot), lambda: close(drafter)]
+        if self.prefixes is not None and not self.prefixes.features and seq.after is None:
+            # its output's blocks too: a conversation's next turn sends this prompt and answer back (the blocks of
+            # a feature drafter's cache need hidden states, which only prompts keep)
+            steps.insert(0, lambda: self.prefixes.store(seq.tokens[: seq.fed], slot, seq.cache_salt))
+        for step in steps:
+            try:
+                step()
+            except Exception:  # noqa: BLE001 - counted; the worker decides (server/worker.py)
+                self.cleanup_failures += 1
+                traceback.print_exc(file=sys.stderr)
 
     def _fail(self, seq: Sequence, error: BaseException) -> None:
         """A request whose own work raised leaves the batch with its error; the others go on."""
@@ -156,6 +169,15 @@ class Admission:
         for seq in list(self.running):
             self.remove(seq)
         self.model.pool.clear_hashes()
+
+    def reset(self) -> None:
+        """After a worker failure: every request gone, and the KV pool made anew (what a failed cleanup left in it,
+        blocks held for nobody or named wrongly, goes with it; cached prefixes are recomputed)."""
+        for seq in list(self.running):
+            self.remove(seq)
+        self.running.clear()
+        self.model.set_kv_memory(self.model.kv_budget)  # the same size, fixed
+        self.cleanup_failures = 0
 
     # ---- idle time ---------------------------------------------------------------------------------------------
     def idle_work(self) -> int:
@@ -172,8 +194,7 @@ class Admission:
 
     def rows_ms(self, start: int, end: int) -> float:
         """Predicted ms of computing positions start..end-1 of one sequence (a prompt's prefill)."""
-        n = max(0, end - start)
-        return self._work_scale.value * (n * self.row_ms + self.key_ms * (start + end - 1) * n / 2)
+        return prefill_ms(self.row_ms, self.key_ms, self._work_scale.value, start, end)
 
     def uncached(self, prompt: list[int], salt: bytes = b"") -> int:
         """Where the prefill of `prompt` would start: after the blocks the prefix cache holds for it (this tenant's)."""
@@ -184,12 +205,23 @@ class Admission:
     def work_ms(self, start: int, end: int, max_new_tokens: int) -> float:
         """Predicted ms one request adds: prefill of positions start..end-1, then one pass per token, each as long
         as the batch's passes are now (a request's steps share passes with the others' prompt chunks)."""
-        step = max(self.pass_ms(len(self.running) + 1), self._recent_pass.value)
-        return self.rows_ms(start, end) + max_new_tokens * step
+        return self.rows_ms(start, end) + max_new_tokens * self._step_ms()
+
+    def _step_ms(self) -> float:
+        return max(self.pass_ms(len(self.running) + 1), self._recent_pass.value)
 
     def request_ms(self, prompt: list[int], max_new_tokens: int) -> float:
         return self.work_ms(self.uncached(prompt), len(prompt), max_new_tokens)
 
     def backlog_ms(self) -> float:
         """Predicted ms of prefill the running requests still need (preempted ones: all their tokens again)."""
-        return sum(self.rows_ms(s.fed, len(s.tokens)) for s in list(self.running) if s.prefilling or s.preempted)
+        return sum(self.rows_ms(s.fed, len(s.tokens)) for s in self.running if s.prefilling or s.preempted)
+
+    def load(self, waiting_ms: float = 0.0) -> Load:
+        """The snapshot other threads predict with (batch/load.py), `waiting_ms` the work of the requests waiting."""
+        pool = self.model.pool
+        cached = pool.by_hash.keys() if self.prefixes is not None else ()
+        if self.prefixes is not None and self.prefixes.features:  # found only with their hidden states
+            cached = [d for d in cached if d in pool.kept]
+        return Load(self.row_ms, self.key_ms, self._work_scale.value, self._step_ms(), self.backlog_ms(), waiting_ms,
+                    pool.blocks, frozenset(cached))

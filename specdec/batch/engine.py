@@ -7,12 +7,14 @@ from time import perf_counter
 import torch
 
 from ..drafters.base import Draft, makes_trees, propose_many
+from ..drafters.tenants import PerTenant
 from ..drafters.tree import best_chain, depths, path, prune
 from ..engine import cut
 from ..kernels import argmax as row_argmax
 from ..policy import AdaptivePolicy, Ema
 from ..runtime.blocks import BLOCK, OutOfBlocks
 from ..runtime.model import Llama
+from ..runtime.owner import Owner
 from ..runtime.slot_cache import fit_vocab
 from ..sampling import PositionNoise, SamplingParams, token_logprobs
 from ..scheduler import Demand, plan
@@ -54,6 +56,7 @@ class BatchEngine(Admission):
         if max_batch_rows < 1 or prefill_chunk < 1:
             raise ValueError("max_batch_rows and prefill_chunk must be >= 1")
         self.model, self.drafter, self.vocab_size = model, drafter, vocab_size
+        self.owner = Owner("the batch engine")  # the thread that builds it (a server's worker) runs it alone
         self.eos_ids, self.context_window = set(eos_ids), context_window
         self.max_batch_rows, self.prefill_chunk = max_batch_rows, prefill_chunk
         self.wants_hidden = getattr(drafter, "wants_target_hidden", False)
@@ -72,6 +75,7 @@ class BatchEngine(Admission):
         self.prefixes = PrefixCache(model, features=self.wants_hidden) if prefix_cache else None
         self._prompt_hidden: dict[int, list] = {}  # id -> its prompt's hidden states so far (features cache only)
         self.preemptions = 0
+        self.cleanup_failures = 0  # a leaving request's cleanup that raised (Admission.remove)
         # the work of a row at position p: row_ms + key_ms·p (attention grows with the keys it reads), scaled by what
         # passes measure (calibrate(), measure_row_cost); what admission predicts finishing times with
         curve = pass_curve or {1: 10.0}
@@ -81,7 +85,8 @@ class BatchEngine(Admission):
         self.running: list[Sequence] = []
         self._state: dict[int, tuple] = {}  # id -> (slot, drafter, acceptance estimates)
         self._pass = OnlineCurve(pass_curve or {1: 10.0})
-        self.shared = AdaptivePolicy(1, 16)  # acceptance by position over all requests: a new request's prior
+        # acceptance by position over a tenant's requests: its new request's prior (drafters/tenants.py)
+        self.priors = PerTenant(lambda: AdaptivePolicy(1, 16))
         self.last = {}  # the last step's figures (rows, taus, verify_ms), for metrics; {} when it ran no pass
         self.failed: list[tuple[Sequence, BaseException]] = []  # the last step's requests that failed on their own
 
@@ -98,6 +103,7 @@ class BatchEngine(Admission):
         """One cycle for every running request -> (request, record) for each request that emitted tokens (a
         request still prefilling emits none). Finished requests leave the batch; so do requests whose own drafting
         or verification raised (listed in `self.failed` with their errors): one request never fails the others."""
+        self.owner.check()
         t0 = perf_counter()
         self.last, self.failed = {}, []
         self._resume()
@@ -554,7 +560,7 @@ class BatchEngine(Admission):
             seen = replace(rec, proposed=proposed[: max(depths(draft.parents))]) if tree else rec
             self._estimates(s).observe(seen)
             if s.id not in self._copied:
-                self.shared.observe(seen)
+                self.priors(s.cache_salt).observe(seen)
         if finish:
             s.finish(finish)
             self.remove(s)

@@ -58,10 +58,10 @@ def fork(drafter):
 
 
 def for_request(drafter, salt: bytes, budget: tuple[int, float] | None = None) -> None:
-    """Tell a request's drafter (a chain: its members) whose request it drafts for, and its `budget` = (tokens it may
+    """Tell a request's drafter (a chain and its members) whose request it drafts for, and its `budget` = (tokens it may
     emit, ms of a one-row target pass): a model draft's cached prompts are found only within one tenant, and it puts
     off a catch-up the budget cannot repay (drafters/draft_cache.py)."""
-    for member in getattr(drafter, "members", [drafter]):
+    for member in [drafter, *getattr(drafter, "members", [])]:
         if hasattr(member, "cache_salt"):
             member.cache_salt, member.budget = salt, budget
 

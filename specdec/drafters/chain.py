@@ -8,6 +8,7 @@ once (drafters/tree.py); the engine's cost model then verifies the nodes worth t
 from __future__ import annotations
 
 from .base import Draft, close, fork, propose_many
+from .tenants import PerTenant
 from .tree import chain_parents, merge
 
 PRIOR_ALPHA, DECAY = 0.6, 0.95
@@ -15,7 +16,7 @@ MAX_NODES = 16
 
 
 class ChainDrafter:
-    def __init__(self, members: list, alphas: dict | None = None):
+    def __init__(self, members: list, alphas: PerTenant | None = None):
         self.members = members
         self.name = "+".join(m.name for m in members)
         self.wants_target_hidden = any(getattr(m, "wants_target_hidden", False) for m in members)
@@ -23,8 +24,10 @@ class ChainDrafter:
         # free tree-makers (recycle) turn the chain's proposals into merged trees; a model draft's own trees (the
         # feature draft) pass through as they are, and batched requests draft it as chains in one pass for all
         self.makes_trees = any(getattr(m, "makes_trees", False) and getattr(m, "free", False) for m in members)
-        # member index -> acceptance by depth [value, weight] (shared by forks: a drafter's quality carries over)
-        self.alphas = alphas if alphas is not None else {}
+        # member index -> acceptance by depth [value, weight], by tenant (shared by forks: a drafter's quality
+        # carries over to the tenant's next requests; drafters/tenants.py)
+        self.alphas = alphas if alphas is not None else PerTenant(dict)
+        self.cache_salt, self.budget = b"", None  # whose request it drafts for (drafters.base.for_request)
         self._last: tuple[int, int] | None = None  # (member, chain length) of the last merged proposal
 
     def propose(self, context, k, params, generator, free_only: bool = False) -> Draft:
@@ -45,7 +48,7 @@ class ChainDrafter:
         self._last = None
         tree = draft
         if not draft.is_tree:
-            est = self.alphas.setdefault(i, [])
+            est = self.alphas(self.cache_salt).setdefault(i, [])
             values, v = [], 1.0
             for d in range(len(draft.tokens)):
                 v *= est[d][0] if d < len(est) else PRIOR_ALPHA
@@ -65,7 +68,7 @@ class ChainDrafter:
             return
         member, length = self._last
         self._last = None
-        est, ok = self.alphas.setdefault(member, []), set(accepted)
+        est, ok = self.alphas(self.cache_salt).setdefault(member, []), set(accepted)
         for d in range(min(length, len(draft.tokens))):  # the chain's nodes come first, node d at depth d + 1
             if d and d - 1 not in ok:
                 break

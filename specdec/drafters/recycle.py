@@ -19,6 +19,7 @@ import torch
 from .. import kernels
 from ..sampling import PositionNoise
 from .base import Draft
+from .tenants import PerTenant
 from .tree import best_first
 
 TOP_K = 8  # successors kept per token (the paper's k)
@@ -55,45 +56,63 @@ class RecycleTable:
         self.prob[ids[ok]] = prob[ok]
 
     # ---- persistence -----------------------------------------------------------------------------------------
-    def save(self, path) -> None:
+    def tensors(self, prefix: str = "") -> dict:
+        return {prefix + n: getattr(self, n) for n in ("succ", "prob", "offered", "accepted")}
+
+    def save(self, path, others: list[tuple[str, RecycleTable]] = ()) -> None:
+        """This table (the default tenant's) and `others` (tenant name, table; drafters/tenants.py) in one file."""
         from safetensors.torch import save_file
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         meta = {"format": str(FORMAT), "vocab": str(self.vocab), "k": str(self.k), "fingerprint": self.fingerprint}
+        tensors = self.tensors()
+        for name, table in others:
+            tensors.update(table.tensors(name + "/"))
         tmp = path.with_suffix(".tmp")
-        save_file({"succ": self.succ, "prob": self.prob, "offered": self.offered, "accepted": self.accepted},
-                  str(tmp), metadata=meta)
+        save_file(tensors, str(tmp), metadata=meta)
         tmp.replace(path)  # a crash mid-write never leaves a torn file
 
     @classmethod
     def load_or_new(cls, path, vocab: int, fingerprint: str, log=None) -> RecycleTable:
-        """The table saved at `path` if it is whole and made for this target, else a fresh one (saying why)."""
-        log = log or (lambda msg: print(msg, file=sys.stderr))
-        path = Path(path)
-        if not path.exists():
-            return cls(vocab, fingerprint=fingerprint)
-        try:
-            from safetensors import safe_open
-            with safe_open(str(path), "pt") as f:
-                meta = f.metadata() or {}
-                t = {name: f.get_tensor(name) for name in ("succ", "prob", "offered", "accepted")}
-            k = int(meta.get("k", -1))
-            if meta.get("format") != str(FORMAT) or int(meta.get("vocab", -1)) != vocab \
-                    or meta.get("fingerprint") != fingerprint:
-                log(f"specdec: recycle table {path} was made for another target; starting a fresh one")
-                return cls(vocab, fingerprint=fingerprint)
-            if t["succ"].shape != (vocab, k) or t["prob"].shape != (vocab, k) or t["offered"].shape != (2, BUCKETS) \
-                    or t["accepted"].shape != (2, BUCKETS):
+        """The default tenant's table saved at `path` if it is whole and made for this target, else a fresh one
+        (saying why)."""
+        return load_tables(path, vocab, fingerprint, log).default
+
+
+def load_tables(path, vocab: int, fingerprint: str, log=None) -> PerTenant:
+    """Every tenant's table saved at `path` if the file is whole and made for this target, else fresh ones (saying
+    why in one line; an absent file is simply fresh tables)."""
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    path = Path(path)
+    fresh = PerTenant(lambda: RecycleTable(vocab, fingerprint=fingerprint))
+    if not path.exists():
+        return fresh
+    tables = {}
+    try:
+        from safetensors import safe_open
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+            names = {k.rpartition("/")[0] for k in f.keys()}
+            t = {name: {n: f.get_tensor(f"{name}/{n}" if name else n) for n in ("succ", "prob", "offered", "accepted")}
+                 for name in names}
+        k = int(meta.get("k", -1))
+        if meta.get("format") != str(FORMAT) or int(meta.get("vocab", -1)) != vocab \
+                or meta.get("fingerprint") != fingerprint:
+            log(f"specdec: recycle table {path} was made for another target; starting a fresh one")
+            return fresh
+        for name, tensors in t.items():
+            if tensors["succ"].shape != (vocab, k) or tensors["prob"].shape != (vocab, k) \
+                    or tensors["offered"].shape != (2, BUCKETS) or tensors["accepted"].shape != (2, BUCKETS):
                 raise ValueError("tensor shapes do not match")
-            _check_values(t, vocab)
-        except Exception as e:  # noqa: BLE001 - any unreadable file: a fresh table, never a crash
-            log(f"specdec: recycle table {path} is unreadable ({type(e).__name__}: {str(e)[:80]}); starting a "
-                f"fresh one")
-            return cls(vocab, fingerprint=fingerprint)
-        table = cls(vocab, k, fingerprint)
-        table.succ, table.prob = t["succ"].int(), t["prob"].float()
-        table.offered, table.accepted = t["offered"].double(), t["accepted"].double()
-        return table
+            _check_values(tensors, vocab)
+            table = tables[name] = RecycleTable(vocab, k, fingerprint)
+            table.succ, table.prob = tensors["succ"].int(), tensors["prob"].float()
+            table.offered, table.accepted = tensors["offered"].double(), tensors["accepted"].double()
+    except Exception as e:  # noqa: BLE001 - any unreadable file: a fresh table, never a crash
+        log(f"specdec: recycle table {path} is unreadable ({type(e).__name__}: {str(e)[:80]}); starting a "
+            f"fresh one")
+        return fresh
+    return PerTenant(fresh.make, tables)
 
 
 def _check_values(t: dict, vocab: int) -> None:
@@ -124,8 +143,13 @@ class RecycleDrafter:
     free = True  # a table lookup per node
     makes_trees = True
 
-    def __init__(self, table: RecycleTable, path: Path | None = None):
-        self.table, self.path = table, path
+    def __init__(self, tables: PerTenant | RecycleTable, path: Path | None = None):
+        """`tables`: by tenant (drafters/tenants.py); one table is the default tenant's, the others start empty."""
+        if isinstance(tables, RecycleTable):
+            t = tables
+            tables = PerTenant(lambda: RecycleTable(t.vocab, t.k, t.fingerprint), {"": t})
+        self.tables, self.path = tables, path
+        self.cache_salt, self.budget = b"", None  # whose request it drafts for (drafters.base.for_request)
         self._last: tuple[dict, bool] | None = None  # the last proposal: token path -> bucket; sampled
 
     def propose(self, context, k, params, generator) -> Draft:
@@ -175,13 +199,18 @@ class RecycleDrafter:
                 t.offered[m, b] += 1
                 t.accepted[m, b] += i in ok
 
+    @property
+    def table(self) -> RecycleTable:
+        """The table of this request's tenant: the only one its passes teach and its proposals read."""
+        return self.tables(self.cache_salt)
+
     def persist(self) -> None:
-        """Write the table back to the file it came from (drafters.base.save, the server at shutdown)."""
+        """Write the tables back to the file they came from (drafters.base.save, the server at shutdown)."""
         if self.path is not None:
-            self.table.save(self.path)
+            self.tables.default.save(self.path, [(n, t) for n, t in self.tables.items() if n])
 
     def fork(self) -> RecycleDrafter:
-        return RecycleDrafter(self.table, self.path)  # one table; a proposal of its own
+        return RecycleDrafter(self.tables, self.path)  # one set of tables; a proposal of its own
 
     def reset(self) -> None:
         self._last = None

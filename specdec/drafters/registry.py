@@ -30,8 +30,8 @@ from .feature import FeatureDrafter
 from .feature_files import MARKER, check_target, is_feature_draft
 from .model import ModelDrafter
 from .ngram import NgramDrafter
-from .recycle import RecycleDrafter, RecycleTable
-from .suffix import OutputStore, SuffixDrafter
+from .recycle import RecycleDrafter, load_tables
+from .suffix import SuffixDrafter, load_stores
 
 SHIPPED_DRAFT = Path(__file__).parent.parent / "drafts" / "smollm2-135m-instruct"  # trained by `specdec distill`
 
@@ -103,14 +103,14 @@ def _suffix(spec, target):
     if not name or Path(name).is_dir():
         raise InvalidRequest(f"--draft {spec!r}: suffix:FILE needs a file name (the store is kept there)")
     path, meta = Path(name), {"fingerprint": target.fingerprint, "vocab": target.vocab}
-    return SuffixDrafter(OutputStore.load_or_new(path, meta, target.vocab), path, meta)
+    return SuffixDrafter(load_stores(path, meta, target.vocab), path, meta)
 
 
 @register("recycle")
 def _recycle(spec, target):
     """`recycle`: a table in the cache directory, one per target vocabulary; `recycle:FILE` names the file."""
     path = Path(spec.split(":", 1)[1]) if ":" in spec else recycle_file(target.fingerprint)
-    return RecycleDrafter(RecycleTable.load_or_new(path, target.vocab, target.fingerprint), path)
+    return RecycleDrafter(load_tables(path, target.vocab, target.fingerprint), path)
 
 
 def recycle_file(fingerprint: str) -> Path:

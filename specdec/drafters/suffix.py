@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from .base import Draft
+from .tenants import PerTenant
 from .tree import chain_parents, depths, prune
 
 MIN_MATCH = 2  # a single matching token is right too rarely to pay for rows (as ngram's min_ngram)
@@ -32,9 +33,9 @@ STORE_TOKENS = 1 << 18  # earlier outputs kept for every request to draw from (a
 
 
 class OutputStore:
-    """Outputs of earlier requests, searched when a request's own context has no long match: one array with a
-    separator between outputs, rebuilt when outputs join or leave (least recently used leave first, past
-    STORE_TOKENS). Shared by every fork of a drafter (all of a server's requests)."""
+    """Outputs of one tenant's earlier requests, searched when a request's own context has no long match: one array
+    with a separator between outputs, rebuilt when outputs join or leave (least recently used leave first, past
+    STORE_TOKENS). Shared by every fork of a drafter (a server's requests of that tenant: drafters/tenants.py)."""
 
     def __init__(self, limit: int = STORE_TOKENS):
         self.limit, self.outputs, self.tokens = limit, OrderedDict(), 0
@@ -53,45 +54,53 @@ class OutputStore:
             self.tokens -= len(self.outputs.popitem(last=False)[0])
         self._flat = None
 
-    def save(self, path: Path, meta: dict) -> None:
-        """The outputs, oldest first, as one .npz (`flat`, and `meta`: what target they are for), written atomically."""
-        from ..cachedir import write_atomically
-        buf = io.BytesIO()
-        np.savez(buf, flat=self.flat(), meta=np.frombuffer(json.dumps(meta).encode(), np.uint8))
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(Path(path), buf.getvalue())
-
-    @classmethod
-    def load_or_new(cls, path: Path, meta: dict, vocab: int, log=None) -> OutputStore:
-        """The store saved at `path` if it is whole and made for this target (`meta`), else an empty one (saying
-        why in one line; an absent file is simply a new store)."""
-        log = log or (lambda msg: print(msg, file=sys.stderr))
-        store = cls()
-        if not Path(path).exists():
-            return store
-        try:
-            with np.load(path, allow_pickle=False) as f:
-                flat, saved = f["flat"], json.loads(bytes(f["meta"]).decode())
-            if saved != meta:
-                log(f"specdec: suffix store {path} was made for another target; starting an empty one")
-                return store
-            if flat.dtype != np.int64 or flat.ndim != 1 or (len(flat) and (flat.min() < -1 or flat.max() >= vocab
-                                                                            or flat[-1] != -1)):
-                raise ValueError("not a store of this vocabulary's tokens")
-        except Exception as e:  # noqa: BLE001 - any unreadable file: an empty store, never a crash
-            log(f"specdec: suffix store {path} is unreadable ({type(e).__name__}: {str(e)[:80]}); starting an "
-                f"empty one")
-            return store
-        for part in np.split(flat, np.flatnonzero(flat < 0) + 1)[:-1]:
-            store.add(part[:-1].tolist())
-        return store
-
     def flat(self) -> np.ndarray:
         """All outputs, each followed by -1 (no token: a match never runs across two outputs)."""
         if self._flat is None:
             parts = [np.asarray(o + (-1,), np.int64) for o in self.outputs]
             self._flat = np.concatenate(parts) if parts else np.empty(0, np.int64)
         return self._flat
+
+
+def save_stores(stores: PerTenant, path: Path, meta: dict) -> None:
+    """Every tenant's outputs, oldest first, as one .npz: `flat` (the default tenant's), `flat.NAME` (each other
+    tenant's, by tenants.tenant_name) and `meta` (what target they are for), written atomically."""
+    from ..cachedir import write_atomically
+    arrays = {("flat." + name if name else "flat"): store.flat() for name, store in stores.items()}
+    buf = io.BytesIO()
+    np.savez(buf, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(Path(path), buf.getvalue())
+
+
+def load_stores(path: Path, meta: dict, vocab: int, log=None) -> PerTenant:
+    """The tenants' stores saved at `path` if the file is whole and made for this target (`meta`), else none (saying
+    why in one line; an absent file is simply new stores)."""
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    fresh = PerTenant(OutputStore)
+    if not Path(path).exists():
+        return fresh
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            saved = json.loads(bytes(f["meta"]).decode())
+            flats = {k[5:]: f[k] for k in f.files if k == "flat" or k.startswith("flat.")}
+        if saved != meta:
+            log(f"specdec: suffix store {path} was made for another target; starting an empty one")
+            return fresh
+        for flat in flats.values():
+            if flat.dtype != np.int64 or flat.ndim != 1 or (len(flat) and (flat.min() < -1 or flat.max() >= vocab
+                                                                            or flat[-1] != -1)):
+                raise ValueError("not a store of this vocabulary's tokens")
+    except Exception as e:  # noqa: BLE001 - any unreadable file: an empty store, never a crash
+        log(f"specdec: suffix store {path} is unreadable ({type(e).__name__}: {str(e)[:80]}); starting an "
+            f"empty one")
+        return fresh
+    stores = {}
+    for name, flat in flats.items():
+        stores[name] = OutputStore()
+        for part in np.split(flat, np.flatnonzero(flat < 0) + 1)[:-1]:
+            stores[name].add(part[:-1].tolist())
+    return PerTenant(OutputStore, stores)
 
 
 def matches(hay: np.ndarray, tail: np.ndarray, end: int) -> tuple[int, np.ndarray]:
@@ -157,10 +166,17 @@ class SuffixDrafter:
     free = True
     sizes_own_depth = True  # the engines ask it for depth(cost) tokens, not τ
 
-    def __init__(self, store: OutputStore | None = None, path: Path | None = None, meta: dict | None = None):
-        self.store = store if store is not None else OutputStore()
-        self.path, self.meta = path, meta or {}  # suffix:FILE keeps the store there between runs
+    def __init__(self, stores: PerTenant | None = None, path: Path | None = None, meta: dict | None = None):
+        """`stores`: earlier outputs by tenant (drafters/tenants.py); None: empty ones."""
+        self.stores = stores if stores is not None else PerTenant(OutputStore)
+        self.path, self.meta = path, meta or {}  # suffix:FILE keeps the stores there between runs
+        self.cache_salt, self.budget = b"", None  # whose request it drafts for (drafters.base.for_request)
         self.reset()
+
+    @property
+    def store(self) -> OutputStore:
+        """The earlier outputs of this request's tenant: the only ones it may draw from."""
+        return self.stores(self.cache_salt)
 
     def reset(self) -> None:
         """A new request: the last one's output joins the store for later requests."""
@@ -178,7 +194,7 @@ class SuffixDrafter:
         self._in_step = False
 
     def fork(self) -> SuffixDrafter:
-        return SuffixDrafter(self.store, self.path, self.meta)  # one store; this request's own state
+        return SuffixDrafter(self.stores, self.path, self.meta)  # one set of stores; this request's own state
 
     def persist(self) -> None:
         """Write the store (and the output under way) to the file it came from (drafters.base.save, the server at
@@ -186,7 +202,7 @@ class SuffixDrafter:
         if self._base is not None:
             self.store.add(self._context[self._base:])
         if self.path is not None:
-            self.store.save(self.path, self.meta)
+            save_stores(self.stores, self.path, self.meta)
 
     def close(self) -> None:
         """The request is over (a batch's fork leaves): its output joins the store."""

@@ -7,6 +7,7 @@ import torch
 
 from .blocks import BLOCK, prefix_hashes
 from .model import Llama
+from .owner import Owner
 
 MEMO = 256  # prompts whose block hashes are kept: admission, the 429 prediction, restore and store hash each once
 
@@ -31,9 +32,11 @@ class PrefixCache:
         self.hits = self.reused = 0  # requests served from the cache, positions shared instead of computed
         self.queried = 0  # positions looked up (all of a prompt but its last token)
         self._hashes: OrderedDict = OrderedDict()  # (salt, full blocks' tokens) -> their chain hashes
+        self.owner = Owner("the prefix cache")  # its LRU memo and the pool change on every lookup
 
     def hashes(self, tokens: list[int], salt: bytes = b"") -> list[bytes]:
         """The prefix hashes of `tokens`' full blocks for this tenant, computed once per prompt (recently used)."""
+        self.owner.check()
         key = (salt, tuple(tokens[: len(tokens) // BLOCK * BLOCK]))
         found = self._hashes.get(key)
         if found is None:

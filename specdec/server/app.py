@@ -213,9 +213,9 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
             if limits[-1] > room:
                 raise APIError(400, f"max_tokens {limits[-1]} + prompt {len(prompt_ids)} tokens exceed the context "
                                     f"window of {decoder.context_window}", code="context_length_exceeded")
-            if getattr(worker, "engine", None) is not None:  # a prompt the whole KV memory cannot hold: 400 now
+            if getattr(worker, "load", None) is not None:  # a prompt the whole KV memory cannot hold: 400 now
                 try:
-                    worker.engine.check_fits(prompt_ids)
+                    worker.load.check_fits(prompt_ids)
                 except InvalidRequest as e:
                     raise APIError(400, str(e), code="context_length_exceeded") from None
         echo = kind == "text" and req.echo

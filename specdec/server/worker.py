@@ -45,6 +45,8 @@ START_SHARE = 0.5  # with no prediction: a request that cannot start within this
 SAFETY = 1.2  # predicted finishing times are stretched by this much before they are held against a deadline
 
 
+STEP_FAILURES = 3  # whole steps failing in a row, or leaving requests' cleanups failing: the worker's failure (the
+# supervisor resets the engine and restarts the loop; /health is 503 meanwhile), not the requests'
 MAX_RESTARTS = 5  # loop crashes within RESTART_WINDOW_S before the supervisor gives up (health: 503 for good)
 RESTART_WINDOW_S = 60.0
 
@@ -326,10 +328,19 @@ class BatchWorker(Worker):
         self.make_engine, self.max_tau, self.engine = make_engine, max_tau, None
         self.waiting: collections.deque[Job] = collections.deque()
         self.active: dict[int, tuple] = {}  # sequence id -> (job, request, sequence)
+        self.load = None  # the engine's batch/load.Load, published by the worker thread: what other threads read
+        self._failures = 0  # steps failed in a row, plus cleanups failed, since the last good step
+        self._cleanups_seen = 0  # the engine's cleanup_failures already counted
         super().__init__(decoder, metrics, max_queue, timeout_s, trace_dir)
 
     def _setup(self) -> None:
         self.engine = self.make_engine(self.decoder)
+        self._publish()
+
+    def _publish(self) -> None:
+        """The snapshot other threads predict with: the engine itself is this thread's alone (runtime/owner.py)."""
+        if self.engine is not None:
+            self.load = self.engine.load(sum(self._work(j) for j in self.waiting))
 
     def trace_meta(self) -> dict:
         if self.engine is None:
@@ -338,10 +349,11 @@ class BatchWorker(Worker):
 
     def _recover(self) -> None:
         if self.engine is not None:
-            for _, _, seq in list(self.active.values()):
-                self.engine.remove(seq)
+            self.engine.reset()
         self.active.clear()
         self.waiting.clear()
+        self._failures = self._cleanups_seen = 0
+        self._publish()
 
     def _loop(self) -> None:
         if self.engine is None:  # a model the runtime does not run: one request at a time
@@ -358,6 +370,10 @@ class BatchWorker(Worker):
                 self.engine.idle()  # a draft's put-off catch-up, a chunk at a time: a new job waits one chunk at most
             self.metrics.set_load(len(self.active), len(self.waiting))
             self.metrics.observe_engine(self.engine)
+            if self.engine.cleanup_failures > self._cleanups_seen:  # a leaving request's cleanup raised
+                self._failed(self.engine.cleanup_failures - self._cleanups_seen)
+                self._cleanups_seen = self.engine.cleanup_failures
+            self._publish()
 
     def _take_jobs(self) -> bool:
         """Move new jobs to the waiting line, blocking only when there is nothing to run -> False on stop."""
@@ -377,13 +393,16 @@ class BatchWorker(Worker):
     def predict(self, kwargs: dict, salt: bytes = b"") -> tuple[float, float] | None:
         """The engine's work model (batch.BatchEngine.request_ms): the running requests' prefill backlog, the
         queued requests' work, then this one's, stretched by SAFETY."""
-        if self.engine is None or "prompt_ids" not in kwargs:
+        load = self.load  # (on the caller's thread: only the worker's published snapshot is read)
+        if load is None or "prompt_ids" not in kwargs:
             return None
         ids, new = kwargs["prompt_ids"], kwargs.get("max_new_tokens") or 0
-        plan = (self.engine.uncached(ids, salt), len(ids), new)  # where its prefill starts is looked up once
-        own = self.engine.work_ms(*plan)
-        queued = sum(self._work(j) for j in [*list(self.waiting), *list(self._jobs.queue)] if j)
-        return own, SAFETY * (self.engine.backlog_ms() + queued + own) / 1e3, plan
+        plan = (load.uncached(ids, salt), len(ids), new)  # where its prefill starts is looked up once
+        own = load.work_ms(*plan)
+        with self._jobs.mutex:
+            queued = [j for j in self._jobs.queue if j is not None and getattr(j, "plan", None)]
+        queued_ms = sum(load.work_ms(*j.plan) for j in queued)
+        return own, SAFETY * (load.backlog_ms + load.waiting_ms + queued_ms + own) / 1e3, plan
 
     def _work(self, job: Job) -> float:
         plan = getattr(job, "plan", None)
@@ -454,6 +473,13 @@ class BatchWorker(Worker):
         self.engine.remove(seq)
         self.active.pop(seq.id, None)
 
+    def _failed(self, n: int) -> None:
+        """Count failures the requests are not to blame for; once STEP_FAILURES of them come without a good step
+        between, the loop itself has failed (the supervisor resets the engine and restarts it)."""
+        self._failures += n
+        if self._failures >= STEP_FAILURES:
+            raise WorkerDown(f"{self._failures} steps or cleanups failed in a row")
+
     def _step(self) -> None:
         try:
             results = self.engine.step()
@@ -462,7 +488,9 @@ class BatchWorker(Worker):
             for job, _, seq in list(self.active.values()):
                 self._drop(seq)
                 self._end(job, "error", e)
+            self._failed(1)
             return
+        self._failures = 0
         for seq, e in self.engine.failed:  # requests that failed on their own; the engine already removed them
             if seq.id in self.active:
                 job = self.active.pop(seq.id)[0]
