@@ -3,6 +3,7 @@ and resumption, leaving; and the predicted work admission and the 429 prediction
 (engine.py's __init__) is what these methods read and change."""
 from __future__ import annotations
 
+import contextlib
 import sys
 import traceback
 
@@ -152,17 +153,24 @@ class Admission:
             # a feature drafter's cache need hidden states, which only prompts keep)
             steps.insert(0, lambda: self.prefixes.store(seq.tokens[: seq.fed], slot, seq.cache_salt))
         for step in steps:
-            try:
-                step()
-            except Exception:  # noqa: BLE001 - counted; the worker decides (server/worker.py)
-                self.cleanup_failures += 1
-                traceback.print_exc(file=sys.stderr)
+            self._best_effort(step)
+
+    def _best_effort(self, work) -> None:
+        """Bookkeeping no request's answer depends on (naming blocks for the cache, freeing a slot, closing a
+        drafter): a failure is printed and counted, never a request's; the worker decides (server/worker.py)."""
+        try:
+            work()
+        except Exception:  # noqa: BLE001
+            self.cleanup_failures += 1
+            traceback.print_exc(file=sys.stderr)
 
     def _fail(self, seq: Sequence, error: BaseException) -> None:
-        """A request whose own work raised leaves the batch with its error; the others go on."""
-        seq.finish("error")
+        """A request whose own work raised leaves the batch with its error; the others go on (whatever marking it
+        finished raises: it leaves first)."""
         self.failed.append((seq, error))
         self.remove(seq)
+        with contextlib.suppress(Exception):
+            seq.finish("error")
 
     def close(self) -> None:
         """Give back every slot, and forget the cached prefixes."""

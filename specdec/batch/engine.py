@@ -509,7 +509,7 @@ class BatchEngine(Admission):
                 self._keep_prompt_hidden(s, fed_before, hidden[start: start + len(s.prompt) - fed_before])
                 kept = self._prompt_hidden.pop(s.id, [])
                 feats = torch.cat(kept) if kept else None
-            self.prefixes.store(s.prompt, self._state[s.id][0], s.cache_salt, feats)
+            self._best_effort(lambda: self.prefixes.store(s.prompt, self._state[s.id][0], s.cache_salt, feats))
         drafter = self._state[s.id][1]
         masked = [] if s.constraint is not None and s.logprobs is not None else None
         if s.constraint is not None:
