@@ -11,7 +11,7 @@ import pytest
 
 from specdec import SpecDecoder
 from specdec.server import create_app
-from specdec.server.failover import Resumer, asgi_stream, split_event, with_seed
+from specdec.server.failover import Resumer, asgi_stream, resumed_events, split_event, with_seed
 
 
 def test_sampled_requests_get_a_seed_before_any_replica_and_nothing_else_changes():
@@ -187,3 +187,77 @@ def test_an_anthropic_stream_resumes_under_its_first_message_id():
     assert "".join(e["delta"]["text"] for e in sent if e["type"] == "content_block_delta") == "Hello"
     assert sent[0]["message"]["id"] == "msg_aaa" and "bbb" not in json.dumps(sent)
 
+
+
+# ---- the router's stream loop (failover.resumed_events), its replicas faked ---------------------------------------
+def chunk_event(text: str | None = None, **extra) -> str:
+    delta = {"content": text} if text is not None else {}
+    return "data: " + json.dumps({"id": "c", "created": 1, "choices": [{"index": 0, "delta": {**delta, **extra}}]})
+
+
+def replica(events: list[str], status: int = 200, die_after: int | None = None, body: bytes = b""):
+    """An attempt: its response start, then its events (or, refused, its JSON body); dying after `die_after`."""
+    async def gen():
+        yield ("start", status, [])
+        if status != 200:
+            yield body
+            return
+        for k, e in enumerate(events):
+            if die_after is not None and k == die_after:
+                raise ConnectionError("the replica died")
+            yield (e + "\n\n").encode()
+    return gen()
+
+
+def follow(first, retries: list, tries: int = 4) -> list[str]:
+    async def run():
+        start = first
+        await start.__anext__()  # the router reads the first attempt's start before it streams
+        out = []
+        async for event in resumed_events(start, lambda: retries.pop(0), tries, 0.0):
+            out.append(event)
+        return out
+    return asyncio.run(run())
+
+
+FULL = [chunk_event("Hel"), chunk_event("lo"), "data: " + json.dumps({"id": "c", "created": 1, "choices": [
+    {"index": 0, "delta": {}, "finish_reason": "stop"}]}), "data: [DONE]"]
+
+
+def text_of(events: list[str]) -> str:
+    return "".join(json.loads(e[6:])["choices"][0]["delta"].get("content") or "" for e in events
+                   if e.startswith("data: {") and "choices" in e)
+
+
+def test_a_retry_refused_busy_is_tried_on_another_replica():
+    busy = json.dumps({"error": {"message": "server busy", "type": "rate_limit_error", "code": "queue_full"}})
+    out = follow(replica(FULL, die_after=1), [replica([], 503, body=busy.encode()), replica(FULL)])
+    assert text_of(out) == "Hello" and out[-1] == "data: [DONE]\n\n"
+
+
+def test_a_stream_no_replica_will_finish_ends_with_the_refusals_error():
+    """Before: the 429's JSON body was dropped and the stream just stopped, with no error and no [DONE]."""
+    busy = json.dumps({"error": {"message": "server busy: queue full", "type": "rate_limit_error", "code": "queue_full"}})
+    out = follow(replica(FULL, die_after=1), [replica([], 429, body=busy.encode()) for _ in range(3)])
+    assert text_of(out) == "Hel"
+    assert json.loads(out[-1][6:])["error"]["message"] == "server busy: queue full"
+    bad = follow(replica(FULL, die_after=1), [replica([], 400, body=b'{"error": {"message": "no", "type": "x"}}')])
+    assert json.loads(bad[-1][6:])["error"]["message"] == "no"  # not retried: a refusal that would repeat
+
+
+def test_a_stream_that_stops_without_its_end_gets_an_error_event():
+    out = follow(replica(FULL[:2]), [])
+    assert text_of(out) == "Hello" and json.loads(out[-1][6:])["error"]["code"] == "worker_down"
+
+
+def test_chunks_with_logprobs_and_no_text_are_kept_and_tool_calls_sent_once():
+    """A token whose text is not out yet (a partial UTF-8 character) still carries its logprobs: before, such a chunk
+    was dropped even with no failover. A tool call's chunk is sent once when its stream is resumed."""
+    lp = chunk_event("", logprobs={"content": [{"token": "\\xe2", "logprob": -0.1}]})
+    r = Resumer()
+    assert r.event(lp[6:]) is not None
+    call = "data: " + json.dumps({"id": "c", "created": 1, "choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}}]})
+    events = [chunk_event("x"), call, FULL[2], "data: [DONE]"]
+    out = follow(replica(events, die_after=2), [replica(events)])
+    assert sum("tool_calls" in e for e in out) == 1 and out[-1] == "data: [DONE]\n\n"

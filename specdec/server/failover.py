@@ -11,8 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+
+from .api_errors import error_body
+
+log = logging.getLogger("specdec.server")
+RETRIED = {429, 500, 502, 503, 504}  # a retry refused with these is tried again on another replica while tries last
 
 DEFAULT_TEMPERATURE = {"/v1/chat/completions": 1.0, "/v1/completions": 1.0, "/v1/responses": 1.0, "/v1/messages": 1.0,
                        "/infill": 0.8, "/completion": 0.8, "/completions": 0.8}  # the routes' schemas' defaults
@@ -79,6 +85,64 @@ def with_seed(path: str, body: bytes) -> bytes:
     return json.dumps({**req, "seed": secrets.randbits(63)}).encode()
 
 
+async def resumed_events(first, again: Callable, tries: int, wait_s: float) -> AsyncIterator[str]:
+    """One stream's server-sent events for its client. `first`: the attempt under way (its 200 start already read);
+    when its replica dies, `again()` makes another attempt (up to `tries` in all), whose events go on from where the
+    client is (Resumer). A retry that a replica refuses (429, 503: its start's status) is tried again elsewhere
+    while tries last, else its error body becomes the stream's last event. Every stream ends with [DONE], its API's
+    own end, or an error event: never by just stopping."""
+    resumer, gen, used = Resumer(), first, 1
+    while True:
+        buffer, refused = "", None
+        try:
+            async for chunk in gen:
+                if isinstance(chunk, tuple):  # a retry's response start
+                    if chunk[1] != 200:
+                        refused = [chunk[1], b""]
+                    continue
+                if refused is not None:  # a refusal's body: JSON, not events
+                    refused[1] += chunk
+                    continue
+                buffer += chunk.decode()
+                while "\n\n" in buffer:
+                    event, buffer = buffer.split("\n\n", 1)
+                    named, data = split_event(event)
+                    if data is None:
+                        yield event + "\n\n"
+                    elif (out := resumer.event(data)) is not None:
+                        yield f"{named}data: {out}\n\n"
+            if refused is None:
+                if not resumer.ended:
+                    lost = error_body("the stream ended before its answer did; retry", "server_error", "worker_down")
+                    yield f"data: {json.dumps(lost)}\n\n"
+                return
+            problem = f"a replica refused the retry ({refused[0]})"
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            problem, refused = f"a replica failed mid-stream ({type(e).__name__})", None
+        if used >= tries or (refused is not None and refused[0] not in RETRIED):
+            yield f"data: {json.dumps(_refusal(refused))}\n\n"
+            return
+        log.warning("%s; resuming on another", problem)
+        used += 1
+        await asyncio.sleep(wait_s)
+        resumer.restart()
+        gen = again()
+
+
+def _refusal(refused: list | None) -> dict:
+    """The error event that ends a stream no replica would finish: a refusal's own JSON error, if it has one."""
+    if refused is not None:
+        try:
+            body = json.loads(refused[1])
+            if isinstance(body, dict) and isinstance(body.get("error"), dict):
+                return body
+        except ValueError:
+            pass
+    return error_body("the replica serving this stream stopped; retry", "server_error", "worker_down")
+
+
 ANTHROPIC_EVENTS = ("message_start", "content_block_start", "content_block_delta", "content_block_stop",
                     "message_delta", "message_stop")
 
@@ -107,19 +171,33 @@ class Resumer:
         self.seen: dict = {}  # the same -> characters of the current attempt so far
         self.done: set = set()  # (choice, "finish") and ("usage",) markers sent
         self.ident: dict = {}
+        self.counted: dict = {}  # chunks with no text to cut (tool calls, a token of no text yet) -> sent so far
+        self.counting: dict = {}  # the same -> of the current attempt so far
+        self.ended = False  # its end was sent: [DONE], an error, its API's last event
 
     def restart(self) -> None:
-        self.seen = {}
+        self.seen, self.counting = {}, {}
+
+    def _new(self, key) -> bool:
+        """Whether the current attempt's next chunk of kind `key` is one the client lacks (an attempt regenerates
+        the same chunks: the first ones the client has are sent once)."""
+        n = self.counting[key] = self.counting.get(key, 0) + 1
+        if n <= self.counted.get(key, 0):
+            return False
+        self.counted[key] = n
+        return True
 
     def event(self, data: str) -> str | None:
         """One `data: ...` payload of the current attempt -> what to send the client, or None."""
         if data.strip() == "[DONE]":
+            self.ended = True
             return None if ("done",) in self.done else self._mark(("done",), data)
         try:
             obj = json.loads(data)
         except ValueError:
             return data
-        if not isinstance(obj, dict) or "error" in obj:
+        if not isinstance(obj, dict) or "error" in obj or obj.get("type") == "error":
+            self.ended = True
             return data
         if str(obj.get("type", "")).startswith("response.") or obj.get("type") in ANTHROPIC_EVENTS:
             return self._typed_event(obj)
@@ -128,6 +206,7 @@ class Resumer:
                 obj[k] = self.ident.setdefault(k, obj[k])
         if "choices" not in obj and "content" in obj:  # llama-server's events (/completion, /infill): {content, stop}
             if obj.get("stop"):
+                self.ended = True  # (llama-server's streams end with it, no [DONE])
                 return None if (0, "finish") in self.done else self._mark((0, "finish"), json.dumps(obj))
             fresh = self._fresh(0, obj["content"])
             if fresh is None:
@@ -147,8 +226,9 @@ class Resumer:
             return None if (i, "finish") in self.done else self._mark((i, "finish"), json.dumps(obj))
         if delta is not None and "role" in delta:
             return None if (i, "role") in self.done else self._mark((i, "role"), json.dumps(obj))
-        if not isinstance(text, str):
-            return json.dumps(obj)
+        if not isinstance(text, str) or text == "":  # tool calls, a token with no text yet: sent once each
+            kind = "tool_calls" if (delta or {}).get("tool_calls") else "other"
+            return json.dumps(obj) if self._new((i, kind)) else None
         fresh = self._fresh(i if field == "content" else (i, field), text)  # a reasoning's text counts apart
         if fresh is None:
             return None
@@ -165,6 +245,8 @@ class Resumer:
         a choice's text is, every other event sent once (by type and position), Responses events numbered on from
         the client's last, all under the first attempt's ids."""
         kind = obj["type"]
+        if kind in ("response.completed", "response.failed", "response.incomplete", "message_stop"):
+            self.ended = True
         if kind in ("response.created", "message_start"):  # each attempt's ids end in its job's: the first's stay
             first = (obj.get("response") or obj.get("message") or {}).get("id", "")
             self.ident.setdefault("first", first)

@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .api_errors import error_body
-from .failover import Resumer, split_event, with_seed
+from .failover import resumed_events, with_seed
 
 ATTEMPTS = 4  # tries per request: a replica that dies and the ones that take over
 RETRY_WAIT_S = 0.5  # between tries, while Serve notices the death and routes around it
@@ -71,47 +71,19 @@ def router_deployment(serve, timeout_s: float):
 
         async def resume(self, request: Request, path: str, body: bytes, gen, tries: int):
             """The stream's events; when its replica dies, the same request again on another, its events from where
-            the client is (server-sent events: one `data: ...` per event)."""
+            the client is (failover.resumed_events)."""
             current = [gen]  # the attempt under way (this request's own)
+
+            def again():
+                self.retries += 1
+                current[0] = self.attempt(request, path, body)
+                return current[0]
             try:
-                async for event in self._events(request, path, body, current, tries, Resumer()):
+                async for event in resumed_events(gen, again, ATTEMPTS - tries, RETRY_WAIT_S):
                     yield event
             finally:  # the client hung up, or the stream ended: the replica's work stops with it
                 if hasattr(current[0], "cancel"):
                     current[0].cancel()
-
-        async def _events(self, request: Request, path: str, body: bytes, current: list, tries: int, resumer):
-            buffer = ""
-            while True:
-                gen = current[0]
-                try:
-                    async for chunk in gen:
-                        if isinstance(chunk, tuple):
-                            continue  # a retry's response start
-                        buffer += chunk.decode()
-                        while "\n\n" in buffer:
-                            event, buffer = buffer.split("\n\n", 1)
-                            named, data = split_event(event)
-                            if data is None:
-                                yield event + "\n\n"
-                            elif (out := resumer.event(data)) is not None:
-                                yield f"{named}data: {out}\n\n"
-                    return
-                except asyncio.CancelledError:
-                    raise
-                except Exception as e:  # noqa: BLE001
-                    tries += 1
-                    if tries >= ATTEMPTS:
-                        lost = error_body("the replica serving this stream stopped; retry", "server_error",
-                                          "worker_down")
-                        yield f"data: {json.dumps(lost)}\n\n"
-                        return
-                    log.warning("a replica failed mid-stream (%s); resuming on another", type(e).__name__)
-                    self.retries += 1
-                    await asyncio.sleep(RETRY_WAIT_S)
-                    resumer.restart()
-                    buffer = ""
-                    current[0] = self.attempt(request, path, body)
 
     return Router
 
