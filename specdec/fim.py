@@ -39,8 +39,14 @@ def fim_prompt(tok, prefix: str, suffix: str, files: list[tuple[str, str]] = (),
     if files and t["file_sep"] is None:
         raise InvalidRequest("this model has no file separator token: it cannot take other files as context")
 
-    def enc(text: str) -> list[int]:
-        return tok(text, add_special_tokens=False).input_ids if text else []
+    def enc(text: str) -> list[int]:  # the user's text as text: a special token's name in it is not that token
+        if not text:
+            return []
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRequest("the fill-in-the-middle text is not valid Unicode (a lone surrogate)") from None
+        return tok(text, add_special_tokens=False, split_special_tokens=True).input_ids
     if lock is not None:
         with lock:
             return _assemble(t, enc, prefix, suffix, files, repo)

@@ -126,3 +126,22 @@ def test_a_middle_ends_at_the_models_end_of_text_tokens(tmp_path):
     vocab = tok.get_vocab()
     assert {vocab[t] for t in ["<|endoftext|>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>"]} <= ids
     assert tok.eos_token_id in ids and vocab["a"] not in ids
+
+
+def test_special_token_text_in_the_users_code_is_text(coder):
+    """`<|fim_middle|>` inside a source file is the characters, not the control token (llama.cpp tokenizes infill
+    text without parsing specials); a lone surrogate is a 400, not a 500."""
+    sd, _ = coder
+    t = fim_tokens(sd.tokenizer)
+    ids = fim_prompt(sd.tokenizer, "x = '<|fim_middle|>'", SUFFIX)
+    assert ids.count(t["middle"]) == 1 and ids[-1] == t["middle"]  # only the prompt's own
+    assert sd.tokenizer.decode(ids[1: ids.index(t["suffix"])]) == "x = '<|fim_middle|>'"
+    with pytest.raises(InvalidRequest, match="surrogate"):
+        fim_prompt(sd.tokenizer, "def f(\ud800", SUFFIX)
+
+
+def test_a_lone_surrogate_in_an_infill_is_a_400(live):
+    for body in ({"input_prefix": "def f(\ud800", "input_suffix": "\n", "n_predict": 4},
+                 {"input_prefix": "x", "input_extra": [{"filename": "a.py", "text": "y\udfff"}], "n_predict": 4}):
+        r = httpx.post(live.url + "/infill", content=json.dumps(body), headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["message"], r.text

@@ -30,6 +30,7 @@ class Tokenizer:
             setattr(self, k, v)
             setattr(self, f"{k}_id", None if v is None else self._tok.token_to_id(v))
         self._template = None
+        self._plain_box = [None]  # the backend that reads special tokens' text as text (_plain), once made
 
     def __deepcopy__(self, memo) -> Tokenizer:
         """An independent copy (the server encodes on request threads with one); its chat template is compiled again
@@ -40,12 +41,26 @@ class Tokenizer:
         import copy
         new = object.__new__(Tokenizer)
         for k, v in vars(self).items():
-            setattr(new, k, None if k == "_template" else v if k == "_tok" else copy.deepcopy(v, memo))
+            shared = k in ("_tok", "_plain_box")
+            setattr(new, k, None if k == "_template" else v if shared else copy.deepcopy(v, memo))
         return new
 
-    def __call__(self, text: str, add_special_tokens: bool = True) -> Encoding:
+    def __call__(self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False) -> Encoding:
+        """`split_special_tokens`: a special token's text (`<|fim_middle|>` in a user's file) is plain text, as
+        transformers' flag of that name does."""
         # encode_batch releases the GIL while it works (encode holds it: a long prompt stalled every other thread)
-        return Encoding(self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+        backend = self._plain() if split_special_tokens else self._tok
+        return Encoding(backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+
+    def _plain(self):
+        """A second backend that reads special tokens' text as text, made once and shared by the copies (the
+        setting is the backend's own: flipping it on the shared one would race with other threads)."""
+        if self._plain_box[0] is None:
+            from tokenizers import Tokenizer as Backend
+            plain = Backend.from_str(self._tok.to_str())
+            plain.encode_special_tokens = True
+            self._plain_box[0] = plain
+        return self._plain_box[0]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self(text, add_special_tokens).input_ids

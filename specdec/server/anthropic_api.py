@@ -155,7 +155,8 @@ def thinking_variables(thinking: dict | None) -> dict | None:
 def as_chat(req: MessagesRequest) -> ChatRequest:
     tool_list, choice = chat_tools(req)
     fmt = (req.output_config or {}).get("format") or req.output_format
-    if fmt is not None and (fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict)):
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "json_schema"
+                            or not isinstance(fmt.get("schema"), dict)):
         raise APIError(400, 'output_config.format must be {"type": "json_schema", "schema": {...}}')
     return validated(ChatRequest, messages=chat_messages(req), max_tokens=req.max_tokens,
                      temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, stop=req.stop_sequences,

@@ -29,6 +29,8 @@ def as_messages(items: list, where: str) -> list[dict]:
     for k, item in enumerate(items):
         at = f"{where}[{k}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind is not None and not isinstance(item.get("id", ""), str):
+            raise APIError(400, f"{at}: an item's id must be a string")
         if kind == "message":
             if item.get("role") not in ("user", "system", "developer", "assistant"):
                 raise APIError(400, f"{at}: role must be user, system, developer or assistant")

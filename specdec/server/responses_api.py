@@ -136,6 +136,8 @@ def chat_tools(req: ResponsesRequest):
 
 def response_format(req: ResponsesRequest) -> dict | None:
     fmt = (req.text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise APIError(400, 'text.format must be an object: {"type": "text" | "json_object" | "json_schema", ...}')
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_schema":
