@@ -169,7 +169,10 @@ def thinking_decoder(live):
 
 
 def test_anthropic_streams_the_thinking_block_first_as_its_client_accumulates_it(thinking_decoder):
+    import inspect
+
     from anthropic.lib.streaming._messages import accumulate_event
+    bufs = {"json_bufs": {}} if "json_bufs" in inspect.signature(accumulate_event).parameters else {}  # (2.x)
 
     from specdec.server import anthropic_api
     req = anthropic_api.MessagesRequest(model="smol", messages=[{"role": "user", "content": "x"}], max_tokens=40)
@@ -179,7 +182,7 @@ def test_anthropic_streams_the_thinking_block_first_as_its_client_accumulates_it
         reply = anthropic_api.Reply(ScriptedJob(chunks, result), req, chat, thinking_decoder, "smol", prompt)
         snapshot = None
         for e in events_of(anthropic_api._events(ScriptedJob(chunks, result), reply, lambda job: None)):
-            snapshot = accumulate_event(event=e, current_snapshot=snapshot, json_bufs={})
+            snapshot = accumulate_event(event=e, current_snapshot=snapshot, **bufs)
         blocks = [b.to_dict() for b in snapshot.content]
         assert blocks == [{"type": "thinking", "thinking": "first the plan", "signature": ""},
                           {"type": "text", "text": "The answer."}], chunks

@@ -195,3 +195,31 @@ def test_a_servers_refined_pass_curve_is_stored_for_the_next_start(tiny_dirs, tm
     assert after.keys() == before.keys() and after[1] < 50.0  # one-row passes as they ran, not as measured
     assert all(after[n] <= after[m] for n, m in zip(sorted(after), sorted(after)[1:]))
     assert batch_engine(SpecDecoder.from_models(model, tok, "none"), None, 32).pass_ms(1) == after[1]
+
+
+@needs_kernel
+def test_a_damaged_cache_is_rebuilt_with_one_line_never_used(gguf_pair, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """A layout file of the right size with a few flipped bytes (a disk error): its checksum fails at mapping, it is
+    rebuilt with one stderr line, and the model computes what it computed before (before: it talked garbage at
+    every start until the file was deleted by hand)."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    model = load_gguf(gguf_pair[0])
+    model.set_numerics("q8")
+    slot = model.acquire_slot()
+    want = model.forward(IDS, [slot] * len(IDS), list(range(len(IDS))))
+    cache = next((tmp_path / "q8").glob("*.q8"))
+    reference = cache.read_bytes()
+    spans = json.loads(cache.with_suffix(".json").read_text())["spans"]
+    at, size = next(s for s in spans if s[1])
+    with open(cache, "r+b") as f:  # a few bytes inside the first layout flipped, the size unchanged
+        f.seek(at + size // 2)
+        f.write(bytes(b ^ 0xFF for b in reference[at + size // 2: at + size // 2 + 8]))
+    capsys.readouterr()
+    again = load_gguf(gguf_pair[0])
+    again.set_numerics("q8")
+    err = capsys.readouterr().err
+    assert again.q8_layout == "built" and "is damaged" in err and "rebuilding" in err
+    assert len([line for line in err.splitlines() if "fails its checksum" in line]) == 1
+    assert cache.read_bytes() == reference
+    slot = again.acquire_slot()
+    assert torch.equal(again.forward(IDS, [slot] * len(IDS), list(range(len(IDS)))), want)
