@@ -225,9 +225,15 @@ def test_truncation_auto_drops_the_oldest_turns_that_do_not_fit(rt_live, rt_sd):
     assert cut.output_text == chat_completion(rt_live, kept, max_tokens=6, temperature=0)[
         "choices"][0]["message"]["content"]
     assert cut.usage.input_tokens + 6 <= rt_sd.context_window
+    # an agent sends no max_output_tokens: the turns dropped leave room for the server's default answer (256 here,
+    # at most half the window), not for one token (before: `incomplete` after a handful of tokens)
+    agent = c.responses.create(input="Short?", instructions="Be brief.", previous_response_id=second.id,
+                               temperature=0, truncation="auto")
+    assert agent.usage.input_tokens + rt_sd.context_window // 2 <= rt_sd.context_window
+    assert agent.usage.output_tokens > 6 or agent.status == "completed"
     counted = c.responses.input_tokens.count(input="Short?", instructions="Be brief.",
                                              previous_response_id=second.id, truncation="auto")
-    assert counted.input_tokens == cut.usage.input_tokens
+    assert counted.input_tokens == agent.usage.input_tokens
     fits = c.responses.create(input="Short?", previous_response_id=first.id, max_output_tokens=6, temperature=0,
                               truncation="auto")  # fits whole: nothing dropped
     assert fits.usage.input_tokens == c.responses.input_tokens.count(input="Short?", previous_response_id=first.id

@@ -325,7 +325,8 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
     app.state.conversations = conversations.Conversations(int(response_store_mb * 2**20), keys)
     for kind, store in (("responses", app.state.responses), ("conversations", app.state.conversations)):
         metrics.stored.labels(kind).set_function(lambda store=store: store.bytes)  # read at each scrape
-    responses_api.add_routes(app, _serve, overdue, decoder, model_name, app.state.responses, app.state.conversations)
+    responses_api.add_routes(app, _serve, overdue, decoder, model_name, app.state.responses, app.state.conversations,
+                             max_tokens_default)
     conversations.add_routes(app, app.state.conversations)
     anthropic_api.add_routes(app, _serve, overdue, decoder, model_name)
     return app

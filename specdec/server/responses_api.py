@@ -172,6 +172,12 @@ def turns(messages: list) -> list[int]:
     return [first] + [k for k, m in enumerate(messages) if k > first and m.role == "user"]
 
 
+def answer_room(decoder, max_tokens_default: int) -> int:
+    """The answer truncation "auto" makes room for when the request names no max_output_tokens (agents send none):
+    the server's default answer length, or a quarter of the window where answers run until it is full."""
+    return min(max_tokens_default, decoder.context_window // 2) if max_tokens_default else decoder.context_window // 4
+
+
 async def fit_window(chat: ChatRequest, decoder, room_for_answer: int) -> ChatRequest:
     """truncation "auto" (OpenAI's): the fewest oldest turns dropped (never the system message, nor the last turn) so
     that the prompt and `room_for_answer` tokens fit the context window; a conversation that fits is kept whole,
@@ -275,9 +281,11 @@ class Answer:
 
 
 def add_routes(app, serve, overdue, decoder, model_name: str, store: ResponseStore,
-               conversations: Conversations) -> None:
+               conversations: Conversations, max_tokens_default: int = 256) -> None:
     """POST /v1/responses on `app`, through `serve` (app.py's chat path) with its own `respond`; the stored
-    responses' routes over `store`; a response's `conversation` in `conversations`; background responses."""
+    responses' routes over `store`; a response's `conversation` in `conversations`; background responses.
+    `max_tokens_default`: the server's answer length for a request that sets none (0: until the context window):
+    what truncation "auto" leaves room for when max_output_tokens is not set."""
     background = Background()
 
     def tenant(request: Request) -> bytes:
@@ -295,7 +303,7 @@ def add_routes(app, serve, overdue, decoder, model_name: str, store: ResponseSto
     async def responses(req: ResponsesRequest, request: Request):
         chat = as_chat(req, history(req, request))
         if req.truncation == "auto":
-            chat = await fit_window(chat, decoder, req.max_output_tokens or 1)
+            chat = await fit_window(chat, decoder, req.max_output_tokens or answer_room(decoder, max_tokens_default))
         messages = [m.for_template() for m in chat.messages]  # tools described in serve, as on chat completions
         items = input_items(req)
 
@@ -419,8 +427,8 @@ def add_routes(app, serve, overdue, decoder, model_name: str, store: ResponseSto
         """The prompt tokens a response to this request would start from (the client's `responses.input_tokens`)."""
         body = ResponsesRequest(**req.model_dump(exclude_none=True, exclude={"personality"}))
         chat = as_chat(body, history(body, request))
-        if body.truncation == "auto":
-            chat = await fit_window(chat, decoder, 1)
+        if body.truncation == "auto":  # as a response that names no max_output_tokens would be cut
+            chat = await fit_window(chat, decoder, answer_room(decoder, max_tokens_default))
         messages, listed = tools.chat_prompt(decoder.tokenizer, chat)
         count = len(await asyncio.to_thread(decoder.encode, messages, True, listed))
         return {"object": "response.input_tokens", "input_tokens": count}
