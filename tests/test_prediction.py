@@ -286,3 +286,21 @@ def test_a_quoted_block_drafts_like_a_prediction_yet_changes_nothing_and_is_not_
     assert got.choices[0].message.content == none.generate(QUOTED, max_new_tokens=40).text
     assert got.usage.completion_tokens_details is None
     assert got.model_extra["specdec"]["proposed"] > 0
+
+
+def test_renames_do_not_compound():
+    """A rename whose replacement holds what it replaces (x -> x x) learned again and again grew an 8,000-token
+    prediction to 78,000: such a rename is not taken, and no rename takes the prediction past MAX_GROWTH x its
+    length."""
+    from specdec.drafters.prediction import MAX_GROWTH, PredictionDrafter
+    d = PredictionDrafter([5, 7, 6] * 200, start=0)
+    for _ in range(10):  # the output wrote [7, 7] where the prediction has [7], at its start, ten times over
+        d.left, d.at = (1, 1), 2
+        d._learn_rename([5, 7, 7, 6], 1)
+    assert len(d.pred) == 600
+    d = PredictionDrafter([5, 7, 6] * 200, start=0)
+    for k in range(10):  # [7] -> [8, 8], then [8] -> [9, 9], ...: each a true rename, together a blow-up
+        d.left, d.at = (1, 1), 2
+        d.pred[1] = 7 + k
+        d._learn_rename([5, 8 + k, 8 + k, 6], 1)
+    assert len(d.pred) <= MAX_GROWTH * 600

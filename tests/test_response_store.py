@@ -150,6 +150,8 @@ def test_conversations_keep_each_keys_share_under_any_schedule(steps):
             assert list(store._by_tenant.get(k, {})) == list(model[k])
             assert [c.size for c in store._by_tenant.get(k, {}).values()] == [size(c) for c in model[k].values()]
             assert sum(size(c) for c in model[k].values()) <= share
+        # the running totals equal the sizes summed afresh (they replaced a sum at every create and scrape)
+        assert store.bytes == sum(c.size for mine in store._by_tenant.values() for c in mine.values())
 
 
 def test_an_event_log_is_followed_from_any_point_by_any_number_of_clients_and_counted_in_the_share():

@@ -614,3 +614,13 @@ def test_a_streams_own_failure_ends_it_with_an_error_event_on_every_api(rt_live,
         assert r.status_code == 200 and says in text and "RuntimeError" in text, (path, text[-300:])
     monkeypatch.undo()
     assert chat_completion(rt_live, [{"role": "user", "content": "Hello"}], max_tokens=2)["choices"]
+
+
+def test_a_key_given_twice_is_one_tenant(decoder):
+    """`--api-key A --api-key A --api-key B`: two tenants, each with half the stores and a queue place, not three."""
+    app = create_app(decoder, model_name="tiny", api_key=["a", "a", "b"])
+    try:
+        assert app.state.worker.keys == 2
+        assert app.state.responses.share == app.state.conversations.share == app.state.conversations.max_bytes // 2
+    finally:
+        app.state.worker.stop()

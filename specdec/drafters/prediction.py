@@ -9,7 +9,8 @@ match anywhere else is too often a coincidence). Model-free: q is one-hot, and i
 
 A replacement it rejoined after (the output wrote B where the prediction had A, at most MAX_REPLACED tokens each) is
 taken for a rename: the rest of the prediction is drafted with every later A as B. Had the output kept A there, the
-rejoin after it learns A back (a wrong guess costs a draft, never the output).
+rejoin after it learns A back (a wrong guess costs a draft, never the output). A B that holds A is no rename (it
+would feed on itself), and renames never make the prediction more than MAX_GROWTH times its length.
 
 Its proposals can be long: `depth(cost)` sizes them on the target's measured pass curve and this request's running
 acceptance (costs.best_tree_size on a chain), and the engines ask for that many.
@@ -34,6 +35,7 @@ QUOTED_PRIOR = 0.6  # the same for a block the prompt quotes (quoted_block): dra
 MIN_QUOTED_CHARS = 64  # a shorter quoted block is not worth drafting from
 FENCED = re.compile(r"```[^\n`]*\n.*?```", re.S)
 MAX_REPLACED = 6  # the longest replacement (tokens either side) taken for a rename
+MAX_GROWTH = 2  # renames never make what is drafted from longer than this many times the prediction
 
 
 class PredictionDrafter:
@@ -97,9 +99,11 @@ class PredictionDrafter:
         b = np.asarray(out[lo: len(out) - matched], dtype=np.int64)
         if not (0 < len(a) <= MAX_REPLACED and 0 < len(b) <= MAX_REPLACED) or self.at - matched < lp:
             return
+        if len(_occurrences(b, a)):  # B holds A: each later rename of it would grow the prediction again
+            return
         rest = self.pred[self.at:]
         hits = _occurrences(rest, a)
-        if len(hits):
+        if len(hits) and len(self.pred) + len(hits) * (len(b) - len(a)) <= MAX_GROWTH * len(self.original):
             self.pred = np.concatenate([self.pred[: self.at], _replace(rest, hits, len(a), b)])
 
     def _rejoin(self, out: list[int]) -> tuple[int, int] | None:

@@ -83,6 +83,8 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
                              lambda d: batch_engine(d, max_batch_rows, prefill_chunk), max_tau)
     else:
         worker = Worker(decoder, metrics, max_queue, timeout_s, trace_dir)
+    if isinstance(api_key, list):  # a key given twice is one tenant, not two (it would halve every key's share)
+        api_key = list(dict.fromkeys(api_key))
     keys = 1 if isinstance(api_key, str) else max(1, len(api_key or []))
     worker.keys = keys  # each key's first request finds a place in the queue
     worker.wait_ready()
