@@ -412,6 +412,16 @@ def poll(c, response_id, until=("completed", "incomplete", "failed", "cancelled"
     return c.responses.retrieve(response_id)
 
 
+def test_a_finished_background_response_cannot_be_cancelled(rt_live):
+    """Its status lives in one place (the stored response): once it has ended, a cancel returns it as it is."""
+    from test_server import wait_for
+    c = client(rt_live)
+    made = c.responses.create(input=QUESTION, background=True, max_output_tokens=4, temperature=0)
+    wait_for(lambda: c.responses.retrieve(made.id).status not in ("queued", "in_progress"), "it ends")
+    ended = c.responses.retrieve(made.id).status
+    assert c.responses.cancel(made.id).status == ended == c.responses.retrieve(made.id).status != "cancelled"
+
+
 def test_a_background_response_is_polled_to_the_same_answer(rt_live):
     c = client(rt_live)
     queued = c.responses.create(input=QUESTION, background=True, max_output_tokens=8, temperature=0)
@@ -488,7 +498,8 @@ def test_a_background_response_is_cancelled_where_it_is(slow_server):  # noqa: F
     created = next(iter(streamed))
     wait_for(lambda: queue_depth(slow) == 1, "the streamed job is queued")
     assert c.responses.cancel(created.response.id).status == "cancelled"
-    assert [e.type for e in streamed] == ["response.in_progress"]  # what came before the cancel, then the end
+    seen = list(streamed)  # what came before the cancel, then its end: an error event saying so (it had none)
+    assert [e.type for e in seen] == ["response.in_progress", "error"] and seen[-1].code == "cancelled"
     gate.set()
     wait_for(lambda: queue_depth(slow) == 0, "it leaves")
     assert c.responses.retrieve(created.response.id).status == "cancelled"

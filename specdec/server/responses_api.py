@@ -341,8 +341,12 @@ def add_routes(app, serve, overdue, decoder, model_name: str, store: ResponseSto
             """The same with its stream's events kept in `log` as they come (keep stores the ended response with
             it); an error event marks it failed. The log closes however it ends (cancelled too)."""
             key, started = tenant(request), False
+
+            def keep_unless_ended(answer: Answer, body: dict) -> None:
+                if _mark(store, key, answer.id, status=body["status"]) is not None:
+                    keep(answer, body)
             try:
-                async for e in events(decoder, job, answer, overdue, keep, status="queued"):
+                async for e in events(decoder, job, answer, overdue, keep_unless_ended, status="queued"):
                     log.append(e)
                     if not started and e.startswith("event: response.output_"):
                         started = True
@@ -351,6 +355,11 @@ def add_routes(app, serve, overdue, decoder, model_name: str, store: ResponseSto
                         err = json.loads(e.split("data: ", 1)[1])
                         _mark(store, key, answer.id, status="failed",
                              error={"code": err["code"] or "server_error", "message": err["message"]})
+            except asyncio.CancelledError:  # cancelled (or deleted): its followers see the end, not a silence
+                end = {"type": "error", "sequence_number": len(log.events), "code": "cancelled",
+                       "message": "the response was cancelled", "param": None}
+                log.append(f"event: error\ndata: {json.dumps(end)}\n\n")
+                raise
             finally:
                 log.close()
                 try:
@@ -412,8 +421,8 @@ def add_routes(app, serve, overdue, decoder, model_name: str, store: ResponseSto
         stored = store.get(tenant(request), response_id)
         if not stored.response.get("background"):
             raise APIError(400, "Only background responses can be cancelled.")
-        if background.cancel((tenant(request), response_id)):
-            stored.response["status"] = "cancelled"
+        if _mark(store, tenant(request), response_id, status="cancelled") is not None:  # (not if it has ended)
+            background.cancel((tenant(request), response_id))  # its work stops; its log ends with a last event
         return stored.response
 
     @app.get("/v1/responses/{response_id}/input_items")
@@ -451,11 +460,18 @@ class InputTokensRequest(BaseModel):
     conversation: str | dict | None = None
 
 
+ENDED = ("completed", "incomplete", "failed", "cancelled")
+
+
 def _mark(store: ResponseStore, key: bytes, response_id: str, **fields) -> dict | None:
-    """Update a stored response's fields (its status, its error) -> the response; None if it was deleted."""
+    """Update a stored response's fields (its status, its error) -> the response; None if it was deleted or has
+    ended. The stored response is the one place a background response's status lives: once ended (cancelled
+    included) nothing moves it again."""
     try:
         response = store.get(key, response_id).response
     except APIError:
+        return None
+    if response.get("status") in ENDED:
         return None
     response.update(fields)
     return response
