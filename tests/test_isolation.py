@@ -113,3 +113,41 @@ def test_every_registered_drafter_is_probed():
     """A drafter registered later must be added to SPECS (or name the class it shares), or this fails."""
     probed = {s.split(":")[0] for spec in SPECS for s in spec.split("+")} | {"draft model", "shipped"}
     assert set(BUILDERS) - probed - set(SAME_CLASS) == set()
+
+
+def test_two_keys_on_suffix_decoding_over_http(tiny):
+    """The issue's probe, over real HTTP with two API keys on `--draft suffix`: key B's `specdec.proposed` is the
+    same whether or not key A's answer exists (before: 0, then 7 once A's answer was stored); key A's own follow-up
+    does draw on it."""
+    import httpx
+
+    from specdec.server import create_app
+    from test_server import LiveServer
+    model, tok, *_ = tiny
+    alone_sd = SpecDecoder.from_models(model, tok, draft="none")
+    prompt = "Tell me about the quick brown fox and the lazy dog, and then about cats."
+    answer = alone_sd.generate(prompt, max_new_tokens=24, chat=False).text
+    probe_prompt = prompt + answer[:12]
+
+    def proposed(url, key, text):
+        r = httpx.post(url + "/v1/completions", headers={"authorization": f"Bearer {key}"}, timeout=60,
+                       json={"prompt": text, "max_tokens": 16, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.json()["specdec"]["proposed"]
+
+    def server():
+        sd = SpecDecoder.from_models(model, tok, draft="suffix", tau=3)
+        return LiveServer(create_app(sd, model_name="tiny", api_key=["key-a", "key-b"]))
+    fresh = server()
+    try:
+        before = proposed(fresh.url, "key-b", probe_prompt)
+    finally:
+        fresh.stop()
+    srv = server()
+    try:
+        proposed(srv.url, "key-a", prompt)  # A's answer, stored in A's output store only
+        after = proposed(srv.url, "key-b", probe_prompt)
+        own = proposed(srv.url, "key-a", probe_prompt)
+    finally:
+        srv.stop()
+    assert after == before and own > before
