@@ -7,28 +7,18 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 
-from specdec import SpecDecoder
-from specdec.server import create_app
-from test_server import LiveServer
+from test_fuzz import srv  # noqa: F401 - the fixture
 
 EXAMPLES = int(os.environ.get("SPECDEC_SCHEMA_EXAMPLES", "8"))  # per route and mode
 LIMITS = ("max_tokens", "max_completion_tokens", "n_predict", "max_output_tokens", "n")
 
 
-@pytest.fixture(scope="module")
-def live(tok, target, draft_close):
-    server = LiveServer(create_app(SpecDecoder.from_models(target, tok, draft=draft_close, tau=3), model_name="tiny",
-                                   max_tokens_default=8))
-    yield server
-    server.stop()
-
-
-def test_no_generated_request_gets_a_5xx(live):
+def test_no_generated_request_gets_a_5xx(srv):  # noqa: F811 - test_fuzz's live server
+    live = srv
     schema = schemathesis.openapi.from_url(live.url + "/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     assert len(operations) >= 29  # every route the server has (a new one is fuzzed without a change here)
