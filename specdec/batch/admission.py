@@ -11,6 +11,7 @@ from ..drafters.base import close, for_request, fork, idle_step, idle_work, make
 from ..policy import AdaptivePolicy
 from ..runtime.blocks import BLOCK, OutOfBlocks
 from ..sampling import PositionNoise
+from .calibration import PassTimer, default_budget
 from .load import Load, check_fits, prefill_ms
 from .requests import Sequence
 
@@ -176,6 +177,8 @@ class Admission:
         """Give back every slot, and forget the cached prefixes."""
         for seq in list(self.running):
             self.remove(seq)
+        if self._timer is not None:
+            self._timer.close()
         self.model.pool.clear_hashes()
 
     def reset(self) -> None:
@@ -184,6 +187,8 @@ class Admission:
         for seq in list(self.running):
             self.remove(seq)
         self.running.clear()
+        if self._timer is not None:
+            self._timer.close()
         self.model.set_kv_memory(self.model.kv_budget)  # the same size, fixed
         self.cleanup_failures = 0
 
@@ -195,6 +200,34 @@ class Admission:
     def idle(self) -> bool:
         """One step of that work (the worker calls it only while nothing runs or waits) -> whether any remains."""
         return idle_step(self.drafter)
+
+    def _probe_sizes(self) -> list[int]:
+        most = max(self._pass.grid) if self.budget_from_curve else self.max_batch_rows
+        return self._pass.unconfirmed(most)
+
+    def probe_due(self) -> bool:
+        """Whether a pass size is priced only by the stored curve (calibration.OnlineCurve.unconfirmed)."""
+        return bool(self._probe_sizes())
+
+    def probe(self) -> None:
+        """Time one such size (the worker calls it only while nothing runs or waits: a new request waits one pass
+        at most; each size once, so the whole cost is one pass per size of the curve). With the row budget read
+        off the curve (`budget_from_curve`), the budget is read again once every size is timed: a stored curve
+        that priced 2 rows at 30x one row had set it to one row, and kept it there."""
+        sizes = self._probe_sizes()
+        if not sizes:
+            return
+        if self._timer is None:
+            self._timer = PassTimer(self.model)
+        ms = self._timer(sizes[0])
+        if ms is None:  # no room in the KV budget now: priced as stored until a pass of it runs
+            self._pass.confirmed.add(sizes[0])
+        else:
+            self._pass.observe(sizes[0], ms)
+        if not self._probe_sizes():
+            self._timer.close()
+            if self.budget_from_curve:
+                self.max_batch_rows = default_budget(self._pass.values())
 
     # ---- predicted work (admission) ----------------------------------------------------------------------------
     def calibrate(self, row_ms: float, key_ms: float) -> None:

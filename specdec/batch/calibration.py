@@ -38,6 +38,39 @@ def measure_pass_curve(model: Llama, sizes=(1, 2, 4, 8, 16, 32, 64), context: in
         model.trim()
 
 
+class PassTimer:
+    """Times passes of a given size as measure_pass_curve does (rows after `context` positions), on one slot that
+    keeps its context between passes (a prompt's prefill per probe cost more than the probe); `close` frees it."""
+
+    def __init__(self, model: Llama, context: int = 64):
+        self.model, self.context, self.slot = model, context, None
+
+    def __call__(self, rows: int) -> float | None:
+        """ms of one pass over `rows` rows; None when the KV budget has no room for it now."""
+        model = self.model
+        if self.slot is None:
+            if model.pool.available < -(-(self.context + rows) // BLOCK) + 1:
+                return None
+            self.slot = model.acquire_slot()
+            with torch.inference_mode():
+                model.forward(list(range(1, self.context + 1)), [self.slot] * self.context, list(range(self.context)),
+                              [])
+        if model.pool.available < -(-(self.context + rows) // BLOCK) - -(-self.context // BLOCK) + 1:
+            return None
+        try:
+            with torch.inference_mode():
+                t = perf_counter()
+                model.forward([1] * rows, [self.slot] * rows, list(range(self.context, self.context + rows)))
+                return (perf_counter() - t) * 1e3
+        finally:
+            model.truncate(self.slot, self.context)
+
+    def close(self) -> None:
+        if self.slot is not None:
+            self.model.release_slot(self.slot)
+            self.slot = None
+
+
 def lower_envelope(curve: dict[int, float]) -> dict[int, float]:
     """Each size's time at most any larger size's: noise (another process, pages being written back) only ever
     adds time, and a pass over more rows never costs less, so a size slower than a larger one was disturbed."""
@@ -94,9 +127,16 @@ class OnlineCurve:
     least any smaller one's time). Each row count kept apart made a noisy curve whose dips the scheduler bought:
     on Qwen2.5-1.5B at 16 streams it granted rows where two more rows "cost" -0.8 ms."""
 
-    def __init__(self, curve: dict[int, float]):
+    def __init__(self, curve: dict[int, float], prior: bool = False):
+        """`prior`: the curve was read from the store (runtime/measured.py), not measured by this process: each size
+        is only a guess until a pass of that size is timed here (`unconfirmed`; the worker times them in idle time,
+        BatchEngine.probe), and the first such time replaces it. A stored curve wrong by any factor, either way,
+        is corrected once per size instead of kept for good (a 2-row pass stored at 29 one-row passes was never
+        bought, so never timed)."""
         self.measured = dict(sorted(curve.items()))
         self.grid = {n: Ema(ms, weight=2.0, decay=0.9) for n, ms in self.measured.items()}
+        self.prior = prior
+        self.confirmed: set[int] = set() if prior else set(self.measured)  # sizes timed by this process
 
     def values(self) -> dict[int, float]:
         out, most = {}, 0.0
@@ -110,22 +150,33 @@ class OnlineCurve:
 
     def refined(self) -> dict[int, float]:
         """The measured sizes' times to keep for the next start: each size the server ran at least REFINED_AFTER
-        passes of (or scaled from near sizes) at what it saw lately, the others as measured; nondecreasing."""
+        passes of (or scaled from near sizes) at what it saw lately, and each stored guess it timed, the others as
+        they were; nondecreasing."""
         out, most, min_passes = {}, 0.0, REFINED_AFTER
         for n, ms in self.measured.items():
             e = self.grid[n]
-            most = max(most, e.value if e.n >= min_passes else ms)
+            seen = e.n >= min_passes or (self.prior and n in self.confirmed)  # (a stored guess, timed here)
+            most = max(most, e.value if seen else ms)
             out[n] = most
         return out
 
+    def unconfirmed(self, most: int) -> list[int]:
+        """The sizes up to `most` rows that only the stored curve prices, smallest first."""
+        return [n for n in sorted(self.grid) if n <= most and n not in self.confirmed]
+
     def observe(self, rows: int, ms: float) -> None:
         sizes = sorted(self.grid)
+        if rows in self.grid and rows not in self.confirmed:  # the first time of it here: the stored one was a guess
+            self.grid[rows] = Ema(ms, weight=0.0, decay=0.9)
         if rows in self.grid or rows > sizes[-1]:
             self.grid.setdefault(rows, Ema(ms, weight=0.0, decay=0.9)).update(ms)
+            self.confirmed.add(rows)
             return
         lo = max((n for n in sizes if n < rows), default=None)
         hi = min(n for n in sizes if n > rows)
         near = hi if lo is None or hi - rows <= rows - lo else lo
+        if near not in self.confirmed:  # a guess is not scaled by a neighbour: it waits for its own time
+            return
         predicted = self(rows)
         if predicted > 0:
             self.grid[near].update(self.grid[near].value * ms / predicted)

@@ -48,9 +48,10 @@ COPY_PRIORS = (0.6, 0.8, 0.9, 0.95)  # (a longer match is likelier to go on, as 
 class BatchEngine(Admission):
     def __init__(self, model: Llama, drafter, vocab_size: int, eos_ids: set[int], context_window: int,
                  max_batch_rows: int = 64, prefill_chunk: int = 32, pass_curve: dict[int, float] | None = None,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, curve_is_prior: bool = False):
         """`drafter` is the template each request's drafter is forked from (drafters.base.fork); `pass_curve`
-        the measured ms of a pass by rows (measure_pass_curve), refined online; `prefix_cache` whether prompts'
+        the measured ms of a pass by rows (measure_pass_curve), refined online (`curve_is_prior`: read from the store,
+        each size a guess until timed here: calibration.OnlineCurve); `prefix_cache` whether prompts'
         K/V blocks are kept for reuse (with their positions' hidden states for a drafter that reads them). Memory
         is the model's KV pool (Llama.set_kv_memory)."""
         if max_batch_rows < 1 or prefill_chunk < 1:
@@ -84,7 +85,9 @@ class BatchEngine(Admission):
         self._recent_pass = Ema(min(curve.values()), decay=0.8)  # ms of the passes lately, whatever their rows
         self.running: list[Sequence] = []
         self._state: dict[int, tuple] = {}  # id -> (slot, drafter, acceptance estimates)
-        self._pass = OnlineCurve(pass_curve or {1: 10.0})
+        self._pass = OnlineCurve(pass_curve or {1: 10.0}, prior=curve_is_prior)
+        self.budget_from_curve = False  # max_batch_rows was read off the curve (default_budget): read again (probe)
+        self._timer = None  # the probes' pass timer (Admission.probe), while sizes are left to time
         # acceptance by position over a tenant's requests: its new request's prior (drafters/tenants.py)
         self.priors = PerTenant(lambda: AdaptivePolicy(1, 16))
         self.last = {}  # the last step's figures (rows, taus, verify_ms), for metrics; {} when it ran no pass
@@ -117,7 +120,7 @@ class BatchEngine(Admission):
         tokens, slots, positions, logit_rows, spans, paths = self._pass_rows(drafts, chunks)
         if not tokens:
             return []
-        made = self._target_pass(tokens, slots, positions, logit_rows, spans, paths, t1)  # 4. one target pass
+        made = self._target_pass(tokens, slots, positions, logit_rows, spans, paths, t1, bool(chunks))  # 4. one pass
         if made is None:
             return []
         logits, hidden, verify_ms = made
@@ -327,9 +330,11 @@ class BatchEngine(Admission):
                 paths += [None] * len(new)
         return tokens, slots, positions, logit_rows, spans, paths
 
-    def _target_pass(self, tokens, slots, positions, logit_rows, spans, paths, t1):
+    def _target_pass(self, tokens, slots, positions, logit_rows, spans, paths, t1, prompt_rows: bool = False):
         """The one target pass -> (logits, hidden states or None, its ms), or None when it raised (whose rows failed
-        leave; the others run again next step). Its time refines the pass curve and the work model."""
+        leave; the others run again next step). Its time refines the work model, and the pass curve unless it
+        carried prompt chunks (`prompt_rows`): the curve prices decode and draft rows, and a chunk's rows read
+        long contexts (booked under the pass's rows, a server's own load once priced every size at 8x)."""
         try:
             out = self.model.forward(tokens, slots, positions, logit_rows, hidden=self.wants_hidden,
                                      paths=paths if any(q is not None for q in paths) else None)
@@ -340,7 +345,8 @@ class BatchEngine(Admission):
         logits = fit_vocab(logits, self.vocab_size) if logits is not None else None
         t2 = perf_counter()
         verify_ms = (t2 - t1) * 1e3
-        self._pass.observe(len(tokens), verify_ms)
+        if not prompt_rows:
+            self._pass.observe(len(tokens), verify_ms)
         self._recent_pass.update(verify_ms)
         if len(tokens) >= 16:  # a big pass's time is its rows' work: the prediction's scale follows it
             predicted = len(tokens) * self.row_ms + self.key_ms * sum(positions)

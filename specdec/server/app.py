@@ -355,9 +355,13 @@ def batch_engine(decoder, max_batch_rows: int | None, prefill_chunk: int):
     # measured once per model file, machine and numerics, then read back (runtime/measured.py); refined online, and
     # the refinement stored when the server stops (keep_refined_curve)
     params = {"sizes": sizes, "context": context}
-    curve = remembered_curve(model, "pass_curve", params, lambda: measure_pass_curve(model, sizes, context=context))
+    measured = []  # whether this process measured the curve (else the stored one is only a prior)
+    curve = remembered_curve(model, "pass_curve", params,
+                             lambda: measured.append(1) or measure_pass_curve(model, sizes, context=context))
     engine = BatchEngine(model, decoder.engine.drafter, model.config.vocab_size, decoder.engine.eos_ids,
-                         decoder.context_window, max_batch_rows or default_budget(curve), prefill_chunk, curve)
+                         decoder.context_window, max_batch_rows or default_budget(curve), prefill_chunk, curve,
+                         curve_is_prior=not measured)
+    engine.budget_from_curve = max_batch_rows is None
     engine.keep_refined_curve = lambda: store_curve(model, "pass_curve", params, engine.refined_pass_curve())
     row_ms, key_ms = remembered(model, "row_cost", {"rows": rows}, lambda: list(measure_row_cost(model, rows=rows)))
     engine.calibrate(row_ms, key_ms)  # what admission predicts with

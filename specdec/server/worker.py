@@ -366,6 +366,8 @@ class BatchWorker(Worker):
             self.metrics.set_load(len(self.active), len(self.waiting))
             if self.active:
                 self._step()
+            elif not self.waiting and self.engine.probe_due():
+                self.engine.probe()  # a pass size the stored curve guessed, timed here: a new job waits one pass
             elif not self.waiting and self.engine.idle_work():
                 self.engine.idle()  # a draft's put-off catch-up, a chunk at a time: a new job waits one chunk at most
             self.metrics.set_load(len(self.active), len(self.waiting))
@@ -379,7 +381,8 @@ class BatchWorker(Worker):
         """Move new jobs to the waiting line, blocking only when there is nothing to run -> False on stop."""
         try:
             while True:
-                job = self._jobs.get(block=not (self.active or self.waiting or self.engine.idle_work()))
+                job = self._jobs.get(block=not (self.active or self.waiting or self.engine.idle_work()
+                                                 or self.engine.probe_due()))
                 if job is None:
                     for j in [*self.waiting, *(a[0] for a in self.active.values())]:
                         self._end(j, "error", JobTimeout("the server is shutting down"))

@@ -1,0 +1,106 @@
+"""A stored pass curve is a prior, never a verdict (batch/calibration.py OnlineCurve, BatchEngine.probe): whatever
+factor a stored size is wrong by, either way, it is timed once by the running process (in idle time) and priced by
+what was timed; passes that carry prompt chunks never reprice the decode curve."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specdec import models
+from specdec.batch import BatchEngine, Sequence
+from specdec.batch.calibration import OnlineCurve, default_budget
+from specdec.drafters.base import NoDrafter
+from specdec.sampling import SamplingParams
+
+GRID = [1, 2, 4, 8, 16, 32, 64]
+
+
+def machine(rows: int) -> float:
+    """A simulated machine's pass time: flat to 4 rows, then ~0.18 of a pass a row (the 1.5B's curve's shape)."""
+    return 50.0 + 1.0 * min(rows, 4) + 9.0 * max(0, rows - 4)
+
+
+def best_rows(price, alpha: float = 0.8) -> int:
+    """The chain the cost model would verify: tokens per pass time, drafted rows r - 1 at acceptance alpha."""
+    return max(GRID[:5], key=lambda r: (1 - alpha ** r) / (1 - alpha) / price(r))
+
+
+@settings(max_examples=60, deadline=None)
+@given(factors=st.lists(st.floats(1 / 30, 30), min_size=len(GRID), max_size=len(GRID)),
+       idle=st.lists(st.booleans(), min_size=40, max_size=40), seed=st.integers(0, 2**16))
+def test_a_stored_curve_wrong_by_any_factor_converges(factors, idle, seed):
+    """A random schedule: a server's passes (sized by the priced curve) and idle moments (where it times one
+    unconfirmed size), against a curve stored wrong by 1/30..30 at each size. Once it has been idle as often as the
+    curve has sizes, every size is priced within the machine's noise and the choice is the one the truth makes;
+    the probes cost one pass per size, never more."""
+    rnd = random.Random(seed)
+    curve = OnlineCurve({n: machine(n) * f for n, f in zip(GRID, factors)}, prior=True)
+    probes = 0
+    for quiet in idle:
+        if quiet and (todo := curve.unconfirmed(max(GRID))):
+            curve.observe(todo[0], machine(todo[0]) * rnd.uniform(0.95, 1.05))
+            probes += 1
+        else:
+            rows = best_rows(curve)
+            curve.observe(rows, machine(rows) * rnd.uniform(0.95, 1.05))
+    assert probes <= len(GRID)
+    if sum(idle) >= len(GRID):
+        assert curve.unconfirmed(max(GRID)) == []
+        for n in GRID:
+            assert curve(n) == pytest.approx(machine(n), rel=0.1)
+        assert best_rows(curve) == best_rows(machine)
+        assert curve.refined() == pytest.approx({n: curve(n) for n in GRID})  # what a restart reads
+
+
+def test_a_measured_curve_is_no_prior_and_a_guess_is_not_scaled_by_its_neighbours():
+    measured = OnlineCurve({1: 50.0, 8: 90.0})
+    assert measured.unconfirmed(64) == []
+    stored = OnlineCurve({1: 50.0, 2: 1500.0, 8: 1600.0}, prior=True)
+    stored.observe(3, 52.0)  # a pass between 2 and 8: it does not scale the guessed 2
+    assert stored(2) == 1500.0 and stored.unconfirmed(8) == [1, 2, 8]
+    stored.observe(2, 51.0)
+    assert stored(2) == 51.0 and stored.unconfirmed(8) == [1, 8]
+
+
+@pytest.fixture(scope="module")
+def rt(tiny_dirs):
+    return models.load(tiny_dirs["target"], backend="runtime")
+
+
+def test_the_engine_times_what_the_stored_curve_guessed_and_reads_its_budget_again(rt):
+    """The issue's curve (every pass of 2+ rows at ~30x one row) set the row budget to one row: no drafting and no
+    batching, for good. Probed in idle time, each size is timed once and the budget read off the timed curve."""
+    model, tok = rt
+    bad = {1: 5.0, **{n: 150.0 for n in GRID[1:]}}
+    engine = BatchEngine(model, NoDrafter(), model.config.vocab_size, set(), 256, max_batch_rows=default_budget(bad),
+                         pass_curve=bad, curve_is_prior=True)
+    engine.budget_from_curve = True
+    assert engine.max_batch_rows == 1 and engine.probe_due()
+    probes = 0
+    while engine.probe_due():
+        engine.probe()
+        probes += 1
+    assert probes == len(GRID) and engine.max_batch_rows > 1
+    assert all(engine.pass_ms(n) < 150.0 for n in GRID[1:])
+    assert model.pool.available == model.pool.blocks  # the probes' slot is given back
+
+
+def test_a_pass_with_prompt_chunks_does_not_reprice_the_curve(rt):
+    """A server's own load: passes carrying prompt chunks are booked under nothing (they once priced 2..32 rows at
+    8x one row); decode passes refine the curve."""
+    model, tok = rt
+    engine = BatchEngine(model, NoDrafter(), model.config.vocab_size, set(), 256, max_batch_rows=16, prefill_chunk=8,
+                         pass_curve={n: 1.0 for n in GRID})
+    seen = []
+    engine._pass.observe = lambda rows, ms: seen.append(rows)
+    seq = engine.add(Sequence(tok("a prompt of several chunks, " * 3).input_ids, 4, SamplingParams()))
+    chunks = 0
+    while engine.running:
+        prefilling = seq.prefilling
+        engine.step()
+        assert not engine.failed
+        chunks += prefilling
+    assert chunks >= 2 and len(seen) == 4 - 1  # the decode passes only (the last chunk emits the first token)
