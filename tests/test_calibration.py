@@ -104,3 +104,22 @@ def test_a_pass_with_prompt_chunks_does_not_reprice_the_curve(rt):
         assert not engine.failed
         chunks += prefilling
     assert chunks >= 2 and len(seen) == 4 - 1  # the decode passes only (the last chunk emits the first token)
+
+
+def test_a_disturbed_measurement_is_retaken_then_used_for_this_run_only(rt, tmp_path, monkeypatch, capsys):
+    """Repetitions that spread widely, or a size slower than a larger one, say the machine was busy: measured
+    again, and if still so, used for this run only (the next start measures again), with one stderr line."""
+    from specdec.batch import calibration
+    assert calibration.disturbance({1: [5.0, 5.1, 5.2], 2: [5.2, 5.3, 5.2]}) is None
+    assert "took 5.0 to 80.0" in calibration.disturbance({1: [5.0, 80.0, 5.2], 2: [5.2, 5.3, 5.2]})
+    assert "rows took" in calibration.disturbance({1: [50.0] * 3, 2: [5.0] * 3})
+    calls = []
+
+    def busy(model, sizes, context, reps):
+        calls.append(1)
+        return {n: 10.0 * n for n in sizes}, "1 rows took 5.0 to 80.0 ms"
+    monkeypatch.setattr(calibration, "_measure", busy)
+    with pytest.raises(calibration.Disturbed) as e:
+        calibration.measure_pass_curve(rt[0], (1, 2), check=True)
+    assert len(calls) == 2 and e.value.curve == {1: 10.0, 2: 20.0}
+    assert calibration.measure_pass_curve(rt[0], (1, 2)) == {1: 10.0, 2: 20.0}  # unchecked: as measured

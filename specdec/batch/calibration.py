@@ -13,11 +13,47 @@ from ..runtime.blocks import BLOCK
 from ..runtime.model import Llama
 
 
-def measure_pass_curve(model: Llama, sizes=(1, 2, 4, 8, 16, 32, 64), context: int = 64, reps: int = 3
-                       ) -> dict[int, float]:
+SPREAD = 1.5  # a size whose repetitions' slowest is this many times its fastest was measured on a busy machine
+INVERTED = 1.25  # ... and so was a size this many times slower than a larger one (more rows never cost less)
+
+
+class Disturbed(RuntimeError):
+    """The machine was busy while the pass curve was measured, twice over: `curve` serves this run, and is not
+    stored for the next start (runtime/measured.py)."""
+
+    def __init__(self, curve: dict[int, float], why: str):
+        super().__init__(why)
+        self.curve = curve
+
+
+def measure_pass_curve(model: Llama, sizes=(1, 2, 4, 8, 16, 32, 64), context: int = 64, reps: int = 3,
+                       check: bool = False) -> dict[int, float]:
     """Median ms of one pass over n rows, one row per slot up to the largest size (as a batch of decoding
     requests), each slot holding `context` positions; slots the KV budget cannot hold share, a row each at the next
-    positions. Sizes are interleaved so machine drift hits all alike."""
+    positions. Sizes are interleaved so machine drift hits all alike. With `check`, a measurement whose repetitions
+    spread widely or whose sizes invert (`disturbance`) is taken again, and raises Disturbed if it is still so."""
+    curve, why = _measure(model, sizes, context, reps)
+    if check and why:
+        curve, why = _measure(model, sizes, context, reps)
+        if why:
+            raise Disturbed(curve, why)
+    return curve
+
+
+def disturbance(times: dict[int, list[float]]) -> str | None:
+    """Why repetitions of each size (warm-up dropped) say the machine was busy, or None."""
+    for n, t in times.items():
+        if min(t) > 0 and max(t) / min(t) > SPREAD:
+            return f"{n} rows took {min(t):.1f} to {max(t):.1f} ms"
+    med = {n: median(t) for n, t in times.items()}
+    for a in med:
+        for b in med:
+            if a < b and med[a] > INVERTED * med[b]:
+                return f"{a} rows took {med[a]:.1f} ms, {b} rows {med[b]:.1f} ms"
+    return None
+
+
+def _measure(model: Llama, sizes, context: int, reps: int) -> tuple[dict[int, float], str | None]:
     per_slot = -(-(context + max(sizes)) // BLOCK)
     slots = [model.acquire_slot() for _ in range(max(1, min(max(sizes), model.pool.blocks // per_slot)))]
     k = len(slots)
@@ -31,7 +67,8 @@ def measure_pass_curve(model: Llama, sizes=(1, 2, 4, 8, 16, 32, 64), context: in
                     t = perf_counter()
                     model.forward([1] * n, [slots[j % k] for j in range(n)], [context + j // k for j in range(n)])
                     times[n].append((perf_counter() - t) * 1e3)
-        return lower_envelope({n: median(t[1:]) for n, t in times.items()})
+        kept = {n: t[1:] for n, t in times.items()}
+        return lower_envelope({n: median(t) for n, t in kept.items()}), disturbance(kept)
     finally:
         for s in slots:
             model.release_slot(s)

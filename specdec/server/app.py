@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import secrets
+import sys
 import threading
 import time
 
@@ -345,6 +346,7 @@ def batch_engine(decoder, max_batch_rows: int | None, prefill_chunk: int):
         measure_pass_curve,
         measure_row_cost,
     )
+    from ..batch.calibration import Disturbed
     if not models.is_runtime(decoder.model):
         return None
     from ..drafters.base import draft_caches
@@ -356,8 +358,21 @@ def batch_engine(decoder, max_batch_rows: int | None, prefill_chunk: int):
     # the refinement stored when the server stops (keep_refined_curve)
     params = {"sizes": sizes, "context": context}
     measured = []  # whether this process measured the curve (else the stored one is only a prior)
-    curve = remembered_curve(model, "pass_curve", params,
-                             lambda: measured.append(1) or measure_pass_curve(model, sizes, context=context))
+
+    def measure():
+        measured.append(1)
+        t = time.monotonic()
+        print(f"specdec: measuring the pass curve ({len(sizes)} sizes; once on this machine)", file=sys.stderr)
+        try:
+            return measure_pass_curve(model, sizes, context=context, check=True)
+        finally:
+            print(f"specdec: pass curve measured in {time.monotonic() - t:.1f} s", file=sys.stderr)
+    try:
+        curve = remembered_curve(model, "pass_curve", params, measure)
+    except Disturbed as e:  # used for this run, not stored: the next start measures again
+        print(f"specdec: the machine was busy while the pass curve was measured ({e}); it serves this run only and "
+              "is not stored", file=sys.stderr)
+        curve = e.curve
     engine = BatchEngine(model, decoder.engine.drafter, model.config.vocab_size, decoder.engine.eos_ids,
                          decoder.context_window, max_batch_rows or default_budget(curve), prefill_chunk, curve,
                          curve_is_prior=not measured)
