@@ -13,7 +13,10 @@ speedup if it were removed (`speedup_if_fixed`):
   credited only to proposals that τ cut (they filled it), never to cycles that proposed nothing;
 and the ceiling, tokens per target pass (drafting free, every pass one step). When even the ceiling is low, the
 drafts are rarely offered (`rare_proposals`, if proposing in every cycle would pay) or rarely right
-(`low_acceptance`), whatever else costs time. Otherwise the bottleneck is the cause with the largest gain, or
+(`low_acceptance`), whatever else costs time. Before either is blamed, the curve the policy priced with (a server
+trace's meta) is compared with the passes the trace measured: prices STALE times off, or an n-row pass priced above
+STALE x n one-row passes (no machine costs that), are `stale_costs`: the policy's prices, not the draft, kept it
+from speculating. Otherwise the bottleneck is the cause with the largest gain, or
 `none` when no cause would add more than NONE_MARGIN. When the cost model misses the measured speedup by more than
 EXPLAIN_MARGIN, the report names the cycles it cannot explain.
 
@@ -31,8 +34,9 @@ from .costs import blocks_at, expected_tokens, interpolate, non_decreasing, pred
 from .errors import SpecDecError
 from .trace import CycleRecord, acceptance_by_position, asked_of, read_trace, step_curve, tree_stats
 
-BOTTLENECKS = ("low_acceptance", "rare_proposals", "draft_cost", "verify_cost", "overhead", "tau_too_large",
-               "tau_too_small", "none")
+BOTTLENECKS = ("stale_costs", "low_acceptance", "rare_proposals", "draft_cost", "verify_cost", "overhead",
+               "tau_too_large", "tau_too_small", "none")
+STALE = 2.0  # priced and measured pass times this far apart (either way): the policy priced with a wrong curve
 MAX_TAU = 16
 LOW_CEILING = 1.15  # tokens per target pass below this: speculation cannot pay, whatever else is fixed
 NONE_MARGIN = 0.10  # no cause worth more than +10%: healthy
@@ -40,6 +44,9 @@ EXPLAIN_MARGIN = 0.10  # the cost model within 10% of the measured speedup, or t
 TIME_EXPLAINED = 0.02  # cycles within 2% of their predicted time in all: the cost model's miss is in the tokens
 
 ADVICE = {
+    "stale_costs": "the pass curve the policy priced with is not this machine's now (a calibration taken while the "
+                   "machine was busy, or another machine's): restart the server, which times each stored size in "
+                   "idle time, or start it with SPECDEC_REMEASURE=1 to measure the curve again",
     "low_acceptance": "use a draft closer to the target (distil it on the target's outputs: specdec distill), check "
                       "that the prompt format (chat template) matches, or stop speculating (--draft none)",
     "rare_proposals": "chain a drafter that proposes when this one finds no match (--draft A+B: A first, B when A "
@@ -158,6 +165,23 @@ def _unexplained(steady: list[CycleRecord], draft_cost, curve, overhead: float, 
             "finding": finding}
 
 
+def _stale_costs(priced: dict | None, measured: dict, seen: Counter, min_cycles: int = 3) -> str | None:
+    """How the curve the policy priced with (`priced`, rows -> ms) disagrees with the passes measured, or None."""
+    if not priced or not measured:
+        return None
+    priced = {int(n): float(v) for n, v in priced.items()}
+    one = measured.get(1) if seen.get(1, 0) >= min_cycles else None
+    for n, ms in sorted(priced.items()):
+        got = measured.get(n) if seen.get(n, 0) >= min_cycles else None
+        if got and not 1 / STALE <= ms / got <= STALE:
+            return (f"the policy priced a {n}-row pass at {ms:.1f} ms; the trace's {seen[n]} such passes took "
+                    f"{got:.1f} ms")
+        if one and n > 1 and ms > STALE * n * one:
+            return (f"the policy priced a {n}-row pass at {ms:.1f} ms, {ms / one:.0f} one-row passes ({one:.1f} ms "
+                    f"measured): no machine costs that, so it never drafted to find out")
+    return None
+
+
 def analyze(records: list[CycleRecord], decode_only: bool = False, target_curve: dict | None = None) -> dict:
     """The report for one trace (or, decode_only=True, for cycles already stripped of their prefill cycle).
     `target_curve`: the target's verify ms by tokens, measured apart (a trace's meta): sizes the trace never
@@ -177,6 +201,7 @@ def analyze(records: list[CycleRecord], decode_only: bool = False, target_curve:
     steady = [r for i, r in enumerate(cycles) if i not in once]
     one_time_ms = sum(once.values())
     curve = verify_curve(steady, skip_prefill=False)
+    stale = _stale_costs(target_curve, curve, Counter(len(r.proposed) + 1 for r in steady))
     if target_curve:  # sizes the trace never verified (one target step, above all) from the curve measured apart
         seen = Counter(len(r.proposed) + 1 for r in cycles)
         extra = {n: v for n, v in target_curve.items() if n not in curve}
@@ -224,7 +249,9 @@ def analyze(records: list[CycleRecord], decode_only: bool = False, target_curve:
                                                                overhead, t1) / predicted
     ceiling = tokens / len(cycles)  # tokens per target pass
 
-    if not asked:  # target-only (or τ 0 throughout): no drafter to diagnose
+    if stale is not None:  # the prices, not the draft: compared before acceptance is blamed
+        bottleneck = "stale_costs"
+    elif not asked:  # target-only (or τ 0 throughout): no drafter to diagnose
         bottleneck = "none"
     elif ceiling < LOW_CEILING:
         rare = gains.get("rare_proposals", 0.0) > measured * (1 + NONE_MARGIN)
@@ -258,6 +285,9 @@ def analyze(records: list[CycleRecord], decode_only: bool = False, target_curve:
     findings = sorted(({"kind": k, "speedup_if_fixed": round(v, 3), "gain": round(v / measured, 3),
                         "finding": why[k], "recommendation": advice[k]} for k, v in gains.items()),
                       key=lambda f: -f["speedup_if_fixed"])
+    if bottleneck == "stale_costs":
+        findings.insert(0, {"kind": "stale_costs", "speedup_if_fixed": None, "gain": None, "finding": stale,
+                            "recommendation": ADVICE["stale_costs"]})
     if bottleneck == "low_acceptance":
         findings.insert(0, {"kind": "low_acceptance", "speedup_if_fixed": None, "gain": None,
                             "finding": why["low_acceptance"], "recommendation": ADVICE["low_acceptance"]})

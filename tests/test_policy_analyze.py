@@ -271,3 +271,20 @@ def test_a_batched_proposals_time_keeps_each_catch_up_with_its_own_request():
     shares = BatchEngine._shares(0.010, [Draft([1, 2], prefill_ms=6.0), Draft([3, 4]), None], [2, 2, 1])
     assert [round(s, 6) for s in shares] == [7.6, 1.6, 0.8]
     assert BatchEngine._shares(0.001, [Draft(prefill_ms=5.0)], [1]) == [5.0]  # a clock coarser than the catch-up
+
+
+def test_a_trace_under_a_wrong_stored_curve_names_the_curve_not_the_acceptance():
+    """The issue's trace: a server whose stored curve priced 2+ rows at ~29 one-row passes never drafted, so every
+    pass was one row, and analyze said low_acceptance. With the curve the policy priced (the trace's meta) beside
+    the passes it measured, the cause is the curve."""
+    from specdec.analyze import analyze
+    recs = [rec(3, 0, 0, draft_ms=0.1, verify_ms=30.0, cycle=i + 1) for i in range(40)]
+    for r in recs:
+        r.asked, r.drafted, r.short = 3, 3, "budget"  # asked, drafted, but the budget bought no rows
+    priced = {1: 53.0, 2: 1552.0, 4: 1572.0, 8: 1596.0}
+    rep = analyze(recs, target_curve=priced)
+    assert rep["bottleneck"] == "stale_costs"
+    assert "2-row pass at 1552.0 ms" in rep["findings"][0]["finding"]
+    assert analyze(recs)["bottleneck"] != "stale_costs"  # without the priced curve: nothing to compare
+    sane = analyze(recs, target_curve={1: 30.0, 2: 31.0, 4: 33.0, 8: 55.0})
+    assert sane["bottleneck"] != "stale_costs"
