@@ -84,6 +84,8 @@ def test_tool_use_and_results_are_the_chat_history(rt_live):
 
 def test_both_clients_list_and_retrieve_the_model(rt_live):
     assert [m.id for m in client(rt_live).models.list()] == ["tiny"]
+    past = httpx.get(rt_live.url + "/v1/models", params={"after_id": "tiny"}).json()  # clients before anthropic 2.x
+    assert past["data"] == [] and past["last_id"] is None  # page until last_id is null (they looped for good)
     assert client(rt_live).models.retrieve("tiny").display_name == "tiny"
     oai = openai.OpenAI(base_url=rt_live.url + "/v1", api_key="none", max_retries=0)
     assert [m.id for m in oai.models.list()] == ["tiny"] and oai.models.retrieve("tiny").owned_by == "specdec"

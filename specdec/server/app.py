@@ -154,7 +154,11 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
               "display_name": model_name, "created_at": "1970-01-01T00:00:00Z"}
 
     @app.get("/v1/models")
-    async def list_models():
+    async def list_models(after_id: str | None = None, before_id: str | None = None):
+        """One model; Anthropic's cursor (`after_id`, `before_id`) past it is an empty page, whose null ids end a
+        client's paging (clients before anthropic 2.x page on until `last_id` is null)."""
+        if after_id is not None or before_id is not None:
+            return {"object": "list", "data": [], "has_more": False, "first_id": None, "last_id": None}
         return {"object": "list", "data": [served], "has_more": False, "first_id": model_name, "last_id": model_name}
 
     @app.get("/v1/models/{model_id:path}")
