@@ -123,3 +123,31 @@ def test_a_disturbed_measurement_is_retaken_then_used_for_this_run_only(rt, tmp_
         calibration.measure_pass_curve(rt[0], (1, 2), check=True)
     assert len(calls) == 2 and e.value.curve == {1: 10.0, 2: 20.0}
     assert calibration.measure_pass_curve(rt[0], (1, 2)) == {1: 10.0, 2: 20.0}  # unchecked: as measured
+
+
+@pytest.mark.real
+def test_calibrate_shows_the_stored_curve_beside_a_fresh_one_and_replaces_it(tmp_path, monkeypatch, capsys):
+    """`specdec calibrate` on the default model: nothing stored at first; --store stores the measurement; the
+    next call shows it as stored. A directory target and a missing file are one line, exit 2."""
+    import json
+
+    from specdec.batch import calibration
+    from specdec.cli import main
+    from specdec.runtime import measured
+    where = measured._where  # measurements kept in tmp_path (the kernels and q8 layouts stay in the usual cache)
+    monkeypatch.setattr(measured, "_where", lambda m, w, p: (where(m, w, p)[0], tmp_path / where(m, w, p)[1].name))
+    fresh = iter(range(1, 100))  # each measurement its own numbers (timing itself: test_batch's measure test)
+    monkeypatch.setattr(calibration, "_measure", lambda model, sizes, context, reps: (
+        {n: float(next(fresh)) + n for n in sizes}, None))
+    assert main(["calibrate", "--json"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert first["stored"] is None and sorted(first["fresh"]) == ["1", "16", "2", "32", "4", "64", "8"]
+    assert main(["calibrate", "--json", "--store"]) == 0
+    stored = json.loads(capsys.readouterr().out)["fresh"]
+    assert main(["calibrate", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["stored"] == stored
+    assert main(["calibrate"]) == 0 and "stored / now" in capsys.readouterr().out
+    for bad in (str(tmp_path), str(tmp_path / "missing.gguf")):
+        assert main(["calibrate", "--target", bad]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("specdec: error:")

@@ -13,6 +13,14 @@ from ..runtime.blocks import BLOCK
 from ..runtime.model import Llama
 
 
+def server_curve(context_window: int, max_batch_rows: int | None = None) -> tuple[list[int], int, dict]:
+    """The sizes and context a server measures its pass curve at, and the parameters it is stored under (what
+    `specdec serve` and `specdec calibrate` both read and write)."""
+    sizes = sorted({1, 2, 4, 8, 16, 32, 64, max_batch_rows or 1})
+    context = min(64, context_window // 2)
+    return sizes, context, {"sizes": sizes, "context": context}
+
+
 SPREAD = 1.5  # a size whose repetitions' slowest is this many times its fastest was measured on a busy machine
 INVERTED = 1.25  # ... and so was a size this many times slower than a larger one (more rows never cost less)
 

@@ -34,17 +34,25 @@ def remembered(model, what: str, params: dict, measure: Callable[[], object]):
     afterwards. Models that are not one file (in-memory, directories) are measured every time."""
     if not getattr(model, "fingerprint", None):
         return measure()
-    key, path = _where(model, what, params)
     if os.environ.get("SPECDEC_REMEASURE") != "1":
-        try:
-            stored = json.loads(path.read_text())
-            if stored["key"] == key:
-                return stored["value"]
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
+        found = stored(model, what, params)
+        if found is not None:
+            return found
     value = measure()
     _store(model, what, params, value)
     return value
+
+
+def stored(model, what: str, params: dict):
+    """What remembered() would read back for (model, what, params), or None (nothing stored, or not one file)."""
+    if not getattr(model, "fingerprint", None):
+        return None
+    key, path = _where(model, what, params)
+    try:
+        found = json.loads(path.read_text())
+        return found["value"] if found["key"] == key else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _where(model, what: str, params: dict) -> tuple[str, Path]:

@@ -350,17 +350,16 @@ def batch_engine(decoder, max_batch_rows: int | None, prefill_chunk: int):
         measure_pass_curve,
         measure_row_cost,
     )
-    from ..batch.calibration import Disturbed
+    from ..batch.calibration import Disturbed, server_curve
     if not models.is_runtime(decoder.model):
         return None
     from ..drafters.base import draft_caches
     from ..runtime.measured import remembered, remembered_curve, store_curve
     model = decoder.model
-    sizes = sorted({1, 2, 4, 8, 16, 32, 64, max_batch_rows or 1})
-    context, rows = min(64, decoder.context_window // 2), min(32, prefill_chunk)
+    sizes, context, params = server_curve(decoder.context_window, max_batch_rows)
+    rows = min(32, prefill_chunk)
     # measured once per model file, machine and numerics, then read back (runtime/measured.py); refined online, and
     # the refinement stored when the server stops (keep_refined_curve)
-    params = {"sizes": sizes, "context": context}
     measured = []  # whether this process measured the curve (else the stored one is only a prior)
 
     def measure():
