@@ -189,7 +189,7 @@ class Admission:
         self.running.clear()
         if self._timer is not None:
             self._timer.close()
-        self.model.set_kv_memory(self.model.kv_budget)  # the same size, fixed
+        self.model.set_kv_memory(self.model.kv_pool_bytes())  # the same size
         self.cleanup_failures = 0
 
     # ---- idle time ---------------------------------------------------------------------------------------------
