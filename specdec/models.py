@@ -153,8 +153,12 @@ def _gguf_key(path: Path) -> str:
 
 
 def _gguf_tokenizer(path: Path):
-    """The tokenizer stored in a GGUF file, extracted by transformers once and cached as tokenizer files."""
-    out = cache_root() / "tokenizers" / f"{path.stem}-{_gguf_key(path)}"
+    """The tokenizer stored in a GGUF file, extracted by transformers once and cached as tokenizer files, per
+    transformers version: what it extracts changes between versions (before 5.18 SmolLM2's byte-level vocabulary got
+    a SentencePiece decoder, whose token bytes made grammars, pieces and text wrong), and a cache kept across an
+    upgrade kept the old extraction for good."""
+    from importlib.metadata import version
+    out = cache_root() / "tokenizers" / f"{path.stem}-{_gguf_key(path)}-transformers{version('transformers')}"
     if not (out / "tokenizer_config.json").is_file():
         os.environ["TQDM_DISABLE"] = "1"
         try:
