@@ -22,6 +22,7 @@ def server_curve(context_window: int, max_batch_rows: int | None = None) -> tupl
 
 
 SPREAD = 1.5  # a size whose repetitions' slowest is this many times its fastest was measured on a busy machine
+NOISE_MS = 1.0  # ... by more than this: a timer's and a scheduler's jitter on sub-millisecond passes is no disturbance
 INVERTED = 1.25  # ... and so was a size this many times slower than a larger one (more rows never cost less)
 
 
@@ -51,12 +52,12 @@ def measure_pass_curve(model: Llama, sizes=(1, 2, 4, 8, 16, 32, 64), context: in
 def disturbance(times: dict[int, list[float]]) -> str | None:
     """Why repetitions of each size (warm-up dropped) say the machine was busy, or None."""
     for n, t in times.items():
-        if min(t) > 0 and max(t) / min(t) > SPREAD:
+        if min(t) > 0 and max(t) / min(t) > SPREAD and max(t) - min(t) > NOISE_MS:
             return f"{n} rows took {min(t):.1f} to {max(t):.1f} ms"
     med = {n: median(t) for n, t in times.items()}
     for a in med:
         for b in med:
-            if a < b and med[a] > INVERTED * med[b]:
+            if a < b and med[a] > INVERTED * med[b] and med[a] - med[b] > NOISE_MS:
                 return f"{a} rows took {med[a]:.1f} ms, {b} rows {med[b]:.1f} ms"
     return None
 

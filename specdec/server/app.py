@@ -364,12 +364,14 @@ def batch_engine(decoder, max_batch_rows: int | None, prefill_chunk: int):
 
     def measure():
         measured.append(1)
-        t = time.monotonic()
-        print(f"specdec: measuring the pass curve ({len(sizes)} sizes; once on this machine)", file=sys.stderr)
+        t, said = time.monotonic(), bool(getattr(model, "fingerprint", None))  # (one file: measured once, stored)
+        if said:
+            print(f"specdec: measuring the pass curve ({len(sizes)} sizes; once on this machine)", file=sys.stderr)
         try:
-            return measure_pass_curve(model, sizes, context=context, check=True)
+            return measure_pass_curve(model, sizes, context=context, check=said)  # (checked where it is stored)
         finally:
-            print(f"specdec: pass curve measured in {time.monotonic() - t:.1f} s", file=sys.stderr)
+            if said:
+                print(f"specdec: pass curve measured in {time.monotonic() - t:.1f} s", file=sys.stderr)
     try:
         curve = remembered_curve(model, "pass_curve", params, measure)
     except Disturbed as e:  # used for this run, not stored: the next start measures again

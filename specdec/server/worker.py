@@ -45,8 +45,9 @@ START_SHARE = 0.5  # with no prediction: a request that cannot start within this
 SAFETY = 1.2  # predicted finishing times are stretched by this much before they are held against a deadline
 
 
-STEP_FAILURES = 3  # whole steps failing in a row, or leaving requests' cleanups failing: the worker's failure (the
-# supervisor resets the engine and restarts the loop; /health is 503 meanwhile), not the requests'
+STEP_FAILURES = 3  # whole steps failing in a row, or CLEANUP_FAILURES of leaving requests' cleanups within
+CLEANUP_FAILURES = 5  # RESTART_WINDOW_S: the worker's failure (the supervisor resets the engine and restarts the
+# loop; /health is 503 meanwhile), not the requests'
 MAX_RESTARTS = 5  # loop crashes within RESTART_WINDOW_S before the supervisor gives up (health: 503 for good)
 RESTART_WINDOW_S = 60.0
 
@@ -329,8 +330,9 @@ class BatchWorker(Worker):
         self.waiting: collections.deque[Job] = collections.deque()
         self.active: dict[int, tuple] = {}  # sequence id -> (job, request, sequence)
         self.load = None  # the engine's batch/load.Load, published by the worker thread: what other threads read
-        self._failures = 0  # steps failed in a row, plus cleanups failed, since the last good step
+        self._failures = 0  # whole steps failed in a row
         self._cleanups_seen = 0  # the engine's cleanup_failures already counted
+        self._cleanup_times: collections.deque = collections.deque()  # when recent cleanups failed
         super().__init__(decoder, metrics, max_queue, timeout_s, trace_dir)
 
     def _setup(self) -> None:
@@ -353,6 +355,7 @@ class BatchWorker(Worker):
         self.active.clear()
         self.waiting.clear()
         self._failures = self._cleanups_seen = 0
+        self._cleanup_times.clear()
         self._publish()
 
     def _loop(self) -> None:
@@ -373,8 +376,13 @@ class BatchWorker(Worker):
             self.metrics.set_load(len(self.active), len(self.waiting))
             self.metrics.observe_engine(self.engine)
             if self.engine.cleanup_failures > self._cleanups_seen:  # a leaving request's cleanup raised
-                self._failed(self.engine.cleanup_failures - self._cleanups_seen)
+                now = time.monotonic()
+                self._cleanup_times.extend([now] * (self.engine.cleanup_failures - self._cleanups_seen))
                 self._cleanups_seen = self.engine.cleanup_failures
+                while now - self._cleanup_times[0] > RESTART_WINDOW_S:
+                    self._cleanup_times.popleft()
+                if len(self._cleanup_times) >= CLEANUP_FAILURES:  # good steps between do not excuse them
+                    raise WorkerDown(f"{len(self._cleanup_times)} cleanups failed within {RESTART_WINDOW_S:g} s")
             self._publish()
 
     def _take_jobs(self) -> bool:
@@ -477,11 +485,11 @@ class BatchWorker(Worker):
         self.active.pop(seq.id, None)
 
     def _failed(self, n: int) -> None:
-        """Count failures the requests are not to blame for; once STEP_FAILURES of them come without a good step
-        between, the loop itself has failed (the supervisor resets the engine and restarts it)."""
+        """Count whole steps that failed; once STEP_FAILURES of them come without a good step between, the loop
+        itself has failed (the supervisor resets the engine and restarts it)."""
         self._failures += n
         if self._failures >= STEP_FAILURES:
-            raise WorkerDown(f"{self._failures} steps or cleanups failed in a row")
+            raise WorkerDown(f"{self._failures} steps failed in a row")
 
     def _step(self) -> None:
         try:
