@@ -150,3 +150,50 @@ def measure_verify_curve(model, vocab: int, prompt_ids: list[int], max_n: int, r
             times[n].append((perf_counter() - t0) * 1e3)
             lm.rollback(len(prompt_ids))
     return {n: median(t) for n, t in times.items()}
+
+
+class DraftSteps:
+    """A batched draft's step time by the rows it runs, D(n) = a + b·n, fitted online from whole proposals: a
+    proposal that ran steps with n_1, n_2, … rows took Σ_k D(n_k) = a·K + b·Σ_k n_k (least squares over the recent
+    proposals, each weighted DECAY^age). A step over many requests costs one weight read, not one per request: what
+    the verification budget must charge when it weighs a model draft against the rows it saves (scheduler.plan)."""
+    DECAY = 0.95
+    MIN_SEEN = 4
+
+    def __init__(self):
+        self._m = [[0.0, 0.0], [0.0, 0.0]]  # Σ w·x xᵀ, x = (K, Σn)
+        self._v = [0.0, 0.0]  # Σ w·x·ms
+        self.seen = 0
+
+    def observe(self, taus: list[int], ms: float) -> None:
+        """One proposal: the depth each request drafted, and the ms its steps took (catch-ups left out)."""
+        x = (max(taus, default=0), sum(taus))
+        if not x[0] or ms <= 0:
+            return
+        for r in range(2):
+            self._v[r] = self.DECAY * self._v[r] + x[r] * ms
+            for c in range(2):
+                self._m[r][c] = self.DECAY * self._m[r][c] + x[r] * x[c]
+        self.seen += 1
+
+    def fit(self) -> tuple[float, float] | None:
+        """(a, b) in ms, both ≥ 0; None until MIN_SEEN proposals. Where the depths seen cannot tell a from b (every
+        proposal one request), a step's whole time is put on its fixed part a: the dearer reading for a lone row's
+        siblings, the right one for a lone row."""
+        if self.seen < self.MIN_SEEN:
+            return None
+        (p, q), (_, r) = self._m
+        det = p * r - q * q
+        if det > 1e-9 * p * r:
+            a = (r * self._v[0] - q * self._v[1]) / det
+            b = (p * self._v[1] - q * self._v[0]) / det
+            if a >= 0 and b >= 0:
+                return a, b
+            if b < 0:
+                return self._v[0] / p, 0.0
+            return 0.0, self._v[1] / r
+        return (self._v[0] + self._v[1]) / (p + q), 0.0
+
+    def __call__(self, rows: int) -> float | None:
+        ab = self.fit()
+        return None if ab is None else ab[0] + ab[1] * rows

@@ -19,11 +19,17 @@ concave in τ_i (its increments Π_{j≤k} α_ij − λ·c_i never increase, as 
 overall are optimal. λ then becomes the rate of the best choice, until it stops growing. Under light load every
 request drafts as deep as its acceptance pays for; as rows get dear, the least likely draft positions go first,
 and a request whose drafts are never accepted gets none.
+
+A batched model draft (Demand.batched) is not charged per token: one step drafts for every request still drafting
+at that depth, so its time is Σ_k D(n_k), n_k the requests with τ_i ≥ k and D the draft's step time by rows
+(costs.DraftSteps). That sum is not separable; Dinkelbach runs with the average share D(n)/n per token, and the
+choice is then weighed at its true cost against the same choice cut to every shallower depth K, K = 0 (no model
+draft at all: target-only's rate) included. So drafting is chosen only where it is priced to beat not drafting.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .costs import expected_tokens
 
@@ -34,28 +40,56 @@ class Demand:
     draft_ms: float  # per drafted token
     cap: int  # most draft rows (the request's τ limit, its room left)
     floor: int = 0  # fewest (a request with a fixed τ asks for it)
+    batched: bool = False  # drafted by one batched model step with the others (charged by step_ms, not draft_ms)
 
 
 def rate(demands: list[Demand], taus: list[int], base_rows: int, pass_ms: Callable[[int], float],
-         overhead_ms: float = 0.0) -> float:
+         overhead_ms: float = 0.0, step_ms: Callable[[int], float] | None = None) -> float:
     tokens = sum(expected_tokens(d.alphas, t) for d, t in zip(demands, taus))
-    time = pass_ms(base_rows + sum(taus)) + sum(d.draft_ms * t for d, t in zip(demands, taus)) + overhead_ms
+    time = pass_ms(base_rows + sum(taus)) + overhead_ms + draft_time(demands, taus, step_ms)
     return tokens / max(time, 1e-9)
 
 
+def draft_time(demands: list[Demand], taus: list[int], step_ms: Callable[[int], float] | None = None) -> float:
+    """The drafting a choice costs: per token, and for batched demands (with `step_ms`) Σ_k step_ms(n_k)."""
+    own = sum(d.draft_ms * t for d, t in zip(demands, taus) if step_ms is None or not d.batched)
+    if step_ms is None:
+        return own
+    depths = [t for d, t in zip(demands, taus) if d.batched and t]
+    return own + sum(step_ms(sum(t > k for t in depths)) for k in range(max(depths, default=0)))
+
+
 def plan(demands: list[Demand], base_rows: int, budget: int, pass_ms: Callable[[int], float],
-         overhead_ms: float = 0.0, chunk_rows: int = 0) -> list[int]:
+         overhead_ms: float = 0.0, chunk_rows: int = 0, step_ms: Callable[[int], float] | None = None) -> list[int]:
     """τ_i per demand, with base_rows + Σ τ_i ≤ budget (floors are cut first-come when even they do not fit);
-    `chunk_rows` of the base rows are prompt chunks (the module's docstring says how they are charged)."""
+    `chunk_rows` of the base rows are prompt chunks; `step_ms` a batched draft's step time by rows (the module's
+    docstring says how both are charged)."""
     if chunk_rows:
         plain, full = pass_ms, pass_ms(base_rows)
         alone = plain(max(1, base_rows - chunk_rows))
         pass_ms = lambda rows: plain(rows) - full + alone  # noqa: E731
-    room = max(0, budget - base_rows)
+    priced = demands
+    if step_ms is not None and (n := sum(1 for d in demands if d.batched and d.cap)):
+        priced = [replace(d, draft_ms=step_ms(n) / n) if d.batched else d for d in demands]  # the average share
+    best = _dinkelbach(priced, base_rows, budget, pass_ms, overhead_ms)
+    if step_ms is None or not any(d.batched and t for d, t in zip(demands, best)):
+        return best
+    floors = _floors(demands, max(0, budget - base_rows))
+    return _shallowest_best(demands, best, floors, base_rows, pass_ms, overhead_ms, step_ms)
+
+
+def _floors(demands: list[Demand], room: int) -> list[int]:
     taus = []
     for d in demands:
         taus.append(min(d.floor, d.cap, room))
         room -= taus[-1]
+    return taus
+
+
+def _dinkelbach(demands, base_rows, budget, pass_ms, overhead_ms) -> list[int]:
+    """The best choice with every draft charged per token (the module's docstring)."""
+    taus = _floors(demands, max(0, budget - base_rows))
+    room = max(0, budget - base_rows) - sum(taus)
     steps = []  # (value at λ=0, cost, request): the chance that each further row's draft is accepted
     for i, (d, t) in enumerate(zip(demands, taus)):
         reach = 1.0
@@ -80,4 +114,16 @@ def plan(demands: list[Demand], base_rows: int, budget: int, pass_ms: Callable[[
         if r <= lam * (1 + 1e-12):
             break
         best, lam = choice, r
+    return best
+
+
+def _shallowest_best(demands, choice, floors, base_rows, pass_ms, overhead_ms, step_ms) -> list[int]:
+    """`choice` with its batched demands cut to depth K (never below their floors), for the K whose true rate
+    (batched steps charged by step_ms) is highest; the shallower of equals."""
+    top, best = None, choice
+    for depth in range(max(choice) + 1):
+        cut = [max(f, min(t, depth)) if d.batched else t for d, t, f in zip(demands, choice, floors)]
+        r = rate(demands, cut, base_rows, pass_ms, overhead_ms, step_ms)
+        if top is None or r > top * (1 + 1e-9):
+            top, best = r, cut
     return best

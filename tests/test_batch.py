@@ -818,3 +818,29 @@ def test_a_small_batch_sizes_a_model_drafts_tree_on_its_node_values(rt, batch):
     while engine.running:
         engine.step()
     assert all(s.generated == ref for s in seqs)
+
+
+@pytest.mark.parametrize("step_ms", [1e6, 1e-3])
+def test_a_model_draft_whose_batched_steps_cost_more_than_they_save_drafts_only_probes(rt, step_ms):
+    """The verification budget charges a batched model draft by its steps (costs.DraftSteps): priced at a million
+    ms a step, a draft that is always right (the target itself) drafts only the one-row probes; priced at nothing,
+    it drafts. Either way each request gets what it gets alone."""
+    model, tok = rt
+    engine = BatchEngine(model, build_drafter("target", model, tok, backend="runtime"), model.config.vocab_size, {2},
+                         128, max_batch_rows=32)
+    engine.pass_ms = lambda rows: 10.0 + 0.1 * rows  # (not refined by the tiny model's passes)
+    engine.draft_steps.DECAY = 1.0  # the price stays what it is told, whatever the tiny draft's steps take
+    for _ in range(engine.draft_steps.MIN_SEEN):
+        engine.draft_steps.observe([1], step_ms)
+    engine.draft_steps.observe = lambda taus, ms: None
+    prompts = ["abcabcabcabc " * (i + 1) for i in range(4)]
+    seqs = [engine.add(Sequence(tok(p).input_ids, 24, SamplingParams())) for p in prompts]
+    proposed = []
+    while engine.running:
+        proposed.append([len(rec.proposed) for _, rec in engine.step()])
+    if step_ms > 1:
+        assert all(sum(p) <= 1 for p in proposed)  # a probe: one row, one request, now and then
+    else:
+        assert max(max(p, default=0) for p in proposed) > 1
+    for p, s in zip(prompts, seqs):
+        assert s.generated == alone(rt, p, SamplingParams(), 24)

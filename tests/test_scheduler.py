@@ -69,3 +69,58 @@ def test_a_prompt_chunk_in_the_pass_does_not_make_draft_rows_look_cheap():
     assert plan([half] * 16, 48, 64, curve(), chunk_rows=32) == [0] * 16
     light = Demand([0.9] * 8, draft_ms=0.05, cap=8)  # one request still drafts beside a chunk (its rows past the knee
     assert plan([light], 1, 64, curve()) == [7] and plan([light], 33, 64, curve(), chunk_rows=32) == [6]  # dearer)
+
+
+def test_a_batched_draft_is_charged_by_its_steps_and_never_priced_below_target_only():
+    """Batched model drafts (Demand.batched) cost Σ_k D(n_k): the plan is weighed at that true cost against the same
+    plan cut shallower, no draft included, so its rate is never below target-only's or per-token pricing's choice."""
+    from specdec.scheduler import draft_time
+    rng = random.Random(1)
+    for case in range(300):
+        n = rng.randint(1, 8)
+        demands = [Demand([rng.uniform(0.2, 1.0) for _ in range(6)], 0.0, rng.randint(0, 6),
+                          rng.choice([0, 0, 0, 1]), batched=rng.random() < 0.8) for _ in range(n)]
+        a, b = rng.uniform(0, 12), rng.uniform(0, 2)
+        step = lambda rows, a=a, b=b: a + b * rows  # noqa: E731
+        pass_ms = curve(per_row=rng.uniform(0.1, 2), steep=rng.uniform(0.5, 4), base=10.0)
+        budget = n + rng.randint(0, 40)
+        taus = plan(demands, n, budget, pass_ms, step_ms=step)
+        floors, room = [], budget - n  # first come, first served where even the floors do not fit
+        for d in demands:
+            floors.append(min(d.floor, d.cap, room))
+            room -= floors[-1]
+        assert n + sum(taus) <= budget
+        assert all(f <= t <= d.cap for d, t, f in zip(demands, taus, floors))
+        r = rate(demands, taus, n, pass_ms, step_ms=step)
+        none = [f if d.batched else t for d, t, f in zip(demands, taus, floors)]
+        assert r >= rate(demands, none, n, pass_ms, step_ms=step) * (1 - 1e-9), case
+        share = max(1, sum(1 for d in demands if d.batched and d.cap))
+        per_token = [Demand(d.alphas, step(share) / share if d.batched else d.draft_ms, d.cap, d.floor)
+                     for d in demands]
+        naive = plan(per_token, n, budget, pass_ms)
+        assert r >= rate(demands, naive, n, pass_ms, step_ms=step) * (1 - 1e-9), case
+    # 8 streams, two whose drafts are right 95% of the time, a draft step that costs 40% of a pass whatever its
+    # rows: the per-token share (an eighth of a step) drafts 6 deep for those two; the 6 steps, each paid for 2
+    # rows, cost more than the tokens they bring, and the plan drafts nothing
+    ds = [Demand([0.95] * 6, 0.0, 6, batched=True)] * 2 + [Demand([0.3] * 6, 0.0, 6, batched=True)] * 6
+    flat = lambda rows: 60.0 + 0.5 * rows  # noqa: E731
+    step = lambda rows: 24.0 + 0.1 * rows  # noqa: E731
+    assert plan([Demand(d.alphas, step(8) / 8, d.cap) for d in ds], 8, 64, flat) == [6, 6] + [0] * 6
+    assert plan(ds, 8, 64, flat, step_ms=step) == [0] * 8
+    assert draft_time(ds, [2, 1, 0, 0, 0, 0, 0, 0], step) == step(2) + step(1)
+    assert plan(ds, 8, 64, flat, step_ms=lambda rows: 1.0 + 0.1 * rows)[:2] == [6, 6]  # cheap steps still draft
+
+
+def test_draft_steps_are_fitted_from_whole_proposals():
+    from specdec.costs import DraftSteps
+    steps, rng = DraftSteps(), random.Random(2)
+    assert steps(4) is None
+    for _ in range(40):
+        taus = [rng.randint(0, 5) for _ in range(rng.randint(1, 8))]
+        depths = [sum(t > k for t in taus) for k in range(max(taus))]
+        steps.observe(taus, sum(7.0 + 0.5 * n for n in depths))
+    assert abs(steps(1) - 7.5) < 1e-6 and abs(steps(8) - 11.0) < 1e-6
+    lone = DraftSteps()  # one request at a time: a step's whole time is its fixed part
+    for k in (1, 2, 3, 4, 5):
+        lone.observe([k], 9.0 * k)
+    assert abs(lone.fit()[0] - 9.0) < 1e-9 and lone.fit()[1] == 0.0

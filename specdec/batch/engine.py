@@ -28,6 +28,7 @@ from ..verification import (
 )
 from .admission import Admission
 from .calibration import OnlineCurve
+from ..costs import DraftSteps
 from ..runtime.prefix_cache import PrefixCache
 from .requests import Sequence, State
 
@@ -86,6 +87,7 @@ class BatchEngine(Admission):
         self.running: list[Sequence] = []
         self._state: dict[int, tuple] = {}  # id -> (slot, drafter, acceptance estimates)
         self._pass = OnlineCurve(pass_curve or {1: 10.0}, prior=curve_is_prior)
+        self.draft_steps = DraftSteps()  # a batched draft's step time by rows (what its drafting is charged)
         self.budget_from_curve = False  # max_batch_rows was read off the curve (default_budget): read again (probe)
         self._timer = None  # the probes' pass timer (Admission.probe), while sizes are left to time
         # acceptance by position over a tenant's requests: its new request's prior (drafters/tenants.py)
@@ -258,8 +260,9 @@ class BatchEngine(Admission):
                 alphas = [b / a if a > 0 else 0.0 for a, b in zip(v, v[1:])]
                 demands.append(Demand(alphas, cost, cap, min(floor, 1)))
                 continue
-            demands.append(Demand(est.alphas(), cost, cap, floor))
-        taus = plan(demands, base, self.max_batch_rows, self.pass_ms, chunk_rows=sum(chunks.values()))
+            demands.append(Demand(est.alphas(), cost, cap, floor, batched=not free and s.id not in early))
+        steps = self.draft_steps if self.draft_steps.fit() is not None else None
+        taus = plan(demands, base, self.max_batch_rows, self.pass_ms, chunk_rows=sum(chunks.values()), step_ms=steps)
 
         return decoding, chunks, taus, demands
 
@@ -272,7 +275,11 @@ class BatchEngine(Admission):
         if late:  # one batched proposal (the feature draft's layer runs once per step for all of them)
             t = perf_counter()
             made = self._propose_late(late)
-            share = self._shares(perf_counter() - t, made, [tau for _, tau in late])
+            seconds = perf_counter() - t
+            share = self._shares(seconds, made, [tau for _, tau in late])
+            ran = [d for d in made if d is not None]
+            self.draft_steps.observe([tau if d.is_tree else len(d.tokens) for (_, tau), d in zip(late, made)
+                                      if d is not None], seconds * 1e3 - sum(d.prefill_ms for d in ran))
             for (s, tau), draft, ms in zip(late, made, share):
                 if draft is not None and s.constraint is not None:  # one chain, cut where the grammar refuses
                     chain = best_chain(draft)[:tau]
