@@ -5,6 +5,7 @@ interleaved run.
     python benchmarks/pair.py --out docs/pair.json                  # fetch, build, then every system
     python benchmarks/pair.py --systems llama,ours-none,ours --workloads edits --max-tokens 64
     python benchmarks/pair.py --fetch-only                          # the two GGUF files and llama-server, then stop
+    python benchmarks/pair.py --streams 1,4,8 --out docs/pair_streams.json   # concurrency: llama (-np 8), none, ours, 0.5b
     python benchmarks/pair.py --systems ours-none,ours-0.5b --repeat 3   # each prompt 3 times: steadier ratios
     git worktree add /tmp/prev <release> && python benchmarks/pair.py --previous /tmp/prev   # + that release
 
@@ -22,6 +23,12 @@ What it does:
    of the ratios and their range per workload: this machine's speed swings within seconds, so one run's ratio of a
    4-prompt workload moves by a tenth or more). After each request a specdec server finishes its idle-time work (a
    draft's put-off catch-ups, `settle`) before the next request goes to any server.
+4. The pass curve (q8, 1..16 rows) is measured in the same run, before the prompts and after them, and each
+   specdec system's speed-up is printed beside bounds.py's bounds on that curve (oracle, copy, and a model draft
+   with the system's own measured acceptance and step cost): a machine with a steeper curve shows a lower bound,
+   not a missed goal. `--no-curve` skips it.
+5. `--streams 1,4,8`: the concurrency mode instead (pair_streams.py): aggregate tokens/s and time to first token
+   with that many clients at once, llama-server given as many slots.
 """
 from __future__ import annotations
 
@@ -56,6 +63,7 @@ LLAMA_FLAGS = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_A
                "-DLLAMA_BUILD_TESTS=OFF", "-DCMAKE_BUILD_TYPE=Release"]
 # fim: POST /infill on both servers; edits-predicted: the edits, the original sent as OpenAI's `prediction` (specdec
 # only; llama-server has no predicted outputs); chat-sampled: the chat prompts at T = 0.7 with a seed per prompt
+STREAM_SYSTEMS = ("llama", "ours-none", "ours", "ours-0.5b")  # the concurrency mode's (llama-server: -np max level)
 WORKLOADS = ("completion", "chat", "edits", "fim", "edits-predicted", "chat-sampled")
 SAMPLED = {"temperature": 0.7, "top_p": 1.0}
 # The feature draft for the 1.5B (issue "drafts for real work"), built once by `specdec distill` into the target's
@@ -170,11 +178,13 @@ def feature_draft(target: Path) -> Path:
 
 
 # ---- servers ------------------------------------------------------------------------------------------------------
-def systems(target: Path, draft: Path, threads: int, previous: str | None = None) -> dict[str, list[str]]:
+def systems(target: Path, draft: Path, threads: int, previous: str | None = None,
+            slots: int = 1) -> dict[str, list[str]]:
     """name -> command line (PORT filled in later); `previous`: another checkout of specdec (an earlier release),
-    served as prev-none, prev, prev-0.5b and prev-ngram-0.5b from its own source."""
-    llama = [str(llama_bin()), "-m", str(target), "-t", str(threads), "-c", "4096", "-np", "1", "--host", "127.0.0.1",
-             "--port", "PORT"]
+    served as prev-none, prev, prev-0.5b and prev-ngram-0.5b from its own source; `slots`: llama-server's parallel
+    sequences (4,096 tokens of context each)."""
+    llama = [str(llama_bin()), "-m", str(target), "-t", str(threads), "-c", str(4096 * slots), "-np", str(slots),
+             "--host", "127.0.0.1", "--port", "PORT"]
     ours = [str(Path(sys.executable).with_name("specdec")), "serve", "--target", str(target), "--host", "127.0.0.1",
             "--port", "PORT"]
     # its source before this checkout's (the working directory, an editable install), with a cache of its own: two
@@ -319,11 +329,18 @@ def main(argv=None) -> int:
     ap.add_argument("--previous", default=None, help="a checkout of an earlier release: adds prev-none, prev, "
                     "prev-0.5b and prev-ngram-0.5b")
     ap.add_argument("--fetch-only", action="store_true")
+    ap.add_argument("--streams", default=None, help="concurrency mode: levels, e.g. 1,4,8 (pair_streams.py)")
+    ap.add_argument("--per-stream", type=int, default=3, help="concurrency mode: requests each client sends a level")
+    ap.add_argument("--no-curve", dest="curve", action="store_false",
+                    help="skip the same-run pass curve and the bounds beside each speed-up")
     ap.add_argument("--out", default=None, help="JSON results")
     args = ap.parse_args(argv)
     target, draft = fetch_model("coder15"), fetch_model("coder05")
-    table = systems(target, draft, args.threads, args.previous)
-    names = args.systems.split(",") if args.systems else list(table)
+    levels = [int(x) for x in args.streams.split(",")] if args.streams else []
+    if levels and (min(levels) < 1 or max(levels) > 64):
+        raise Refused("--streams takes levels from 1 to 64")
+    table = systems(target, draft, args.threads, args.previous, max(levels, default=1))
+    names = (args.systems.split(",") if args.systems else list(STREAM_SYSTEMS) if levels else list(table))
     unknown = [n for n in names if n not in table]
     if unknown:
         raise Refused(f"unknown system {unknown[0]!r} (choose from {', '.join(table)})")
@@ -335,6 +352,8 @@ def main(argv=None) -> int:
     if args.fetch_only:
         print(target, draft, llama_bin(), sep="\n")
         return 0
+    if levels:
+        return streams_run(args, names, table, workloads, levels)
     prompts = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
     prompts += [{**p, "workload": "edits-predicted", "prediction": fenced(p["prompt"])} for p in prompts
                 if p["workload"] == "edits"]
@@ -342,14 +361,11 @@ def main(argv=None) -> int:
                 if p["workload"] == "chat"]
     prompts = [p for w in workloads for p in [q for q in prompts if q["workload"] == w][:args.limit or None]
                for _ in range(max(1, args.repeat))]
-    logs = cache() / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    servers = {}
+    servers, curves = {}, []
     try:
-        for name in names:  # one at a time: a start-up competes with whatever runs beside it
-            servers[name] = Server(name, table[name], logs)
-            log(f"{name} ready in {servers[name].ready_s:.1f} s")
-            request(servers[name], {"workload": "chat", "prompt": "Hi"}, 4)  # warm-up
+        if args.curve:  # the pass curve of this run, before the prompts and after them (bounds.py reads it)
+            curves.append(same_run_curve())
+        start(servers, names, table)
         results = {n: [] for n in names}
         for i, p in enumerate(prompts):
             order = names[i % len(names):] + names[:i % len(names)]
@@ -368,14 +384,93 @@ def main(argv=None) -> int:
     finally:
         for s in servers.values():
             s.stop()
+    if curves:
+        curves.append(same_run_curve())
     report = summarize(names, workloads, results, {n: s.ready_s for n, s in servers.items()}, rss)
     report["config"] = {"max_tokens": args.max_tokens, "threads": args.threads, "prompts": len(prompts),
                         "repeat": args.repeat,
                         "cpu": cpu_name(), "commands": {n: table[n] for n in names}}
     print_table(report, workloads)
+    if curves and "ours-none" in names:
+        report["curve_ms"] = {n: round(sum(c[n] for c in curves) / len(curves), 2) for n in curves[0]}
+        report["curve_runs_ms"] = curves
+        report["bounds"] = same_run_bounds({**report, "results": results}, report["curve_ms"], target)
+        print_bounds(report["bounds"])
     if args.out:
         Path(args.out).write_text(json.dumps({**report, "results": results}, indent=1) + "\n")
     return 0
+
+
+def start(servers: dict, names: list[str], table: dict) -> None:
+    logs = cache() / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    for name in names:  # one at a time: a start-up competes with whatever runs beside it
+        servers[name] = Server(name, table[name], logs)
+        log(f"{name} ready in {servers[name].ready_s:.1f} s")
+        request(servers[name], {"workload": "chat", "prompt": "Hi"}, 4)  # warm-up
+
+
+def streams_run(args, names, table, workloads, levels) -> int:
+    """The concurrency mode (pair_streams.py): greedy prompts only."""
+    from pair_streams import concurrency, print_streams
+    prompts = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
+    prompts = [p for p in prompts if p["workload"] in workloads and p["workload"] != "fim"]
+    servers = {}
+    try:
+        start(servers, names, table)
+        report = concurrency(servers, prompts, levels, args.max_tokens, args.per_stream, log)
+    finally:
+        for s in servers.values():
+            s.stop()
+    print_streams(report)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"streams": report, "config": {
+            "levels": levels, "per_stream": args.per_stream, "max_tokens": args.max_tokens, "cpu": cpu_name(),
+            "prompts": len(prompts), "commands": {n: table[n] for n in names}}}, indent=1) + "\n")
+    return 0
+
+
+def same_run_curve() -> dict[int, float]:
+    """The target's q8 pass curve, 1..16 rows, measured now (pair_curve.py in its own process, q8 alone)."""
+    out = cache() / "logs" / "same_run_curve.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log("measuring the pass curve (1..16 rows, q8)")
+    subprocess.run([sys.executable, str(HERE / "pair_curve.py"), "--systems", "q8", "--rounds", "1", "--reps", "3",
+                    "--out", str(out)], check=True, stdout=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return {int(k): v for k, v in json.loads(out.read_text())["curves_ms"]["q8"].items()}
+
+
+def same_run_bounds(report: dict, curve_ms: dict[int, float], target: Path) -> dict:
+    """bounds.py's bounds on this run's curve, beside each specdec system's speed-up over target-only: the model
+    bound with that system's own acceptance and draft step (its drafting ms per proposed token, in one-row
+    passes)."""
+    from bounds import bounds
+    from specdec.models import _gguf_tokenizer
+    tokenizer = _gguf_tokenizer(target)
+    ratio = {n: v / curve_ms[1] for n, v in curve_ms.items()}
+    out = {}
+    for name in report["systems"]:
+        if not name.startswith("ours-") and name != "ours" or name == "ours-none":
+            continue
+        mine = [r for r in report["results"][name] if r.get("proposed")]
+        step = (sum(r["draft_ms"] for r in mine) / sum(r["proposed"] for r in mine) / curve_ms[1]) if mine else 0.0
+        b = bounds(report, ratio, tokenizer, step, name)
+        out[name] = {"draft_step": round(step, 3), **{w: {
+            "measured": report["systems"][name].get(w, {}).get("vs_target_only", {}).get("geomean"),
+            **{k: b[w].get(k) for k in ("alpha", "oracle", "copy", "copy+model", "copy+model@alpha")}}
+            for w in b}}
+    return out
+
+
+def print_bounds(bounds: dict) -> None:
+    print("\nspeed-up over target-only beside the bounds on this run's curve (bounds.py): measured | oracle | copy | "
+          "copy+model@alpha (alpha, the system's draft step)")
+    for name, per in bounds.items():
+        print(f"{name} (draft step {per['draft_step']} of a one-row pass)")
+        for w, b in per.items():
+            if w != "draft_step":
+                print(f"  {w:16s} {b['measured'] or '-':>6} | {b['oracle']:>5} | {b['copy']:>5} | "
+                      f"{b['copy+model@alpha'] or '-':>5} (alpha {b['alpha']})")
 
 
 def summarize(names, workloads, results, ready, rss) -> dict:

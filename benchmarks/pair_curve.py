@@ -75,12 +75,15 @@ def main(argv=None) -> int:
     ap.add_argument("--max-rows", type=int, default=16)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2, help="alternations of the three systems")
+    ap.add_argument("--systems", default="q8,exact,llama.cpp", help="comma-separated: q8 first (pair.py takes q8)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     target = fetch_model("coder15")
     sizes = list(range(1, args.max_rows + 1))
     threads = torch.get_num_threads()
-    runs = {"q8": [], "exact": [], "llama.cpp": []}
+    runs = {name: [] for name in args.systems.split(",")}
+    if "q8" not in runs or any(n not in ("q8", "exact", "llama.cpp") for n in runs):
+        raise SystemExit("pair_curve: --systems are q8 (always), exact and llama.cpp")
     bandwidth = []
     loaded = {}
     for _ in range(args.rounds):  # the systems alternate, so drift hits each alike
