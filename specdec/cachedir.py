@@ -8,6 +8,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from .runtime.progress import Step
+
 
 def cache_root() -> Path:
     return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
@@ -34,15 +36,19 @@ def write_atomically(path: Path, data: bytes) -> None:
         Path(tmp).unlink(missing_ok=True)
 
 
+HASH_BYTES_PER_S = 1e9  # sha256 on one core, about (what a hashing step's expected time is said from; under 1 s: silent)
+
+
 def file_sha256(path: str | os.PathLike) -> str:
     """The sha256 of a file's content, read once: remembered under the cache by the file's identity (device,
     inode, size, modification time), so a later start pays a stat, and a copy of the file (another identity)
     hashes to the same key."""
     def digest(p: Path) -> str:
-        h = hashlib.sha256()
-        with open(p, "rb") as f:
-            while chunk := f.read(1 << 24):
-                h.update(chunk)
+        h, size = hashlib.sha256(), p.stat().st_size
+        with Step(f"hashing {p.name} (once per file)", size / HASH_BYTES_PER_S, quiet=size < HASH_BYTES_PER_S):
+            with open(p, "rb") as f:
+                while chunk := f.read(1 << 24):
+                    h.update(chunk)
         return h.hexdigest()
     return remembered_of_file(path, "file-hashes", "sha256", digest, str)
 

@@ -27,6 +27,7 @@ import torch  # noqa: E402
 from . import kernels  # noqa: E402
 from .cachedir import cache_root  # noqa: E402
 from .errors import IncompatibleDraft, ModelLoadError  # noqa: E402
+from .runtime.progress import Step  # noqa: E402
 
 
 def _transformers():
@@ -152,6 +153,10 @@ def _gguf_key(path: Path) -> str:
     return hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
+EXTRACT_S = 8.0  # transformers' extraction from a 1.1 GB GGUF (Qwen2.5-Coder-1.5B, 2-core EPYC): its reader parses
+# every tensor's header; a progress line expects it in proportion to the file's size (under 200 MB: silent)
+
+
 def _gguf_tokenizer(path: Path):
     """The tokenizer stored in a GGUF file, extracted by transformers once and cached as tokenizer files, per
     transformers version: what it extracts changes between versions (before 5.18 SmolLM2's byte-level vocabulary got
@@ -162,7 +167,9 @@ def _gguf_tokenizer(path: Path):
     if not (out / "tokenizer_config.json").is_file():
         os.environ["TQDM_DISABLE"] = "1"
         try:
-            tok = _transformers().AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            with Step(f"extracting the tokenizer of {path.name} (once per file and transformers version)",
+                      EXTRACT_S * path.stat().st_size / 1.1e9 + 1.0, quiet=path.stat().st_size < 2e8):
+                tok = _transformers().AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         except (OSError, ValueError, KeyError, RuntimeError) as e:
             raise ModelLoadError(f"cannot read the tokenizer of {path}: {str(e).splitlines()[0] if str(e) else e}")
         _save_atomically(out, tok.save_pretrained)

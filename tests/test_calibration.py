@@ -113,16 +113,28 @@ def test_a_disturbed_measurement_is_retaken_then_used_for_this_run_only(rt, tmp_
     assert calibration.disturbance({1: [5.0, 5.1, 5.2], 2: [5.2, 5.3, 5.2]}) is None
     assert "took 5.0 to 80.0" in calibration.disturbance({1: [5.0, 80.0, 5.2], 2: [5.2, 5.3, 5.2]})
     assert "rows took" in calibration.disturbance({1: [50.0] * 3, 2: [5.0] * 3})
-    calls = []
+    # a one-row q8 pass far slower than reading its weights at the bandwidth measured beside it
+    assert "20x the 2.0 ms" in calibration.disturbance({1: [40.0] * 3, 2: [41.0] * 3}, read_ms=2.0)
+    assert calibration.disturbance({1: [10.0] * 3}, read_ms=2.0) is None  # 5x: a q8 pass reads at 40-70%
+    assert calibration.disturbance({1: [40.0] * 3}, read_ms=0.1) is None  # a tiny model: its pass is overhead
+    calls, answers = [], []
 
-    def busy(model, sizes, context, reps):
+    def busy(model, sizes, context, reps, step=None):
         calls.append(1)
-        return {n: 10.0 * n for n in sizes}, "1 rows took 5.0 to 80.0 ms"
+        return answers.pop(0) if answers else ({n: 10.0 * n for n in sizes}, "1 rows took 5.0 to 80.0 ms")
     monkeypatch.setattr(calibration, "_measure", busy)
     with pytest.raises(calibration.Disturbed) as e:
         calibration.measure_pass_curve(rt[0], (1, 2), check=True)
     assert len(calls) == 2 and e.value.curve == {1: 10.0, 2: 20.0}
     assert calibration.measure_pass_curve(rt[0], (1, 2)) == {1: 10.0, 2: 20.0}  # unchecked: as measured
+    # an inversion both measurements agree on is the kernels' (a one-row pass of the 1.5B took 35 ms, two rows 22
+    # ms, on an EPYC, every time): kept and stored; one they disagree on is a busy machine's
+    inverted = calibration.INVERSION + "1 rows took 35.0 ms, 2 rows 22.0 ms"
+    answers[:] = [({1: 22.0, 2: 22.0}, inverted), ({1: 22.5, 2: 22.4}, inverted)]
+    assert calibration.measure_pass_curve(rt[0], (1, 2), check=True) == {1: 22.5, 2: 22.4}
+    answers[:] = [({1: 22.0, 2: 22.0}, inverted), ({1: 90.0, 2: 90.0}, inverted)]
+    with pytest.raises(calibration.Disturbed):
+        calibration.measure_pass_curve(rt[0], (1, 2), check=True)
 
 
 @pytest.mark.real
@@ -137,7 +149,7 @@ def test_calibrate_shows_the_stored_curve_beside_a_fresh_one_and_replaces_it(tmp
     where = measured._where  # measurements kept in tmp_path (the kernels and q8 layouts stay in the usual cache)
     monkeypatch.setattr(measured, "_where", lambda m, w, p: (where(m, w, p)[0], tmp_path / where(m, w, p)[1].name))
     fresh = iter(range(1, 100))  # each measurement its own numbers (timing itself: test_batch's measure test)
-    monkeypatch.setattr(calibration, "_measure", lambda model, sizes, context, reps: (
+    monkeypatch.setattr(calibration, "_measure", lambda model, sizes, context, reps, step=None: (
         {n: float(next(fresh)) + n for n in sizes}, None))
     assert main(["calibrate", "--json"]) == 0
     first = json.loads(capsys.readouterr().out)

@@ -11,6 +11,7 @@ from ..costs import interpolate
 from ..policy import Ema
 from ..runtime.blocks import BLOCK
 from ..runtime.model import Llama
+from ..runtime.q8cache import q8_weights
 
 
 def server_curve(context_window: int, max_batch_rows: int | None = None) -> tuple[list[int], int, dict]:
@@ -24,6 +25,10 @@ def server_curve(context_window: int, max_batch_rows: int | None = None) -> tupl
 SPREAD = 1.5  # a size whose repetitions' slowest is this many times its fastest was measured on a busy machine
 NOISE_MS = 1.0  # ... by more than this: a timer's and a scheduler's jitter on sub-millisecond passes is no disturbance
 INVERTED = 1.25  # ... and so was a size this many times slower than a larger one (more rows never cost less)
+SLOW_READ = 6.0  # ... and a q8 one-row pass this many times slower than reading its weights once at the bandwidth
+READ_MIN_MS = 2.0  # measured beside it (a q8 pass reads at 40-70% of it: docs/pair.md); checked where that read
+INVERSION = "inverted: "  # (how disturbance names an inversion)
+READ_MB = 256  # takes READ_MIN_MS or more (a tiny model's pass is its overhead); the read: READ_MB of floats
 
 
 class Disturbed(RuntimeError):
@@ -36,21 +41,38 @@ class Disturbed(RuntimeError):
 
 
 def measure_pass_curve(model: Llama, sizes=(1, 2, 4, 8, 16, 32, 64), context: int = 64, reps: int = 3,
-                       check: bool = False) -> dict[int, float]:
+                       check: bool = False, step=None) -> dict[int, float]:
     """Median ms of one pass over n rows, one row per slot up to the largest size (as a batch of decoding
     requests), each slot holding `context` positions; slots the KV budget cannot hold share, a row each at the next
     positions. Sizes are interleaved so machine drift hits all alike. With `check`, a measurement whose repetitions
-    spread widely or whose sizes invert (`disturbance`) is taken again, and raises Disturbed if it is still so."""
-    curve, why = _measure(model, sizes, context, reps)
+    spread widely or whose sizes invert (`disturbance`) is taken again, and raises Disturbed if it is still so.
+    `step` (runtime/progress.Step) is told the time left after the warm-up round."""
+    curve, why = _measure(model, sizes, context, reps, step)
     if check and why:
-        curve, why = _measure(model, sizes, context, reps)
-        if why:
-            raise Disturbed(curve, why)
+        if step is not None:
+            step.say(f"taken again, to tell a busy machine from the kernels ({why})")
+        again, why_again = _measure(model, sizes, context, reps, step)
+        if why_again and not (_inverted(why) and _inverted(why_again) and _agree(curve, again)):
+            raise Disturbed(again, why_again)  # (an inversion both measurements agree on is the kernels')
+        curve = again
     return curve
 
 
-def disturbance(times: dict[int, list[float]]) -> str | None:
-    """Why repetitions of each size (warm-up dropped) say the machine was busy, or None."""
+def _inverted(why: str) -> bool:
+    return why.startswith(INVERSION)
+
+
+def _agree(a: dict[int, float], b: dict[int, float], within: float = SPREAD) -> bool:
+    """Two measurements of the same sizes within `within` of each other at every size."""
+    return all(max(a[n], b[n]) <= within * min(a[n], b[n]) for n in a)
+
+
+def disturbance(times: dict[int, list[float]], read_ms: float | None = None) -> str | None:
+    """Why repetitions of each size (warm-up dropped) say the machine was busy, or None; `read_ms`: the time to
+    read one pass's weights at the bandwidth measured beside them."""
+    if read_ms and 1 in times and read_ms >= READ_MIN_MS and median(times[1]) > SLOW_READ * read_ms:
+        return f"a one-row pass took {median(times[1]):.1f} ms, {median(times[1]) / read_ms:.0f}x the " \
+               f"{read_ms:.1f} ms its weights take to read"
     for n, t in times.items():
         if min(t) > 0 and max(t) / min(t) > SPREAD and max(t) - min(t) > NOISE_MS:
             return f"{n} rows took {min(t):.1f} to {max(t):.1f} ms"
@@ -58,30 +80,56 @@ def disturbance(times: dict[int, list[float]]) -> str | None:
     for a in med:
         for b in med:
             if a < b and med[a] > INVERTED * med[b] and med[a] - med[b] > NOISE_MS:
-                return f"{a} rows took {med[a]:.1f} ms, {b} rows {med[b]:.1f} ms"
+                return f"{INVERSION}{a} rows took {med[a]:.1f} ms, {b} rows {med[b]:.1f} ms"
     return None
 
 
-def _measure(model: Llama, sizes, context: int, reps: int) -> tuple[dict[int, float], str | None]:
+def _measure(model: Llama, sizes, context: int, reps: int, step=None) -> tuple[dict[int, float], str | None]:
     per_slot = -(-(context + max(sizes)) // BLOCK)
     slots = [model.acquire_slot() for _ in range(max(1, min(max(sizes), model.pool.blocks // per_slot)))]
     k = len(slots)
     try:
         with torch.inference_mode():
-            for s in slots:
-                model.forward(list(range(1, context + 1)), [s] * context, list(range(context)), [])
+            _fill(model, slots, context)
             times = {n: [] for n in sizes}
-            for _ in range(reps + 1):  # the first round warms up
+            weights = pass_bytes(model) if model.numerics == "q8" else 0
+            buf = torch.ones(READ_MB << 18) if weights >= READ_MB << 18 else None  # a real model: its bandwidth
+            reads, t0 = [], perf_counter()
+            for r in range(reps + 1):  # the first round warms up
+                if r == 1 and step is not None:
+                    step.expect((perf_counter() - t0) * reps)
+                if buf is not None:  # a read beside each round: the fastest is the machine's bandwidth now
+                    t = perf_counter()
+                    buf.sum()
+                    reads.append((perf_counter() - t) * 1e3 / buf.nbytes)
                 for n in sizes:
                     t = perf_counter()
                     model.forward([1] * n, [slots[j % k] for j in range(n)], [context + j // k for j in range(n)])
                     times[n].append((perf_counter() - t) * 1e3)
         kept = {n: t[1:] for n, t in times.items()}
-        return lower_envelope({n: median(t) for n, t in kept.items()}), disturbance(kept)
+        read_ms = min(reads) * weights if reads else None
+        return lower_envelope({n: median(t) for n, t in kept.items()}), disturbance(kept, read_ms)
     finally:
         for s in slots:
             model.release_slot(s)
         model.trim()
+
+
+def _fill(model: Llama, slots: list[int], context: int) -> None:
+    """`context` positions in every slot: the first slot's prompt, its whole blocks shared into the others (a
+    64-slot curve of a 1.5B model spent 12 s prefilling 64 copies of one prompt), the rest in one pass."""
+    model.forward(list(range(1, context + 1)), [slots[0]] * context, list(range(context)), [])
+    shared = context // BLOCK * BLOCK
+    for s in slots[1:]:
+        model.share(s, model.blocks_of(slots[0])[:shared // BLOCK])
+    rest = [(s, p) for s in slots[1:] for p in range(shared, context)]
+    if rest:
+        model.forward([p + 1 for _, p in rest], [s for s, _ in rest], [p for _, p in rest], [])
+
+
+def pass_bytes(model: Llama) -> int:
+    """The weight bytes one q8 pass reads: every linear's repacked blocks (float ones as they are)."""
+    return sum(w.repacked_bytes() or w.data.numel() * w.data.element_size() for w in q8_weights(model))
 
 
 class PassTimer:

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..cachedir import cache_root
+from ..runtime.progress import Step
 from . import abi, formats
 from .formats import BF16, F16, F32, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0  # noqa: F401
 
@@ -42,6 +43,9 @@ def _cache_dir() -> Path:
     return cache_root() / "kernels"
 
 
+COMPILE_S = 25.0  # one build (one source file, one core: 25 s on the 2-core EPYC): what its progress line expects
+
+
 def _build(compiler: str, isa: str, where: str | None = None) -> Path:
     """Compile once per source/flags/compiler (into `where`, default the cache); a finished build is renamed into
     place atomically."""
@@ -53,7 +57,9 @@ def _build(compiler: str, isa: str, where: str | None = None) -> Path:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
         os.close(fd)
         try:
-            subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp], check=True, capture_output=True, timeout=300)
+            with Step(f"compiling the {isa} kernels (once per machine and release)", COMPILE_S,
+                      quiet=where is not None):
+                subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp], check=True, capture_output=True, timeout=300)
             os.chmod(tmp, 0o755)  # mkstemp makes it 0600: other users of a shared cache must be able to load it
             os.replace(tmp, lib)
         finally:

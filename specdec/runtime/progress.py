@@ -31,3 +31,29 @@ class Progress:
         self.bar.stop()
         if exc[0] is None:
             print(f"specdec: {self.what} ready in {time.monotonic() - self.t0:.1f} s", file=sys.stderr)
+
+
+class Step:
+    """One step of a first start, said on stderr: what it does and about how long it takes, then how long it took.
+    `expect(seconds)` says the estimate once it is known (after a warm-up); `quiet` says nothing."""
+
+    def __init__(self, what: str, expected_s: float | None = None, quiet: bool = False):
+        self.what, self.quiet = what, quiet
+        self.t0 = time.monotonic()
+        if expected_s is not None:
+            self.expect(expected_s)
+
+    def expect(self, seconds: float) -> None:
+        if not self.quiet:
+            print(f"specdec: {self.what} (about {max(0.1, seconds):.1f} s more)", file=sys.stderr)
+
+    def say(self, what: str) -> None:
+        if not self.quiet:
+            print(f"specdec: {self.what}: {what}", file=sys.stderr)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if exc[0] is None and not self.quiet:
+            print(f"specdec: {self.what}: done in {time.monotonic() - self.t0:.1f} s", file=sys.stderr)

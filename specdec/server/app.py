@@ -351,6 +351,8 @@ def batch_engine(decoder, max_batch_rows: int | None, prefill_chunk: int):
         measure_row_cost,
     )
     from ..batch.calibration import Disturbed, server_curve
+    from ..costs import interpolate
+    from ..runtime.progress import Step
     if not models.is_runtime(decoder.model):
         return None
     from ..drafters.base import draft_caches
@@ -364,26 +366,29 @@ def batch_engine(decoder, max_batch_rows: int | None, prefill_chunk: int):
 
     def measure():
         measured.append(1)
-        t, said = time.monotonic(), bool(getattr(model, "fingerprint", None))  # (one file: measured once, stored)
-        if said:
-            print(f"specdec: measuring the pass curve ({len(sizes)} sizes; once on this machine)", file=sys.stderr)
-        try:
-            return measure_pass_curve(model, sizes, context=context, check=said)  # (checked where it is stored)
-        finally:
-            if said:
-                print(f"specdec: pass curve measured in {time.monotonic() - t:.1f} s", file=sys.stderr)
+        said = bool(getattr(model, "fingerprint", None))  # (one file: measured once, stored, and said)
+        with Step(f"measuring the pass curve ({len(sizes)} sizes up to {max(sizes)} rows; once on this machine)",
+                  quiet=not said) as step:
+            return measure_pass_curve(model, sizes, context=context, check=said, step=step)  # (checked if stored)
+
+    def row_cost():
+        ahead = 1024 // rows + 8  # a 1,024-position prompt, then 8 chunks at two depths (measure_row_cost)
+        with Step(f"measuring a prompt row's cost ({rows}-row chunks; once on this machine)",
+                  ahead * interpolate(curve, rows) / 1e3, quiet=not getattr(model, "fingerprint", None)):
+            return list(measure_row_cost(model, rows=rows))
     try:
         curve = remembered_curve(model, "pass_curve", params, measure)
     except Disturbed as e:  # used for this run, not stored: the next start measures again
         print(f"specdec: the machine was busy while the pass curve was measured ({e}); it serves this run only and "
               "is not stored", file=sys.stderr)
         curve = e.curve
+        measured.clear()  # a prior, then: only the sizes its passes time are stored when it stops
     engine = BatchEngine(model, decoder.engine.drafter, model.config.vocab_size, decoder.engine.eos_ids,
                          decoder.context_window, max_batch_rows or default_budget(curve), prefill_chunk, curve,
                          curve_is_prior=not measured)
     engine.budget_from_curve = max_batch_rows is None
     engine.keep_refined_curve = lambda: store_curve(model, "pass_curve", params, engine.refined_pass_curve())
-    row_ms, key_ms = remembered(model, "row_cost", {"rows": rows}, lambda: list(measure_row_cost(model, rows=rows)))
+    row_ms, key_ms = remembered(model, "row_cost", {"rows": rows}, row_cost)
     engine.calibrate(row_ms, key_ms)  # what admission predicts with
     for cache in draft_caches(decoder.engine.drafter):  # what a model draft's catch-up costs (drafters/draft_cache.py)
         if cache.ms_per_token is None:
