@@ -180,7 +180,7 @@ def test_a_servers_refined_pass_curve_is_stored_for_the_next_start(tiny_dirs, tm
         return measured.remembered_curve(model, "pass_curve", slow["params"], lambda: pytest.fail("measured"))
     real_measure = calibration.measure_pass_curve
 
-    def measure_slowly(m, sizes, context, check=False):  # the start-up measurement at a slow moment: everything 50 ms more
+    def measure_slowly(m, sizes, context, check=False, step=None):  # the start-up measurement at a slow moment: everything 50 ms more
         slow["params"] = {"sizes": sorted(sizes), "context": context}
         return {n: ms + 50.0 for n, ms in real_measure(m, sizes, context=context).items()}
     monkeypatch.setattr("specdec.batch.measure_pass_curve", measure_slowly)
