@@ -27,6 +27,7 @@ import torch  # noqa: E402
 from . import kernels  # noqa: E402
 from .cachedir import cache_root  # noqa: E402
 from .errors import IncompatibleDraft, ModelLoadError  # noqa: E402
+from .runtime import prefetch  # noqa: E402
 from .runtime.progress import Step  # noqa: E402
 
 
@@ -101,6 +102,7 @@ def load(spec: str, dtype: torch.dtype = torch.float32, backend: str = "auto", n
     model, tok = _load(spec, dtype, backend)
     if is_runtime(model):
         model.set_numerics(numerics if numerics != "auto" else "q8" if kernels.available() else "exact")
+        prefetch.choose(model)  # the one-row prefetch distance for this machine (once; the first model's holds)
     elif numerics == "q8":
         raise ModelLoadError(f"--numerics {numerics} runs on specdec's runtime only; {spec} runs on transformers")
     return model, tok
