@@ -86,6 +86,20 @@ def test_the_engine_times_what_the_stored_curve_guessed_and_reads_its_budget_aga
     assert probes == len(GRID) and engine.max_batch_rows > 1
     assert all(engine.pass_ms(n) < 150.0 for n in GRID[1:])
     assert model.pool.available == model.pool.blocks  # the probes' slot is given back
+    # /metrics shows the curve it started from beside what it prices now, and flags the difference
+    from prometheus_client import generate_latest
+
+    from specdec.server.metrics import Metrics
+    metrics = Metrics()
+    metrics.observe_engine(engine)
+    text = generate_latest(metrics.registry).decode()
+    assert 'specdec_pass_start_ms{rows="2"} 150.0' in text and "specdec_pass_curve_stale 0.0" in text  # timed once
+    for _ in range(3):  # three 2-row passes as a server times them
+        engine._pass.observe(2, 5.0)
+    metrics.observe_engine(engine)
+    text = generate_latest(metrics.registry).decode()
+    priced = float(text.split('specdec_pass_priced_ms{rows="2"} ')[1].split()[0])
+    assert priced < 75.0 and 'specdec_pass_timed{rows="2"} 4.0' in text and "specdec_pass_curve_stale 1.0" in text
 
 
 def test_a_pass_with_prompt_chunks_does_not_reprice_the_curve(rt):

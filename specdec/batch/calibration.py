@@ -254,6 +254,11 @@ class OnlineCurve:
             out[n] = most
         return out
 
+    def report(self) -> list[tuple[int, float, float, int]]:
+        """(rows, the time it started from, the time priced now, passes of this size timed here) per size."""
+        priced = self.values()
+        return [(n, ms, priced[n], self.grid[n].n) for n, ms in self.measured.items()]
+
     def unconfirmed(self, most: int) -> list[int]:
         """The sizes up to `most` rows that only the stored curve prices, smallest first."""
         return [n for n in sorted(self.grid) if n <= most and n not in self.confirmed]

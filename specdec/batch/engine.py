@@ -99,6 +99,10 @@ class BatchEngine(Admission):
     def pass_ms(self, rows: int) -> float:
         return self._pass(rows)
 
+    def pass_curve_report(self) -> list[tuple[int, float, float, int]]:
+        """Per size: the time it started from (stored or measured at start), the time priced now, passes timed."""
+        return self._pass.report()
+
     def refined_pass_curve(self) -> dict[int, float]:
         """The pass curve it started from, refined by the passes it ran (calibration.OnlineCurve.refined)."""
         return self._pass.refined()

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from ..analyze import STALE
+
+STALE_AFTER = 3  # passes of a size timed before its price is compared with where it started (analyze: min_cycles)
 MS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -53,11 +56,26 @@ class Metrics:
                                       registry=r)
         self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (copied, not "
                                    "computed)", registry=r)
+        self.pass_start = Gauge("specdec_pass_start_ms", "The pass curve the server started from (stored, or measured "
+                                "at start), by rows", ["rows"], registry=r)
+        self.pass_priced = Gauge("specdec_pass_priced_ms", "The pass time the verification budget prices now (the "
+                                 "start curve refined by the passes timed), by rows", ["rows"], registry=r)
+        self.pass_timed = Gauge("specdec_pass_timed", "Passes of this size the server timed", ["rows"], registry=r)
+        self.pass_stale = Gauge("specdec_pass_curve_stale", "1 where a size timed STALE_AFTER times or more is priced "
+                                "now at 1/2 or 2x its start time or beyond: the start curve was wrong (analyze: "
+                                "stale_costs), and the server has corrected it", registry=r)
         self._prefix_seen = (0, 0)
         self._preempted_seen = 0
 
     def observe_engine(self, engine) -> None:
         """The batch engine's memory and prefix-cache figures, after a step."""
+        stale = 0
+        for rows, start, priced, timed in engine.pass_curve_report():
+            self.pass_start.labels(rows=str(rows)).set(start)
+            self.pass_priced.labels(rows=str(rows)).set(priced)
+            self.pass_timed.labels(rows=str(rows)).set(timed)
+            stale |= timed >= STALE_AFTER and not 1 / STALE <= priced / max(start, 1e-9) <= STALE
+        self.pass_stale.set(stale)
         self.kv_bytes.set(engine.kv_bytes())
         self.kv_budget.set(engine.model.kv_pool_bytes())  # the pool's size: no /proc/meminfo read a step
         usage = engine.kv_usage()
