@@ -391,6 +391,9 @@ def main(argv=None) -> int:
                         "repeat": args.repeat,
                         "cpu": cpu_name(), "commands": {n: table[n] for n in names}}
     print_table(report, workloads)
+    report["prediction"] = prediction_gain(results)
+    for name, ratios in report["prediction"].items():
+        print(f"{name}: edits sent with `prediction` over the same edits without, prompt by prompt: {ratios}")
     if curves and "ours-none" in names:
         report["curve_ms"] = {n: round(sum(c[n] for c in curves) / len(curves), 2) for n in curves[0]}
         report["curve_runs_ms"] = curves
@@ -459,6 +462,18 @@ def same_run_bounds(report: dict, curve_ms: dict[int, float], target: Path) -> d
             "measured": report["systems"][name].get(w, {}).get("vs_target_only", {}).get("geomean"),
             **{k: b[w].get(k) for k in ("alpha", "oracle", "copy", "copy+model", "copy+model@alpha")}}
             for w in b}}
+    return out
+
+
+def prediction_gain(results: dict) -> dict[str, list[float]]:
+    """Per system: each edit's decode tokens/s sent with the original as `prediction`, over the same edit sent
+    without it (the calibration issue: a prediction must never make a request slower)."""
+    out = {}
+    for name, rs in results.items():
+        plain = [r for r in rs if r["workload"] == "edits" and r["decode_tps"]]
+        told = [r for r in rs if r["workload"] == "edits-predicted" and r["decode_tps"]]
+        if plain and len(plain) == len(told) and name not in ("ours-none", "prev-none"):
+            out[name] = [round(t["decode_tps"] / p["decode_tps"], 2) for p, t in zip(plain, told)]
     return out
 
 

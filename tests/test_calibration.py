@@ -95,7 +95,7 @@ def test_the_engine_times_what_the_stored_curve_guessed_and_reads_its_budget_aga
     text = generate_latest(metrics.registry).decode()
     assert 'specdec_pass_start_ms{rows="2"} 150.0' in text and "specdec_pass_curve_stale 0.0" in text  # timed once
     for _ in range(3):  # three 2-row passes as a server times them
-        engine._pass.observe(2, 5.0)
+        engine._pass.observe(2, engine.pass_ms(1))
     metrics.observe_engine(engine)
     text = generate_latest(metrics.registry).decode()
     priced = float(text.split('specdec_pass_priced_ms{rows="2"} ')[1].split()[0])
@@ -177,3 +177,19 @@ def test_calibrate_shows_the_stored_curve_beside_a_fresh_one_and_replaces_it(tmp
         assert main(["calibrate", "--target", bad]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("specdec: error:")
+
+
+def test_no_pass_is_priced_or_believed_above_its_rows_in_one_row_passes():
+    """A pass of n rows could run its rows one at a time: a stored guess above ROWS_SLACK·n one-row passes is capped
+    there once a one-row pass is timed, and a time above it (a neighbour had the cores) is left out, not stored."""
+    from specdec.batch import calibration
+    curve = OnlineCurve({1: 20.0, 2: 600.0, 4: 600.0, 8: 600.0}, prior=True)  # 2+ rows at 30x one row
+    assert curve(2) == 600.0  # nothing timed yet: the guess
+    curve.observe(1, 20.0)
+    cap = calibration.ROWS_SLACK * 20.0
+    assert curve(2) <= 2 * cap + calibration.NOISE_MS and curve(8) <= 8 * cap + calibration.NOISE_MS
+    curve.observe(4, 450.0)  # timed beside another server's load
+    assert curve.implausible == 1 and 4 not in curve.confirmed
+    curve.observe(2, 22.0)
+    curve.observe(4, 25.0)
+    assert curve(4) == 25.0 and curve.refined()[8] <= 8 * cap + calibration.NOISE_MS

@@ -213,6 +213,10 @@ def default_budget(curve: dict[int, float], share: float = 0.5) -> int:
 
 
 REFINED_AFTER = 20  # passes of a size before a server's refinement of its time is stored (OnlineCurve.refined)
+# A pass of n rows never costs more than n one-row passes (it could run its rows one at a time): a price above
+# ROWS_SLACK·n·T(1) is a wrong stored guess, and a time above it was taken while something else had the cores (a
+# neighbour's load: a 4-row probe timed at 450 ms beside 21 ms one-row passes, stored, priced 4+ rows out for good)
+ROWS_SLACK = 1.5
 
 
 class OnlineCurve:
@@ -231,13 +235,24 @@ class OnlineCurve:
         self.grid = {n: Ema(ms, weight=2.0, decay=0.9) for n, ms in self.measured.items()}
         self.prior = prior
         self.confirmed: set[int] = set() if prior else set(self.measured)  # sizes timed by this process
+        self.implausible = 0  # passes timed above ROWS_SLACK·rows one-row passes, left out
 
     def values(self) -> dict[int, float]:
-        out, most = {}, 0.0
+        out, most, cap = {}, 0.0, self._cap()
         for n, e in sorted(dict(self.grid).items()):  # (a copy: the event loop reads while the worker writes)
-            most = max(most, e.value)
+            most = max(most, min(e.value, cap(n)))
             out[n] = most
         return out
+
+    def _cap(self):
+        """rows -> the most a pass of them can cost: ROWS_SLACK·n one-row passes, once one-row passes are timed."""
+        one = self.grid.get(1)
+        if 1 not in self.confirmed or one is None:
+            return lambda rows: float("inf")
+        return lambda rows: ROWS_SLACK * rows * one.value + NOISE_MS
+
+    def plausible(self, rows: int, ms: float) -> bool:
+        return ms <= self._cap()(rows)
 
     def __call__(self, rows: int) -> float:
         return interpolate(self.values(), rows)
@@ -250,7 +265,7 @@ class OnlineCurve:
         for n, ms in self.measured.items():
             e = self.grid[n]
             seen = e.n >= min_passes or (self.prior and n in self.confirmed)  # (a stored guess, timed here)
-            most = max(most, e.value if seen else ms)
+            most = max(most, min(e.value if seen else ms, self._cap()(n)))
             out[n] = most
         return out
 
@@ -264,6 +279,9 @@ class OnlineCurve:
         return [n for n in sorted(self.grid) if n <= most and n not in self.confirmed]
 
     def observe(self, rows: int, ms: float) -> None:
+        if not self.plausible(rows, ms):  # timed while something else had the cores: it says nothing of the curve
+            self.implausible += 1
+            return
         sizes = sorted(self.grid)
         if rows in self.grid and rows not in self.confirmed:  # the first time of it here: the stored one was a guess
             self.grid[rows] = Ema(ms, weight=0.0, decay=0.9)
