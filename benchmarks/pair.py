@@ -219,13 +219,13 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, name: str, cmd: list[str], logs: Path):
+    def __init__(self, name: str, cmd: list[str], logs: Path, env: dict | None = None):
         self.name, self.port = name, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(logs / f"{name}.log", "w")
         t0 = time.monotonic()
         self.proc = subprocess.Popen([str(self.port) if a == "PORT" else a for a in cmd], stdout=self.log,
-                                     stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                                     stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
         while True:
             if self.proc.poll() is not None:
                 raise Refused(f"{name} exited with {self.proc.returncode} before it was ready: see {self.log.name}")

@@ -78,3 +78,9 @@ def store_curve(model, what: str, params: dict, curve: dict[int, float]) -> None
     """Replace the stored {rows: ms} curve of (model, what, params) with `curve` (a server's refinement of it)."""
     if getattr(model, "fingerprint", None) and curve:
         _store(model, what, params, [[n, ms] for n, ms in sorted(curve.items())])
+
+
+def forget(model, what: str, params: dict) -> None:
+    """Drop what is stored for (model, what, params): the next start measures it."""
+    if getattr(model, "fingerprint", None):
+        _where(model, what, params)[1].unlink(missing_ok=True)
