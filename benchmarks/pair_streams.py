@@ -50,31 +50,46 @@ def run_level(server: Server, prompts: list[dict], streams: int, max_tokens: int
 
 def concurrency(servers: dict[str, Server], prompts: list[dict], levels: list[int], max_tokens: int,
                 per_stream: int, log) -> dict:
+    """Each level in turn (a level named twice runs twice, its windows pooled), the servers in turn within it."""
     names = list(servers)
-    runs = {n: {} for n in names}
+    runs = {n: {} for n in names}  # name -> level -> its windows
     for j, level in enumerate(levels):
         order = names[j % len(names):] + names[:j % len(names)]
         for name in order:
-            runs[name][level] = run_level(servers[name], prompts, level, max_tokens, per_stream)
+            r = run_level(servers[name], prompts, level, max_tokens, per_stream)
+            runs[name].setdefault(level, []).append(r)
             settle(servers[name])
-            r = runs[name][level]
             log(f"{name} at {level} streams: {r['tokens_per_s']} tokens/s, TTFT p50 {r['ttft_p50_s']} s, "
                 f"{r['failed']} failed")
+    pooled = {n: {lv: pool(ws) for lv, ws in by.items()} for n, by in runs.items()}
     reference = {}
     for family in ("ours-none", "llama"):
-        reference[family] = {i: t for lv in runs.get(family, {}).values() for i, t in lv["answers"].items()}
+        reference[family] = {i: t for lv in pooled.get(family, {}).values() for i, t in lv["answers"].items()}
     out = {}
     for n in names:
         ref = reference["llama" if n.startswith("llama") else "ours-none"]
         out[n] = {}
-        for level, r in runs[n].items():
+        for level, r in pooled[n].items():
             same = [t == ref[i] for i, t in r["answers"].items() if i in ref]
             out[n][level] = {k: v for k, v in r.items() if k != "answers"}
             out[n][level]["identical"] = f"{sum(same)}/{len(same)}"
-            base = runs.get("ours-none", {}).get(level)
+            base = pooled.get("ours-none", {}).get(level)
             if base and n != "ours-none" and base["tokens_per_s"]:
                 out[n][level]["vs_target_only"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
     return out
+
+
+def pool(windows: list[dict]) -> dict:
+    """A level's windows as one: tokens over wall time, TTFT medians averaged, failures summed."""
+    tokens = sum(w["tokens_per_s"] * w["wall_s"] for w in windows)
+    wall = sum(w["wall_s"] for w in windows)
+    mean = lambda k: round(statistics.mean(w[k] for w in windows if w[k] is not None), 3) \
+        if any(w[k] is not None for w in windows) else None  # noqa: E731
+    return {"streams": windows[0]["streams"], "windows": len(windows), "requests": sum(w["requests"] for w in windows),
+            "failed": sum(w["failed"] for w in windows), "tokens_per_s": round(tokens / wall, 2),
+            "by_window": [w["tokens_per_s"] for w in windows], "wall_s": round(wall, 1),
+            "ttft_p50_s": mean("ttft_p50_s"), "ttft_p90_s": mean("ttft_p90_s"),
+            "answers": {i: t for w in windows for i, t in w["answers"].items()}}
 
 
 def print_streams(report: dict) -> None:

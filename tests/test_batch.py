@@ -844,3 +844,28 @@ def test_a_model_draft_whose_batched_steps_cost_more_than_they_save_drafts_only_
         assert max(max(p, default=0) for p in proposed) > 1
     for p, s in zip(prompts, seqs):
         assert s.generated == alone(rt, p, SamplingParams(), 24)
+
+
+def test_a_new_requests_copy_estimates_start_from_earlier_requests(rt):
+    """A chain's greedy n-gram copies are sized on estimates by match length; a new request's start from the
+    running average of earlier requests' (per tenant), not from the fixed COPY_PRIORS: copies the model never
+    follows stop being drafted at the prior's depth by every newcomer."""
+    from specdec.batch.engine import COPY_PRIORS
+    model, tok = rt
+    engine = BatchEngine(model, build_drafter("ngram+target", model, tok, backend="runtime"), model.config.vocab_size, {2},
+                         128, max_batch_rows=32)
+    prompts = ["abcabcabcabc " * 3, "the cat the cat the cat ", "xyzxyzxyz xyzxyz"]
+    for p in prompts:
+        seq = engine.add(Sequence(tok(p).input_ids, 24, SamplingParams()))
+        while engine.running:
+            engine.step()
+        assert seq.generated == alone(rt, p, SamplingParams(), 24)
+    learned = engine.copy_priors(b"")
+    seen = [b for b, est in enumerate(learned) if est.alpha[0].n]
+    assert seen, "no copy was verified"
+    b = seen[0]
+    assert learned[b].alpha[0].value != COPY_PRIORS[b]
+    assert engine.copy_priors(b"other")[b].alpha[0].value == COPY_PRIORS[b]  # another tenant's start as before
+    s = engine.add(Sequence(tok("abc").input_ids, 4, SamplingParams()))
+    engine._copied[s.id] = b
+    assert engine._estimates(s).alpha[0].value == learned[b].alpha[0].value

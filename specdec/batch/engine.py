@@ -44,6 +44,7 @@ PROBE_EVERY = 8  # a request denied draft rows this many cycles in a row gets on
 # the pass curve's knee, and each a feature-draft call of ~2 ms)
 COPY_BUCKETS = (2, 4, 8, 16)  # a greedy request's copy: the match length from which each set of its estimates counts
 COPY_PRIORS = (0.6, 0.8, 0.9, 0.95)  # (a longer match is likelier to go on, as in suffix decoding), and its prior
+# before any request's copies were verified (after that: their running average, BatchEngine.copy_priors)
 
 
 class BatchEngine(Admission):
@@ -92,6 +93,8 @@ class BatchEngine(Admission):
         self._timer = None  # the probes' pass timer (Admission.probe), while sizes are left to time
         # acceptance by position over a tenant's requests: its new request's prior (drafters/tenants.py)
         self.priors = PerTenant(lambda: AdaptivePolicy(1, 16))
+        # the same for greedy copies, by match length (COPY_BUCKETS): a request's copy estimates start from them
+        self.copy_priors = PerTenant(lambda: [AdaptivePolicy(1, 16, prior_alpha=p) for p in COPY_PRIORS])
         self.last = {}  # the last step's figures (rows, taus, verify_ms), for metrics; {} when it ran no pass
         self.failed: list[tuple[Sequence, BaseException]] = []  # the last step's requests that failed on their own
 
@@ -195,9 +198,12 @@ class BatchEngine(Admission):
     def _estimates(self, s: Sequence) -> AdaptivePolicy:
         """The acceptance estimates that size this cycle's draft: a chain's model-free copy has its own."""
         if s.id in self._copied:
-            bucket = self._copied[s.id]
-            return self._copy_est.setdefault(s.id, {}).setdefault(
-                bucket, AdaptivePolicy(s.max_tau, max(s.max_tau, 1), prior_alpha=COPY_PRIORS[bucket]))
+            bucket, mine = self._copied[s.id], self._copy_est.setdefault(s.id, {})
+            if bucket not in mine:  # a new request's copies start from the running average of earlier ones
+                mine[bucket] = AdaptivePolicy(s.max_tau, max(s.max_tau, 1), prior_alpha=COPY_PRIORS[bucket])
+                for a, b in zip(mine[bucket].alpha, self.copy_priors(s.cache_salt)[bucket].alpha):
+                    a.value = b.value
+            return mine[bucket]
         return self._state[s.id][2]
 
     def _finishing(self, s: Sequence) -> bool:
@@ -576,7 +582,9 @@ class BatchEngine(Admission):
         if (proposed or not free) and by is None and not (tree and s.id in self._valued):
             seen = replace(rec, proposed=proposed[: max(depths(draft.parents))]) if tree else rec
             self._estimates(s).observe(seen)
-            if s.id not in self._copied:
+            if s.id in self._copied:
+                self.copy_priors(s.cache_salt)[self._copied[s.id]].observe(seen)
+            else:
                 self.priors(s.cache_salt).observe(seen)
         if finish:
             s.finish(finish)
