@@ -173,7 +173,7 @@ def test_pass_curve_and_default_budget(rt):
     # a disturbed size (2 rows slower than 4: noise only adds time) takes the larger size's time
     assert lower_envelope({1: 16.2, 2: 31.2, 4: 26.2, 8: 35.0}) == {1: 16.2, 2: 26.2, 4: 26.2, 8: 35.0}
     assert default_budget({1: 10, 2: 10.5, 4: 12, 8: 16, 16: 60}) == 8  # rows 9-16 cost 5.5 ms each: > half of 10
-    assert default_budget({1: 10, 2: 30}) == 1
+    assert default_budget({1: 10, 2: 30, 4: 90, 8: 200, 16: 400}) == 8  # never under 8 rows where measured (MIN_BUDGET)
 
 
 def test_full_batch_refuses_a_request(rt):

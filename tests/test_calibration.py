@@ -78,12 +78,12 @@ def test_the_engine_times_what_the_stored_curve_guessed_and_reads_its_budget_aga
     engine = BatchEngine(model, NoDrafter(), model.config.vocab_size, set(), 256, max_batch_rows=default_budget(bad),
                          pass_curve=bad, curve_is_prior=True)
     engine.budget_from_curve = True
-    assert engine.max_batch_rows == 1 and engine.probe_due()
+    assert engine.max_batch_rows == 8 and engine.probe_due()  # (never below MIN_BUDGET: once, it was one row)
     probes = 0
     while engine.probe_due():
         engine.probe()
         probes += 1
-    assert probes == len(GRID) and engine.max_batch_rows > 1
+    assert probes == len(GRID) and engine.max_batch_rows > 8
     assert all(engine.pass_ms(n) < 150.0 for n in GRID[1:])
     assert model.pool.available == model.pool.blocks  # the probes' slot is given back
     # /metrics shows the curve it started from beside what it prices now, and flags the difference
@@ -194,3 +194,20 @@ def test_no_pass_is_priced_or_believed_above_its_rows_in_one_row_passes():
     curve.observe(2, 22.0)
     curve.observe(4, 25.0)
     assert curve(4) == 25.0 and curve.refined()[8] <= 8 * cap + calibration.NOISE_MS
+
+
+def test_a_size_no_pass_timed_for_a_while_is_timed_again():
+    """A probe taken while a neighbour had the cores priced 2 rows out, and no 2-row pass ever ran to correct it:
+    a size no pass timed for REPROBE_S is due again (in idle time), whatever it was timed at."""
+    from time import monotonic
+
+    from specdec.batch import calibration
+    curve = OnlineCurve({1: 20.0, 2: 25.0, 4: 30.0})
+    now = monotonic()
+    assert curve.due(64, now) == []  # measured here, just now
+    later = now + calibration.REPROBE_S + 1
+    curve.timed_at[1] = later  # one-row passes run all the time
+    assert curve.due(64, later) == [2, 4] and curve.due(2, later) == [2]
+    curve.observe(2, 80.0)  # a busy moment, within ROWS_SLACK: believed, for now, and timed again later
+    curve.timed_at[2] = later
+    assert curve.due(64, later) == [4]

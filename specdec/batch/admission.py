@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import traceback
+from time import monotonic
 
 from ..drafters.base import close, for_request, fork, idle_step, idle_work, makes_trees
 from ..policy import AdaptivePolicy
@@ -203,7 +204,7 @@ class Admission:
 
     def _probe_sizes(self) -> list[int]:
         most = max(self._pass.grid) if self.budget_from_curve else self.max_batch_rows
-        return self._pass.unconfirmed(most)
+        return self._pass.due(most, monotonic())
 
     def probe_due(self) -> bool:
         """Whether a pass size is priced only by the stored curve (calibration.OnlineCurve.unconfirmed)."""
@@ -219,15 +220,17 @@ class Admission:
             return
         if self._timer is None:
             self._timer = PassTimer(self.model)
-        ms = self._timer(sizes[0])
-        if ms is None:  # no room in the KV budget now: priced as stored until a pass of it runs
+        times = [self._timer(sizes[0]) for _ in range(2)]  # the faster of two: noise only ever adds time
+        if None in times:  # no room in the KV budget now: priced as stored until a pass of it runs
             self._pass.confirmed.add(sizes[0])
+            self._pass.timed_at[sizes[0]] = monotonic()
         else:
-            self._pass.observe(sizes[0], ms)
+            self._pass.observe(sizes[0], min(times))
+        if self.budget_from_curve:
+            self.max_batch_rows = default_budget(self._pass.values())
         if not self._probe_sizes():
             self._timer.close()
-            if self.budget_from_curve:
-                self.max_batch_rows = default_budget(self._pass.values())
+            self._timer = None
 
     # ---- predicted work (admission) ----------------------------------------------------------------------------
     def calibrate(self, row_ms: float, key_ms: float) -> None:

@@ -3,7 +3,7 @@ and the verification budget they give."""
 from __future__ import annotations
 
 from statistics import median
-from time import perf_counter
+from time import monotonic, perf_counter
 
 import torch
 
@@ -210,7 +210,12 @@ def default_budget(curve: dict[int, float], share: float = 0.5) -> int:
         if (curve[b] - curve[a]) / (b - a) > share * curve[sizes[0]]:
             break
         best = b
-    return best
+    return max(best, max((n for n in sizes if n <= MIN_BUDGET), default=best))
+
+
+MIN_BUDGET = 8  # never fewer rows a pass (where measured): a budget of one row, read off one wrong curve, stopped
+# batching and drafting for good, and with them the passes that would have corrected it
+REPROBE_S = 60.0  # a size no pass has timed for this long is timed again in idle time (BatchEngine.probe)
 
 
 REFINED_AFTER = 20  # passes of a size before a server's refinement of its time is stored (OnlineCurve.refined)
@@ -237,6 +242,7 @@ class OnlineCurve:
         self.prior = prior
         self.confirmed: set[int] = set() if prior else set(self.measured)  # sizes timed by this process
         self.implausible = 0  # passes timed above ROWS_SLACK·rows one-row passes, left out
+        self.timed_at: dict[int, float] = dict.fromkeys(self.confirmed, monotonic())  # when each size was last timed
 
     def values(self) -> dict[int, float]:
         out, most, cap = {}, 0.0, self._cap()
@@ -279,11 +285,19 @@ class OnlineCurve:
         """The sizes up to `most` rows that only the stored curve prices, smallest first."""
         return [n for n in sorted(self.grid) if n <= most and n not in self.confirmed]
 
+    def due(self, most: int, now: float) -> list[int]:
+        """The sizes up to `most` rows to time in idle time: those only the stored curve prices, then those no pass
+        has timed for REPROBE_S (a size the policy avoids for its price is timed now and then: a time taken while a
+        neighbour had the cores does not price it out for good)."""
+        return self.unconfirmed(most) or [n for n in sorted(self.grid) if n <= most
+                                          and now - self.timed_at.get(n, now) > REPROBE_S]
+
     def observe(self, rows: int, ms: float) -> None:
         if not self.plausible(rows, ms):  # timed while something else had the cores: it says nothing of the curve
             self.implausible += 1
             return
         sizes = sorted(self.grid)
+        self.timed_at[rows] = monotonic()
         if rows in self.grid and rows not in self.confirmed:  # the first time of it here: the stored one was a guess
             self.grid[rows] = Ema(ms, weight=0.0, decay=0.9)
         if rows in self.grid or rows > sizes[-1]:
