@@ -55,7 +55,7 @@ def main(argv=None) -> int:
         found = None
         for _ in range(3):  # the good curve: measured now, by the first server (not stored if the machine was busy)
             forget(model, "pass_curve", PARAMS)
-            servers["good"] = Server("good", cmd, logs)
+            servers["good"] = Server("good", cmd + ["--trace-dir", str(logs / "trace-good")], logs)
             found = stored(model, "pass_curve", PARAMS)
             if found:
                 break
