@@ -211,3 +211,31 @@ def test_a_size_no_pass_timed_for_a_while_is_timed_again():
     curve.observe(2, 80.0)  # a busy moment, within ROWS_SLACK: believed, for now, and timed again later
     curve.timed_at[2] = later
     assert curve.due(64, later) == [4]
+
+
+def test_a_probe_beside_a_slow_one_row_pass_is_a_busy_moment_and_dropped(rt, monkeypatch):
+    """A probe also times a one-row pass beside it: where that took BUSY times the one-row price, the machine was
+    busy (a neighbour's request), and the probe is dropped and tried again after a back-off."""
+    from specdec.batch import admission
+    model, _ = rt
+    engine = BatchEngine(model, NoDrafter(), model.config.vocab_size, set(), 256, max_batch_rows=8,
+                         pass_curve={1: 10.0, 2: 300.0}, curve_is_prior=True)
+    engine._pass.observe(1, 10.0)
+    one_row = [30.0]
+    class Timer:
+        def __init__(self, model):
+            pass
+
+        def __call__(self, rows):
+            return one_row[0] if rows == 1 else 12.0
+
+        def close(self):
+            pass
+    monkeypatch.setattr(admission, "PassTimer", Timer)
+    assert engine.probe_due()
+    engine.probe()
+    assert 2 not in engine._pass.confirmed and not engine.probe_due()  # dropped, backing off
+    engine._probe_after = 0.0
+    one_row[0] = 10.0
+    engine.probe()
+    assert 2 in engine._pass.confirmed and engine.pass_ms(2) == 12.0

@@ -12,9 +12,13 @@ from ..drafters.base import close, for_request, fork, idle_step, idle_work, make
 from ..policy import AdaptivePolicy
 from ..runtime.blocks import BLOCK, OutOfBlocks
 from ..sampling import PositionNoise
-from .calibration import PassTimer, default_budget
+from .calibration import NOISE_MS, PassTimer, default_budget
 from .load import Load, check_fits, prefill_ms
 from .requests import Sequence
+
+
+BUSY = 1.25  # a probe whose one-row pass beside it took this many times the one-row price is a busy moment's: dropped
+PROBE_BACKOFF_S = 2.0  # ... and the next probe waits this long (it would take the cores a neighbour is using)
 
 
 class Admission:
@@ -207,8 +211,8 @@ class Admission:
         return self._pass.due(most, monotonic())
 
     def probe_due(self) -> bool:
-        """Whether a pass size is priced only by the stored curve (calibration.OnlineCurve.unconfirmed)."""
-        return bool(self._probe_sizes())
+        """Whether a pass size is to be timed in idle time (calibration.OnlineCurve.due), and not backing off."""
+        return monotonic() >= self._probe_after and bool(self._probe_sizes())
 
     def probe(self) -> None:
         """Time one such size (the worker calls it only while nothing runs or waits: a new request waits one pass
@@ -220,12 +224,16 @@ class Admission:
             return
         if self._timer is None:
             self._timer = PassTimer(self.model)
-        times = [self._timer(sizes[0]) for _ in range(2)]  # the faster of two: noise only ever adds time
+        n, priced_one = sizes[0], self._pass(1) if 1 in self._pass.confirmed else None
+        times = [self._timer(n) for _ in range(2)]  # the faster of two: noise only ever adds time
+        beside = self._timer(1) if priced_one is not None and n > 1 else None  # a one-row pass beside them
         if None in times:  # no room in the KV budget now: priced as stored until a pass of it runs
-            self._pass.confirmed.add(sizes[0])
-            self._pass.timed_at[sizes[0]] = monotonic()
+            self._pass.confirmed.add(n)
+            self._pass.timed_at[n] = monotonic()
+        elif beside is not None and beside > BUSY * priced_one + NOISE_MS:  # the machine is busy now: later
+            self._probe_after = monotonic() + PROBE_BACKOFF_S
         else:
-            self._pass.observe(sizes[0], min(times))
+            self._pass.observe(n, min(times))
         if self.budget_from_curve:
             self.max_batch_rows = default_budget(self._pass.values())
         if not self._probe_sizes():

@@ -91,6 +91,7 @@ class BatchEngine(Admission):
         self.draft_steps = DraftSteps()  # a batched draft's step time by rows (what its drafting is charged)
         self.budget_from_curve = False  # max_batch_rows was read off the curve (default_budget): read again (probe)
         self._timer = None  # the probes' pass timer (Admission.probe), while sizes are left to time
+        self._probe_after = 0.0  # no probe before this (monotonic s): backing off a busy moment
         # acceptance by position over a tenant's requests: its new request's prior (drafters/tenants.py)
         self.priors = PerTenant(lambda: AdaptivePolicy(1, 16))
         # the same for greedy copies, by match length (COPY_BUCKETS): a request's copy estimates start from them
