@@ -18,7 +18,7 @@ from .requests import Sequence
 
 
 BUSY = 1.25  # a probe whose one-row pass beside it took this many times the one-row price is a busy moment's: dropped
-PROBE_BACKOFF_S = 2.0  # ... and the next probe waits this long (it would take the cores a neighbour is using)
+PROBE_BACKOFF_S = 10.0  # ... and the next probe waits this long (it would take the cores a neighbour is using)
 
 
 class Admission:
@@ -225,15 +225,19 @@ class Admission:
         if self._timer is None:
             self._timer = PassTimer(self.model)
         n, priced_one = sizes[0], self._pass(1) if 1 in self._pass.confirmed else None
-        times = [self._timer(n) for _ in range(2)]  # the faster of two: noise only ever adds time
-        beside = self._timer(1) if priced_one is not None and n > 1 else None  # a one-row pass beside them
-        if None in times:  # no room in the KV budget now: priced as stored until a pass of it runs
+        busy = lambda ms: ms is not None and ms > BUSY * priced_one + NOISE_MS  # noqa: E731
+        checked = priced_one is not None and n > 1  # one-row passes before and after it say whether it was quiet
+        if checked and busy(self._timer(1)):  # busy now: nothing more is run (it would take a neighbour's cores)
+            self._probe_after = monotonic() + PROBE_BACKOFF_S
+            return
+        ms = self._timer(n)
+        if ms is None:  # no room in the KV budget now: priced as stored until a pass of it runs
             self._pass.confirmed.add(n)
             self._pass.timed_at[n] = monotonic()
-        elif beside is not None and beside > BUSY * priced_one + NOISE_MS:  # the machine is busy now: later
+        elif checked and busy(self._timer(1)):
             self._probe_after = monotonic() + PROBE_BACKOFF_S
         else:
-            self._pass.observe(n, min(times))
+            self._pass.observe(n, ms)
         if self.budget_from_curve:
             self.max_batch_rows = default_budget(self._pass.values())
         if not self._probe_sizes():

@@ -207,7 +207,7 @@ def default_budget(curve: dict[int, float], share: float = 0.5) -> int:
 
 MIN_BUDGET = 8  # never fewer rows a pass (where measured): a budget of one row, read off one wrong curve, stopped
 # batching and drafting for good, and with them the passes that would have corrected it
-REPROBE_S = 60.0  # a size no pass has timed for this long is timed again in idle time (BatchEngine.probe)
+REPROBE_S = 300.0  # a size no pass has timed for this long is timed again in idle time (BatchEngine.probe)
 
 
 REFINED_AFTER = 20  # passes of a size before a server's refinement of its time is stored (OnlineCurve.refined)
