@@ -118,6 +118,16 @@ def test_a_pass_with_prompt_chunks_does_not_reprice_the_curve(rt):
         assert not engine.failed
         chunks += prefilling
     assert chunks >= 2 and len(seen) == 4 - 1  # the decode passes only (the last chunk emits the first token)
+    # read from the store (a prior), no row count has run in this process: the first pass of each is a cold one,
+    # left out
+    engine = BatchEngine(model, NoDrafter(), model.config.vocab_size, set(), 256, max_batch_rows=16, prefill_chunk=8,
+                         pass_curve={n: 1.0 for n in GRID}, curve_is_prior=True)
+    seen.clear()
+    engine._pass.observe = lambda rows, ms: seen.append(rows)
+    engine.add(Sequence(tok("a prompt of several chunks, " * 3).input_ids, 4, SamplingParams()))
+    while engine.running:
+        engine.step()
+    assert seen == [1, 1]  # three one-row decode passes, the first cold
 
 
 def test_a_disturbed_measurement_is_retaken_then_used_for_this_run_only(rt, tmp_path, monkeypatch, capsys):

@@ -92,6 +92,7 @@ class BatchEngine(Admission):
         self.budget_from_curve = False  # max_batch_rows was read off the curve (default_budget): read again (probe)
         self._timer = None  # the probes' pass timer (Admission.probe), while sizes are left to time
         self._probe_after = 0.0  # no probe before this (monotonic s): backing off a busy moment
+        self._warm_rows: set[int] = set(self._pass.measured) if not curve_is_prior else set()  # row counts run once
         # acceptance by position over a tenant's requests: its new request's prior (drafters/tenants.py)
         self.priors = PerTenant(lambda: AdaptivePolicy(1, 16))
         # the same for greedy copies, by match length (COPY_BUCKETS): a request's copy estimates start from them
@@ -363,8 +364,9 @@ class BatchEngine(Admission):
         logits = fit_vocab(logits, self.vocab_size) if logits is not None else None
         t2 = perf_counter()
         verify_ms = (t2 - t1) * 1e3
-        if not prompt_rows:
-            self._pass.observe(len(tokens), verify_ms)
+        if not prompt_rows and len(tokens) in self._warm_rows:  # a process's first pass of a row count is a cold
+            self._pass.observe(len(tokens), verify_ms)  # one (code and buffers first touched: a 4-row pass timed
+        self._warm_rows.add(len(tokens))  # at 200 ms beside 21 ms one-row passes, priced 4+ rows out): left out
         self._recent_pass.update(verify_ms)
         if len(tokens) >= 16:  # a big pass's time is its rows' work: the prediction's scale follows it
             predicted = len(tokens) * self.row_ms + self.key_ms * sum(positions)
