@@ -249,3 +249,32 @@ def test_a_probe_beside_a_slow_one_row_pass_is_a_busy_moment_and_dropped(rt, mon
     one_row[0] = 10.0
     engine.probe()
     assert 2 in engine._pass.confirmed and engine.pass_ms(2) == 12.0
+
+
+def test_a_size_priced_out_is_bought_in_traffic_at_one_pass_in_fifty(rt):
+    """A stored curve prices 4+ rows far above the truth and no idle moment comes to time them: once in
+    SIZE_PROBE_EVERY passes the drafts on hand are given floors up to the smallest such size, so traffic times it
+    (the first pass of a row count is a cold one: the second is booked), and the output is the target's alone."""
+    from specdec.api import build_drafter
+    from specdec.batch.engine import SIZE_PROBE_EVERY
+    model, tok = rt
+    bad = {1: 1.0, 2: 1.1, **{n: 30.0 * n for n in GRID[2:]}}
+    engine = BatchEngine(model, build_drafter("target", model, tok, backend="runtime"), model.config.vocab_size,
+                         set(), 256, max_batch_rows=16, pass_curve=bad, curve_is_prior=True)
+    engine._pass.observe(1, 1.0)  # (the tiny model's real times would move the one-row price: fixed here)
+    engine._pass.confirmed.update({1, 2})
+    engine._pass.observe = lambda rows, ms, seen=engine._pass.observe: seen(rows, min(ms, bad[2]))
+    prompt = tok("abcabcabcabc").input_ids
+    seq = engine.add(Sequence(prompt, 6 * SIZE_PROBE_EVERY, SamplingParams()))
+    rows = []
+    while engine.running:
+        engine.step()
+        rows.append(engine.last.get("rows", 0))
+    assert 4 in engine._pass.confirmed and engine.pass_ms(4) < 30.0  # bought, timed, priced by its time
+    bought = [i for i, r in enumerate(rows) if r > 2]  # the prompt's pass, then one pass in SIZE_PROBE_EVERY
+    assert bought[:3] == [0, SIZE_PROBE_EVERY, 2 * SIZE_PROBE_EVERY]  # until its time prices it: then it pays
+    sd_alone = BatchEngine(model, NoDrafter(), model.config.vocab_size, set(), 256, max_batch_rows=16)
+    ref = sd_alone.add(Sequence(prompt, 6 * SIZE_PROBE_EVERY, SamplingParams()))
+    while sd_alone.running:
+        sd_alone.step()
+    assert seq.generated == ref.generated

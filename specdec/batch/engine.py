@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from time import perf_counter
+from time import monotonic, perf_counter
 
 import torch
 
@@ -42,6 +42,7 @@ PROBE_EVERY = 8  # a request denied draft rows this many cycles in a row gets on
 # (one such probe a pass, the longest denied first, and rarer in a bigger batch: PROBE_EVERY cycles per 4 decoding
 # requests. At 16 streams on Qwen2.5-1.5B a probe per request every 8 cycles was 38% of the draft rows, each past
 # the pass curve's knee, and each a feature-draft call of ~2 ms)
+SIZE_PROBE_EVERY = 50  # a pass size priced from a guess or an old time is bought once in this many passes (2%)
 COPY_BUCKETS = (2, 4, 8, 16)  # a greedy request's copy: the match length from which each set of its estimates counts
 COPY_PRIORS = (0.6, 0.8, 0.9, 0.95)  # (a longer match is likelier to go on, as in suffix decoding), and its prior
 # before any request's copies were verified (after that: their running average, BatchEngine.copy_priors)
@@ -93,6 +94,7 @@ class BatchEngine(Admission):
         self._timer = None  # the probes' pass timer (Admission.probe), while sizes are left to time
         self._probe_after = 0.0  # no probe before this (monotonic s): backing off a busy moment
         self._warm_rows: set[int] = set(self._pass.measured) if not curve_is_prior else set()  # row counts run once
+        self._passes = 0  # passes planned (SIZE_PROBE_EVERY)
         # acceptance by position over a tenant's requests: its new request's prior (drafters/tenants.py)
         self.priors = PerTenant(lambda: AdaptivePolicy(1, 16))
         # the same for greedy copies, by match length (COPY_BUCKETS): a request's copy estimates start from them
@@ -273,10 +275,30 @@ class BatchEngine(Admission):
                 demands.append(Demand(alphas, cost, cap, min(floor, 1)))
                 continue
             demands.append(Demand(est.alphas(), cost, cap, floor, batched=not free and s.id not in early))
+        if not chunks:
+            self._size_probe(demands, base)
         steps = self.draft_steps if self.draft_steps.fit() is not None else None
         taus = plan(demands, base, self.max_batch_rows, self.pass_ms, chunk_rows=sum(chunks.values()), step_ms=steps)
 
         return decoding, chunks, taus, demands
+
+    def _size_probe(self, demands: list[Demand], base: int) -> None:
+        """Every SIZE_PROBE_EVERY passes, a pass size the curve prices from a guess or an old time (OnlineCurve.due)
+        that the drafts on hand can fill is bought: floors for the likeliest drafts, up to that size. A size priced
+        out is then timed in traffic too, at 1 pass in SIZE_PROBE_EVERY (an idle server's probes are dropped while a
+        neighbour has the cores); the rows are drafts, verified like any other."""
+        self._passes += 1
+        if self._passes % SIZE_PROBE_EVERY:
+            return
+        room = min(self.max_batch_rows, base + sum(d.cap - d.floor for d in demands))
+        due = [n for n in self._pass.due(room, monotonic()) if n > base + sum(d.floor for d in demands)]
+        if not due:
+            return
+        want = due[0] - base - sum(d.floor for d in demands)
+        for i in sorted(range(len(demands)), key=lambda i: -(demands[i].alphas or [0.0])[0]):
+            more = min(want, demands[i].cap - demands[i].floor)
+            demands[i] = replace(demands[i], floor=demands[i].floor + more)
+            want -= more
 
     def _late_drafts(self, decoding, taus, demands, early, draft_ms, caps, asks) -> dict:
         """The drafts of the requests that draft after the split (one batched call), and every draft cut to its
