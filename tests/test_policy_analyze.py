@@ -288,3 +288,5 @@ def test_a_trace_under_a_wrong_stored_curve_names_the_curve_not_the_acceptance()
     assert analyze(recs)["bottleneck"] != "stale_costs"  # without the priced curve: nothing to compare
     sane = analyze(recs, target_curve={1: 30.0, 2: 31.0, 4: 33.0, 8: 55.0})
     assert sane["bottleneck"] != "stale_costs"
+    capped = analyze(recs, target_curve={1: 30.0, 2: 90.0, 4: 180.0})  # a server's cap on that guess: 1.5 a row
+    assert capped["bottleneck"] == "stale_costs" and "3.0 one-row passes" in capped["findings"][0]["finding"]
