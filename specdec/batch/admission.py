@@ -238,6 +238,7 @@ class Admission:
             self._probe_after = monotonic() + PROBE_BACKOFF_S
         else:
             self._pass.observe(n, ms)
+            self._pass.probed.add(n)
         if self.budget_from_curve:
             self.max_batch_rows = default_budget(self._pass.values())
         if not self._probe_sizes():

@@ -238,6 +238,7 @@ class OnlineCurve:
         self.prior = prior
         self.confirmed: set[int] = set() if prior else set(self.measured)  # sizes timed by this process
         self.implausible = 0  # passes timed above ROWS_SLACK·rows one-row passes, left out
+        self.probed: set[int] = set()  # sizes timed by a quiet idle probe (Admission.probe): stored as timed
         self.timed_at: dict[int, float] = dict.fromkeys(self.confirmed, monotonic())  # when each size was last timed
 
     def values(self) -> dict[int, float]:
@@ -263,12 +264,16 @@ class OnlineCurve:
     def refined(self) -> dict[int, float]:
         """The measured sizes' times to keep for the next start: each size the server ran at least REFINED_AFTER
         passes of (or scaled from near sizes) at what it saw lately, and each stored guess it timed, the others as
-        they were; nondecreasing."""
+        they were; nondecreasing. What traffic timed only ever lowers a size (a busy run's passes are slow, never
+        fast); a quiet idle probe's time is stored as it is."""
         out, most, min_passes = {}, 0.0, REFINED_AFTER
         for n, ms in self.measured.items():
             e = self.grid[n]
             seen = e.n >= min_passes or (self.prior and n in self.confirmed)  # (a stored guess, timed here)
-            most = max(most, min(e.value if seen else ms, self._cap()(n)))
+            value = e.value if seen else ms
+            if seen and n not in self.probed:  # traffic's times never raise what is stored: noise only adds time
+                value = min(value, ms)  # (a run's one-row passes stored at 57 ms where quiet ones take 19)
+            most = max(most, min(value, self._cap()(n)))
             out[n] = most
         return out
 
