@@ -54,7 +54,7 @@ def test_a_stored_curve_wrong_by_any_factor_converges(factors, idle, seed):
             assert curve(n) == pytest.approx(machine(n), rel=0.1)
         assert best_rows(curve) == best_rows(machine)
         kept = curve.refined()  # what a restart reads: a quiet probe's time as it is, traffic's only ever lowering
-        assert all(kept[n] == pytest.approx(curve(n)) for n in curve.probed if n == min(GRID) or kept[n] > curve(1))
+        assert all(kept[n] == pytest.approx(curve(n), rel=0.1) for n in curve.probed)  # (within the noise)
         assert all(kept[n] <= curve(n) * (1 + 1e-9) for n in GRID)
 
 
