@@ -242,10 +242,24 @@ class OnlineCurve:
         self.timed_at: dict[int, float] = dict.fromkeys(self.confirmed, monotonic())  # when each size was last timed
 
     def values(self) -> dict[int, float]:
-        out, most, cap = {}, 0.0, self._cap()
-        for n, e in sorted(dict(self.grid).items()):  # (a copy: the event loop reads while the worker writes)
-            most = max(most, min(e.value, cap(n)))
-            out[n] = most
+        """The curve priced now: each size at most any larger size timed here (a pass of more rows never costs less,
+        and a time can only be too high: a one-row probe taken while 8 clients' requests were parsed priced 1-16 rows
+        at 55 ms where 8-row passes took 30), at most its cap, then nondecreasing."""
+        out, most, cap, least = {}, 0.0, self._cap(), float("inf")
+        grid = dict(self.grid)  # (a copy: the event loop reads while the worker writes)
+        for n in sorted(grid, reverse=True):
+            out[n] = min(grid[n].value, least)
+            if n in self.confirmed:
+                least = out[n]
+        for n in sorted(out):
+            most = out[n] = max(most, min(out[n], cap(n)))
+        return out
+
+    def raw(self) -> dict[int, float]:
+        """Each size's own time (timed here, or as it started), nondecreasing: values() before larger sizes bound it."""
+        out, most = {}, 0.0
+        for n, e in sorted(dict(self.grid).items()):
+            most = out[n] = max(most, e.value)
         return out
 
     def _cap(self):

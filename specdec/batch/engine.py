@@ -299,6 +299,8 @@ class BatchEngine(Admission):
             more = min(want, demands[i].cap - demands[i].floor)
             demands[i] = replace(demands[i], floor=demands[i].floor + more)
             want -= more
+        for i, d in enumerate(demands):  # exactly that size: a pass of it is what is bought
+            demands[i] = replace(d, cap=d.floor)
 
     def _late_drafts(self, decoding, taus, demands, early, draft_ms, caps, asks) -> dict:
         """The drafts of the requests that draft after the split (one batched call), and every draft cut to its
