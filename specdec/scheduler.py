@@ -64,10 +64,7 @@ def plan(demands: list[Demand], base_rows: int, budget: int, pass_ms: Callable[[
     """τ_i per demand, with base_rows + Σ τ_i ≤ budget (floors are cut first-come when even they do not fit);
     `chunk_rows` of the base rows are prompt chunks; `step_ms` a batched draft's step time by rows (the module's
     docstring says how both are charged)."""
-    if chunk_rows:
-        plain, full = pass_ms, pass_ms(base_rows)
-        alone = plain(max(1, base_rows - chunk_rows))
-        pass_ms = lambda rows: plain(rows) - full + alone  # noqa: E731
+    pass_ms = _chunks_apart(pass_ms, base_rows, chunk_rows)
     priced = demands
     if step_ms is not None and (n := sum(1 for d in demands if d.batched and d.cap)):
         priced = [replace(d, draft_ms=step_ms(n) / n) if d.batched else d for d in demands]  # the average share
@@ -76,6 +73,27 @@ def plan(demands: list[Demand], base_rows: int, budget: int, pass_ms: Callable[[
         return best
     floors = _floors(demands, max(0, budget - base_rows))
     return _shallowest_best(demands, best, floors, base_rows, pass_ms, overhead_ms, step_ms)
+
+
+def saved_ms(demands: list[Demand], taus: list[int], base_rows: int, pass_ms: Callable[[int], float],
+             chunk_rows: int = 0, step_ms: Callable[[int], float] | None = None) -> float:
+    """ms per committed token that the batched demands' drafting in `taus` saves, against the same pass with no
+    batched draft (their floors kept): 1/rate(without) − 1/rate(with), never below 0. One stream whose draft makes
+    a pass commit s tokens saves T(1)·(1 − 1/s) a token; n streams share each pass, so a token's share of the saving
+    shrinks with the load (what a draft model's catch-up on a prompt is weighed against: drafters/draft_cache.py)."""
+    pass_ms = _chunks_apart(pass_ms, base_rows, chunk_rows)
+    without = [min(d.floor, t) if d.batched else t for d, t in zip(demands, taus)]
+    r0 = rate(demands, without, base_rows, pass_ms, step_ms=step_ms)
+    r1 = rate(demands, taus, base_rows, pass_ms, step_ms=step_ms)
+    return max(0.0, 1.0 / max(r0, 1e-12) - 1.0 / max(r1, 1e-12))
+
+
+def _chunks_apart(pass_ms, base_rows: int, chunk_rows: int):
+    """The pass time a cycle is charged when `chunk_rows` of its base rows are prompt chunks (the module's docstring)."""
+    if not chunk_rows:
+        return pass_ms
+    full, alone = pass_ms(base_rows), pass_ms(max(1, base_rows - chunk_rows))
+    return lambda rows: pass_ms(rows) - full + alone
 
 
 def _floors(demands: list[Demand], room: int) -> list[int]:

@@ -155,7 +155,7 @@ def test_a_catch_up_that_cannot_pay_waits_for_idle_time(draft_model):
     cache.ms_per_token = 10.0  # as if measured
     long = context(20, 6 * BLOCK + 5)
     d = template.fork()
-    d.budget = (8, 1.0)  # 8 tokens left at 1 ms a pass repay 2 ms, not 101 tokens at 10 ms
+    d.budget = (8, lambda: 0.25)  # 8 tokens left saving 0.25 ms each repay 2 ms, not 101 tokens at 10 ms
     assert propose(d, long, GREEDY).tokens == [] and d.put_off and cache.put_off == 1
     assert propose(d, long + [5], GREEDY).tokens == []  # for the rest of the request
     d.close()
@@ -166,13 +166,13 @@ def test_a_catch_up_that_cannot_pay_waits_for_idle_time(draft_model):
     assert steps == -(-len(long) // draft_cache.IDLE_CHUNK) and cache.idle_work() == 0
     assert draft_model.held_slots == held and len(cache.prefixes.lookup(long)) == len(long) // BLOCK
     nxt = template.fork()  # the next turn: a few tokens to catch up on, which pay
-    nxt.budget = (8, 1.0)
+    nxt.budget = (8, lambda: 0.25)
     ctx = long + [5, 6, 7]
     got = propose(nxt, ctx, GREEDY)
     assert not nxt.put_off and got.tokens and same(got, propose(plain(draft_model), ctx, GREEDY))
     nxt.close()
     rich = template.fork()
-    rich.budget = (10**6, 100.0)  # a budget that repays the catch-up: no putting off
+    rich.budget = (10**6, lambda: 25.0)  # a budget that repays the catch-up: no putting off
     assert propose(rich, context(22, 6 * BLOCK), GREEDY).tokens and not rich.put_off
     rich.close()
 
@@ -205,6 +205,38 @@ def test_the_batch_engine_puts_off_a_catch_up_and_does_it_when_idle(rt, tiny_dir
     while fresh.running:
         fresh.step()
     assert [first.generated, nxt.generated] == [r.generated for r in refs]
+    engine.close()
+
+
+def test_a_catch_up_is_weighed_against_what_drafting_saves_at_the_batchs_load(rt, tiny_dirs):
+    """Alone, a request's catch-up on its prompt pays. Beside 7 others on a machine whose 8 rows already cost what
+    more rows do, drafting saves a token nothing (scheduler.saved_ms), and a catch-up would stall all 8: each is
+    put off and the model drafts nothing. Every answer is target-only's."""
+    model, tok = rt
+    drafter = build_drafter(tiny_dirs["draft"], model, tok, backend="runtime")
+    cache = drafter.draft_cache
+    cache.model.pool.clear_hashes()
+    engine = BatchEngine(model, drafter, model.config.vocab_size, set(), 256, max_batch_rows=128, prefill_chunk=64)
+    engine.pass_ms = lambda rows: 10.0 if rows <= 4 else 2.5 * rows  # (a pass of 5+ rows: its rows one by one)
+    cache.ms_per_token = 0.01
+    prompts = [tok(f"Note {i}: the cat sat on the mat, the dog sat on the log. " * 3).input_ids for i in range(9)]
+    assert min(map(len, prompts)) >= draft_cache.MEASURED
+    alone = engine.add(Sequence(prompts[0], 8, SamplingParams()))
+    proposed = 0
+    while engine.running:
+        proposed += sum(len(rec.proposed) for _, rec in engine.step())
+    assert cache.put_off == 0 and proposed > 0
+    batch = [engine.add(Sequence(p, 24, SamplingParams())) for p in prompts[1:]]
+    proposed = 0
+    while engine.running:
+        proposed += sum(len(rec.proposed) for _, rec in engine.step())
+    assert cache.put_off >= 4 and proposed == 0, (cache.put_off, proposed)
+    ref = BatchEngine(model, build_drafter("none", model, tok), model.config.vocab_size, set(), 256,
+                      prefix_cache=False)
+    refs = [ref.add(Sequence(p, 24 if i else 8, SamplingParams())) for i, p in enumerate(prompts)]
+    while ref.running:
+        ref.step()
+    assert [s.generated for s in [alone, *batch]] == [r.generated for r in refs]
     engine.close()
 
 

@@ -2,7 +2,7 @@
 import itertools
 import random
 
-from specdec.scheduler import Demand, plan, rate
+from specdec.scheduler import Demand, plan, rate, saved_ms
 
 
 def curve(per_row=0.3, knee=8, steep=2.0, base=8.0):
@@ -124,3 +124,23 @@ def test_draft_steps_are_fitted_from_whole_proposals():
     for k in (1, 2, 3, 4, 5):
         lone.observe([k], 9.0 * k)
     assert abs(lone.fit()[0] - 9.0) < 1e-9 and lone.fit()[1] == 0.0
+
+
+def test_what_drafting_saves_a_token_shrinks_with_the_load():
+    """saved_ms: one stream whose pass commits E tokens saves T(1)·(1 − 1/E) a token; at 8 streams on a machine
+    whose 8 rows already cost what more rows do (each further row 1/8 of a pass), drafting saves nothing; between,
+    a token's share of the saving falls as the streams grow."""
+    knee = lambda rows: 10.0 if rows <= 8 else 1.25 * rows  # noqa: E731
+    one = [Demand([0.5] * 4, 0.0, 4, batched=True)]
+    taus = plan(one, 1, 64, knee)
+    e = 1 + 0.5 + 0.25 + 0.125 + 0.0625
+    assert taus == [4] and abs(saved_ms(one, taus, 1, knee) - 10.0 * (1 - 1 / e)) < 1e-9
+    assert plan(one * 8, 8, 64, knee) == [0] * 8 and saved_ms(one * 8, [0] * 8, 8, knee) == 0.0
+    gentle = lambda rows: 10.0 + 1.0 * rows  # noqa: E731
+    saves = [saved_ms(one * n, plan(one * n, n, 64, gentle), n, gentle) for n in (1, 2, 4, 8)]
+    assert all(a > b > 0 for a, b in zip(saves, saves[1:])), saves
+    # a batched draft's steps are charged: a step dear enough leaves nothing to save, and floors are kept in both
+    dear = lambda rows: 50.0  # noqa: E731
+    assert saved_ms(one, plan(one, 1, 64, gentle, step_ms=dear), 1, gentle, step_ms=dear) == 0.0
+    probe = [Demand([0.5] * 4, 0.0, 4, floor=1, batched=True)]
+    assert saved_ms(probe, [1], 1, gentle) == 0.0

@@ -91,7 +91,7 @@ class Admission:
         slot = self.model.acquire_slot()
         try:
             self._state[seq.id] = (slot, fork(self.drafter), est)
-            for_request(self._state[seq.id][1], seq.cache_salt, (seq.max_new_tokens, self.pass_ms(1)))
+            for_request(self._state[seq.id][1], seq.cache_salt, (seq.max_new_tokens, self.draft_saving_ms))
             # the same prompt being prefilled already (n choices, a retry): wait, holding no blocks, and copy its K/V
             twin = self._twin_of(seq.prompt, seq.cache_salt, seq.prompt_logprobs is not None)
             seq.join(0 if twin is not None else self._load(seq), twin.id if twin is not None else None)

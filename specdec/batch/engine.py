@@ -6,7 +6,7 @@ from time import monotonic, perf_counter
 
 import torch
 
-from ..drafters.base import Draft, makes_trees, propose_many
+from ..drafters.base import Draft, makes_trees, propose_many, put_off
 from ..drafters.tenants import PerTenant
 from ..drafters.tree import best_chain, depths, path, prune
 from ..engine import cut
@@ -17,7 +17,7 @@ from ..runtime.model import Llama
 from ..runtime.owner import Owner
 from ..runtime.slot_cache import fit_vocab
 from ..sampling import PositionNoise, SamplingParams, token_logprobs
-from ..scheduler import Demand, plan
+from ..scheduler import Demand, plan, saved_ms
 from ..trace import CycleRecord, shortfall
 from ..verification import (
     choice_rows,
@@ -105,6 +105,19 @@ class BatchEngine(Admission):
     # ---- the cycle --------------------------------------------------------------------------------------------
     def pass_ms(self, rows: int) -> float:
         return self._pass(rows)
+
+    def draft_saving_ms(self) -> float:
+        """ms one emitted token is expected to save by a model draft at the batch's load: scheduler.saved_ms for the
+        running requests as if each decoded and drafted, its prompt chunks done (the load over the request's life,
+        not this pass's). A draft model's catch-up on a prompt is weighed against it (drafters/draft_cache.py)."""
+        steps = self.draft_steps if self.draft_steps.fit() is not None else None
+        demands = []
+        for s in self.running:  # (a preempted request too: it runs again before this one is done)
+            est = self._state[s.id][2]
+            cost = est.draft_ms.value if est.draft_ms is not None else 0.1
+            demands.append(Demand(est.alphas(), cost, s.max_tau, batched=True))
+        taus = plan(demands, len(demands), self.max_batch_rows, self.pass_ms, step_ms=steps)
+        return saved_ms(demands, taus, len(demands), self.pass_ms, step_ms=steps)
 
     def pass_curve_report(self) -> list[tuple[int, float, float, int]]:
         """Per size: the time it started from (stored or measured at start), the time priced now, passes timed."""
@@ -278,6 +291,9 @@ class BatchEngine(Admission):
         if not chunks:
             self._size_probe(demands, base)
         steps = self.draft_steps if self.draft_steps.fit() is not None else None
+        for i, s in enumerate(decoding):  # a request whose catch-up was put off drafts nothing late
+            if demands[i].batched and put_off(self._state[s.id][1]):
+                demands[i] = replace(demands[i], cap=0, floor=0, batched=False)
         taus = plan(demands, base, self.max_batch_rows, self.pass_ms, chunk_rows=sum(chunks.values()), step_ms=steps)
 
         return decoding, chunks, taus, demands

@@ -59,11 +59,16 @@ def fork(drafter):
 
 def for_request(drafter, salt: bytes, budget: tuple[int, float] | None = None) -> None:
     """Tell a request's drafter (a chain and its members) whose request it drafts for, and its `budget` = (tokens it may
-    emit, ms of a one-row target pass): a model draft's cached prompts are found only within one tenant, and it puts
-    off a catch-up the budget cannot repay (drafters/draft_cache.py)."""
+    emit, a callable giving the ms a drafted-for token saves now): a model draft's cached prompts are found only within
+    one tenant, and it puts off a catch-up the budget cannot repay (drafters/draft_cache.py)."""
     for member in [drafter, *getattr(drafter, "members", [])]:
         if hasattr(member, "cache_salt"):
             member.cache_salt, member.budget = salt, budget
+
+
+def put_off(drafter) -> bool:
+    """Whether a drafter's (a chain's members') model draft put off its catch-up: it drafts nothing after the split."""
+    return any(getattr(m, "put_off", False) for m in [drafter, *getattr(drafter, "members", [])])
 
 
 def draft_caches(drafter) -> list:

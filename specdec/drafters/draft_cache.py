@@ -8,10 +8,13 @@
   token for the pair's 0.5B on the 2-core EPYC, seconds for a long conversation, while the target's prefill found
   the same prompt cached.
 - **Catch-ups that cannot pay are put off.** A request whose first proposal would run the draft over more context
-  than its tokens left can repay (the catch-up's measured ms a token times its length, against SAVES of a target
-  pass for each token left) drafts nothing with the model; its chain's model-free members still propose. When it
-  leaves, its context waits for idle time: the server's worker, with nothing to run, catches the draft up on it
-  IDLE_CHUNK tokens at a time (a request that arrives waits at most one chunk) and names the blocks, so the
+  than its tokens left can repay (the catch-up's measured ms a token times its length, against the ms each token
+  left is expected to save: what the scheduler prices drafting to save at the batch's load, scheduler.saved_ms)
+  drafts nothing with the model. A catch-up stalls every
+  request in the batch: at 8 streams on the pair the 0.5B's catch-ups were most of its drafting time, and it served
+  0.86x target-only's tokens/s. The request's chain's model-free members still propose. When it leaves, its
+  context waits for idle time: the server's worker, with nothing to run, catches the draft up on it IDLE_CHUNK
+  tokens at a time (a request that arrives waits at most one chunk) and names the blocks, so the
   conversation's next turn finds them. A server measures the rate at start (once per draft file and machine);
   catch-ups of at least MEASURED tokens refine it. Without a rate nothing is put off.
 
@@ -22,14 +25,13 @@ from __future__ import annotations
 
 import os
 from collections import deque
+from collections.abc import Callable
 from time import perf_counter
 
 from ..runtime.blocks import BLOCK
 from ..runtime.prefix_cache import PrefixCache
 
 CACHE_BYTES = 256 * 2**20  # cached blocks no request holds, at most (the pair's 0.5B: 21,800 positions)
-SAVES = 0.25  # of a target pass a drafted token is taken to save when judging a catch-up (the 0.5B: 1.3-1.5x
-# target-only on the pair's workloads, docs/pair.md)
 MEASURED = 64  # the shortest catch-up whose time sets the rate (shorter ones are mostly a step's fixed cost)
 IDLE_CHUNK = 64  # tokens an idle-time catch-up runs a call
 PENDING = 8  # put-off catch-ups waiting for idle time, the newest kept
@@ -87,13 +89,14 @@ class DraftCache:
         finally:
             lm.close()
 
-    def pays(self, behind: int, budget: tuple[int, float] | None) -> bool:
+    def pays(self, behind: int, budget: tuple[int, Callable[[], float]] | None) -> bool:
         """Whether running the draft over `behind` unseen tokens pays for a request with `budget` = (tokens it may
-        still emit, ms of a one-row target pass); unknown: yes."""
+        still emit, the ms a token drafting saves at the batch's load now); unknown: yes. The catch-up stalls the
+        whole batch, and under load each token's share of a pass, and of its saving, is small."""
         if budget is None or self.ms_per_token is None or behind < MEASURED:
             return True
-        left, pass_ms = budget
-        return self.ms_per_token * behind <= SAVES * left * pass_ms
+        left, saves = budget
+        return self.ms_per_token * behind <= left * saves()
 
     def put_off_for_idle(self, context: list[int], salt: bytes) -> None:
         self.pending.append((list(context), salt))
