@@ -20,6 +20,10 @@ overall are optimal. λ then becomes the rate of the best choice, until it stops
 request drafts as deep as its acceptance pays for; as rows get dear, the least likely draft positions go first,
 and a request whose drafts are never accepted gets none.
 
+A model draft that fell behind its request (a copy drafted the last tokens, not the model) first runs the tokens it
+missed: Demand.catch_up_ms, charged once when τ_i > 0. Under load that is what made the pair's 0.5B lose to
+target-only: at 8 streams its catch-ups after copied stretches were half its drafting time.
+
 A batched model draft (Demand.batched) is not charged per token: one step drafts for every request still drafting
 at that depth, so its time is Σ_k D(n_k), n_k the requests with τ_i ≥ k and D the draft's step time by rows
 (costs.DraftSteps). That sum is not separable; Dinkelbach runs with the average share D(n)/n per token, and the
@@ -41,6 +45,7 @@ class Demand:
     cap: int  # most draft rows (the request's τ limit, its room left)
     floor: int = 0  # fewest (a request with a fixed τ asks for it)
     batched: bool = False  # drafted by one batched model step with the others (charged by step_ms, not draft_ms)
+    catch_up_ms: float = 0.0  # what its draft must run first, once, when τ > 0 (tokens it did not draft: a copy's)
 
 
 def rate(demands: list[Demand], taus: list[int], base_rows: int, pass_ms: Callable[[int], float],
@@ -53,6 +58,7 @@ def rate(demands: list[Demand], taus: list[int], base_rows: int, pass_ms: Callab
 def draft_time(demands: list[Demand], taus: list[int], step_ms: Callable[[int], float] | None = None) -> float:
     """The drafting a choice costs: per token, and for batched demands (with `step_ms`) Σ_k step_ms(n_k)."""
     own = sum(d.draft_ms * t for d, t in zip(demands, taus) if step_ms is None or not d.batched)
+    own += sum(d.catch_up_ms for d, t in zip(demands, taus) if t)
     if step_ms is None:
         return own
     depths = [t for d, t in zip(demands, taus) if d.batched and t]
@@ -68,7 +74,7 @@ def plan(demands: list[Demand], base_rows: int, budget: int, pass_ms: Callable[[
     priced = demands
     if step_ms is not None and (n := sum(1 for d in demands if d.batched and d.cap)):
         priced = [replace(d, draft_ms=step_ms(n) / n) if d.batched else d for d in demands]  # the average share
-    best = _dinkelbach(priced, base_rows, budget, pass_ms, overhead_ms)
+    best = _caught_up(priced, base_rows, budget, pass_ms, overhead_ms)
     if step_ms is None or not any(d.batched and t for d, t in zip(demands, best)):
         return best
     floors = _floors(demands, max(0, budget - base_rows))
@@ -102,6 +108,27 @@ def _floors(demands: list[Demand], room: int) -> list[int]:
         taus.append(min(d.floor, d.cap, room))
         room -= taus[-1]
     return taus
+
+
+def _caught_up(demands, base_rows, budget, pass_ms, overhead_ms) -> list[int]:
+    """The best choice with catch-ups (a fixed cost, not concave in τ): the best with them left out, then each
+    drafting demand with a catch-up dropped to its floor where that raises the rate, the dearest first; the rows
+    dropped go to the others."""
+    free = [replace(d, catch_up_ms=0.0) for d in demands]
+    best = _dinkelbach(free, base_rows, budget, pass_ms, overhead_ms)
+    dropped = []
+    for i in sorted((i for i, d in enumerate(demands) if d.catch_up_ms and best[i] > d.floor),
+                    key=lambda i: -demands[i].catch_up_ms):
+        cut = best[:i] + [demands[i].floor] + best[i + 1:]
+        if rate(demands, cut, base_rows, pass_ms, overhead_ms) > rate(demands, best, base_rows, pass_ms, overhead_ms):
+            best = cut
+            dropped.append(i)
+    if not dropped:
+        return best
+    kept = [replace(d, cap=min(d.cap, d.floor)) if i in dropped else d for i, d in enumerate(free)]
+    again = _dinkelbach(kept, base_rows, budget, pass_ms, overhead_ms)
+    r = lambda taus: rate(demands, taus, base_rows, pass_ms, overhead_ms)  # noqa: E731
+    return again if r(again) > r(best) else best
 
 
 def _dinkelbach(demands, base_rows, budget, pass_ms, overhead_ms) -> list[int]:

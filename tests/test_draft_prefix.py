@@ -177,6 +177,23 @@ def test_a_catch_up_that_cannot_pay_waits_for_idle_time(draft_model):
     rich.close()
 
 
+def test_a_draft_behind_its_request_prices_its_catch_up(draft_model):
+    """ModelDrafter.catch_up_ms: nothing before its first proposal (that one is weighed over the request's life) or
+    for a step's usual 1-2 tokens; tokens it did not draft (a copy's) at the measured rate; a put-off draft none."""
+    draft_model.pool.clear_hashes()
+    d = ModelDrafter(draft_model, draft_model.config.vocab_size)
+    d.draft_cache.ms_per_token = 2.0
+    ctx = context(30, 3 * BLOCK)
+    assert d.catch_up_ms(ctx) == 0.0
+    got = propose(d, ctx, GREEDY).tokens
+    other = [t for t in range(1, 50) if t != got[0]][:20]
+    assert d.catch_up_ms(ctx + other[:2]) == 0.0
+    assert d.catch_up_ms(ctx + other) == 20 * 2.0
+    d.put_off = True
+    assert d.catch_up_ms(ctx + other) == 0.0
+    d.close()
+
+
 def test_the_batch_engine_puts_off_a_catch_up_and_does_it_when_idle(rt, tiny_dirs):
     model, tok = rt
     drafter = build_drafter(tiny_dirs["draft"], model, tok, backend="runtime")

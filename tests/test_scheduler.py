@@ -1,7 +1,9 @@
 """The verification-budget scheduler on synthetic acceptance and cost figures."""
 import itertools
 import random
+from dataclasses import replace
 
+from specdec.costs import expected_tokens
 from specdec.scheduler import Demand, plan, rate, saved_ms
 
 
@@ -144,3 +146,19 @@ def test_what_drafting_saves_a_token_shrinks_with_the_load():
     assert saved_ms(one, plan(one, 1, 64, gentle, step_ms=dear), 1, gentle, step_ms=dear) == 0.0
     probe = [Demand([0.5] * 4, 0.0, 4, floor=1, batched=True)]
     assert saved_ms(probe, [1], 1, gentle) == 0.0
+
+
+def test_a_draft_that_fell_behind_is_charged_its_catch_up_once():
+    """Demand.catch_up_ms: a model draft that must first run the tokens a copy drafted is charged that time once when
+    it drafts at all. Alone, a good draft still pays for a catch-up; at 8 streams the same catch-up leaves the request
+    undrafted while a draft in step is drafted."""
+    curve = lambda rows: 20.0 + 0.5 * rows  # noqa: E731
+    good = Demand([0.9] * 6, 1.0, 6)
+    assert rate([replace(good, catch_up_ms=30.0)], [3], 1, curve) == expected_tokens([0.9] * 6, 3) / (
+        curve(4) + 3.0 + 30.0)
+    assert plan([replace(good, catch_up_ms=30.0)], 1, 64, curve)[0] > 0  # alone: the tokens it brings pay
+    assert plan([replace(good, catch_up_ms=200.0)], 1, 64, curve) == [0]  # a catch-up dearer than any τ brings
+    steep = lambda rows: 20.0 + 4.0 * rows  # noqa: E731
+    batch = [replace(good, catch_up_ms=30.0)] + [good] * 7
+    taus = plan(batch, 8, 64, steep)
+    assert taus[0] == 0 and all(t > 0 for t in taus[1:]), taus

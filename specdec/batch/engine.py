@@ -6,7 +6,7 @@ from time import monotonic, perf_counter
 
 import torch
 
-from ..drafters.base import Draft, makes_trees, propose_many, put_off
+from ..drafters.base import Draft, catch_up_ms, makes_trees, propose_many, put_off
 from ..drafters.tenants import PerTenant
 from ..drafters.tree import best_chain, depths, path, prune
 from ..engine import cut
@@ -287,7 +287,9 @@ class BatchEngine(Admission):
                 alphas = [b / a if a > 0 else 0.0 for a, b in zip(v, v[1:])]
                 demands.append(Demand(alphas, cost, cap, min(floor, 1)))
                 continue
-            demands.append(Demand(est.alphas(), cost, cap, floor, batched=not free and s.id not in early))
+            late = not free and s.id not in early
+            demands.append(Demand(est.alphas(), cost, cap, floor, batched=late,
+                                  catch_up_ms=catch_up_ms(own, s.tokens) if late and cap else 0.0))
         if not chunks:
             self._size_probe(demands, base)
         steps = self.draft_steps if self.draft_steps.fit() is not None else None

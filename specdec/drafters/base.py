@@ -71,6 +71,12 @@ def put_off(drafter) -> bool:
     return any(getattr(m, "put_off", False) for m in [drafter, *getattr(drafter, "members", [])])
 
 
+def catch_up_ms(drafter, context) -> float:
+    """What a drafter's (a chain's members') model draft would first spend catching up on `context`
+    (ModelDrafter.catch_up_ms); 0 for drafters without one."""
+    return sum(m.catch_up_ms(context) for m in [drafter, *getattr(drafter, "members", [])] if hasattr(m, "catch_up_ms"))
+
+
 def draft_caches(drafter) -> list:
     """A model draft's caches (drafters/draft_cache.py), of the drafter or its chain's members."""
     return [c for m in getattr(drafter, "members", [drafter]) if (c := getattr(m, "draft_cache", None)) is not None]

@@ -93,9 +93,11 @@ class DraftCache:
         """Whether running the draft over `behind` unseen tokens pays for a request with `budget` = (tokens it may
         still emit, the ms a token drafting saves at the batch's load now); unknown: yes. The catch-up stalls the
         whole batch, and under load each token's share of a pass, and of its saving, is small."""
-        if budget is None or self.ms_per_token is None or behind < MEASURED:
+        if budget is None or self.ms_per_token is None:
             return True
         left, saves = budget
+        if behind < MEASURED:  # (its time is mostly a step's fixed cost: it pays wherever drafting saves anything)
+            return saves() > 0
         return self.ms_per_token * behind <= left * saves()
 
     def put_off_for_idle(self, context: list[int], salt: bytes) -> None:

@@ -8,7 +8,7 @@ from time import perf_counter
 import torch
 
 from ..kv import cached_model
-from ..runtime.slot_cache import SlotCache, forward_slots
+from ..runtime.slot_cache import SlotCache, common_prefix_len, forward_slots
 from ..sampling import draw, warp
 from .base import Draft
 from .draft_cache import DraftCache, draft_cache
@@ -91,6 +91,16 @@ class ModelDrafter:
                 cache.put_off += 1
                 return False
         return True
+
+    def catch_up_ms(self, context) -> float:
+        """What its next proposal for `context` would first spend on tokens it did not draft (a chain's copy, the
+        target's corrections) beyond a step's usual CATCHUP_TOKENS, at the catch-up rate measured; 0 before its first
+        proposal (a prompt's catch-up is weighed over the request's life: DraftCache.pays) or once put off."""
+        cache = self.draft_cache
+        if self.put_off or not self.lm.tokens or cache is None or cache.ms_per_token is None:
+            return 0.0
+        behind = len(context) - common_prefix_len(self.lm.tokens, context)
+        return behind * cache.ms_per_token if behind > CATCHUP_TOKENS else 0.0
 
     def _caught_up(self, ran: int, ms: float) -> float:
         """After a proposal's first step ran `ran` tokens in `ms`: a catch-up's time (its prefill_ms), else 0; a
