@@ -361,6 +361,7 @@ def main(argv=None) -> int:
                 if p["workload"] == "chat"]
     prompts = [p for w in workloads for p in [q for q in prompts if q["workload"] == w][:args.limit or None]
                for _ in range(max(1, args.repeat))]
+    prompts = beside_its_edit(prompts)
     servers, curves = {}, []
     try:
         if args.curve:  # the pass curve of this run, before the prompts and after them (bounds.py reads it)
@@ -391,7 +392,7 @@ def main(argv=None) -> int:
                         "repeat": args.repeat,
                         "cpu": cpu_name(), "commands": {n: table[n] for n in names}}
     print_table(report, workloads)
-    report["prediction"] = prediction_gain(results)
+    report["prediction"] = prediction_gain(results, args.repeat)
     for name, ratios in report["prediction"].items():
         print(f"{name}: edits sent with `prediction` over the same edits without, prompt by prompt: {ratios}")
     if curves and "ours-none" in names:
@@ -465,15 +466,34 @@ def same_run_bounds(report: dict, curve_ms: dict[int, float], target: Path) -> d
     return out
 
 
-def prediction_gain(results: dict) -> dict[str, list[float]]:
+def beside_its_edit(prompts: list[dict]) -> list[dict]:
+    """Each edit sent with `prediction` right after the same edit sent without it (the machine drifts within
+    minutes: a pair apart in time compares two machines)."""
+    told = [p for p in prompts if p["workload"] == "edits-predicted"]
+    if not told or not any(p["workload"] == "edits" for p in prompts):
+        return prompts
+    out, waiting = [], list(told)
+    for p in prompts:
+        if p["workload"] == "edits-predicted":
+            continue
+        out.append(p)
+        if p["workload"] == "edits":
+            out.append(waiting.pop(0))
+    return out + waiting
+
+
+def prediction_gain(results: dict, repeat: int = 1) -> dict[str, list[float]]:
     """Per system: each edit's decode tokens/s sent with the original as `prediction`, over the same edit sent
-    without it (the calibration issue: a prediction must never make a request slower)."""
+    without it, prompt by prompt (the median of its `repeat` sends each way; the calibration issue: a prediction
+    must never make a request slower)."""
     out = {}
     for name, rs in results.items():
         plain = [r for r in rs if r["workload"] == "edits" and r["decode_tps"]]
         told = [r for r in rs if r["workload"] == "edits-predicted" and r["decode_tps"]]
         if plain and len(plain) == len(told) and name not in ("ours-none", "prev-none"):
-            out[name] = [round(t["decode_tps"] / p["decode_tps"], 2) for p, t in zip(plain, told)]
+            k = max(1, repeat)
+            med = lambda rs, j: statistics.median(r["decode_tps"] for r in rs[j:j + k])  # noqa: E731
+            out[name] = [round(med(told, j) / med(plain, j), 2) for j in range(0, len(plain), k)]
     return out
 
 
