@@ -485,7 +485,8 @@ def beside_its_edit(prompts: list[dict]) -> list[dict]:
 def prediction_gain(results: dict, repeat: int = 1) -> dict[str, list[float]]:
     """Per system: each edit's decode tokens/s sent with the original as `prediction`, over the same edit sent
     without it, prompt by prompt (the median of its `repeat` sends each way; the calibration issue: a prediction
-    must never make a request slower)."""
+    must never make a request slower); and ("<system> passes") the target passes it took over the plain edit's,
+    which the machine's drift does not move."""
     out = {}
     for name, rs in results.items():
         plain = [r for r in rs if r["workload"] == "edits" and r["decode_tps"]]
@@ -494,6 +495,8 @@ def prediction_gain(results: dict, repeat: int = 1) -> dict[str, list[float]]:
             k = max(1, repeat)
             med = lambda rs, j: statistics.median(r["decode_tps"] for r in rs[j:j + k])  # noqa: E731
             out[name] = [round(med(told, j) / med(plain, j), 2) for j in range(0, len(plain), k)]
+            passes = lambda rs, j: statistics.median(r["passes"] for r in rs[j:j + k])  # noqa: E731
+            out[f"{name} passes"] = [round(passes(told, j) / passes(plain, j), 2) for j in range(0, len(plain), k)]
     return out
 
 
