@@ -15,7 +15,7 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -25,7 +25,7 @@ from ..errors import InvalidRequest, SpecDecError
 from ..fim import fim_prompt
 from ..penalties import penalties
 from ..sampling import SEED_RANGE
-from . import anthropic_api, conversations, llama_compat, reasoning, responses_api, tools
+from . import anthropic_api, conversations, dashboard, llama_compat, reasoning, responses_api, tools
 from .api_errors import APIError, as_api_error, error_body
 from .guard import Guard
 from .metrics import Metrics
@@ -148,6 +148,14 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
     @app.get("/metrics")
     async def prometheus():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/dashboard")
+    async def live_page():  # the metrics above, drawn over the last minutes (dashboard.py)
+        return HTMLResponse(dashboard.page(model_name, getattr(decoder.engine.drafter, "name", "none")))
+
+    @app.get("/dashboard/data")
+    async def live_data():
+        return dashboard.snapshot(metrics.registry)
 
     # the model as OpenAI's clients read it, with the fields Anthropic's read beside them
     served = {"id": model_name, "object": "model", "created": 0, "owned_by": "specdec", "type": "model",

@@ -1,6 +1,8 @@
 """The ASGI middleware in front of every route: API key, body size (however the body is sent), request counts."""
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import hmac
 import json
@@ -60,6 +62,11 @@ class Guard:
         if not self.keys:
             return b""
         sent = headers.get(b"authorization") or b"Bearer " + headers.get(b"x-api-key", b"")  # Anthropic's clients
+        if sent[:6].lower() == b"basic ":  # a browser's (the dashboard): the key is the password, any user name
+            try:
+                sent = b"Bearer " + base64.b64decode(sent[6:].strip(), validate=True).partition(b":")[2]
+            except binascii.Error:
+                return None
         match = [hmac.compare_digest(sent, f"Bearer {k}".encode()) for k in self.keys]  # all of them: no timing
         return hashlib.blake2b(b"key:" + self.keys[match.index(True)].encode(), digest_size=16).digest() \
             if any(match) else None
@@ -93,9 +100,10 @@ class Guard:
         try:
             tenant = self.tenant(headers)
             scope.setdefault("state", {})["tenant"] = tenant or b""  # the routes salt the prefix cache with it
-            if tenant is None and path != "/health":
+            if tenant is None and path != "/health":  # (a browser asks for the key on the dashboard's page)
+                ask = {"www-authenticate": 'Basic realm="specdec"'} if path.startswith("/dashboard") else None
                 await JSONResponse(error_body("missing or invalid API key", "authentication_error",
-                                              "invalid_api_key"), 401)(scope, receive, send_counted)
+                                              "invalid_api_key"), 401, headers=ask)(scope, receive, send_counted)
             elif int(headers.get(b"content-length", b"0") or 0) > self.max_body:
                 raise _BodyTooLarge
             else:

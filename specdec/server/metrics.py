@@ -2,6 +2,8 @@
 Acceptance rate = accepted / drafted; mean accepted length = accepted / cycles (as vLLM users compute them)."""
 from __future__ import annotations
 
+from time import monotonic
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ..analyze import STALE
@@ -52,6 +54,8 @@ class Metrics:
                                registry=r)
         self.queue_time = Histogram("vllm:request_queue_time_seconds", "Time a request waited before it started",
                                     buckets=(0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300), registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time from a request's arrival to its first token",
+                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=r)
         self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                                       registry=r)
         self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (copied, not "
@@ -100,6 +104,12 @@ class Metrics:
         """One target pass, counted once however many requests shared it."""
         self.cycles.inc()
         self.verify_time.observe(verify_ms / 1e3)
+
+    def first_token(self, job, rec) -> None:
+        """A request's cycle: the first that emitted tokens is its time to first token."""
+        if rec.emitted and job.first_token_at is None:
+            job.first_token_at = monotonic()
+            self.ttft.observe(job.first_token_at - job.queued)
 
     def observe_cycle(self, rec) -> None:
         """One request's cycle: its drafts, acceptance and tokens."""

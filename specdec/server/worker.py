@@ -66,6 +66,7 @@ class Job:
         self.queued = time.monotonic()
         self.deadline = self.queued + timeout_s
         self.start_by = self.queued + START_SHARE * timeout_s
+        self.first_token_at: float | None = None  # (monotonic) when its first token was emitted
         self.ended = False
 
     def put(self, kind: str, payload=None) -> None:
@@ -274,6 +275,7 @@ class Worker:
             chunks = self.decoder.stream_chunks(**job.kwargs)
             for chunk in chunks:
                 self.metrics.observe_cycle(chunk.record)
+                self.metrics.first_token(job, chunk.record)
                 self.metrics.observe_pass(chunk.record.verify_ms)
                 job.put("chunk", chunk)
                 if chunk.result is not None:
@@ -515,6 +517,7 @@ class BatchWorker(Worker):
                 continue
             job, req, _ = self.active[seq.id]
             self.metrics.observe_cycle(rec)
+            self.metrics.first_token(job, rec)
             try:
                 chunk = req.chunk(rec)
             except Exception as e:  # noqa: BLE001

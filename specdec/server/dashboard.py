@@ -1,0 +1,102 @@
+"""`GET /dashboard`: a live page of the server's own metrics, over the last minutes. `GET /dashboard/data` is what
+it polls: the counters and gauges of /metrics at one instant (`snapshot`); the page turns two successive ones into
+rates. Plotly's script is inlined in the page: nothing is fetched from anywhere else, and it works offline.
+
+Behind the API key when one is set. A browser sends a key as HTTP Basic credentials (any user name, the key as
+password): the guard asks for them on this page (guard.py), and the page's own requests then carry them.
+"""
+from __future__ import annotations
+
+import html
+import json
+import time
+
+# what the page plots, each from the snapshot's fields (rates: the change between two polls over the seconds between)
+FIELDS = {  # snapshot field -> (metric family, sample name)
+    "generated": ("specdec_generated_tokens", "specdec_generated_tokens_total"),
+    "drafted": ("specdec_draft_tokens", "specdec_draft_tokens_total"),
+    "accepted": ("specdec_accepted_tokens", "specdec_accepted_tokens_total"),
+    "passes": ("specdec_cycles", "specdec_cycles_total"),
+    "rows_sum": ("specdec_batch_rows", "specdec_batch_rows_sum"),
+    "rows_count": ("specdec_batch_rows", "specdec_batch_rows_count"),
+    "ttft_sum": ("vllm:time_to_first_token_seconds", "vllm:time_to_first_token_seconds_sum"),
+    "ttft_count": ("vllm:time_to_first_token_seconds", "vllm:time_to_first_token_seconds_count"),
+    "running": ("specdec_requests_running", "specdec_requests_running"),
+    "waiting": ("specdec_requests_waiting", "specdec_requests_waiting"),
+    "kv_usage": ("specdec_kv_cache_usage", "specdec_kv_cache_usage"),
+}
+
+
+def snapshot(registry) -> dict:
+    """The FIELDS now (each summed over its labels), with the time they were read."""
+    wanted = {sample: field for field, (_, sample) in FIELDS.items()}
+    out = dict.fromkeys(FIELDS, 0.0)
+    for family in registry.collect():
+        for s in family.samples:
+            if s.name in wanted:
+                out[wanted[s.name]] += s.value
+    return {"t": time.time(), **out}
+
+
+def page(model: str, draft: str) -> str:
+    from plotly.offline import get_plotlyjs
+
+    title = html.escape(f"specdec: {model} (draft: {draft})")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title><style>{STYLE}</style>"
+            f"<script>{get_plotlyjs()}</script></head><body><h1>{title}</h1><p id='status'>waiting for data…</p>"
+            f"<div class='grid'>{''.join(f'<div id={json.dumps(k)}></div>' for k in PLOTS)}</div>"
+            f"<script>const PLOTS = {json.dumps(PLOTS)};\n{SCRIPT}</script></body></html>")
+
+
+PLOTS = {  # div id -> (title, y axis)
+    "tokens": ["tokens per second", "tokens/s"],
+    "acceptance": ["draft acceptance (accepted / proposed)", "share"],
+    "rows": ["rows per target pass", "rows"],
+    "queue": ["requests running and waiting", "requests"],
+    "kv": ["KV cache in use", "share of the pool"],
+    "ttft": ["time to first token (mean over each poll)", "s"],
+}
+STYLE = ("body{font-family:system-ui,sans-serif;margin:1em;color:#222}h1{font-size:1.2em}"
+         ".grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(420px,1fr));gap:.5em}")
+SCRIPT = """
+const WINDOW_S = 600, POLL_MS = 2000, series = {};
+for (const id in PLOTS) {
+  series[id] = {};
+  Plotly.newPlot(id, [], {title: {text: PLOTS[id][0]}, height: 260, margin: {l: 50, r: 10, t: 40, b: 30},
+                          yaxis: {title: {text: PLOTS[id][1]}, rangemode: 'tozero'}, xaxis: {type: 'date'}},
+                 {displaylogo: false});
+}
+function push(id, name, t, y) {
+  const s = series[id][name] = series[id][name] || {x: [], y: [], name: name, mode: 'lines'};
+  s.x.push(new Date(t * 1000)); s.y.push(y);
+  while (s.x.length && s.x[0] < new Date((t - WINDOW_S) * 1000)) { s.x.shift(); s.y.shift(); }
+}
+function ratio(a, b) { return b > 0 ? a / b : null; }
+let last = null;
+async function poll() {
+  try {
+    const r = await fetch('dashboard/data', {credentials: 'same-origin', cache: 'no-store'});
+    if (!r.ok) { document.getElementById('status').textContent = 'the server answered ' + r.status; return; }
+    const now = await r.json();
+    if (last) {
+      const dt = now.t - last.t, d = k => now[k] - last[k];
+      push('tokens', 'tokens/s', now.t, d('generated') / dt);
+      push('acceptance', 'accepted/proposed', now.t, ratio(d('accepted'), d('drafted')));
+      push('rows', 'rows/pass', now.t, ratio(d('rows_sum'), d('rows_count')));
+      push('queue', 'running', now.t, now.running);
+      push('queue', 'waiting', now.t, now.waiting);
+      push('kv', 'in use', now.t, now.kv_usage);
+      push('ttft', 'seconds', now.t, ratio(d('ttft_sum'), d('ttft_count')));
+      for (const id in PLOTS) Plotly.react(id, Object.values(series[id]), document.getElementById(id).layout);
+      document.getElementById('status').textContent =
+        'updated ' + new Date(now.t * 1000).toLocaleTimeString() + ': ' + now.generated + ' tokens served';
+    }
+    last = now;
+  } catch (e) {
+    document.getElementById('status').textContent = 'no answer from the server: ' + e;
+  } finally {
+    setTimeout(poll, POLL_MS);
+  }
+}
+poll();
+"""

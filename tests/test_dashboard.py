@@ -1,0 +1,85 @@
+"""`GET /dashboard` (server/dashboard.py): its data is /metrics' at one instant, behind the API key (a browser's Basic
+credentials too), and a real browser draws every chart without a console error (skipped without Chromium)."""
+import base64
+import subprocess
+
+import httpx
+import pytest
+from test_report import chromium
+from test_server import LiveServer, chat_completion
+
+from specdec import SpecDecoder
+from specdec.server import create_app
+
+
+@pytest.fixture(scope="module")
+def decoder(tok, target, draft_close):
+    return SpecDecoder.from_models(target, tok, draft=draft_close, tau=3)
+
+
+def test_the_data_is_the_metrics_and_the_page_is_behind_the_key(decoder):
+    srv = LiveServer(create_app(decoder, model_name="tiny", api_key="sekret"))
+    bearer = {"authorization": "Bearer sekret"}
+    try:
+        denied = httpx.get(srv.url + "/dashboard")
+        assert denied.status_code == 401 and denied.headers["www-authenticate"].startswith("Basic")
+        assert httpx.get(srv.url + "/dashboard/data").status_code == 401
+        wrong = base64.b64encode(b"me:wrong").decode()
+        assert httpx.get(srv.url + "/dashboard", headers={"authorization": f"Basic {wrong}"}).status_code == 401
+        assert httpx.get(srv.url + "/dashboard", headers={"authorization": "Basic !!"}).status_code == 401
+        page = httpx.get(srv.url + "/dashboard", headers=bearer)
+        assert page.status_code == 200 and "Plotly" in page.text and "<script src=" not in page.text
+        basic = base64.b64encode(b"anyone:sekret").decode()
+        assert httpx.get(srv.url + "/dashboard", auth=("anyone", "sekret")).status_code == 200
+        srv.auth = bearer
+        before = httpx.get(srv.url + "/dashboard/data", headers={"authorization": f"Basic {basic}"}).json()
+        r = httpx.post(srv.url + "/v1/chat/completions", headers=bearer, timeout=60,
+                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6})
+        assert r.status_code == 200
+        after = httpx.get(srv.url + "/dashboard/data", headers=bearer).json()
+        m = srv.metrics()
+        assert after["generated"] - before["generated"] == r.json()["usage"]["completion_tokens"]
+        assert after["generated"] == m[("specdec_generated_tokens_total", ())]
+        assert after["drafted"] == m[("specdec_draft_tokens_total", ())]
+        assert after["ttft_count"] == before["ttft_count"] + 1 == m[("vllm:time_to_first_token_seconds_count", ())]
+        assert after["rows_count"] == m[("specdec_batch_rows_count", ())] and after["t"] > before["t"]
+    finally:
+        srv.stop()
+
+
+@pytest.mark.skipif(chromium() is None, reason="no Chromium installed (CI installs one)")
+def test_the_page_draws_every_chart_in_a_browser(decoder):
+    srv = LiveServer(create_app(decoder, model_name="tiny"))
+    try:
+        chat_completion(srv, [{"role": "user", "content": "hello"}], max_tokens=4)
+        run = subprocess.run([chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr",
+                              "--v=0", "--virtual-time-budget=6000", "--dump-dom", srv.url + "/dashboard"],
+                             capture_output=True, text=True, timeout=120)
+        errors = [line for line in run.stderr.splitlines() if "CONSOLE" in line and "rror" in line]
+        assert not errors, errors
+        assert run.stdout.count('class="main-svg"') >= 6 and "tokens served" in run.stdout
+    finally:
+        srv.stop()
+
+
+def test_the_grafana_dashboard_queries_only_metrics_the_server_exports(decoder):
+    """docs/grafana_dashboard.json: every series its queries read is one /metrics serves (vLLM's names included)."""
+    import json
+    import re
+    from pathlib import Path
+
+    from prometheus_client import generate_latest
+
+    from specdec.server.metrics import Metrics
+
+    m = Metrics()  # (a labelled series appears once a label is set)
+    m.accepted_pos.labels(position="1").inc()
+    for g in (m.pass_priced, m.pass_start):
+        g.labels(rows="1").set(1.0)
+    served = {line.split("{")[0].split(" ")[0] for line in generate_latest(m.registry).decode().splitlines()
+              if line and not line.startswith("#")}
+    board = json.loads((Path(__file__).parent.parent / "docs" / "grafana_dashboard.json").read_text())
+    exprs = [t["expr"] for p in board["panels"] for t in p["targets"]]
+    names = {n for e in exprs for n in re.findall(r"[a-z_]+:?[a-z_]+(?=[\[{)\s]|$)", e)} - {
+        "sum", "rate", "by", "le", "position", "histogram_quantile"}
+    assert names and not names - served, names - served
