@@ -402,7 +402,26 @@ def main(argv=None) -> int:
         print_bounds(report["bounds"])
     if args.out:
         Path(args.out).write_text(json.dumps({**report, "results": results}, indent=1) + "\n")
+        chart(report, args.out)
     return 0
+
+
+def chart(report: dict, out: str) -> None:
+    """Beside the JSON (x.json -> x.png): each system's speed-up over its own target-only, per workload; or, for the
+    concurrency mode, each system's tokens/s over target-only's at each level."""
+    from specdec import charts
+    if "streams" in report:
+        base = report["streams"].get("ours-none", {})
+        bars = {n: {f"{lv} streams": r[lv]["tokens_per_s"] / base[lv]["tokens_per_s"] for lv in r if lv in base}
+                for n, r in report["streams"].items()}
+        title = "tokens/s of all streams, over specdec target-only's (pair_streams.py)"
+    else:
+        bars = {n: {w: c["vs_target_only"]["geomean"] for w, c in cells.items()
+                    if isinstance(c, dict) and "vs_target_only" in c} for n, cells in report["systems"].items()}
+        title = "decode speed-up over the same family's target-only, prompt by prompt (geometric mean)"
+    bars = {n: b for n, b in bars.items() if b}
+    if bars:
+        charts.speedups(bars, charts.beside(out), f"the pair on {cpu_name()}: {title}")
 
 
 def start(servers: dict, names: list[str], table: dict) -> None:
@@ -431,6 +450,7 @@ def streams_run(args, names, table, workloads, levels) -> int:
         Path(args.out).write_text(json.dumps({"streams": report, "config": {
             "levels": levels, "per_stream": args.per_stream, "max_tokens": args.max_tokens, "cpu": cpu_name(),
             "prompts": len(prompts), "commands": {n: table[n] for n in names}}}, indent=1) + "\n")
+        chart({"streams": report}, args.out)
     return 0
 
 

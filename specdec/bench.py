@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from . import check, hf_assist, llamacpp, models
+from . import charts, check, hf_assist, llamacpp, models
 from .api import SpecDecoder, build_drafter
 from .drafters.feature import FeatureDrafter
 from .errors import InvalidRequest, SpecDecError
@@ -219,6 +219,8 @@ def cmd_bench(args) -> int:
                            "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                            "seed": args.seed, "results": rows}, f,
                           indent=2)
+            charts.speedups({r["config"]: {"all prompts": r["speedup"]} for r in rows}, charts.beside(args.json),
+                            f"specdec bench: {len(prompts)} prompts, {args.max_new_tokens} tokens each")
         except OSError as e:
             raise SpecDecError(f"cannot write {args.json}: {e.strerror}")
     return 0
@@ -242,5 +244,5 @@ def register(sub, model_args, sampling_args):
     b.add_argument("--compare-llamacpp", action="store_true",
                    help="add llama.cpp's decoding of the same GGUF (needs llama-cpp-python)")
     backend_arg(b)
-    b.add_argument("--json", default=None, help="write per-configuration results here")
+    b.add_argument("--json", default=None, help="write per-configuration results here (and a chart: x.json -> x.png)")
     b.set_defaults(func=cmd_bench)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from . import models
+from . import charts, models
 from .batch.calibration import Disturbed, measure_pass_curve, server_curve
 from .errors import InvalidRequest
 from .runtime import measured
@@ -57,6 +57,12 @@ def print_table(rep: dict) -> None:
 
 def cmd_calibrate(args) -> int:
     rep = calibrate(args.target, args.numerics, args.max_batch_rows, args.store, args.force)
+    if args.plot:
+        lines = {"stored": rep["stored"], "now": rep["fresh"]} if rep["stored"] else {"now": rep["fresh"]}
+        try:
+            charts.curves(lines, args.plot, f"pass curve of {rep['target']} ({rep['numerics']})")
+        except OSError as e:
+            raise InvalidRequest(f"cannot write {args.plot}: {e.strerror}")
     if args.json:
         print(json.dumps(rep, indent=2))
     else:
@@ -72,4 +78,5 @@ def register(sub, model_args, sampling_args):
     p.add_argument("--store", action="store_true", help="replace the stored curve with the one measured now")
     p.add_argument("--force", action="store_true", help="store it even if the machine was busy while measuring")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--plot", metavar="FILE", help="draw the stored and fresh curves (a PNG)")
     p.set_defaults(func=cmd_calibrate)

@@ -188,6 +188,9 @@ def test_calibrate_shows_the_stored_curve_beside_a_fresh_one_and_replaces_it(tmp
     assert main(["calibrate", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["stored"] == stored
     assert main(["calibrate"]) == 0 and "stored / now" in capsys.readouterr().out
+    assert main(["calibrate", "--plot", str(tmp_path / "c.png")]) == 0 and (tmp_path / "c.png").stat().st_size > 1000
+    assert main(["calibrate", "--plot", str(tmp_path / "no" / "c.png")]) == 2  # one line, not a traceback
+    capsys.readouterr()
     for bad in (str(tmp_path), str(tmp_path / "missing.gguf")):
         assert main(["calibrate", "--target", bad]) == 2
         err = capsys.readouterr().err

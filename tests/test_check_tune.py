@@ -194,6 +194,7 @@ def test_bench_json_schema(tiny_dirs, tmp_path, capsys):
                 "target_passes_per_token", "identical_to_baseline"} <= set(r)
         assert r["identical_to_baseline"] is True and r["tokens_per_s"] > 0
     assert rows[0]["draft"] == "none" and rows[0]["speedup"] == 1.0
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the chart beside the JSON
     assert {r["policy"] for r in rows if r["engine"] == "specdec" and r["draft"] != "none"} == {"fixed", "adaptive"}
     # what a draft costs: ms per drafted token and its share of a target-only step (a draft model is not free)
     model_rows = [r for r in rows if r["engine"] == "specdec" and r["draft"] == tiny_dirs["draft"]]

@@ -32,11 +32,13 @@ def test_the_data_is_the_metrics_and_the_page_is_behind_the_key(decoder):
         basic = base64.b64encode(b"anyone:sekret").decode()
         assert httpx.get(srv.url + "/dashboard", auth=("anyone", "sekret")).status_code == 200
         srv.auth = bearer
-        before = httpx.get(srv.url + "/dashboard/data", headers={"authorization": f"Basic {basic}"}).json()
+        got = httpx.get(srv.url + "/dashboard/data?history=1", headers={"authorization": f"Basic {basic}"}).json()
+        before = got["now"]
+        assert got["history"] and all(a["t"] < b["t"] for a, b in zip(got["history"], got["history"][1:] + [before]))
         r = httpx.post(srv.url + "/v1/chat/completions", headers=bearer, timeout=60,
                        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6})
         assert r.status_code == 200
-        after = httpx.get(srv.url + "/dashboard/data", headers=bearer).json()
+        after = httpx.get(srv.url + "/dashboard/data", headers=bearer).json()["now"]
         m = srv.metrics()
         assert after["generated"] - before["generated"] == r.json()["usage"]["completion_tokens"]
         assert after["generated"] == m[("specdec_generated_tokens_total", ())]

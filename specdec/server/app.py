@@ -94,7 +94,10 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
     app = FastAPI(title="specdec", docs_url=None, redoc_url=None, default_response_class=SafeJSON)
     app.state.metrics, app.state.worker, app.state.decoder = metrics, worker, decoder
 
+    app.state.history = dashboard.History(metrics.registry)  # the dashboard's last minutes
+
     def shutdown():
+        app.state.history.stop()
         worker.stop()
         try:  # what the drafter learned (recycle's table) is there at the next start
             save_drafter(decoder.engine.drafter)
@@ -154,8 +157,9 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
         return HTMLResponse(dashboard.page(model_name, getattr(decoder.engine.drafter, "name", "none")))
 
     @app.get("/dashboard/data")
-    async def live_data():
-        return dashboard.snapshot(metrics.registry)
+    async def live_data(history: bool = False):
+        now = dashboard.snapshot(metrics.registry)
+        return {"now": now, "history": list(app.state.history.snapshots)} if history else {"now": now}
 
     # the model as OpenAI's clients read it, with the fields Anthropic's read beside them
     served = {"id": model_name, "object": "model", "created": 0, "owned_by": "specdec", "type": "model",

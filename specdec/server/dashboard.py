@@ -1,14 +1,17 @@
 """`GET /dashboard`: a live page of the server's own metrics, over the last minutes. `GET /dashboard/data` is what
 it polls: the counters and gauges of /metrics at one instant (`snapshot`); the page turns two successive ones into
-rates. Plotly's script is inlined in the page: nothing is fetched from anywhere else, and it works offline.
+rates. `?history=1` also gives the snapshots a thread took every 2 s since the start (the last 10 minutes), so the
+page opens on the recent past. Plotly's script is inlined in the page: nothing is fetched from anywhere else, and it works offline.
 
 Behind the API key when one is set. A browser sends a key as HTTP Basic credentials (any user name, the key as
 password): the guard asks for them on this page (guard.py), and the page's own requests then carry them.
 """
 from __future__ import annotations
 
+import collections
 import html
 import json
+import threading
 import time
 
 # what the page plots, each from the snapshot's fields (rates: the change between two polls over the seconds between)
@@ -36,6 +39,26 @@ def snapshot(registry) -> dict:
             if s.name in wanted:
                 out[wanted[s.name]] += s.value
     return {"t": time.time(), **out}
+
+
+class History:
+    """Snapshots every EVERY_S seconds for the last WINDOW_S, taken by a daemon thread from the server's start: the
+    page shows the last minutes as soon as it opens, not only from then on."""
+    EVERY_S, WINDOW_S = 2.0, 600.0
+
+    def __init__(self, registry):
+        self.registry = registry
+        self.snapshots: collections.deque = collections.deque(maxlen=int(self.WINDOW_S / self.EVERY_S))
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, daemon=True, name="specdec-dashboard").start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.snapshots.append(snapshot(self.registry))
+            self._stop.wait(self.EVERY_S)
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 def page(model: str, draft: str) -> str:
@@ -73,12 +96,8 @@ function push(id, name, t, y) {
 }
 function ratio(a, b) { return b > 0 ? a / b : null; }
 let last = null;
-async function poll() {
-  try {
-    const r = await fetch('dashboard/data', {credentials: 'same-origin', cache: 'no-store'});
-    if (!r.ok) { document.getElementById('status').textContent = 'the server answered ' + r.status; return; }
-    const now = await r.json();
-    if (last) {
+function add(now) {
+    if (last && now.t > last.t) {
       const dt = now.t - last.t, d = k => now[k] - last[k];
       push('tokens', 'tokens/s', now.t, d('generated') / dt);
       push('acceptance', 'accepted/proposed', now.t, ratio(d('accepted'), d('drafted')));
@@ -87,11 +106,21 @@ async function poll() {
       push('queue', 'waiting', now.t, now.waiting);
       push('kv', 'in use', now.t, now.kv_usage);
       push('ttft', 'seconds', now.t, ratio(d('ttft_sum'), d('ttft_count')));
-      for (const id in PLOTS) Plotly.react(id, Object.values(series[id]), document.getElementById(id).layout);
-      document.getElementById('status').textContent =
-        'updated ' + new Date(now.t * 1000).toLocaleTimeString() + ': ' + now.generated + ' tokens served';
     }
     last = now;
+}
+let first = true;
+async function poll() {
+  try {
+    const r = await fetch('dashboard/data' + (first ? '?history=1' : ''), {credentials: 'same-origin',
+                                                                           cache: 'no-store'});
+    if (!r.ok) { document.getElementById('status').textContent = 'the server answered ' + r.status; return; }
+    const got = await r.json();
+    (first ? got.history.concat([got.now]) : [got.now]).forEach(add);
+    first = false;
+    for (const id in PLOTS) Plotly.react(id, Object.values(series[id]), document.getElementById(id).layout);
+    document.getElementById('status').textContent =
+      'updated ' + new Date(last.t * 1000).toLocaleTimeString() + ': ' + last.generated + ' tokens served';
   } catch (e) {
     document.getElementById('status').textContent = 'no answer from the server: ' + e;
   } finally {
