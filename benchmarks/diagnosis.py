@@ -11,6 +11,8 @@ and the setup served again: the prediction is checked against the rerun's measur
 
     python benchmarks/diagnosis.py --out docs/diagnosis.json
     python benchmarks/diagnosis.py --pair --out docs/diagnosis_pair.json
+    python benchmarks/diagnosis.py --pair --no-fix --html docs/reports \
+        --setups "target-only,default,0.5B,0.5B tau=8 fixed"   # each setup's report page and its screenshot
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from pathlib import Path
 from specdec import SpecDecoder
 from specdec.analyze import analyze
 from specdec.costs import measure_verify_curve
+from specdec.report import write_report
 
 SETUPS = [("target", 6), ("shipped", 8), ("ngram", 6), ("datastore+ngram", 3)]
 PROMPTS = ["Explain how a hash table works.", "Write a Python function that checks whether a string is a palindrome.",
@@ -35,6 +38,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--pair", action="store_true", help="the real pair's servers (benchmarks/pair.py fetches it)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--html", default=None, help="--pair: write each setup's report (and a screenshot) in this folder")
+    ap.add_argument("--setups", default=None, help="--pair: comma-separated setups (default: all)")
+    ap.add_argument("--no-fix", dest="fix", action="store_false", help="--pair: do not serve each fix again")
     args = ap.parse_args()
     if args.pair:
         return pair_suite(args)
@@ -96,7 +102,10 @@ def fix_for(report: dict, options: list[str], extra: dict, draft: str) -> tuple[
     return None
 
 
-def serve_and_analyze(name: str, options: list[str], extra: dict, target, prompts, max_tokens: int, logs) -> dict:
+def serve_and_analyze(name: str, options: list[str], extra: dict, target, prompts, max_tokens: int, logs,
+                      html: Path | None = None) -> dict:
+    """One setup served and its traces analyzed; with `html`, its report is written there as `<setup>.html`, with a
+    screenshot `<setup>.png` taken in headless Chromium."""
     import shutil
     import tempfile
 
@@ -117,8 +126,25 @@ def serve_and_analyze(name: str, options: list[str], extra: dict, target, prompt
         server.stop()
     time.sleep(0.5)  # the worker writes a request's trace after its answer
     report = analyze_many(load_traces([str(trace_dir)]))
+    if html is not None:
+        page = html / (name.replace(" ", "_").replace("/", "_").replace("<=", "le").replace("=", "") + ".html")
+        write_report({name: load_traces([str(trace_dir)])}, str(page))
+        screenshot(page, page.with_suffix(".png"))
     shutil.rmtree(trace_dir, ignore_errors=True)
     return report
+
+
+def screenshot(page: Path, png: Path, url: str | None = None, height: int = 2200) -> None:
+    """A page as headless Chromium draws it (the report's charts are Plotly's: they need a browser)."""
+    import shutil
+    import subprocess
+    browser = next((b for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
+    if browser is None:
+        print("no Chromium: no screenshot", file=sys.stderr)
+        return
+    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                    f"--window-size=1400,{height}", "--virtual-time-budget=8000", f"--screenshot={png}",
+                    url or page.resolve().as_uri()], check=True, capture_output=True, timeout=180)
 
 
 def pair_suite(args) -> int:
@@ -128,9 +154,17 @@ def pair_suite(args) -> int:
     prompts = [p for w in ("completion", "chat", "edits") for p in [q for q in prompts if q["workload"] == w][:2]]
     logs = Path("/tmp/specdec-diagnosis-logs")
     logs.mkdir(exist_ok=True)
-    rows = []
-    for name, (options, extra) in pair_setups(str(draft)).items():
-        rep = serve_and_analyze(name, options, extra, target, prompts, args.max_new_tokens, logs)
+    rows, html = [], Path(args.html) if args.html else None
+    if html is not None:
+        html.mkdir(parents=True, exist_ok=True)
+    setups = pair_setups(str(draft))
+    for name in args.setups.split(",") if args.setups else []:
+        if name not in setups:
+            raise SystemExit(f"unknown setup {name!r} (choose from {', '.join(setups)})")
+    for name, (options, extra) in setups.items():
+        if args.setups and name not in args.setups.split(","):
+            continue
+        rep = serve_and_analyze(name, options, extra, target, prompts, args.max_new_tokens, logs, html)
         sp, s = rep["speedup"], rep["summary"]
         gains = {f["kind"]: f["speedup_if_fixed"] for f in rep["findings"] if f["speedup_if_fixed"]}
         row = {"setup": name, "options": options, "request": extra, "bottleneck": rep["bottleneck"], "measured": sp["measured"],
@@ -139,7 +173,7 @@ def pair_suite(args) -> int:
                "shortfalls": s["shortfalls"], "acceptance": s["acceptance_rate"], "ceiling": sp["ceiling"],
                "gains": gains, "finding": next((f["finding"] for f in rep["findings"]
                                                 if f["kind"] == rep["bottleneck"]), None)}
-        fix = fix_for(rep, options, extra, str(draft))
+        fix = fix_for(rep, options, extra, str(draft)) if args.fix else None
         if fix is not None:
             again = serve_and_analyze(name + " fixed", *fix, target, prompts, args.max_new_tokens, logs)
             # a τ fix is a prediction from this trace; the others are ceilings (what removing the cause would give:
