@@ -11,7 +11,7 @@ of the drafted tokens' probabilities falls below the threshold (0: never), and k
 (1 + overhead) over that.
 
 The rule was built and measured on the server, and not kept: its gain over fixed τ here is a gain over a baseline
-the server does not run (its scheduler already sizes τ per request), docs/draft.md "Dynamic draft length".
+the server does not run (its scheduler already sizes τ per request), CHANGELOG.md, "Dynamic draft length for a model draft".
 """
 from __future__ import annotations
 

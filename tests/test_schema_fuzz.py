@@ -2,7 +2,7 @@
 valid ones and ones that break it (wrong types, missing fields, odd strings and numbers, bodies that are not JSON),
 sent over real HTTP to a live server. No answer is a 5xx, and every 4xx is JSON naming its error. The hand-written
 fuzzers (test_fuzz.py) add what a schema cannot say: NaN and Infinity, lone surrogates, deep nesting. A longer run:
-`SPECDEC_SCHEMA_EXAMPLES=200 python -m pytest tests/test_schema_fuzz.py` (docs/serving.md)."""
+`SPECDEC_SCHEMA_EXAMPLES=200 python -m pytest tests/test_schema_fuzz.py` (docs/operations.md)."""
 from __future__ import annotations
 
 import os

@@ -70,7 +70,8 @@ def mixed_precision(device: str):
 def default_lr(hidden: int) -> float:
     """AdamW's peak rate for a draft layer `hidden` wide: 2e-3 at SmolLM2-135M's 576 (the shipped draft), and
     width^-1.5 above it, which puts Qwen2.5-Coder-1.5B's 1,536 at 4.6e-4. On that target, 150 steps reached
-    7.7% held-out agreement at 2e-3, 21.8% at 1e-3, 24.8% at 5e-4 and 18.0% at 2e-4 (docs/draft.md)."""
+    7.7% held-out agreement at 2e-3, 21.8% at 1e-3, 24.8% at 5e-4 and 18.0% at 2e-4 (CHANGELOG.md, "A feature draft
+    for Qwen2.5-Coder-1.5B")."""
     return 2e-3 * min(1.0, 576 / hidden) ** 1.5
 
 

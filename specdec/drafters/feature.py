@@ -40,7 +40,8 @@ TREE_TOP, TREE_WIDTH, TREE_EXPAND, TREE_NODES = 4, 2, 0.4, 16
 # A sampled request's draft samples from q = warp(draft logits / SHARPEN): the draft, trained on the target's argmax,
 # is flatter than the target at its temperature. On the 1.5B's distilled draft at T = 0.7 (546 chat and completion
 # positions), the first draft's acceptance Σ min(p, q) was 0.373 with 1.0, 0.391 with 0.6 and 0.393 with 0.4; in
-# process, 16 sampled requests made 1.50 / 1.54 / 1.57 tokens a pass (docs/draft.md). Any q keeps the output exact.
+# process, 16 sampled requests made 1.50 / 1.54 / 1.57 tokens a pass (CHANGELOG.md, "Sampled requests: a sharper
+# draft"). Any q keeps the output exact.
 SHARPEN = 0.4
 RACE_SPREAD = 4.0  # (race_children)
 
@@ -50,7 +51,8 @@ def race_children(logits: torch.Tensor, vocab_map: torch.Tensor, params, noise: 
     race winner argmax p/E on the request's noise E (sampling.PositionNoise), so the draft bets on its own race's
     leaders, argmax q/E with q = warp(draft logits / SHARPEN), best first -> (values, reduced-vocabulary ids).
     A child's value is its share of exp((log q - log E) / RACE_SPREAD) among the node's candidates: the chance,
-    calibrated on the 1.5B's draft, that it is the target's winner (docs/draft.md)."""
+    calibrated on the 1.5B's draft, that it is the target's winner (CHANGELOG.md, "Sampled requests draft trees on
+    their race")."""
     q = warp(logits / SHARPEN, params)
     score = q.log() - noise.exponentials(position, vocab_map).log()
     top = score.topk(min(TREE_TOP, len(score)))

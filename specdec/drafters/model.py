@@ -15,7 +15,8 @@ from .draft_cache import DraftCache, draft_cache
 
 # A draft proposes only among the first HEAD_ROWS token ids, so its step reads only those rows of its head. BPE ids
 # follow merge order, roughly frequency: of the pair's target outputs and the shipped prompts, 98.4% and 98.7% of
-# tokens are below 65,536 (of 151,936), and the 0.5B draft's head is 37% of the bytes a step reads (docs/draft.md).
+# tokens are below 65,536 (of 151,936), and the 0.5B draft's head is 37% of the bytes a step reads (CHANGELOG.md,
+# "A draft model reads a third of its head").
 # Lossless whatever the cut: verification accepts or corrects any proposal, and a sampled draft's q is 0 beyond it.
 HEAD_ROWS = 65536
 # A first step that runs more than this many tokens is a catch-up (the prompt, or what other drafters proposed): its

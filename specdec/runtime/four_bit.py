@@ -2,8 +2,8 @@
 
 A draft's step reads its weights once per token, so its cost is its bytes: the pair's 0.5B draft (Q4_K_M: Q5_0
 matrices, a Q8_0 head) reads 310 MB a step, its 4-bit copy 235 MB, and runs 1.10x as fast over the pair's prompts
-with nearly the same tokens a pass (docs/draft.md). Nothing a draft computes changes the output: verification
-keeps only what the target itself would emit. So a GGUF draft model runs as this copy, made once and kept in
+with nearly the same tokens a pass (CHANGELOG.md, "A draft model runs as its 4-bit copy"). Nothing a draft
+computes changes the output: verification keeps only what the target itself would emit. So a GGUF draft model runs as this copy, made once and kept in
 
     $SPECDEC_CACHE/drafts4/<file stem>-<sha256 of the file, 16 hex>-v<RECIPE>.gguf
 
