@@ -109,6 +109,7 @@ def serve_and_analyze(name: str, options: list[str], extra: dict, target, prompt
     import shutil
     import tempfile
 
+    from browser import screenshot
     from pair import Server, request
 
     from specdec.analyze import analyze_many, load_traces
@@ -129,22 +130,9 @@ def serve_and_analyze(name: str, options: list[str], extra: dict, target, prompt
     if html is not None:
         page = html / (name.replace(" ", "_").replace("/", "_").replace("<=", "le").replace("=", "") + ".html")
         write_report({name: load_traces([str(trace_dir)])}, str(page))
-        screenshot(page, page.with_suffix(".png"))
+        screenshot(page, page.with_suffix(".png"))  # (browser.py)
     shutil.rmtree(trace_dir, ignore_errors=True)
     return report
-
-
-def screenshot(page: Path, png: Path, url: str | None = None, height: int = 2200) -> None:
-    """A page as headless Chromium draws it (the report's charts are Plotly's: they need a browser)."""
-    import shutil
-    import subprocess
-    browser = next((b for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
-    if browser is None:
-        print("no Chromium: no screenshot", file=sys.stderr)
-        return
-    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                    f"--window-size=1400,{height}", "--virtual-time-budget=8000", f"--screenshot={png}",
-                    url or page.resolve().as_uri()], check=True, capture_output=True, timeout=180)
 
 
 def pair_suite(args) -> int:

@@ -10,6 +10,7 @@ requests served alone afterwards.
     git worktree add /tmp/prev <previous release> && python benchmarks/load.py --spawn --levels 1,16 --rounds 2 \
         --baseline "--max-queue 64" --baseline-src /tmp/prev   # the previous release's code as the baseline
     python benchmarks/load.py --url http://127.0.0.1:8000 --pid SERVER_PID
+    python benchmarks/load.py --spawn --levels 8 --duration 60 --dashboard docs/dashboard.png   # + its dashboard
 """
 from __future__ import annotations
 
@@ -218,6 +219,8 @@ def main():
     ap.add_argument("--no-identity", dest="check_identity", action="store_false",
                     help="skip serving each prompt alone after its level")
     ap.add_argument("--out", default=None, help="also write the JSON report here")
+    ap.add_argument("--dashboard", default=None, metavar="PNG", help="after the levels: the server's /dashboard as "
+                    "headless Chromium draws it (no API key)")
     ap.add_argument("--baseline", default=None, help="serve args of a second spawned server measured alternately")
     ap.add_argument("--baseline-src", default=None, help="a checkout (git worktree) whose code the baseline runs")
     ap.add_argument("--rounds", type=int, default=1, help="windows per level (alternating with --baseline)")
@@ -247,6 +250,9 @@ def main():
                 if theirs:
                     print(f"concurrency {c}, T={t}: {sum(mine) / len(mine):.1f} vs baseline "
                           f"{sum(theirs) / len(theirs):.1f} tokens/s ({sum(mine) / sum(theirs):.2f}x)", file=sys.stderr)
+        if args.dashboard:  # the server's own page, its last 10 minutes: the levels just run
+            from browser import screenshot
+            screenshot(args.url + "/dashboard", args.dashboard, height=1000)
         print(json.dumps(report, indent=2))
         if args.out:
             with open(args.out, "w") as f:

@@ -15,8 +15,9 @@ and the ceiling, tokens per target pass (drafting free, every pass one step). Wh
 drafts are rarely offered (`rare_proposals`, if proposing in every cycle would pay) or rarely right
 (`low_acceptance`), whatever else costs time. Before either is blamed, the curve the policy priced with (a server
 trace's meta) is compared with the passes the trace measured: prices STALE times off, or an n-row pass priced above
-1 + ROW_MAX·(n − 1) one-row passes (no machine costs that), are `stale_costs`: the policy's prices, not the draft, kept it
-from speculating. Otherwise the bottleneck is the cause with the largest gain, or
+1 + ROW_MAX·(n − 1) one-row passes (no machine costs that), are `stale_costs` where the budget cut the drafts
+(STALE_CUT of the cycles): the policy's prices, not the draft, kept it from speculating. Otherwise the bottleneck
+is the cause with the largest gain, or
 `none` when no cause would add more than NONE_MARGIN. When the cost model misses the measured speedup by more than
 EXPLAIN_MARGIN, the report names the cycles it cannot explain.
 
@@ -39,6 +40,8 @@ BOTTLENECKS = ("stale_costs", "low_acceptance", "rare_proposals", "draft_cost", 
 STALE = 2.0  # priced and measured pass times this far apart (either way): the policy priced with a wrong curve
 ROW_MAX = 0.5  # ... or each added row priced above this share of a one-row pass (8 rows cost 1.3-2.5x one row on every
 # CPU measured: 0.04-0.21 a row; a server caps a stored guess at 1.5 per row, which this still names)
+STALE_CUT = 0.1  # either one the cause only where the budget cut what was asked in at least this share of the
+# cycles (a request with a fixed τ drafts whatever the prices say: a wrong curve did not shape its run)
 MAX_TAU = 16
 LOW_CEILING = 1.15  # tokens per target pass below this: speculation cannot pay, whatever else is fixed
 NONE_MARGIN = 0.10  # no cause worth more than +10%: healthy
@@ -251,7 +254,8 @@ def analyze(records: list[CycleRecord], decode_only: bool = False, target_curve:
                                                                overhead, t1) / predicted
     ceiling = tokens / len(cycles)  # tokens per target pass
 
-    if stale is not None:  # the prices, not the draft: compared before acceptance is blamed
+    if stale is not None and shortfalls.get("budget", 0) >= STALE_CUT * len(cycles):  # the prices, not the draft:
+        # compared before acceptance is blamed
         bottleneck = "stale_costs"
     elif not asked:  # target-only (or τ 0 throughout): no drafter to diagnose
         bottleneck = "none"

@@ -114,8 +114,8 @@ def _verdict(d: dict) -> str:
             "</p></div>")
 
 
-def _div(fig) -> str:
-    return f"<div>{fig.to_html(full_html=False, include_plotlyjs=False, config={'displaylogo': False})}</div>"
+def _div(fig) -> str:  # (zoom: drag over a chart; back: double-click. No tool bar over the titles)
+    return f"<div>{fig.to_html(full_html=False, include_plotlyjs=False, config={'displayModeBar': False})}</div>"
 
 
 def _timeline(d: dict, name: str):
@@ -158,8 +158,10 @@ def _acceptance(datas: dict):
     for name, d in datas.items():
         a = d["acceptance_by_position"]
         fig.add_bar(x=list(range(1, len(a) + 1)), y=a, name=name)
-    fig.update_layout(title="acceptance by draft position (α_k)", xaxis_title="position", yaxis_range=[0, 1],
-                      height=320, margin={"l": 10, "r": 10, "t": 40})
+    longest = max(len(d["acceptance_by_position"]) for d in datas.values())
+    fig.update_layout(title="acceptance by draft position (α_k)", yaxis_range=[0, 1], height=320,
+                      xaxis={"title": {"text": "position"}, "dtick": 1, "range": [0.4, longest + 0.6]},
+                      margin={"l": 10, "r": 10, "t": 40})
     return fig
 
 

@@ -290,3 +290,5 @@ def test_a_trace_under_a_wrong_stored_curve_names_the_curve_not_the_acceptance()
     assert sane["bottleneck"] != "stale_costs"
     capped = analyze(recs, target_curve={1: 30.0, 2: 90.0, 4: 180.0})  # a server's cap on that guess: 1.5 a row
     assert capped["bottleneck"] == "stale_costs" and "3.0 one-row passes" in capped["findings"][0]["finding"]
+    fixed = [rec(3, 3, 2, draft_ms=0.1, verify_ms=32.0, cycle=i + 1) for i in range(40)]  # a fixed τ: nothing cut
+    assert analyze(fixed, target_curve={1: 77.5, 2: 77.5, 4: 77.5})["bottleneck"] != "stale_costs"
