@@ -298,3 +298,7 @@ def test_no_size_is_priced_above_a_larger_size_timed_here():
         curve.observe(8, 30.0)
     assert curve(1) == 30.0 and curve(4) == 30.0 and curve(8) == 30.0 and curve(16) == 57.0
     assert curve.raw()[1] == 55.0 and curve.refined()[1] == 19.0  # its own time; stored: traffic only lowers it
+    first = OnlineCurve({1: 16.4, 2: 16.4, 4: 18.8, 8: 31.5}, prior=True)  # a model draft's server: its few one-row
+    for rows, ms in [(1, 32.0)] * 9 + [(2, 18.1)] * 19 + [(4, 19.1)] * 40:  # passes are requests' first (fresh KV)
+        first.observe(rows, ms)
+    assert first(1) <= 18.1 and first.refined()[1] <= 18.1 and first.refined()[8] == 31.5  # stored as priced

@@ -168,7 +168,8 @@ def test_a_servers_refined_pass_curve_is_stored_for_the_next_start(tiny_dirs, tm
     refined = curve.refined()
     assert refined[1] < 11.0 and refined[2] == 31.0 and refined[4] == 40.0  # 2 and 4 rows: too few passes seen
     curve.observe(2, 5.0)
-    assert curve.refined()[2] == 31.0 and list(calibration.OnlineCurve({1: 9.0, 2: 5.0}).refined().values()) == [9, 9]
+    assert curve.refined()[2] == 31.0  # (no size stored above a larger size timed here: a time is only ever too high)
+    assert list(calibration.OnlineCurve({1: 9.0, 2: 5.0}).refined().values()) == [5, 5]
 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     monkeypatch.setattr(calibration, "REFINED_AFTER", 3)
