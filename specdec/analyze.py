@@ -16,9 +16,10 @@ drafts are rarely offered (`rare_proposals`, if proposing in every cycle would p
 (`low_acceptance`), whatever else costs time. Before either is blamed, the curve the policy priced with (a server
 trace's meta) is compared with the passes the trace measured: prices STALE times off, or an n-row pass priced above
 1 + ROW_MAX·(n − 1) one-row passes (no machine costs that), are `stale_costs` where the budget cut the drafts
-(STALE_CUT of the cycles): the policy's prices, not the draft, kept it from speculating. Otherwise the bottleneck
-is the cause with the largest gain, or
-`none` when no cause would add more than NONE_MARGIN. When the cost model misses the measured speedup by more than
+(STALE_CUT of the cycles): the policy's prices, not the draft, kept it from speculating. Cycles of requests whose
+model draft's catch-up on the prompt was put off (PUT_OFF_CUT of them) are `put_off`: the draft never ran there.
+Otherwise the bottleneck is the cause with the largest gain, or `none` when no cause would add more than
+NONE_MARGIN. When the cost model misses the measured speedup by more than
 EXPLAIN_MARGIN, the report names the cycles it cannot explain.
 
 Measured and predicted speedups are over the decode cycles (cycle 0 also carries the prompt's prefill) against
@@ -42,6 +43,7 @@ ROW_MAX = 0.5  # ... or each added row priced above this share of a one-row pass
 # CPU measured: 0.04-0.21 a row; a server caps a stored guess at 1.5 per row, which this still names)
 STALE_CUT = 0.1  # either one the cause only where the budget cut what was asked in at least this share of the
 # cycles (a request with a fixed τ drafts whatever the prices say: a wrong curve did not shape its run)
+PUT_OFF_CUT = 0.25  # cycles whose request's model draft was put off (trace.SHORTFALLS), from which that is the cause
 MAX_TAU = 16
 LOW_CEILING = 1.15  # tokens per target pass below this: speculation cannot pay, whatever else is fixed
 NONE_MARGIN = 0.10  # no cause worth more than +10%: healthy
@@ -52,6 +54,9 @@ ADVICE = {
     "stale_costs": "the pass curve the policy priced with is not this machine's now (a calibration taken while the "
                    "machine was busy, or another machine's): restart the server, which times each stored size in "
                    "idle time, or start it with SPECDEC_REMEASURE=1 to measure the curve again",
+    "put_off": "a model draft's catch-up on each new prompt is weighed against what drafting saves at the load then: "
+               "check the pass curve the server priced (a steep one makes drafting look dear; `specdec calibrate`), "
+               "or chain a model-free drafter in front (ngram+DRAFT.gguf), which needs no catch-up",
     "low_acceptance": "use a draft closer to the target (distil it on the target's outputs: specdec distill), check "
                       "that the prompt format (chat template) matches, or stop speculating (--draft none)",
     "rare_proposals": "chain a drafter that proposes when this one finds no match (--draft A+B: A first, B when A "
@@ -257,6 +262,8 @@ def analyze(records: list[CycleRecord], decode_only: bool = False, target_curve:
     if stale is not None and shortfalls.get("budget", 0) >= STALE_CUT * len(cycles):  # the prices, not the draft:
         # compared before acceptance is blamed
         bottleneck = "stale_costs"
+    elif shortfalls.get("put_off", 0) >= PUT_OFF_CUT * len(cycles):  # the draft never ran for those requests
+        bottleneck = "put_off"
     elif not asked:  # target-only (or τ 0 throughout): no drafter to diagnose
         bottleneck = "none"
     elif ceiling < LOW_CEILING:
@@ -294,6 +301,11 @@ def analyze(records: list[CycleRecord], decode_only: bool = False, target_curve:
     if bottleneck == "stale_costs":
         findings.insert(0, {"kind": "stale_costs", "speedup_if_fixed": None, "gain": None, "finding": stale,
                             "recommendation": ADVICE["stale_costs"]})
+    if bottleneck == "put_off":
+        findings.insert(0, {"kind": "put_off", "speedup_if_fixed": None, "gain": None,
+                            "finding": f"{shortfalls['put_off']} of {len(cycles)} cycles drafted nothing: their "
+                                       "requests' draft model never caught up on the prompt (put off: it could not "
+                                       "pay at the load then)", "recommendation": ADVICE["put_off"]})
     if bottleneck == "low_acceptance":
         findings.insert(0, {"kind": "low_acceptance", "speedup_if_fixed": None, "gain": None,
                             "finding": why["low_acceptance"], "recommendation": ADVICE["low_acceptance"]})

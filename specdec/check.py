@@ -78,6 +78,9 @@ def reference_model(model):
     return models.load(model.source, backend="transformers")[0]
 
 
+SHOWN_BEFORE, SHOWN_AFTER = 8, 24  # tokens shown around a divergence (`check --html`)
+
+
 def check_greedy(decoder, prompts: list[dict], max_new_tokens: int) -> list[dict]:
     """-> one entry per prompt: ok, and for mismatches the first divergent position and both continuations."""
     tok, eos = decoder.tokenizer, decoder.engine.eos_ids
@@ -95,8 +98,11 @@ def check_greedy(decoder, prompts: list[dict], max_new_tokens: int) -> list[dict
         entry = {"prompt": p["prompt"][:60], "ok": got == want}
         if got != want:
             i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            piece = lambda ids: [tok.decode([t]) for t in ids]  # noqa: E731  (token by token, for the page)
             entry.update(first_divergence=i, speculative=tok.decode(got[i:], skip_special_tokens=True),
-                         target=tok.decode(want[i:], skip_special_tokens=True))
+                         target=tok.decode(want[i:], skip_special_tokens=True),
+                         tokens={"before": piece(want[max(0, i - SHOWN_BEFORE):i]),
+                                 "speculative": piece(got[i:i + SHOWN_AFTER]), "target": piece(want[i:i + SHOWN_AFTER])})
         results.append(entry)
     return results
 
@@ -294,6 +300,13 @@ def cmd_check(args) -> int:
     bad_sampling = [r for r in report.get("sampling", []) if r["verdict"] != "ok"]
     rows = report["row_invariance"]
     report["passed"] = not bad_greedy and not bad_sampling and (rows is None or rows["bitwise"])
+    if args.html:
+        from .report import check_page
+        try:
+            with open(args.html, "w") as f:
+                f.write(check_page(report))
+        except OSError as e:
+            raise InvalidRequest(f"cannot write {args.html}: {e.strerror}")
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -337,4 +350,5 @@ def register(sub, model_args, sampling_args):
     c.add_argument("--top-p", type=float, default=1.0)
     c.add_argument("--alpha", type=float, default=1e-3, help="fail when the p-value is below this")
     c.add_argument("--json", action="store_true")
+    c.add_argument("--html", metavar="FILE", help="also write a page: each divergence token by token")
     c.set_defaults(func=cmd_check)

@@ -195,6 +195,44 @@ def _counterfactuals(datas: dict):
     return fig
 
 
+def check_page(report: dict) -> str:
+    """`specdec check --html`: the verdict, then each prompt whose speculative output differs from the target alone,
+    token by token from a few tokens before the first divergence (the column where they part is marked)."""
+    e = html.escape
+    bad = [r for r in report["greedy"] if not r["ok"]]
+    rows = report.get("row_invariance")
+    parts = [f"<h1>specdec check: {'PASSED' if report['passed'] else 'FAILED'}</h1>",
+             f"<p>draft {e(str(report['draft']))}, τ {report['tau']}, {e(str(report['numerics']))}; greedy: "
+             f"{len(report['greedy']) - len(bad)}/{len(report['greedy'])} prompts token-identical to the target alone"
+             + ("" if rows is None else f"; a {rows['rows']}-row pass "
+                + ("equals the one-token steps bitwise" if rows["bitwise"] else "DIFFERS from the one-token steps"))
+             + "</p>"]
+    for r in report.get("sampling", []):
+        parts.append(f"<p>sampling, draft {e(str(r['draft']))}: {e(r['prompt'])}: "
+                     f"{e(r['verdict'].upper()) if 'verdict' in r else 'inconclusive'}"
+                     + (f", p = {r['p_value']:.4g}" if "p_value" in r else "") + "</p>")
+    for r in bad:
+        t = r["tokens"]
+        start = r["first_divergence"] - len(t["before"])
+        width = len(t["before"]) + max(len(t["speculative"]), len(t["target"]))
+        head = "".join(f"<th>{start + k}</th>" for k in range(width))
+
+        def cells(after, t=t):
+            out = [f"<td>{e(repr(p)[1:-1])}</td>" for p in t["before"]]
+            out += [f"<td class='{'first' if k == 0 else 'after'}'>{e(repr(p)[1:-1])}</td>" for k, p in enumerate(after)]
+            return "".join(out)
+        parts.append(f"<h2>{e(r['prompt'])}: differs at token {r['first_divergence']}</h2>"
+                     f"<table><tr><th></th>{head}</tr><tr><th>speculative</th>{cells(t['speculative'])}</tr>"
+                     f"<tr><th>target alone</th>{cells(t['target'])}</tr></table>")
+    style = ("body{font-family:system-ui,sans-serif;margin:1.5em}table{border-collapse:collapse;font-family:monospace}"
+             "td,th{border:1px solid #ccc;padding:2px 5px;white-space:pre}.first{background:#e4572e;color:#fff}"
+             ".after{background:#fbe3dc}")
+    data = json.dumps(report).replace("</", "<\\/")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>specdec check</title><style>{style}</style>"
+            f"</head><body>{''.join(parts)}<script type='application/json' id='specdec-check'>{data}</script>"
+            "</body></html>")
+
+
 def write_report(traces_by_name: dict[str, dict], out: str) -> None:
     """`traces_by_name`: a label -> load_traces(...) result; one label, or two for a comparison."""
     Path(out).write_text(render({name: report_data(t) for name, t in traces_by_name.items()}))

@@ -36,6 +36,8 @@ class CycleRecord:
 SHORTFALLS = {
     "room": "the request's room left (max_tokens, the context) cut what was asked",
     "budget": "the verification budget (the scheduler, or a tree sized by the cost model) asked for or kept fewer",
+    "put_off": "a model draft's catch-up on the prompt could not pay at the batch's load: it drafts nothing for the "
+               "request (drafters/draft_cache.py)",
     "no_match": "the drafter proposed nothing",
     "drafter": "the drafter stopped before τ",
     "grammar": "the grammar refused a drafted token",

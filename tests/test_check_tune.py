@@ -34,7 +34,7 @@ def test_check_passes_on_correct_engine(capsys, tiny_dirs, prompts_file, draft):
     assert rep["sampling"][0]["p_value"] >= 1e-3
 
 
-def test_check_catches_top2_greedy_acceptance(capsys, tiny_dirs, prompts_file, monkeypatch):
+def test_check_catches_top2_greedy_acceptance(capsys, tiny_dirs, prompts_file, monkeypatch, tmp_path):
     def top2_verify(draft, logits, argmax=None):  # BUG: accept whenever the draft token is in the target's top 2
         top2 = logits.topk(2, -1).indices
         n = 0
@@ -42,10 +42,16 @@ def test_check_catches_top2_greedy_acceptance(capsys, tiny_dirs, prompts_file, m
             n += 1
         return n, int(logits[n].argmax())
     monkeypatch.setattr(specdec.verification, "greedy_verify", top2_verify)
-    code, rep = run_check(capsys, tiny_dirs, prompts_file, "--sampling-prompts", "0")
+    page = tmp_path / "check.html"
+    code, rep = run_check(capsys, tiny_dirs, prompts_file, "--sampling-prompts", "0", "--html", str(page))
     assert code == 1 and not rep["passed"]
     bad = [r for r in rep["greedy"] if not r["ok"]]
     assert bad and all(r["speculative"] != r["target"] and r["first_divergence"] >= 0 for r in bad)
+    text = page.read_text()  # the page: each divergence token by token, its first differing column marked
+    assert "FAILED" in text and text.count("class='first'") == 2 * len(bad)
+    for r in bad:
+        assert f"differs at token {r['first_divergence']}" in text
+        assert r["tokens"]["speculative"][0] != r["tokens"]["target"][0] or not r["tokens"]["target"]
 
 
 def test_check_catches_resampling_from_p_after_a_rejection(capsys, tiny_dirs, prompts_file, monkeypatch):

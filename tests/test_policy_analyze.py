@@ -292,3 +292,17 @@ def test_a_trace_under_a_wrong_stored_curve_names_the_curve_not_the_acceptance()
     assert capped["bottleneck"] == "stale_costs" and "3.0 one-row passes" in capped["findings"][0]["finding"]
     fixed = [rec(3, 3, 2, draft_ms=0.1, verify_ms=32.0, cycle=i + 1) for i in range(40)]  # a fixed τ: nothing cut
     assert analyze(fixed, target_curve={1: 77.5, 2: 77.5, 4: 77.5})["bottleneck"] != "stale_costs"
+
+
+def test_requests_whose_draft_was_put_off_are_named():
+    """Cycles recorded `put_off` (the batch engine's: a request whose model draft never caught up on its prompt) make
+    the bottleneck `put_off` from PUT_OFF_CUT of the cycles, not verify_cost or acceptance."""
+    from specdec.analyze import PUT_OFF_CUT, analyze
+    recs = [rec(4, 3, 2, cycle=i) for i in range(41)]  # (cycle 0 carries the prompt: not a decode cycle)
+    for r in recs[1:11]:
+        r.tau, r.proposed, r.accepted, r.emitted, r.asked, r.drafted, r.short = 0, [], 0, [1], 0, 0, "put_off"
+    assert 10 >= PUT_OFF_CUT * 40 and analyze(recs)["bottleneck"] == "put_off"
+    assert "10 of 40 cycles drafted nothing" in analyze(recs)["findings"][0]["finding"]
+    for r in recs[1:11]:
+        r.short = "budget"
+    assert analyze(recs)["bottleneck"] != "put_off"

@@ -296,6 +296,7 @@ class BatchEngine(Admission):
         for i, s in enumerate(decoding):  # a request whose catch-up was put off drafts nothing late
             if demands[i].batched and put_off(self._state[s.id][1]):
                 demands[i] = replace(demands[i], cap=0, floor=0, batched=False)
+                asks[s.id] = (0, 0, "put_off", "budget", None)  # (its records say so: trace.SHORTFALLS)
         taus = plan(demands, base, self.max_batch_rows, self.pass_ms, chunk_rows=sum(chunks.values()), step_ms=steps)
 
         return decoding, chunks, taus, demands
