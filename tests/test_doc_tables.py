@@ -1,0 +1,22 @@
+"""The docs' tables are their JSON results' (benchmarks/tables.py): a marked table that no longer matches the result
+it names fails here, so a rerun's numbers reach the docs through the script, not by hand."""
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import tables  # noqa: E402
+
+
+def test_every_marked_table_is_its_json():
+    docs = [p for p in (ROOT / "docs").glob("*.md") if "<!-- table:" in p.read_text()]
+    assert docs and tables.main(["--check", *map(str, docs)]) == 0
+
+
+def test_a_table_out_of_step_is_caught_and_rewritten(tmp_path, capsys):
+    doc = tmp_path / "d.md"
+    right = tables.render((ROOT / "docs" / "pair.md").read_text())
+    doc.write_text(right.replace("| ours 0.5B | 94.9 |", "| ours 0.5B | 99.9 |"))
+    assert tables.main(["--check", str(doc)]) == 1 and "out of step" in capsys.readouterr().out
+    assert tables.main([str(doc)]) == 0 and doc.read_text() == right
