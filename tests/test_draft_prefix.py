@@ -178,13 +178,18 @@ def test_a_catch_up_that_cannot_pay_waits_for_idle_time(draft_model):
 
 
 def test_a_draft_behind_its_request_prices_its_catch_up(draft_model):
-    """ModelDrafter.catch_up_ms: nothing before its first proposal (that one is weighed over the request's life) or
-    for a step's usual 1-2 tokens; tokens it did not draft (a copy's) at the measured rate; a put-off draft none."""
+    """ModelDrafter.catch_up_ms: before its first proposal, a prompt shorter than MEASURED past the cached blocks at
+    the measured rate, a longer one nothing (it is weighed over the request's life: DraftCache.pays, which lets short
+    ones through: put off, a request would never draft); after it, nothing for a step's usual 1-2 tokens, tokens it
+    did not draft (a copy's) at the measured rate; a put-off draft none."""
     draft_model.pool.clear_hashes()
     d = ModelDrafter(draft_model, draft_model.config.vocab_size)
     d.draft_cache.ms_per_token = 2.0
     ctx = context(30, 3 * BLOCK)
-    assert d.catch_up_ms(ctx) == 0.0
+    assert len(ctx) < draft_cache.MEASURED and d.catch_up_ms(ctx) == len(ctx) * 2.0
+    assert d.draft_cache.pays(len(ctx), (1, lambda: 0.0))  # (short: the split prices it, never put off for good)
+    long = ModelDrafter(draft_model, draft_model.config.vocab_size, cache=d.draft_cache)
+    assert long.catch_up_ms(context(31, 5 * BLOCK)) == 0.0
     got = propose(d, ctx, GREEDY).tokens
     other = [t for t in range(1, 50) if t != got[0]][:20]
     assert d.catch_up_ms(ctx + other[:2]) == 0.0

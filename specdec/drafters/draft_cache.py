@@ -10,7 +10,8 @@
 - **Catch-ups that cannot pay are put off.** A request whose first proposal would run the draft over more context
   than its tokens left can repay (the catch-up's measured ms a token times its length, against the ms each token
   left is expected to save: what the scheduler prices drafting to save at the batch's load, scheduler.saved_ms)
-  drafts nothing with the model. A catch-up stalls every
+  drafts nothing with the model; a shorter one than MEASURED tokens is priced by the split cycle by cycle instead
+  (ModelDrafter.catch_up_ms), so a request is never locked out by one moment's prices. A catch-up stalls every
   request in the batch: at 8 streams on the pair the 0.5B's catch-ups were most of its drafting time, and it served
   0.86x target-only's tokens/s. The request's chain's model-free members still propose. When it leaves, its
   context waits for idle time: the server's worker, with nothing to run, catches the draft up on it IDLE_CHUNK
@@ -95,9 +96,9 @@ class DraftCache:
         whole batch, and under load each token's share of a pass, and of its saving, is small."""
         if budget is None or self.ms_per_token is None:
             return True
-        left, saves = budget
-        if behind < MEASURED:  # (its time is mostly a step's fixed cost: it pays wherever drafting saves anything)
-            return saves() > 0
+        if behind < MEASURED:  # short: the split prices it cycle by cycle (ModelDrafter.catch_up_ms). Put off for
+            return True  # good, a request never drafts: on short chats at one stream every request was, and no
+        left, saves = budget  # acceptance was ever measured again to undo it
         return self.ms_per_token * behind <= left * saves()
 
     def put_off_for_idle(self, context: list[int], salt: bytes) -> None:

@@ -8,10 +8,11 @@ from time import perf_counter
 import torch
 
 from ..kv import cached_model
+from ..runtime.blocks import BLOCK
 from ..runtime.slot_cache import SlotCache, common_prefix_len, forward_slots
 from ..sampling import draw, warp
 from .base import Draft
-from .draft_cache import DraftCache, draft_cache
+from .draft_cache import MEASURED, DraftCache, draft_cache
 
 # A draft proposes only among the first HEAD_ROWS token ids, so its step reads only those rows of its head. BPE ids
 # follow merge order, roughly frequency: of the pair's target outputs and the shipped prompts, 98.4% and 98.7% of
@@ -35,6 +36,7 @@ class ModelDrafter:
         self.budget: tuple[int, float] | None = None  # (tokens the request may emit, ms of a target pass)
         self.put_off = False  # this request's catch-up did not pay: it drafts nothing with the model
         self._context = None  # the request's context as last proposed for (what a put-off catch-up runs later)
+        self._cached: int | None = None  # positions of its first context the draft's prefix cache held (catch_up_ms)
 
     def propose(self, context, k, params, generator) -> Draft:
         return ModelDrafter.propose_many([self], [context], [k], [params], [generator])[0]
@@ -95,12 +97,20 @@ class ModelDrafter:
 
     def catch_up_ms(self, context) -> float:
         """What its next proposal for `context` would first spend on tokens it did not draft (a chain's copy, the
-        target's corrections) beyond a step's usual CATCHUP_TOKENS, at the catch-up rate measured; 0 before its first
-        proposal (a prompt's catch-up is weighed over the request's life: DraftCache.pays) or once put off."""
+        target's corrections, a short prompt past its cached blocks) beyond a step's usual CATCHUP_TOKENS, at the
+        catch-up rate measured; 0 once put off, and for a first catch-up of MEASURED tokens or more (weighed over the
+        request's life instead: DraftCache.pays)."""
         cache = self.draft_cache
-        if self.put_off or not self.lm.tokens or cache is None or cache.ms_per_token is None:
+        if self.put_off or cache is None or cache.ms_per_token is None:
             return 0.0
-        behind = len(context) - common_prefix_len(self.lm.tokens, context)
+        if self.lm.tokens:
+            behind = len(context) - common_prefix_len(self.lm.tokens, context)
+        else:  # before its first proposal: the prompt past what the draft's prefix cache holds (looked up once)
+            if self._cached is None:
+                self._cached = len(cache.prefixes.lookup(list(context), self.cache_salt)) * BLOCK
+            behind = len(context) - self._cached
+            if behind >= MEASURED:
+                return 0.0
         return behind * cache.ms_per_token if behind > CATCHUP_TOKENS else 0.0
 
     def _caught_up(self, ran: int, ms: float) -> float:
@@ -130,4 +140,4 @@ class ModelDrafter:
 
     def reset(self) -> None:
         self.lm.reset()
-        self.put_off, self._context = False, None
+        self.put_off, self._context, self._cached = False, None, None
