@@ -266,8 +266,9 @@ class BatchEngine(Admission):
                     decoding.append(s)
         base = self.max_batch_rows - rows_left
         every = PROBE_EVERY * max(1, -(-len(decoding) // 4))
-        denied = [s for s in decoding if s.idle >= every and caps[s.id] and not s.fixed_tau]
-        probe = max(denied, key=lambda s: (s.idle, -s.id)).id if denied else None
+        denied = [s for s in decoding if s.idle >= every and caps[s.id] and not s.fixed_tau and (
+            s.id in early or not catch_up_ms(self._state[s.id][1], s.tokens))]  # (a probe never buys a catch-up: the
+        probe = max(denied, key=lambda s: (s.idle, -s.id)).id if denied else None  # split must find it worth it)
         demands = []
         for s in decoding:
             est = self._estimates(s)
