@@ -292,7 +292,10 @@ def cmd_analyze(args) -> int:
         raise SpecDecError("name the traces to analyze, or two with --compare A B (not both)")
     sets = {p: load_traces([p]) for p in args.compare} if args.compare else {" ".join(args.trace): load_traces(args.trace)}
     if args.html:
-        write_report(sets, args.html)
+        try:
+            write_report(sets, args.html)
+        except OSError as e:
+            raise SpecDecError(f"cannot write {args.html}: {e.strerror}")
         print(f"specdec: wrote {args.html}", file=sys.stderr)
     reps = {name: analysis(traces) for name, traces in sets.items()}
     if args.json:

@@ -47,6 +47,9 @@ def test_check_catches_top2_greedy_acceptance(capsys, tiny_dirs, prompts_file, m
     assert code == 1 and not rep["passed"]
     bad = [r for r in rep["greedy"] if not r["ok"]]
     assert bad and all(r["speculative"] != r["target"] and r["first_divergence"] >= 0 for r in bad)
+    assert main(["check", "--target", tiny_dirs["target"], "--prompts", prompts_file, "--limit", "1",
+                 "--sampling-prompts", "0", "--html", str(tmp_path / "no" / "c.html")]) == 2  # unwritable: one line
+    assert capsys.readouterr().err.startswith("specdec: error: cannot write")
     text = page.read_text()  # the page: each divergence token by token, its first differing column marked
     assert "FAILED" in text and text.count("class='first'") == 2 * len(bad)
     for r in bad:

@@ -24,6 +24,8 @@ def test_the_data_is_the_metrics_and_the_page_is_behind_the_key(decoder):
         denied = httpx.get(srv.url + "/dashboard")
         assert denied.status_code == 401 and denied.headers["www-authenticate"].startswith("Basic")
         assert httpx.get(srv.url + "/dashboard/data").status_code == 401
+        bad = httpx.get(srv.url + "/dashboard/data?history=maybe", headers={"authorization": "Bearer sekret"})
+        assert bad.status_code == 400 and "error" in bad.json()  # bad input: a 4xx JSON error
         wrong = base64.b64encode(b"me:wrong").decode()
         assert httpx.get(srv.url + "/dashboard", headers={"authorization": f"Basic {wrong}"}).status_code == 401
         assert httpx.get(srv.url + "/dashboard", headers={"authorization": "Basic !!"}).status_code == 401

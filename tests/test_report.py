@@ -65,8 +65,9 @@ def test_two_traces_side_by_side_and_clear_errors(tmp_path, capsys):
     assert set(json.loads(capsys.readouterr().out)) == {str(a), str(b)}
     assert main(["analyze", str(a), "--compare", str(a), str(b)]) == 2
     assert main(["analyze"]) == 2
+    assert main(["analyze", str(a), "--html", str(tmp_path / "no" / "r.html")]) == 2  # an unwritable page
     err = capsys.readouterr().err
-    assert err.count("specdec: error:") == 2 and "Traceback" not in err
+    assert err.count("specdec: error:") == 3 and "Traceback" not in err
 
 
 def chromium() -> str | None:
