@@ -1,5 +1,5 @@
 """Charts written beside a command's JSON (matplotlib, no display): speed-ups per workload and system (`specdec
-bench`, `benchmarks/pair.py`), and pass curves (`specdec calibrate --plot`)."""
+bench`, `benchmarks/pair.py speed`), and pass curves (`specdec calibrate --plot`)."""
 from __future__ import annotations
 
 

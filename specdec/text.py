@@ -3,7 +3,7 @@
 Each new token is decoded in a small window (the prefix/read offsets vLLM's detokenizer uses: the window starts a
 few tokens back, so a tokenizer that merges spaces or multi-byte characters across tokens still decodes it right),
 and stop strings are looked for only in the new text plus the longest stop's length before it. A 1,000-token
-output therefore costs the same per token at its end as at its start (benchmarks/stop_cost.py).
+output therefore costs the same per token at its end as at its start.
 """
 from __future__ import annotations
 

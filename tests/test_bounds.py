@@ -1,10 +1,10 @@
-"""benchmarks/bounds.py: the cheapest cut of an answer into passes, on toy curves where the answer is known."""
+"""benchmarks/pair.py bounds: the cheapest cut of an answer into passes, on toy curves where the answer is known."""
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks" / "suite"))
 bounds = pytest.importorskip("bounds")
 
 FLAT = {r: 1.0 for r in range(1, 17)}  # every pass costs one row's time

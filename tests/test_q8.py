@@ -323,7 +323,7 @@ def test_prefetch_distances_by_cpu_and_override(monkeypatch, capsys):
 
 
 def test_a_build_from_before_the_l2_distance_is_called_with_its_own_two(tmp_path):
-    """benchmarks/same_kernels.py loads older builds, whose rows_prefetch takes (one, many, out): _prefetch calls
+    """benchmarks/runtime.py same-kernels loads older builds, whose rows_prefetch takes (one, many, out): _prefetch calls
     it with two distances (the L2 one reported as 0), never three (its third argument is the output pointer)."""
     import ctypes
     import shutil

@@ -169,7 +169,7 @@ class Library:
 
 def _prefetch(lib):
     """rows_prefetch3 as a function of (one, many, l2) -> the distances in force. Older builds
-    (benchmarks/same_kernels.py loads them) have rows_prefetch(one, many) without the L2 distance (reported as 0),
+    (benchmarks/runtime.py same-kernels loads them) have rows_prefetch(one, many) without the L2 distance (reported as 0),
     or none at all (a stand-in returning None)."""
     i, p = ctypes.c_int, ctypes.c_void_p
     if hasattr(lib, "rows_prefetch3"):
@@ -194,7 +194,7 @@ def _prefetch(lib):
 
 
 # Bytes q8 tiles prefetch ahead (one-row tiles, the others, the others' second prefetch into L2; 0: none), by CPU
-# vendor: the 1.5B pair's passes measured with benchmarks/ab_curve.py and benchmarks/prefetch_ab.py (docs/runtime.md,
+# vendor: the 1.5B pair's passes measured with benchmarks/runtime.py ab-curve and benchmarks/runtime.py prefetch-ab (docs/runtime.md,
 # "Prefetch"). SPECDEC_Q8_AHEAD=ONE[,MANY[,L2]] overrides.
 PREFETCH = {"GenuineIntel": (2048, 4096, 0), "AuthenticAMD": (0, 8192, 16384)}
 PREFETCH_OTHER = (2048, 4096, 0)
@@ -229,7 +229,7 @@ def cpuinfo(field: str) -> str:
 
 def _amx(lib):
     """rows_amx(min_rows) -> the threshold in force, or a stand-in returning 0 for an older build
-    (benchmarks/same_kernels.py loads them)."""
+    (benchmarks/runtime.py same-kernels loads them)."""
     try:
         rows_amx = lib.rows_amx
     except AttributeError:

@@ -1,6 +1,6 @@
 """Our own quantizer to GGUF's K-quant blocks (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K; the 32-column types through gguf's).
 
-For tests and synthetic model files (benchmarks/synthetic_gguf.py): a plain min/max fit per sub-block, not
+For tests and synthetic model files (benchmarks/runtime.py synthetic-gguf): a plain min/max fit per sub-block, not
 llama.cpp's error search, in the exact byte layout ggml reads (ggml-common.h block_q*_K). gguf's reference
 dequantization reads these bytes back (tests check it), and so do llama.cpp and the runtime's kernels.
 """
