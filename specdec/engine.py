@@ -60,13 +60,14 @@ class Engine:
             tau = policy.next_tau() if self.drafter.name != "none" else 0  # target-only: nothing to ask for
             room = min(max_new_tokens - (len(seq) - n_prompt), self.context_window - len(seq))
             k = max(0, min(tau, room - 1))  # never draft more than can be emitted
-            forced, by, prefill_ms = 0, None, 0.0
+            forced, by, source, prefill_ms = 0, None, None, 0.0
             if constraint is not None:  # what the grammar forces, then the drafter's guess after it: one chain
                 # within τ: a pass's rows cost the same whoever drafted them (`none` drafts nothing: target-only)
                 free = constraint.forced(k) if self.drafter.name != "none" else []
                 rest = k - len(free)
                 more = self.drafter.propose(seq + free, rest, params, gen) if rest > 0 else None
                 prefill_ms = more.prefill_ms if more is not None else 0.0
+                source = (more.by or self.drafter.name) if more is not None and more.tokens else None
                 tokens = free + (best_chain(more)[:rest] if more is not None else [])
                 drafted = len(tokens)
                 draft = Draft(tokens[: constraint.valid_prefix(tokens)]) if tokens else None
@@ -85,6 +86,7 @@ class Engine:
                     tau = k = max(1, min(self.drafter.depth(self.costs), room - 1))  # as deep as the curve pays for
                 if draft is None:
                     draft = self.drafter.propose(seq, k, params, gen) if k else None
+                    source = (draft.by or self.drafter.name) if draft is not None and draft.tokens else None
                 drafted = len(draft.tokens) if draft is not None else 0
                 prefill_ms = draft.prefill_ms if draft is not None else 0.0
                 draft = self._shape(draft, k, self.context_window - len(seq) - 1)
@@ -130,7 +132,8 @@ class Engine:
                                  verify_ms=round((t2 - t1) * 1e3, 3), cycle_ms=round((perf_counter() - t0) * 1e3, 3),
                                  finish_reason=finish, parents=draft.parents if draft is not None else None,
                                  path=nodes if draft is not None and draft.is_tree else None, forced=forced,
-                                 asked=k, drafted=drafted, by=by, draft_prefill_ms=round(prefill_ms, 3),
+                                 asked=k, drafted=drafted, by=by or (source if proposed else None),
+                                 draft_prefill_ms=round(prefill_ms, 3),
                                  short=shortfall(tau, k, drafted, len(proposed),
                                                  later_cut="grammar" if constraint is not None else "budget"))
             if cycle == 0:

@@ -24,7 +24,8 @@ class CycleRecord:
     asked: int | None = None  # tokens the drafter was asked for (τ cut by the room left, or by the scheduler)
     drafted: int | None = None  # tokens (a tree: nodes) the drafter returned, before any cut
     short: str | None = None  # why fewer than τ drafts were verified (SHORTFALLS); None: all τ (or no record of it)
-    by: str | None = None  # "prediction" when the request's predicted output proposed this cycle's draft
+    by: str | None = None  # who proposed this cycle's draft: "prediction" (the request's predicted output), or the
+    # drafter's name (a chain's member: `ngram`, a model draft's spec); None when nothing was proposed
     draft_prefill_ms: float = 0.0  # of draft_ms, a model draft's catch-up on unseen tokens (Draft.prefill_ms)
     cached_tokens: int = 0  # (first record) prompt positions found computed: the prefix cache's or a twin's
 

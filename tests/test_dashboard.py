@@ -9,7 +9,9 @@ from test_report import chromium
 from test_server import LiveServer, chat_completion
 
 from specdec import SpecDecoder
+from specdec.drafters import ChainDrafter, ModelDrafter, NgramDrafter
 from specdec.server import create_app
+from specdec.server.metrics import draft_label
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +53,34 @@ def test_the_data_is_the_metrics_and_the_page_is_behind_the_key(decoder):
         srv.stop()
 
 
+def test_acceptance_is_counted_per_draft_of_a_chain(tok, target, draft_close):
+    """A chain's proposals are booked to the member that made them (`by`): the per-draft counters add up to the
+    totals, both members show, and each member's acceptance is its own (the copy's differs from the model's)."""
+    chain = ChainDrafter([NgramDrafter(), ModelDrafter(draft_close, target.config.vocab_size, name="/x/close.gguf")])
+    srv = LiveServer(create_app(SpecDecoder.from_models(target, tok, draft=chain, tau=3), model_name="tiny"))
+    try:
+        for text in ("the cat sat on the mat. the cat sat on the", "abcabcabcabcabcabcabc"):  # ngram continues these
+            r = httpx.post(srv.url + "/v1/completions", json={"prompt": text, "max_tokens": 40}, timeout=60)
+            assert r.status_code == 200
+        now = httpx.get(srv.url + "/dashboard/data").json()["now"]
+        m = srv.metrics()
+        by = now["by_draft"]
+        assert set(by) == {"ngram", "close"}  # a model draft's file by its stem
+        assert sum(p for p, _ in by.values()) == now["drafted"] == m[("specdec_draft_tokens_total", ())] > 0
+        assert sum(a for _, a in by.values()) == now["accepted"] == m[("specdec_accepted_tokens_total", ())]
+        for name, (proposed, accepted) in by.items():
+            assert m[("specdec_draft_tokens_by_draft_total", (("draft", name),))] == proposed > 0
+            assert m[("specdec_accepted_tokens_by_draft_total", (("draft", name),))] == accepted <= proposed
+    finally:
+        srv.stop()
+
+
+def test_a_drafters_name_is_a_short_label():
+    assert draft_label("keep:/root/.cache/specdec/pair/coder05.gguf") == "coder05"
+    assert draft_label("/models/feature.safetensors") == "feature"
+    assert draft_label("ngram") == "ngram" and draft_label("prediction") == "prediction"
+
+
 @pytest.mark.skipif(chromium() is None, reason="no Chromium installed (CI installs one)")
 def test_the_page_draws_every_chart_in_a_browser(decoder):
     srv = LiveServer(create_app(decoder, model_name="tiny"))
@@ -78,6 +108,8 @@ def test_the_grafana_dashboard_queries_only_metrics_the_server_exports(decoder):
 
     m = Metrics()  # (a labelled series appears once a label is set)
     m.accepted_pos.labels(position="1").inc()
+    for c in (m.drafted_by, m.accepted_by):
+        c.labels(draft="ngram").inc()
     for g in (m.pass_priced, m.pass_start):
         g.labels(rows="1").set(1.0)
     served = {line.split("{")[0].split(" ")[0] for line in generate_latest(m.registry).decode().splitlines()
@@ -85,5 +117,5 @@ def test_the_grafana_dashboard_queries_only_metrics_the_server_exports(decoder):
     board = json.loads((Path(__file__).parent.parent / "docs" / "grafana_dashboard.json").read_text())
     exprs = [t["expr"] for p in board["panels"] for t in p["targets"]]
     names = {n for e in exprs for n in re.findall(r"[a-z_]+:?[a-z_]+(?=[\[{)\s]|$)", e)} - {
-        "sum", "rate", "by", "le", "position", "histogram_quantile"}
+        "sum", "rate", "by", "le", "position", "draft", "histogram_quantile"}
     assert names and not names - served, names - served

@@ -4,7 +4,7 @@ import torch
 from tiny import VOCAB, char_tokenizer, reference_greedy, tiny_llama
 
 from specdec import InvalidRequest, SpecDecoder
-from specdec.drafters import ModelDrafter, NgramDrafter, NoDrafter
+from specdec.drafters import ChainDrafter, ModelDrafter, NgramDrafter, NoDrafter
 from specdec.engine import Engine
 from specdec.sampling import SamplingParams
 
@@ -50,6 +50,17 @@ def test_drafters_exercise_partial_acceptance(tok, target, draft_close):
     assert any(a == 4 for a in accepted) and any(0 < a < 4 for a in accepted) and 0 in accepted
     self_recs = run_ids(engine_for(target, ModelDrafter(target, VOCAB)), tok("Hello").input_ids, 30, 4)[1]
     assert all(r.accepted == len(r.proposed) for r in self_recs)  # the target as its own draft: all accepted
+
+
+def test_each_cycle_names_the_member_of_a_chain_that_drafted_it(tok, target, draft_close):
+    """`by`: a chain's cycle is booked to its member that proposed (the copy where the text repeats, the model
+    elsewhere), a lone drafter's to itself, and a cycle that proposed nothing to nobody."""
+    chain = ChainDrafter([NgramDrafter(), ModelDrafter(draft_close, VOCAB, name="close")])
+    recs = run_ids(engine_for(target, chain), tok("the cat sat on the mat. the cat sat on the").input_ids, 40, 3)[1]
+    assert recs[0].by == "ngram" and {r.by for r in recs if r.proposed} == {"ngram", "close"}
+    assert all(r.by is None for r in recs if not r.proposed)
+    alone = run_ids(engine_for(target, ModelDrafter(draft_close, VOCAB, name="close")), tok("Hello").input_ids, 20, 3)[1]
+    assert {r.by for r in alone if r.proposed} == {"close"}
 
 
 @pytest.mark.parametrize("kind", ["none", "ngram", "close"])

@@ -339,7 +339,7 @@ class BatchEngine(Admission):
             for (s, tau), draft, ms in zip(late, made, share):
                 if draft is not None and s.constraint is not None:  # one chain, cut where the grammar refuses
                     chain = best_chain(draft)[:tau]
-                    draft = Draft(chain[: s.constraint.valid_prefix(chain)], prefill_ms=draft.prefill_ms)
+                    draft = Draft(chain[: s.constraint.valid_prefix(chain)], prefill_ms=draft.prefill_ms, by=draft.by)
                 if draft is not None:
                     early[s.id], draft_ms[s.id] = draft, ms
                     self._prefill_ms[s.id] = draft.prefill_ms
@@ -523,7 +523,8 @@ class BatchEngine(Admission):
         ask = cap if free else cap - len(forced) if len(self.running) <= EARLY_MODEL_BATCH else 0
         more = drafter.propose(s.tokens + forced, ask, s.params, s.generator) if ask > 0 else None
         tokens = forced + (best_chain(more)[:cap] if more is not None else [])
-        return Draft(tokens[: s.constraint.valid_prefix(tokens)]), len(tokens)
+        by = (more.by or drafter.name) if more is not None and more.tokens else None
+        return Draft(tokens[: s.constraint.valid_prefix(tokens)], by=by), len(tokens)
 
     def _propose_late(self, late: list[tuple[Sequence, int]]) -> list:
         """Drafts for the requests that draft after the row split, batched; should the batched call raise, each
@@ -618,7 +619,8 @@ class BatchEngine(Admission):
                           prompt_logprobs=s.scored if s.prompt_logprobs is not None and s.cycle == 0 else None,
                           cached_tokens=s.cached if s.cycle == 0 else 0,
                           asked=asked, drafted=drafted,
-                          short=shortfall(limit, asked, drafted, len(proposed), asked_cut, later_cut), by=by)
+                          short=shortfall(limit, asked, drafted, len(proposed), asked_cut, later_cut),
+                          by=by or ((draft.by or getattr(drafter, "name", None)) if proposed else None))
         if s.logprobs is not None:
             rec.logprobs = token_logprobs(choice_rows(block, nodes, tree and s.constraint is None, masked), emitted,
                                           s.params, s.logprobs)

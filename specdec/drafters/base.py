@@ -22,6 +22,7 @@ class Draft:
     # of the drafting time, the ms a model draft spent catching up on a stretch it had not seen (the prompt, or
     # tokens other drafters proposed): paid once, not per drafted token, so the cost estimates leave it out
     prefill_ms: float = 0.0
+    by: str | None = None  # the drafter that proposed it (a chain's member; drafters.chain sets it)
 
     @property
     def is_tree(self) -> bool:

@@ -39,7 +39,9 @@ class ChainDrafter:
             branching = self.makes_trees and hasattr(m, "propose_tree")  # several continuations, as one tree
             draft = (m.propose_tree if branching else m.propose)(context, k, params, generator)
             if draft.tokens:
-                return self._with_trees(i, draft, context, k, params, generator) if self.makes_trees else draft
+                draft = self._with_trees(i, draft, context, k, params, generator) if self.makes_trees else draft
+                draft.by = draft.by or m.name
+                return draft
         return Draft()
 
     def _with_trees(self, i, draft, context, k, params, generator) -> Draft:
@@ -92,6 +94,7 @@ class ChainDrafter:
                                   [ks[i] for i in pending], [params[i] for i in pending],
                                   [generators[i] for i in pending])
             for i, d in zip(pending, drafts):
+                d.by = d.by or chains[i].members[m].name
                 out[i] = d
             pending = [i for i, d in zip(pending, drafts) if not d.tokens]
         return out

@@ -72,7 +72,8 @@ def prune(draft: Draft, n: int) -> Draft:
     """The first n nodes of a best-first tree (closed under ancestors)."""
     if not draft.is_tree or n >= len(draft.tokens):
         return draft
-    return Draft(draft.tokens[:n], parents=draft.parents[:n], values=draft.values[:n] if draft.values else None)
+    return Draft(draft.tokens[:n], parents=draft.parents[:n], values=draft.values[:n] if draft.values else None,
+                 by=draft.by)
 
 
 def merge(first: Draft, second: Draft, max_nodes: int) -> Draft:
@@ -95,4 +96,4 @@ def merge(first: Draft, second: Draft, max_nodes: int) -> Draft:
                 index[key] = len(tokens)
                 tokens.append(t), parents.append(parent), values.append(vs[i])
             mine[i] = index[key]
-    return Draft(tokens, parents=parents, values=values)
+    return Draft(tokens, parents=parents, values=values, by=first.by or second.by)

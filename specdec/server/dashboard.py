@@ -30,15 +30,21 @@ FIELDS = {  # snapshot field -> (metric family, sample name)
 }
 
 
+BY_DRAFT = {"specdec_draft_tokens_by_draft_total": 0, "specdec_accepted_tokens_by_draft_total": 1}
+
+
 def snapshot(registry) -> dict:
-    """The FIELDS now (each summed over its labels), with the time they were read."""
+    """The FIELDS now (each summed over its labels), and per drafter [proposed, accepted] (`by_draft`), with the time
+    they were read."""
     wanted = {sample: field for field, (_, sample) in FIELDS.items()}
-    out = dict.fromkeys(FIELDS, 0.0)
+    out, by_draft = dict.fromkeys(FIELDS, 0.0), {}
     for family in registry.collect():
         for s in family.samples:
             if s.name in wanted:
                 out[wanted[s.name]] += s.value
-    return {"t": time.time(), **out}
+            elif s.name in BY_DRAFT:
+                by_draft.setdefault(s.labels["draft"], [0.0, 0.0])[BY_DRAFT[s.name]] = s.value
+    return {"t": time.time(), **out, "by_draft": by_draft}
 
 
 class History:
@@ -73,7 +79,8 @@ def page(model: str, draft: str) -> str:
 
 PLOTS = {  # div id -> (title, y axis)
     "tokens": ["tokens per second", "tokens/s"],
-    "acceptance": ["draft acceptance (accepted / proposed)", "share"],
+    "acceptance": ["draft acceptance (accepted / proposed), all and by draft", "share"],
+    "drafts": ["accepted draft tokens per second, by draft", "tokens/s"],
     "rows": ["rows per target pass", "rows"],
     "queue": ["requests running and waiting", "requests"],
     "kv": ["KV cache in use", "share of the pool"],
@@ -100,7 +107,12 @@ function add(now) {
     if (last && now.t > last.t) {
       const dt = now.t - last.t, d = k => now[k] - last[k];
       push('tokens', 'tokens/s', now.t, d('generated') / dt);
-      push('acceptance', 'accepted/proposed', now.t, ratio(d('accepted'), d('drafted')));
+      push('acceptance', 'all', now.t, ratio(d('accepted'), d('drafted')));
+      for (const name in now.by_draft) {  // each drafter (a chain's member, or the prediction) on its own line
+        const [p, a] = now.by_draft[name], [p0, a0] = (last.by_draft || {})[name] || [0, 0];
+        push('acceptance', name, now.t, ratio(a - a0, p - p0));
+        push('drafts', name, now.t, (a - a0) / dt);
+      }
       push('rows', 'rows/pass', now.t, ratio(d('rows_sum'), d('rows_count')));
       push('queue', 'running', now.t, now.running);
       push('queue', 'waiting', now.t, now.waiting);

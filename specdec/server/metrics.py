@@ -2,6 +2,7 @@
 Acceptance rate = accepted / drafted; mean accepted length = accepted / cycles (as vLLM users compute them)."""
 from __future__ import annotations
 
+from pathlib import Path
 from time import monotonic
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -10,6 +11,11 @@ from ..analyze import STALE
 
 STALE_AFTER = 3  # passes of a size timed before its price is compared with where it started (analyze: min_cycles)
 MS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+def draft_label(name: str) -> str:
+    """A drafter's name as a metric label: a model draft's file by its stem (`keep:/x/coder05.gguf` -> coder05)."""
+    return Path(name.split(":", 1)[-1]).stem if "/" in name else name
 
 
 class Metrics:
@@ -21,6 +27,10 @@ class Metrics:
         self.prompt_tokens = Counter("specdec_prompt_tokens", "Prompt tokens processed", registry=r)
         self.drafted = Counter("specdec_draft_tokens", "Draft tokens proposed", registry=r)
         self.accepted = Counter("specdec_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.drafted_by = Counter("specdec_draft_tokens_by_draft", "Draft tokens proposed, by the drafter that "
+                                  "proposed them (a chain's member, or `prediction`)", ["draft"], registry=r)
+        self.accepted_by = Counter("specdec_accepted_tokens_by_draft", "Draft tokens accepted, by the drafter that "
+                                   "proposed them", ["draft"], registry=r)
         self.accepted_pos = Counter("specdec_accepted_tokens_by_position", "Accepted draft tokens by position",
                                     ["position"], registry=r)
         self.cycles = Counter("specdec_cycles", "Target passes (one speculative cycle of every request in them)",
@@ -115,6 +125,9 @@ class Metrics:
         """One request's cycle: its drafts, acceptance and tokens."""
         self.drafted.inc(len(rec.proposed))
         self.accepted.inc(rec.accepted)
+        if rec.proposed and rec.by:
+            self.drafted_by.labels(draft=draft_label(rec.by)).inc(len(rec.proposed))
+            self.accepted_by.labels(draft=draft_label(rec.by)).inc(rec.accepted)
         for k in range(rec.accepted):
             self.accepted_pos.labels(position=str(k + 1)).inc()
         self.generated.inc(len(rec.emitted))
