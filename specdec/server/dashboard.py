@@ -14,6 +14,8 @@ import json
 import threading
 import time
 
+from .metrics import draft_label
+
 # what the page plots, each from the snapshot's fields (rates: the change between two polls over the seconds between)
 FIELDS = {  # snapshot field -> (metric family, sample name)
     "generated": ("specdec_generated_tokens", "specdec_generated_tokens_total"),
@@ -70,7 +72,7 @@ class History:
 def page(model: str, draft: str) -> str:
     from plotly.offline import get_plotlyjs
 
-    title = html.escape(f"specdec: {model} (draft: {draft})")
+    title = html.escape(f"specdec: {model} (draft: {'+'.join(map(draft_label, draft.split('+')))})")
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title><style>{STYLE}</style>"
             f"<script>{get_plotlyjs()}</script></head><body><h1>{title}</h1><p id='status'>waiting for data…</p>"
             f"<div class='grid'>{''.join(f'<div id={json.dumps(k)}></div>' for k in PLOTS)}</div>"
@@ -89,15 +91,19 @@ PLOTS = {  # div id -> (title, y axis)
 STYLE = ("body{font-family:system-ui,sans-serif;margin:1em;color:#222}h1{font-size:1.2em}"
          ".grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(420px,1fr));gap:.5em}")
 SCRIPT = """
-const WINDOW_S = 600, POLL_MS = 2000, series = {};
+const WINDOW_S = 600, POLL_MS = 2000, series = {}, colors = {all: '#444'};
+const PALETTE = ['#1f77b4', '#ff7f0e', '#2ca02c', '#d62728', '#9467bd', '#8c564b', '#e377c2', '#17becf'];
 for (const id in PLOTS) {
   series[id] = {};
   Plotly.newPlot(id, [], {title: {text: PLOTS[id][0]}, height: 260, margin: {l: 50, r: 10, t: 40, b: 30},
                           yaxis: {title: {text: PLOTS[id][1]}, rangemode: 'tozero'}, xaxis: {type: 'date'}},
-                 {displaylogo: false});
+                 {displaylogo: false, displayModeBar: false});  // zoom: drag; back: double-click
 }
-function push(id, name, t, y) {
-  const s = series[id][name] = series[id][name] || {x: [], y: [], name: name, mode: 'lines'};
+function push(id, name, t, y, drawn_by_draft) {
+  // a draft keeps one colour on every chart (its acceptance and its tokens); other lines take Plotly's own
+  if (drawn_by_draft) colors[name] = colors[name] || PALETTE[(Object.keys(colors).length - 1) % PALETTE.length];
+  const s = series[id][name] = series[id][name] || {x: [], y: [], name: name, mode: 'lines',
+                                                    line: drawn_by_draft ? {color: colors[name]} : {}};
   s.x.push(new Date(t * 1000)); s.y.push(y);
   while (s.x.length && s.x[0] < new Date((t - WINDOW_S) * 1000)) { s.x.shift(); s.y.shift(); }
 }
@@ -107,11 +113,11 @@ function add(now) {
     if (last && now.t > last.t) {
       const dt = now.t - last.t, d = k => now[k] - last[k];
       push('tokens', 'tokens/s', now.t, d('generated') / dt);
-      push('acceptance', 'all', now.t, ratio(d('accepted'), d('drafted')));
+      push('acceptance', 'all', now.t, ratio(d('accepted'), d('drafted')), true);
       for (const name in now.by_draft) {  // each drafter (a chain's member, or the prediction) on its own line
         const [p, a] = now.by_draft[name], [p0, a0] = (last.by_draft || {})[name] || [0, 0];
-        push('acceptance', name, now.t, ratio(a - a0, p - p0));
-        push('drafts', name, now.t, (a - a0) / dt);
+        push('acceptance', name, now.t, ratio(a - a0, p - p0), true);
+        push('drafts', name, now.t, (a - a0) / dt, true);
       }
       push('rows', 'rows/pass', now.t, ratio(d('rows_sum'), d('rows_count')));
       push('queue', 'running', now.t, now.running);
