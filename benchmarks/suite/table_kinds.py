@@ -161,6 +161,27 @@ def trees_table(result: dict) -> str:
     return grid(["workload", "draft", "speedup", "tokens/pass", "nodes/pass", "accepted/pass", "draft ms/cycle"], rows)
 
 
+def bench_table(result: dict) -> str:
+    """`specdec bench --json`: each configuration against target-only and llama.cpp, in one interleaved run."""
+    rows, runs = [], result["results"]
+    cpp = next((r["tokens_per_s"] for r in runs if r["engine"] == "llama.cpp"), None)
+    for r in runs:
+        draft, tau = r.get("draft") or "none", f" τ={r['tau']}" if r.get("tau") else ""
+        if r["engine"] == "specdec":
+            label = "specdec target-only" if draft == "none" else f"specdec `{draft}`{tau}"
+            same = "yes" if r["identical_to_baseline"] else "**no**"
+        elif r["engine"] == "llama.cpp":
+            label, same = "llama.cpp (llama-cpp-python, same GGUF)", "no" if not r["identical_to_baseline"] else "yes"
+        else:  # transformers on the fp32-dequantized weights: equal to target-only in `exact` numerics, not q8
+            label = "transformers `generate`" if draft == "none" else f"transformers prompt lookup{tau}"
+            same = "yes" if r["identical_to_baseline"] else f"no ({result['numerics']} vs fp32)"
+        rows.append([label, f"{r['tokens_per_s']:.1f}", f"{r['tokens_per_s'] / cpp:.2f}x" if cpp else "–",
+                     f"{r['speedup']:.2f}x", f"{r['acceptance_rate']:.2f}" if r.get("acceptance_rate") else "–",
+                     f"{r['target_passes_per_token']:.2f}" if r.get("target_passes_per_token") else "–", same])
+    return grid(["system", "tokens/s", "vs llama.cpp", "vs target-only", "acceptance", "passes/token",
+                 "= target-only"], rows)
+
+
 def _drafts(options: list[str]) -> str:
     """A setup's options as typed, with the pair's draft file shown as 0.5B."""
     return re.sub(r"[^\s+]*/coder05\.gguf", "0.5B", " ".join(options))
@@ -208,4 +229,4 @@ def diagnosis_table(result: list) -> str:
 KINDS = {"pair": pair_table, "pair_bounds": pair_bounds_table, "streams": streams_table, "headline": headline_table, "verify_curve": verify_curve_table,
          "numerics_curve": numerics_curve_table, "structured": structured_table, "gemma": gemma_table,
          "synthetic": synthetic_table, "memory_waves": memory_waves_table, "trees": trees_table,
-         "diagnosis_pair": diagnosis_pair_table, "diagnosis": diagnosis_table}
+         "diagnosis_pair": diagnosis_pair_table, "bench": bench_table, "diagnosis": diagnosis_table}
