@@ -198,7 +198,8 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
 # subcommand -> the module that registers it; only the one asked for is imported (a cold `specdec generate` does
 # not pay for transformers' generation utilities or the server's web stack)
 COMMANDS = {"bench": "bench", "tune": "tune", "analyze": "report", "check": "check", "distill": "distill",
-            "serve": "server", "perplexity": "perplexity", "datastore": "datastore", "calibrate": "calibrate"}
+            "serve": "server", "perplexity": "perplexity", "datastore": "datastore", "calibrate": "calibrate",
+            "vocab": "vocab"}
 
 
 def _extra_commands(argv=None):

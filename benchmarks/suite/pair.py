@@ -199,6 +199,8 @@ def systems(target: Path, draft: Path, threads: int, previous: str | None = None
             "ours": ours,
             "ours-0.5b": ours + ["--draft", str(draft)],
             "ours-ngram-0.5b": ours + ["--draft", f"ngram+{draft}"],
+            "ours-0.5b-32k": ours + ["--draft", f"{draft}:vocab=32768"],  # its head trimmed (`specdec vocab` first)
+            "ours-0.5b-16k": ours + ["--draft", f"{draft}:vocab=16384"],
             "ours-0.5b-file": ours + ["--draft", f"keep:{draft}"],  # the file's own Q5_0/Q8_0, not its 4-bit copy
             "ours-0.5b-uncached": ["env", "SPECDEC_DRAFT_PREFIX_CACHE=0", *ours, "--draft", str(draft)],
             "ours-ngram-0.5b-unquoted": ["env", "SPECDEC_QUOTED_DRAFTS=0", *ours, "--draft", f"ngram+{draft}"],

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import re
 
-NAMES = {"llama": "llama-server", "ours-none": "ours `none`", "ours": "ours `ngram`", "ours-0.5b": "ours 0.5B"}
+NAMES = {"llama": "llama-server", "ours-none": "ours `none`", "ours": "ours `ngram`", "ours-0.5b": "ours 0.5B",
+         "ours-0.5b-32k": "ours 0.5B, 32k head", "ours-0.5b-16k": "ours 0.5B, 16k head"}
 WORKLOADS = {"completion": "completion", "chat": "chat", "edits": "edits", "fim": "fill-in",
              "chat-sampled": "chat T0.7", "edits-predicted": "edits predicted", "all": "all"}
 

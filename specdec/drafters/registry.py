@@ -32,6 +32,7 @@ from .model import ModelDrafter
 from .ngram import NgramDrafter
 from .recycle import RecycleDrafter, load_tables
 from .suffix import SuffixDrafter, load_stores
+from .vocab import kept_ids, load_counts, split_trim
 
 SHIPPED_DRAFT = Path(__file__).parent.parent / "drafts" / "smollm2-135m-instruct"  # trained by `specdec distill`
 
@@ -68,6 +69,8 @@ def register(name: str):
 def build(spec: str, target: Target):
     if "+" in spec and not Path(spec).exists():
         return ChainDrafter([build(part, target) for part in spec.split("+")])
+    if ":vocab=" in spec and not Path(spec).exists():
+        return _trimmed(spec, target)
     head = spec.split(":", 1)[0]
     if head in BUILDERS and not Path(spec).exists():
         return BUILDERS[head](spec, target)
@@ -156,6 +159,31 @@ def _keep(spec, target):
     if not spec.split(":", 1)[1]:
         raise InvalidRequest("--draft keep:FILE needs a draft model file")
     return _draft_model(spec.split(":", 1)[1], target, name=spec, four_bit=False)
+
+
+def _trimmed(spec: str, target: Target):
+    """`FILE:vocab=N` (or `keep:FILE:vocab=N`): a draft model whose head keeps N token ids (drafters/vocab.py)."""
+    try:
+        base, n = split_trim(spec)
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from None
+    keep = base.startswith("keep:")
+    file = base.split(":", 1)[1] if keep else base
+    if file in BUILDERS or file == target.spec:
+        raise InvalidRequest(f"--draft {spec!r}: vocab=N trims a draft model file's head, not {file!r}'s")
+    drafter = _draft_model(file, target, name=spec, four_bit=not keep)
+    model = getattr(drafter.lm, "model", None) if isinstance(drafter, ModelDrafter) else None
+    if not hasattr(model, "keep_head_rows"):
+        raise InvalidRequest(f"--draft {spec!r}: vocab=N needs a draft model on specdec's runtime (a GGUF file, or "
+                             "--backend runtime)")
+    if model.head_ids is None:  # (loaded once per spec: target.loaded)
+        counts = load_counts(target.spec)
+        model.keep_head_rows(kept_ids(target.vocab, n, models.eos_ids(target.model, target.tokenizer), counts))
+        source = ("the most frequent in the target's counted text" if counts else
+                  f"the lowest ids; `specdec vocab --target {target.spec}` counts the target's own text")
+        print(f"specdec: draft head trimmed to {len(model.head_ids):,} of {target.vocab:,} token ids ({source})",
+              file=sys.stderr)
+    return drafter
 
 
 def _draft_model(spec: str, target: Target, name: str | None = None, four_bit: bool = True):

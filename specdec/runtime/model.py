@@ -78,6 +78,7 @@ class Llama:
         self.numerics = numerics
         self.embed, self.layers, self.norm, self.head = embed, layers, norm, head
         self._heads: dict[int, QTensor] = {}  # head_rows -> the head's first rows (_head)
+        self.head_ids: torch.Tensor | None = None  # a trimmed head's token ids, row by row (keep_head_rows)
         self.hd, self.heads, self.kv_heads = config.head_dim, config.num_attention_heads, config.num_key_value_heads
         self.eps = float(config.rms_norm_eps)
         self.interleaved = bool(getattr(config, "rope_interleaved", False))  # llama.cpp's Q/K row order
@@ -333,9 +334,18 @@ class Llama:
         logits = qlinear(rows.contiguous(), self._head(head_rows), q8=self.q8) if len(rows) else None
         return (logits, h) if hidden else logits
 
+    def keep_head_rows(self, ids: torch.Tensor) -> None:
+        """Keep only these token ids' rows of the head (a copy; the embedding stays whole): logits come out over
+        `head_ids` in this order (slot_cache.fit_vocab scatters them back to token ids). A draft's trimmed head."""
+        if self.head_ids is not None:
+            raise ValueError("the head is trimmed already")
+        ids = torch.as_tensor(ids, dtype=torch.long)
+        self.head, self.head_ids, self._heads = self.head.take(ids), ids, {}
+
     def _head(self, rows: int | None) -> QTensor:
-        """The head, or its first `rows` rows (views of its bytes and q8 layout, made once per size)."""
-        if rows is None or rows >= self.head.n:
+        """The head, or its first `rows` rows (views of its bytes and q8 layout, made once per size); a trimmed head
+        whole (its rows are the kept ids already)."""
+        if rows is None or rows >= self.head.n or self.head_ids is not None:
             return self.head
         if rows not in self._heads:
             self._heads[rows] = self.head.first(rows)

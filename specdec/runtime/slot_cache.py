@@ -48,7 +48,7 @@ class SlotCache:
                                  range(len(new) - n_logits, len(new)), hidden, head_rows=head_rows)
         self.tokens.extend(new)
         logits = out[0] if hidden else out
-        logits = fit_vocab(logits, self.vocab_size)
+        logits = fit_vocab(logits, self.vocab_size, self.model.head_ids)
         return (logits, out[1]) if hidden else logits
 
     def forward_tree(self, tokens: list[int], tree: list[int], parents: list[int], hidden: bool = False):
@@ -69,7 +69,8 @@ class SlotCache:
                                  range(len(new) - 1, len(new) + len(tree)), hidden, paths=paths)
         self.tokens.extend(new)
         self._tree = (base, tree, paths[len(new):])
-        return (fit_vocab(out[0], self.vocab_size), out[1]) if hidden else fit_vocab(out, self.vocab_size)
+        ids = self.model.head_ids
+        return (fit_vocab(out[0], self.vocab_size, ids), out[1]) if hidden else fit_vocab(out, self.vocab_size, ids)
 
     def keep_path(self, nodes: list[int]) -> None:
         """After forward_tree: the accepted nodes (a root-to-node path, in order) join the cached sequence, their
@@ -104,11 +105,16 @@ def forward_slots(caches: list[SlotCache], seqs: list[list[int]], head_rows: int
     logits = caches[0].model.forward(tokens, slots, positions, last, head_rows=head_rows)
     for cache, seq in zip(caches, seqs):
         cache.tokens.extend(seq[cache.last_start:])
-    return fit_vocab(logits, caches[0].vocab_size)
+    return fit_vocab(logits, caches[0].vocab_size, caches[0].model.head_ids)
 
 
-def fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Models may pad their output head; align every model to the target's vocabulary size."""
+def fit_vocab(logits: torch.Tensor, vocab: int, head_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Models may pad their output head; align every model to the target's vocabulary size. A trimmed head's logits
+    (over `head_ids`) go to their token ids, the rest -inf: a softmax over them is renormalized over the kept set."""
+    if head_ids is not None:
+        full = logits.new_full((*logits.shape[:-1], vocab), float("-inf"))
+        full[..., head_ids] = logits
+        return full
     if logits.shape[-1] > vocab:
         return logits[..., :vocab]
     if logits.shape[-1] < vocab:
