@@ -35,6 +35,24 @@ def rope(x: torch.Tensor, pos: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
+def attend(q, k, v, cache, rep: int):
+    """Causal attention of a block of new positions q [B, h, T, hd] over the cached keys and values and their own
+    (k, v [B, kv_heads, T, hd]; each kv head serves `rep` query heads) -> (output [B, h, T, hd], the new cache)."""
+    T = q.shape[2]
+    if cache is not None:
+        k, v = torch.cat([cache[0], k], 2), torch.cat([cache[1], v], 2)
+    ke, ve = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    if T == 1:
+        a = F.scaled_dot_product_attention(q, ke, ve)
+    elif cache is None or cache[0].shape[2] == 0:
+        a = F.scaled_dot_product_attention(q, ke, ve, is_causal=True)
+    else:  # new block after a cached prefix: causal within the block
+        L = ke.shape[2]
+        allowed = torch.ones(T, L, dtype=torch.bool).tril(L - T)
+        a = F.scaled_dot_product_attention(q, ke, ve, attn_mask=allowed)
+    return a, (k, v)
+
+
 class FeatureDraftNet(nn.Module):
     def __init__(self, hidden: int, heads: int, kv_heads: int, intermediate: int, rope_theta: float, eps: float):
         super().__init__()
@@ -64,22 +82,11 @@ class FeatureDraftNet(nn.Module):
         q = rope(self.q(x).view(B, T, h, self.hd).transpose(1, 2), pos, self.inv_freq)
         k = rope(self.k(x).view(B, T, kvh, self.hd).transpose(1, 2), pos, self.inv_freq)
         v = self.v(x).view(B, T, kvh, self.hd).transpose(1, 2)
-        if cache is not None:
-            k, v = torch.cat([cache[0], k], 2), torch.cat([cache[1], v], 2)
-        rep = h // kvh
-        ke, ve = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        if T == 1:
-            a = F.scaled_dot_product_attention(q, ke, ve)
-        elif cache is None or cache[0].shape[2] == 0:
-            a = F.scaled_dot_product_attention(q, ke, ve, is_causal=True)
-        else:  # new block after a cached prefix: causal within the block
-            L = ke.shape[2]
-            allowed = torch.ones(T, L, dtype=torch.bool).tril(L - T)
-            a = F.scaled_dot_product_attention(q, ke, ve, attn_mask=allowed)
+        a, cache = attend(q, k, v, cache, h // kvh)
         x = x + self.o(a.transpose(1, 2).reshape(B, T, -1))
         y = self.mlp_norm(x)
         x = x + self.down(F.silu(self.gate(y)) * self.up(y))
-        return self.out_norm(x), (k, v)
+        return self.out_norm(x), cache
 
 
 def _compact(w: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ from .base import NoDrafter
 from .chain import ChainDrafter
 from .datastore import FILE as DATASTORE_FILE
 from .datastore import DatastoreDrafter
+from .eagle3 import Eagle3Drafter, is_eagle3
 from .feature import FeatureDrafter
 from .feature_files import MARKER, check_target, is_feature_draft
 from .model import ModelDrafter
@@ -68,7 +69,12 @@ def register(name: str):
 
 def build(spec: str, target: Target):
     if "+" in spec and not Path(spec).exists():
-        return ChainDrafter([build(part, target) for part in spec.split("+")])
+        members = [build(part, target) for part in spec.split("+")]
+        readers = [m for m in members if getattr(m, "wants_target_hidden", False)]
+        if len(readers) > 1 and any(isinstance(m, Eagle3Drafter) for m in readers):
+            raise InvalidRequest(f"--draft {spec!r}: an EAGLE-3 head and another feature draft read different "
+                                 "states of the target; chain one of them")
+        return ChainDrafter(members)
     if ":vocab=" in spec and not Path(spec).exists():
         return _trimmed(spec, target)
     head = spec.split(":", 1)[0]
@@ -193,6 +199,8 @@ def _draft_model(spec: str, target: Target, name: str | None = None, four_bit: b
     if name in target.loaded:
         return ModelDrafter(target.loaded[name], target.vocab, name=name)
     path = SHIPPED_DRAFT if spec == "shipped" else models.resolve(spec)
+    if is_eagle3(path):
+        return Eagle3Drafter.load(path, target.model, name=name)
     if is_feature_draft(path):
         name = f"shipped:{SHIPPED_DRAFT.name}" if Path(path) == SHIPPED_DRAFT else name
         return FeatureDrafter.load(path, target.model, target.fingerprint, name=name)

@@ -138,6 +138,8 @@ class Library:
         self.rows_rmsnorm.argtypes, self.rows_rmsnorm.restype = [p, i, i, p, f, p, i], None
         self.decoder_layers = lib.decoder_layers
         self.decoder_layers.argtypes, self.decoder_layers.restype = [p, p, i, p, i, p, p, p, i], i
+        self.decoder_layers_from = lib.decoder_layers_from
+        self.decoder_layers_from.argtypes, self.decoder_layers_from.restype = [p, p, i, i, p, i, p, p, p, i], i
         self.rows_topk = lib.rows_topk
         self.rows_topk.argtypes, self.rows_topk.restype = [p, i, i, i, p, p, p, i], None
         self.rows_argmax = lib.rows_argmax
@@ -350,17 +352,26 @@ def linear(fmt: int, x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.
 
 
 def decoder_layers(lib: Library, dims: abi.Dims, layers, x: torch.Tensor, slots: list[int], positions: list[int],
-                   tree: list[int] | None = None) -> None:
+                   tree: list[int] | None = None, first: int = 0, count: int | None = None) -> None:
     """Every decoder layer of one pass, in place on the residual stream x [R, hidden] (fp32, contiguous): row r at
     position positions[r] of KV slot slots[r], its K/V written there first. `layers`: a ctypes array of abi.Layer;
-    `tree`: [store R | kbase R | moff R | map...] for a tree pass (layer.h Tree), else None. The kernel checks
+    `tree`: [store R | kbase R | moff R | map...] for a tree pass (layer.h Tree), else None. `first`, `count`: only
+    those layers (a pass in pieces, decoder_layers_from), the whole array's structs given. The kernel checks
     every position and block against `dims` and refuses (RuntimeError) rather than read out of bounds."""
     R = len(slots)
     if x.dtype != torch.float32 or not x.is_contiguous() or x.dim() != 2 or len(x) != R or len(positions) != R:
         raise ValueError("decoder_layers: x must be contiguous fp32 [rows, hidden] with one slot and position a row")
     s, p = (ctypes.c_int * R)(*slots), (ctypes.c_int * R)(*positions)
     t = None if tree is None else (ctypes.c_int * len(tree))(*tree)
-    if lib.decoder_layers(ctypes.byref(dims), layers, len(layers), x.data_ptr(), R, s, p, t, torch.get_num_threads()):
+    if first or count is not None:  # a piece of the pass: layers first .. first + count - 1
+        count = len(layers) - first if count is None else count
+        at = ctypes.cast(ctypes.addressof(layers) + first * ctypes.sizeof(abi.Layer), ctypes.c_void_p)
+        failed = lib.decoder_layers_from(ctypes.byref(dims), at, first, count, x.data_ptr(), R, s, p, t,
+                                         torch.get_num_threads())
+    else:
+        failed = lib.decoder_layers(ctypes.byref(dims), layers, len(layers), x.data_ptr(), R, s, p, t,
+                                    torch.get_num_threads())
+    if failed:
         raise RuntimeError("the decoder kernel refused its shapes")
 
 

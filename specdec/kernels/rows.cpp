@@ -132,8 +132,11 @@ extern "C" void rows_race(const double* p, int R, int V, const uint64_t* keys, l
 
 // All decoder layers of one pass in one parallel region (thread start-up costs more than a whole small linear).
 // `tree` is null for a plain pass, else [store R | kbase R | moff R | map...] (Tree above; model.py checks it).
-extern "C" int decoder_layers(const Dims* d, const Layer* layers, int n_layers, float* x, int R, const int* slot,
-                              const int* pos, const int* tree_rows, int threads) {
+// Layers first .. first + n_layers - 1 of one pass (`layers` points at layer `first`'s struct; K/V go to those layers'
+// places): a pass run in pieces, the residual stream read between them (an EAGLE-3 head's target features).
+extern "C" int decoder_layers_from(const Dims* d, const Layer* layers, int first, int n_layers, float* x, int R,
+                                   const int* slot, const int* pos, const int* tree_rows, int threads) {
+    if (first < 0 || n_layers < 1 || first + n_layers > d->layers) return -1;
     const int D = d->hidden, hd = d->head_dim, H = d->heads, G = d->kv_heads, I = d->inter;
     if (hd % 16 || hd > 256 || H % G || R < 1) return -1;
     const Tree tree = tree_rows ? Tree{tree_rows, tree_rows + R, tree_rows + 2 * R, tree_rows + 3 * R}
@@ -163,8 +166,13 @@ extern "C" int decoder_layers(const Dims* d, const Layer* layers, int n_layers, 
     const Scratch s = {h.data(), qkv.data(), att.data(), gu.data(), act.data(), p.data(), 4 * (maxpos + 16), &xq};
     amx_new_call();
 #pragma omp parallel num_threads(threads)
-    for (int l = 0; l < n_layers; l++) layer_body(d, layers + l, l, x, R, slot, pos, tree, s);
+    for (int l = 0; l < n_layers; l++) layer_body(d, layers + l, first + l, x, R, slot, pos, tree, s);
     return 0;
+}
+
+extern "C" int decoder_layers(const Dims* d, const Layer* layers, int n_layers, float* x, int R, const int* slot,
+                              const int* pos, const int* tree_rows, int threads) {
+    return decoder_layers_from(d, layers, 0, n_layers, x, R, slot, pos, tree_rows, threads);
 }
 
 // The ABI the ctypes mirrors (kernels/abi.py) are checked against when the library loads: for Seg, Lin, Layer and

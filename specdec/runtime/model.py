@@ -79,6 +79,9 @@ class Llama:
         self.embed, self.layers, self.norm, self.head = embed, layers, norm, head
         self._heads: dict[int, QTensor] = {}  # head_rows -> the head's first rows (_head)
         self.head_ids: torch.Tensor | None = None  # a trimmed head's token ids, row by row (keep_head_rows)
+        # layers whose input (the residual stream before them) forward(hidden=True) returns, side by side, in place of
+        # the final hidden states: an EAGLE-3 head's target features (drafters/eagle3.py); None: the final ones
+        self.feature_layers: tuple[int, ...] | None = None
         self.hd, self.heads, self.kv_heads = config.head_dim, config.num_attention_heads, config.num_key_value_heads
         self.eps = float(config.rms_norm_eps)
         self.interleaved = bool(getattr(config, "rope_interleaved", False))  # llama.cpp's Q/K row order
@@ -317,21 +320,34 @@ class Llama:
         tree = self._tree_rows(positions, paths) if paths is not None else None
         self._back(slots, positions, paths)
         x = x.float().contiguous().clone()  # the residual stream, updated in place
+        taps = sorted(set(self.feature_layers)) if hidden and self.feature_layers else []
+        seen: dict[int, torch.Tensor] = {}  # layer -> the residual stream before it
         if self._lib is not None:
             if self._structs is None:
                 self._structs = (_Layer * len(self.layers))(*[self._layer_struct(w) for w in self.layers])
-            kernels.decoder_layers(self._lib, self._dims, self._structs, x, slots, positions, tree)
+            if not taps:
+                kernels.decoder_layers(self._lib, self._dims, self._structs, x, slots, positions, tree)
+            for a, b in zip([0] + taps, taps + [len(self.layers)]) if taps else ():  # in pieces, read between
+                if b > a:
+                    kernels.decoder_layers(self._lib, self._dims, self._structs, x, slots, positions, tree, a, b - a)
+                if b < len(self.layers):
+                    seen[b] = x.clone()
             h = kernels.rmsnorm(x, self.norm, self.eps, self._lib)
         else:  # torch, one row at a time through every layer: each row is exactly a one-token step (row-invariant)
             h = torch.empty_like(x)
+            seen = {t: torch.empty_like(x) for t in taps}
             for r in range(R):
                 xr = x[r:r + 1].clone()  # a fresh, aligned [1, hidden]: the same BLAS call a one-token pass makes
                 path = None if paths is None else paths[r]
                 for i, w in enumerate(self.layers):
+                    if i in seen:
+                        seen[i][r] = xr[0]
                     xr = torch_layer.layer(self, i, w, xr, slots[r], positions[r], path)
                 h[r] = torch_layer.rmsnorm(xr, self.norm, self.eps)[0]
         rows = h if logit_rows is None else h[list(logit_rows)]
         logits = qlinear(rows.contiguous(), self._head(head_rows), q8=self.q8) if len(rows) else None
+        if taps:
+            h = torch.cat([seen[t] for t in self.feature_layers], -1)
         return (logits, h) if hidden else logits
 
     def keep_head_rows(self, ids: torch.Tensor) -> None:
