@@ -183,6 +183,25 @@ def bench_table(result: dict) -> str:
                  "= target-only"], rows)
 
 
+BUGS = {"none": "none", "resample_from_p": "resample from p after a rejection",
+        "wrong_q": "a uniform q reported for the one-hot draft"}
+
+
+def planted_bugs_table(result: list) -> str:
+    """`specdec check` with each sampling bug planted (serve.py planted-bugs): the verdict, and per chain member the
+    test's p-value (its informative drafted-and-rejected events)."""
+    rows = []
+    for r in result:
+        chain = "+" in r["draft"]
+        members = ", ".join(("chain " if chain and s["draft"] == r["draft"] else f"{s['draft']} " if chain else "")
+                            + f"{s['p_value']:.2g} ({s['events']})" for s in r["sampling"])
+        rows.append([f"`{r['draft']}`" + (" (default)" if r["draft"] == "datastore+ngram" and r["bug"] == "none"
+                                          else ""),
+                     BUGS.get(r["bug"], r["bug"]), "PASSED" if r["passed"] else "FAILED", members])
+    return grid(["draft", "planted bug", "verdict", "per member: p-value (informative drafted-and-rejected events)"],
+                rows)
+
+
 def _drafts(options: list[str]) -> str:
     """A setup's options as typed, with the pair's draft file shown as 0.5B."""
     return re.sub(r"[^\s+]*/coder05\.gguf", "0.5B", " ".join(options))
@@ -230,4 +249,4 @@ def diagnosis_table(result: list) -> str:
 KINDS = {"pair": pair_table, "pair_bounds": pair_bounds_table, "streams": streams_table, "headline": headline_table, "verify_curve": verify_curve_table,
          "numerics_curve": numerics_curve_table, "structured": structured_table, "gemma": gemma_table,
          "synthetic": synthetic_table, "memory_waves": memory_waves_table, "trees": trees_table,
-         "diagnosis_pair": diagnosis_pair_table, "bench": bench_table, "diagnosis": diagnosis_table}
+         "diagnosis_pair": diagnosis_pair_table, "bench": bench_table, "planted_bugs": planted_bugs_table, "diagnosis": diagnosis_table}
