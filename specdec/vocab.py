@@ -42,6 +42,8 @@ def count_target_text(target: str, prompts: list[dict], max_new_tokens: int, pro
 def cmd_vocab(args) -> int:
     if args.max_new_tokens < 1:
         raise InvalidRequest("--max-new-tokens must be at least 1")
+    if args.limit is not None and args.limit < 1:
+        raise InvalidRequest("--limit must be at least 1")
     prompts = load_prompts(args.prompts) if args.prompts else [
         p for name in SETS for p in load_prompts(HERE / f"{name}.jsonl")]
     prompts = prompts[: args.limit] if args.limit else prompts

@@ -56,6 +56,8 @@ def test_generate_streams_text(capsys, tiny_dirs):
     (["hi", "--top-k", "-1"], "top_k must be"),
     (["hi", "--draft", "/no/such/model"], "model path not found"),
     (["hi", "--draft", "ALIEN"], "different tokenizer"),
+    (["hi", "--draft", "ngram:vocab=32"], "trims a draft model file's head"),
+    (["hi", "--draft", "DRAFT:vocab=lots"], "vocab=N needs a whole number"),
     (["x" * 300, "--no-chat"], "context window"),
     (["hi", "--trace", "/no/such/dir/t.jsonl"], "cannot write trace"),
     (["hi", "--numerics", "q8", "--backend", "transformers"], "runs on specdec's runtime only"),
@@ -69,10 +71,25 @@ def test_generate_streams_text(capsys, tiny_dirs):
     (["hi", "--logit-bias", '{"99999999": 1}'], "not a token id of this model"),
 ])
 def test_bad_input_one_line_nonzero(capsys, tiny_dirs, args, message):
-    args = [tiny_dirs["alien"] if a == "ALIEN" else a for a in args]
+    args = [tiny_dirs["alien"] if a == "ALIEN" else a.replace("DRAFT:", tiny_dirs["draft"] + ":") for a in args]
     code, out, err = run_cli(capsys, "generate", *args, "--target", tiny_dirs["target"])
     assert code != 0 and message in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_vocab_counts_the_targets_text_and_refuses_bad_input(capsys, tiny_dirs, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    code, out, err = run_cli(capsys, "vocab", "--target", tiny_dirs["target"], "--limit", "3", "--max-new-tokens",
+                             "8", "--json")
+    rep = json.loads(out)
+    assert code == 0 and rep["prompts"] == 3 and rep["tokens"] > 3 * 8 and rep["coverage"]["8192"] == 1.0
+    from specdec.drafters.vocab import load_counts
+    counts = load_counts(tiny_dirs["target"])
+    assert sum(counts.values()) == rep["tokens"] and len(counts) == rep["distinct"]
+    for args, message in [(["--max-new-tokens", "0"], "--max-new-tokens must be"), (["--limit", "-1"], "--limit must"),
+                          (["--prompts", str(tmp_path / "none.jsonl")], "cannot read prompts file")]:
+        code, _, err = run_cli(capsys, "vocab", "--target", tiny_dirs["target"], *args)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_missing_and_unreadable_target(capsys, tmp_path):
