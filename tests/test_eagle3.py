@@ -68,6 +68,15 @@ def test_tapped_layers_are_the_residual_stream_and_the_logits_stay_bitwise(rt, t
     finally:
         model.feature_layers = None
     assert torch.equal(logits, plain[0]) and aux.shape == (len(ids), 3 * model.config.hidden_size)
+    model.feature_layers = LAYERS  # row-invariant: the rows of a many-row pass are one-token steps' states, bitwise
+    try:
+        slot = model.acquire_slot()
+        model.forward(ids[:-3], [slot] * (len(ids) - 3), list(range(len(ids) - 3)), hidden=True)
+        for n in range(len(ids) - 3, len(ids)):
+            step = model.forward([ids[n]], [slot], [n], hidden=True)
+            assert torch.equal(step[1][0], aux[n]) and torch.equal(step[0][0], logits[n])
+    finally:
+        model.feature_layers = None
     exact = models.load(tiny_dirs["target"], backend="runtime", numerics="exact")[0]  # transformers' fp32, bitwise
     exact.feature_layers = LAYERS
     aux = exact.forward(ids, [exact.acquire_slot()] * len(ids), list(range(len(ids))), hidden=True)[1]
