@@ -137,7 +137,8 @@ def test_batched_requests_share_the_drafts_blocks_within_a_tenant(rt, tiny_dirs)
     alone = SpecDecoder.from_models(model, tok, draft="none")
     for salt, ending, found in [(b"a", "Then", False), (b"a", "And so", True), (b"b", "And so", False)]:
         hits = drafter.draft_cache.prefixes.hits
-        seq = engine.add(Sequence(tok(prompt + ending).input_ids, 12, SamplingParams(), cache_salt=salt))
+        seq = engine.add(Sequence(tok(prompt + ending).input_ids, 12, SamplingParams(), cache_salt=salt, max_tau=3,
+                                  fixed_tau=True))  # it drafts whatever this machine's timings price
         while engine.running:
             engine.step()
             assert not engine.failed
