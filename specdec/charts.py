@@ -54,3 +54,27 @@ def curves(lines: dict[str, dict[int, float]], path: str, title: str) -> None:
 def beside(json_path: str) -> str:
     """The chart's path beside a JSON result: x.json -> x.png."""
     return (json_path[:-5] if json_path.endswith(".json") else json_path) + ".png"
+
+
+def training(curve: list[dict], epochs: list[dict], path: str, title: str) -> None:
+    """`specdec distill`'s training: the loss every 50 steps, and the draft's agreement with the target's argmax
+    (training batches every 50 steps; held out, by epoch, from the target's features and from its own)."""
+    plt = _pyplot()
+    fig, (loss, acc) = plt.subplots(1, 2, figsize=(9, 3.8))
+    steps = [c["step"] for c in curve]
+    loss.plot(steps, [c["loss"] for c in curve], linewidth=1)
+    loss.set_xlabel("step")
+    loss.set_ylabel("training loss")
+    acc.plot(steps, [c["acc"] for c in curve], linewidth=0.8, alpha=0.5, label="training batch")
+    per_epoch = len(curve) and steps[-1] / max(1, len(epochs))
+    held = [(per_epoch * (i + 1), e["val"]) for i, e in enumerate(epochs) if "val" in e]
+    if held:
+        acc.plot([x for x, _ in held], [v["acc"] for _, v in held], "o-", label="held out, target features")
+        acc.plot([x for x, _ in held], [v["acc2"] for _, v in held], "s-", label="held out, own features")
+    acc.set_xlabel("step")
+    acc.set_ylabel("argmax agreement")
+    acc.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

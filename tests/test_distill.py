@@ -616,7 +616,7 @@ def test_feature_noise_perturbs_the_target_features_the_draft_reads_within_its_b
                         or real(net, head_r, emb, feat_in, *a))
     to_reduced = torch.arange(VOCAB)
     clean = tr._batch(data, embed.float() * tr.embedding_gain(embed, data), to_reduced, "cpu")[1]
-    bound = 0.2 * tr.hidden_rms(data)
+    bound = 0.2 * tr.hidden_rms(data, d)
     for noise in (0.0, 0.2):
         seen.clear()
         tr.train(net_for_target(target.config), data, embed, head, to_reduced, 1, 4, 1e-3, 0,

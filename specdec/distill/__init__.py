@@ -18,6 +18,7 @@ Every phase resumes from what an interrupted run left in OUT/work.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from time import perf_counter
 
@@ -27,7 +28,7 @@ from .. import models
 from ..cli import threads_arg
 from ..drafters.datastore import DatastoreDrafter
 from ..drafters.feature import FeatureDrafter
-from ..drafters.feature_net import net_for_target, save_draft
+from ..drafters.feature_net import last_layer, net_for_target, save_draft
 from ..errors import InvalidRequest, SpecDecError
 from ..prompts import encode_prompt, load_prompts
 from ..prompts.stdlib import corpus as stdlib_corpus
@@ -43,7 +44,7 @@ from .data import (
     teacher_labels,
     text_sequences,
 )
-from .progress import DEFAULT_PROMPTS
+from .progress import DEFAULT_PROMPTS, Budget, BudgetSpent
 from .training import default_lr, train
 
 __all__ = ["after_last", "assistant_header", "distill", "generate_responses", "pre_query", "reduced_vocab", "report",
@@ -88,6 +89,12 @@ def report(target_model, tok, drafter, prompts: list[dict], max_new_tokens: int,
 
 
 # ---- the command -----------------------------------------------------------------------------------------------
+def fused_taps(layers: int) -> tuple[int, int, int]:
+    """The layers whose input an EAGLE-3-style draft reads: low, middle and high (EAGLE-3's trainers' 2, L/2, L-3)."""
+    return (min(2, layers - 1), layers // 2, max(0, layers - 3))
+
+
+
 def _runtime_twin(target: str, device: str):
     """The target on specdec's runtime for data generation on CPU, or None to use the transformers model."""
     if device != "cpu":
@@ -101,7 +108,12 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
             gen_batch: int = 64, reduced: int = 8192, epochs: int = 6, batch: int = 8, lr: float | None = None,
             seed: int = 0, limit: int = 0, eval_limit: int = 0, eval_tau: int = 4, device: str = "auto",
             self_chat: int = 1536, val_every: int = 50, loss_on: str = "response", loaded=None,
-            ffn: int | None = None, noise: float = 0.0, stdlib_text: int = 0) -> dict:
+            ffn: int | None = None, noise: float = 0.0, stdlib_text: int = 0, features: str = "final",
+            budget_minutes: float | None = None) -> dict:
+    """-> the report (distill_report.json); raises BudgetSpent where `budget_minutes` ran out first (what was done
+    is kept in OUT/work: the same call goes on from there). `features`: "final" (EAGLE: the target's final hidden
+    state) or "fused" (EAGLE-3: its low, middle and high layers fused, trained on its distributions; a target on
+    specdec's runtime)."""
     if max_new_tokens < 1 or gen_batch < 1 or epochs < 1 or batch < 1 or (lr is not None and lr <= 0) \
             or eval_tau < 1:
         raise InvalidRequest("--max-new-tokens, --gen-batch, --epochs, --batch and --eval-tau must be >= 1, "
@@ -114,6 +126,10 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
         raise InvalidRequest("--reduced-vocab must be >= 2")
     if ffn is not None and (isinstance(ffn, bool) or not isinstance(ffn, int) or ffn < 32 or ffn % 32):
         raise InvalidRequest(f"--draft-ffn must be a positive multiple of 32 (the kernels' block), got {ffn!r}")
+    if features not in ("final", "fused"):
+        raise InvalidRequest(f"--features must be 'final' or 'fused', got {features!r}")
+    if budget_minutes is not None and not budget_minutes > 0:
+        raise InvalidRequest(f"--budget-minutes must be > 0, got {budget_minutes}")
     if loss_on not in ("response", "all"):
         raise InvalidRequest(f"--loss-on must be 'response' or 'all', got {loss_on!r}")
     out_dir, work = Path(out), Path(out) / "work"
@@ -125,39 +141,59 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
     prompts = [p for f in (prompt_files or DEFAULT_PROMPTS) for p in load_prompts(f)]
     if limit:
         prompts = prompts[:limit]
-    model, tok = loaded[:2] if loaded else models.load(target, backend="transformers")  # training: transformers
+    budget, fused = Budget(budget_minutes), features == "fused"
+    if fused:  # everything on the runtime: its layers are tapped, its embedding and head dequantized for training
+        model, tok = loaded[:2] if loaded else models.load(target, backend="runtime")
+        if not models.is_runtime(model):
+            raise InvalidRequest("--features fused taps the target's inner layers: give a target specdec's runtime "
+                                 "runs (a GGUF file, or a Llama-family checkpoint)")
+        device = "cpu"
+    else:
+        model, tok = loaded[:2] if loaded else models.load(target, backend="transformers")  # training: transformers
     if reduced > model.config.vocab_size:
         raise InvalidRequest(f"--reduced-vocab {reduced} exceeds the target's vocabulary ({model.config.vocab_size})")
     # read before hours of generation, so a bad path fails fast
     texts = text_sequences(tok, text_files or [], texts=stdlib_corpus(tok, stdlib_text) if stdlib_text else [])
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    model.to(device)
-    # the data (generation with hidden states, labels) on specdec's runtime where it runs the target on this CPU
-    gen = loaded[2] if loaded and len(loaded) > 2 else None if loaded else _runtime_twin(target, device)
-    gen = gen or model
+    if fused:
+        gen, taps = model, fused_taps(model.config.num_hidden_layers)
+        gen.feature_layers = (*taps, model.config.num_hidden_layers)  # ... and the final state, for the labels
+    else:
+        device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+        model.to(device)
+        # the data (generation with hidden states, labels) on specdec's runtime where it runs the target on this CPU
+        gen = loaded[2] if loaded and len(loaded) > 2 else None if loaded else _runtime_twin(target, device)
+        gen = gen or model
     t0 = perf_counter()
-    # resumable data is keyed on what made it: other prompts, limits or lengths start that file again
-    _keyed_per_item(work / "sequences.jsonl", {"max_new_tokens": max_new_tokens}, prompts)
-    _keyed(work / "self_chat.jsonl", {"max_new_tokens": max_new_tokens, "gen_batch": gen_batch, "seed": seed})
-    seqs = generate_responses(gen, tok, prompts, work / "sequences.jsonl", max_new_tokens, gen_batch, device)
-    chats = self_chat_data(gen, tok, self_chat, work / "self_chat.jsonl", max_new_tokens, gen_batch, seed, device)
+    # resumable data is keyed on what made it: other prompts, limits, lengths or taps start that file again
+    tapped = {"taps": list(gen.feature_layers)} if fused else {}
+    _keyed_per_item(work / "sequences.jsonl", {"max_new_tokens": max_new_tokens, **tapped}, prompts)
+    _keyed(work / "self_chat.jsonl", {"max_new_tokens": max_new_tokens, "gen_batch": gen_batch, "seed": seed,
+                                      **tapped})
+    seqs = generate_responses(gen, tok, prompts, work / "sequences.jsonl", max_new_tokens, gen_batch, device, budget)
+    chats = self_chat_data(gen, tok, self_chat, work / "self_chat.jsonl", max_new_tokens, gen_batch, seed, device,
+                           budget)
     t_data = perf_counter() - t0
+    if fused:  # greedy answers: the target's argmax at a position is the next token (no labelling pass)
+        for it in seqs + chats:
+            it["argmax"] = torch.tensor([*it["ids"][1:], -100])
     # where each response starts: drafts are only ever asked to continue responses (as EAGLE's loss mask)
     starts = [len(encode_prompt(tok, p["prompt"], p["chat"])) for p in prompts]
     header = assistant_header(tok)
     starts += [after_last(it["ids"], header) for it in chats] + [0] * len(texts)
     seqs += chats + texts
-    data = teacher_labels(gen, seqs, work / "labels.pt", device)
+    data = teacher_labels(gen, seqs, work / ("labels_fused.pt" if fused else "labels.pt"), device, budget)
     for d, start in zip(data, starts):
         d["start"] = start if loss_on == "response" else 0
     vocab_map = reduced_vocab(data, reduced, models.eos_ids(model, tok), model.config.vocab_size)
-    embed = model.get_input_embeddings().weight.detach().cpu()
-    head = model.get_output_embeddings().weight.detach().cpu()
-    decoder = model.get_decoder()
+    if fused:
+        embed, head = model.embed.dequantize(), model.head.take(vocab_map).dequantize()
+    else:
+        embed = model.get_input_embeddings().weight.detach().cpu()
+        head = model.get_output_embeddings().weight.detach().cpu()[vocab_map]
     torch.manual_seed(seed)
     if ffn is not None and ffn > model.config.intermediate_size:
         raise InvalidRequest(f"--draft-ffn {ffn} is wider than the target's own {model.config.intermediate_size}")
-    net = net_for_target(model.config, init_from=(decoder.layers[-1], decoder.norm), ffn=ffn)
+    net = net_for_target(model.config, init_from=last_layer(model), ffn=ffn, taps=taps if fused else None)
     t1 = perf_counter()
     # every val_every-th sequence is held out of training to pick the epoch (early stopping)
     val = [d for i, d in enumerate(data) if val_every and i % val_every == val_every - 1]
@@ -167,9 +203,11 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
     _keyed(work / "checkpoint.pt", {"net": net.cfg, "lr": lr, "epochs": epochs, "batch": batch, "seed": seed,
                                     **({"noise": noise} if noise else {}), "data": [len(d["ids"]) for d in train_data]})
     hist = train(net, train_data, embed, head, vocab_map, epochs, batch, lr, seed, work / "checkpoint.pt", device,
-                 val, noise)
+                 val, noise, budget)
     t_train = perf_counter() - t1
-    model.cpu()
+    if not fused:
+        model.cpu()
+    gen.feature_layers = None
     fp = models.tokenizer_fingerprint(tok)
     meta = {"recipe": {"prompts": len(prompts), "self_chat": self_chat, "text_files": text_files or [],
                        "stdlib_text": stdlib_text,
@@ -177,7 +215,8 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
                        "epochs": epochs, "batch": batch, "lr": lr, "seed": seed, "feature_noise": noise,
                        "embedding_gain": hist["embedding_gain"]},
             "sequences": len(data), "tokens": int(sum(len(d["ids"]) for d in data)),
-            "train_history": hist["epochs"], "best_epoch": hist["best_epoch"]}
+            "train_history": hist["epochs"], "best_epoch": hist["best_epoch"], "train_curve": hist["curve"],
+            **({"features": "fused", "taps": list(taps)} if fused else {})}
     save_draft(net, vocab_map, out_dir, fp, target_name=str(target), extra=meta)
     DatastoreDrafter.save([d["ids"].tolist() for d in data], out_dir)  # for `--draft datastore:DIR` (retrieval)
     drafter = FeatureDrafter.load(out_dir, gen, fp)  # measured as it will run: on the runtime where it can
@@ -186,16 +225,28 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
                                "train": round(t_train, 1)},
            "held_out": report(gen, tok, drafter, held_out, 64, eval_tau)}
     (out_dir / "distill_report.json").write_text(json.dumps(rep, indent=2))
+    from ..charts import training
+    training(hist["curve"], hist["epochs"], str(out_dir / "training.png"),
+             f"specdec distill {Path(str(target)).name} ({features} features)")
     return rep
+
+
+BUDGET_SPENT = 75  # the exit status of a run whose --budget-minutes ran out (sysexits' EX_TEMPFAIL: run it again)
 
 
 def cmd_distill(args) -> int:
     from ..drafters.feature_files import installed_draft
     args.out = args.out or str(installed_draft(args.target))
-    rep = distill(args.target, args.out, args.prompts or [], args.text or [], args.max_new_tokens, args.gen_batch,
-                  args.reduced_vocab, args.epochs, args.batch, args.lr, args.seed, args.limit, args.eval_limit,
-                  args.eval_tau, args.device, args.self_chat, args.val_every, args.loss_on, ffn=args.draft_ffn,
-                  noise=args.feature_noise, stdlib_text=args.stdlib_text)
+    try:
+        rep = distill(args.target, args.out, args.prompts or [], args.text or [], args.max_new_tokens, args.gen_batch,
+                      args.reduced_vocab, args.epochs, args.batch, args.lr, args.seed, args.limit, args.eval_limit,
+                      args.eval_tau, args.device, args.self_chat, args.val_every, args.loss_on, ffn=args.draft_ffn,
+                      noise=args.feature_noise, stdlib_text=args.stdlib_text, features=args.features,
+                      budget_minutes=args.budget_minutes)
+    except BudgetSpent as e:
+        print(f"distill: the {args.budget_minutes}-minute budget ran out during {e}; what was done is kept in "
+              f"{args.out}/work: run the same command again to go on", file=sys.stderr)
+        return BUDGET_SPENT
     h = rep["held_out"]
     print(json.dumps(h, indent=2))
     if h["acceptance_rate"] is None:
@@ -234,6 +285,11 @@ def register(sub, model_args, sampling_args):
     d.add_argument("--feature-noise", type=float, default=0.0,
                    help="EAGLE's training noise on the target features: uniform, this half-width in units of their "
                         "RMS (a regulariser; 0 = none)")
+    d.add_argument("--features", choices=("final", "fused"), default="final",
+                   help="what the draft reads: the target's final hidden state (EAGLE), or its low, middle and high "
+                        "layers fused and trained on its distributions (EAGLE-3; a target on specdec's runtime)")
+    d.add_argument("--budget-minutes", type=float, default=None, metavar="M",
+                   help="stop after M minutes, keeping what was done (exit status 75); the same command goes on")
     d.add_argument("--epochs", type=int, default=6)
     d.add_argument("--batch", type=int, default=8)
     d.add_argument("--lr", type=float, default=None,

@@ -15,7 +15,7 @@ from ..generate import generate_batch
 from ..prompts import encode_prompt
 from ..runtime.weights import qlinear
 from ..sampling import SamplingParams
-from .progress import _progress, console
+from .progress import Budget, _progress, console
 
 
 # ---- 1. data ---------------------------------------------------------------------------------------------------
@@ -96,7 +96,7 @@ class _Store:
 
 @torch.inference_mode()
 def generate_responses(model, tok, prompts: list[dict], path: Path, max_new_tokens: int, batch: int,
-                       device: str) -> list[dict]:
+                       device: str, budget: Budget = Budget()) -> list[dict]:
     """Greedy responses, batched with left padding (resumable)."""
     store = _Store(path)
     eos = sorted(models.eos_ids(model, tok))
@@ -105,6 +105,7 @@ def generate_responses(model, tok, prompts: list[dict], path: Path, max_new_toke
     with _progress() as bar:
         task = bar.add_task("target responses", total=len(prompts), completed=len(store.items))
         for i in range(0, len(todo), batch):
+            budget.check("target responses")
             chunk = [encode_prompt(tok, p["prompt"], p["chat"]) for p in todo[i:i + batch]]
             store.add(_greedy_batch(model, chunk, max_new_tokens, pad, eos, device))
             bar.advance(task, len(chunk))
@@ -171,7 +172,7 @@ def after_last(ids: list[int], header: list[int]) -> int:
 
 @torch.inference_mode()
 def self_chat_data(model, tok, n: int, path: Path, max_new_tokens: int, batch: int, seed: int,
-              device: str) -> list[dict]:
+                   device: str, budget: Budget = Budget()) -> list[dict]:
     """`n` synthetic conversations: a user query sampled from the target (T=1, top-p 0.95, from the pre-query
     template), then the target's greedy response to it, exactly as `generate` would prompt it. Diverse contexts
     in the target's own distribution, at batched-generation cost. Appended to `path` per batch (resumable);
@@ -183,6 +184,7 @@ def self_chat_data(model, tok, n: int, path: Path, max_new_tokens: int, batch: i
     with _progress() as bar:
         task = bar.add_task("self-chat data", total=n, completed=min(n, len(store.items)))
         while len(store.items) < n:
+            budget.check("self-chat data")
             torch.manual_seed(seed * 1_000_003 + len(store.items) // batch)
             b = min(batch, n - len(store.items))
             if models.is_runtime(model):
@@ -217,7 +219,7 @@ def text_sequences(tok, files: list[str], length: int = 256, texts: list[str] = 
 
 # ---- 2. teacher labels -----------------------------------------------------------------------------------------
 @torch.inference_mode()
-def teacher_labels(model, items: list[dict], path: Path, device: str) -> list[dict]:
+def teacher_labels(model, items: list[dict], path: Path, device: str, budget: Budget = Budget()) -> list[dict]:
     """Per sequence: final hidden states (fp16; one teacher-forcing pass where generation did not record them)
     and the target's argmax at every position; sequences labelled before (in `path`) are not labelled again."""
     done = {}  # labels already made for a sequence (an interrupted or smaller run) are reused
@@ -231,8 +233,8 @@ def teacher_labels(model, items: list[dict], path: Path, device: str) -> list[di
             finally:
                 cache.close()
 
-        def argmax_of(h):
-            return qlinear(h.float().contiguous(), model.head).argmax(-1)
+        def argmax_of(h):  # from the final state (the last of the taps where the model returns several)
+            return qlinear(h[:, -model.config.hidden_size:].float().contiguous(), model.head).argmax(-1)
     else:
         decoder, head = model.get_decoder(), model.get_output_embeddings()
 
@@ -251,8 +253,12 @@ def teacher_labels(model, items: list[dict], path: Path, device: str) -> list[di
                 continue
             h = it["h"]
             if h is None:
+                if budget.spent():  # what is labelled so far is kept for the next run
+                    torch.save(out, path)
+                    budget.check("teacher labels")
                 h = features(list(it["ids"]))
-            argmax = argmax_of(h)
+            argmax = it.get("argmax")
+            argmax = argmax_of(h) if argmax is None else argmax
             out.append({"ids": torch.tensor(it["ids"]), "h": h.cpu(), "argmax": argmax.cpu()})
             bar.advance(task)
     torch.save(out, path)
@@ -263,7 +269,8 @@ def reduced_vocab(data: list[dict], size: int, must: set[int], vocab: int) -> to
     """The `size` tokens the target predicts most often (plus EOS), sorted: draft index -> target id."""
     counts = torch.zeros(vocab)
     for d in data:
-        counts.index_add_(0, d["argmax"], torch.ones(len(d["argmax"])))
+        known = d["argmax"][d["argmax"] >= 0]  # (-100: a position whose next token nobody computed)
+        counts.index_add_(0, known, torch.ones(len(known)))
     top = torch.argsort(counts, descending=True)[:size].tolist()
     keep = list(dict.fromkeys(sorted(must) + top))[:size]
     return torch.tensor(sorted(keep))

@@ -8,35 +8,52 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from .progress import _progress, console
+from .progress import Budget, _progress, console
 
 
 # ---- 3. training -----------------------------------------------------------------------------------------------
 def _batch(items, embed, to_reduced, device):
+    """-> embeddings, the features each position reads (the previous position's final state, or its tapped states
+    side by side where the data holds taps before the final state), the final states, labels."""
     T = max(len(d["ids"]) for d in items)
     d_model = embed.shape[1]
+    width = items[0]["h"].shape[1]
     B = len(items)
     emb = torch.zeros(B, T, d_model)
-    feat_in = torch.zeros(B, T, d_model)
+    feat_in = torch.zeros(B, T, max(d_model, width - d_model))
     target_h = torch.zeros(B, T, d_model)
     labels = torch.full((B, T), -100, dtype=torch.long)
     for b, d in enumerate(items):
         n = len(d["ids"])
         emb[b, :n] = embed[d["ids"]]
         h = d["h"].float()
-        feat_in[b, 1:n] = h[:-1]
-        target_h[b, :n] = h
-        labels[b, :n] = to_reduced[d["argmax"]]
+        feat_in[b, 1:n] = h[:-1, :-d_model] if width > d_model else h[:-1]
+        target_h[b, :n] = h[:, -d_model:]
+        labels[b, :n] = torch.where(d["argmax"] >= 0, to_reduced[d["argmax"].clamp(min=0)], -100)
         labels[b, :max(0, d.get("start", 0) - 1)] = -100  # position j predicts token j + 1
     return [t.to(device) for t in (emb, feat_in, target_h, labels)]
 
 
-def _loss(net, head_r, emb, feat_in, target_h, labels):
-    pred, _ = net(emb, feat_in, 0)
+def _loss(net, head_r, emb, feat_in, target_h, labels, noise: float = 0.0):
+    """-> predicted features, regression loss, token loss, argmax agreement. The token loss is cross-entropy with
+    the target's argmax, or, for a fused-feature draft (EAGLE-3), with the target's whole distribution over the
+    reduced vocabulary (softmax of its final state through the same head rows). `noise`: EAGLE's uniform feature
+    noise, this half-width in the features' RMS."""
+    fused = feat_in.shape[-1] != net.cfg["hidden"]
+    feat = net.fused(feat_in) * (feat_in.abs().sum(-1, keepdim=True) > 0) if fused else feat_in
+    if noise:
+        feat = feat + (torch.rand_like(feat) * 2 - 1) * noise * feat.pow(2).mean().sqrt().detach()
+    pred, _ = net(emb, feat, 0)
     mask = target_h.abs().sum(-1, keepdim=True) > 0  # real positions (padding is all zeros)
     reg = (F.smooth_l1_loss(pred, target_h, reduction="none") * mask).sum() / mask.sum() / pred.shape[-1]
     logits = pred @ head_r.T
-    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    if "taps" in net.cfg:
+        with torch.no_grad():
+            p = torch.softmax((target_h @ head_r.T).float(), -1)
+        keep = labels != -100
+        ce = -(p[keep] * torch.log_softmax(logits[keep].float(), -1)).sum(-1).mean()
+    else:
+        ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
     acc = (logits.argmax(-1) == labels)[labels != -100].float().mean()
     return pred, reg, ce, acc
 
@@ -80,11 +97,12 @@ def embedding_gain(embed: torch.Tensor, data: list[dict]) -> float:
     input is [embedding; hidden state]: Qwen2.5's embeddings are 250x smaller than its final hidden states, so
     the token just chosen is all but invisible to a freshly initialised fc. Training feeds embeddings times this
     gain, and fold_embedding_gain moves it into fc's weights, so the saved draft takes the raw embedding."""
-    return hidden_rms(data) / float(embed.float().pow(2).mean().sqrt())
+    return hidden_rms(data, embed.shape[1]) / float(embed.float().pow(2).mean().sqrt())
 
 
-def hidden_rms(data: list[dict]) -> float:
-    return float(torch.cat([d["h"][:256].float() for d in data[:64]]).pow(2).mean().sqrt())
+def hidden_rms(data: list[dict], width: int) -> float:
+    """RMS of the final hidden states (the last `width` columns of each item's states)."""
+    return float(torch.cat([d["h"][:256, -width:].float() for d in data[:64]]).pow(2).mean().sqrt())
 
 
 @torch.no_grad()
@@ -92,44 +110,63 @@ def fold_embedding_gain(net, gain: float) -> None:
     net.fc.weight[:, : net.cfg["hidden"]] *= gain  # fc([g·e; h]) == fc'([e; h])
 
 
-def train(net, data, embed, head, vocab_map, epochs: int, batch: int, lr: float, seed: int, ckpt: Path,
-          device: str, val: list[dict] | None = None, noise: float = 0.0) -> dict:
-    """AdamW + one-cycle schedule; after each epoch the validation split (sequences never trained on) is scored
-    and the best epoch's weights are kept (early stopping). Trains on embeddings scaled by embedding_gain and
-    returns a net that takes raw ones. `noise`: EAGLE's feature noise, uniform with this half-width in units of
-    the hidden states' RMS, added to the target features the draft reads (a regulariser, and what the draft's
-    own inexact features look like from position 2 on)."""
+CHECKPOINT_STEPS = 200  # a checkpoint inside an epoch this often (a run killed loses at most this many steps)
+
+
+def train(net, data, embed, head_r, vocab_map, epochs: int, batch: int, lr: float, seed: int, ckpt: Path,
+          device: str, val: list[dict] | None = None, noise: float = 0.0, budget: Budget = Budget()) -> dict:
+    """AdamW + one-cycle schedule over `head_r` (the target's head rows for `vocab_map`); after each epoch the
+    validation split (sequences never trained on) is scored and the best epoch's weights are kept (early
+    stopping). Trains on embeddings scaled by embedding_gain and returns a net that takes raw ones. `noise`: EAGLE's
+    feature noise, uniform with this half-width in units of the features' RMS, added to the target features the
+    draft reads (a regulariser, and what the draft's own inexact features look like from position 2 on).
+    Checkpointed every CHECKPOINT_STEPS steps and each epoch; resumes mid-epoch; raises BudgetSpent (checkpointed)
+    when `budget` runs out. The result's `curve` is the training loss and agreement every 50 steps."""
     torch.manual_seed(seed)
     net.to(device).train()
+    fused = "taps" in net.cfg
     gain = embedding_gain(embed, data)
-    half_width = noise * hidden_rms(data)
-    embed, head_r = embed.float() * gain, head[vocab_map].float().to(device)
-    to_reduced = torch.full((head.shape[0],), -100, dtype=torch.long)
+    if fused:  # the fused feature starts at the final state's scale: what the draft's own features will have
+        with torch.no_grad():
+            net.fuse_norm.weight.fill_(hidden_rms(data, embed.shape[1]))
+    half_width = 0.0 if fused else noise * hidden_rms(data, embed.shape[1])
+    embed, head_r = embed.float() * gain, head_r.float().to(device)
+    to_reduced = torch.full((embed.shape[0],), -100, dtype=torch.long)
     to_reduced[vocab_map] = torch.arange(len(vocab_map))
     opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.01)
     order = sorted(range(len(data)), key=lambda i: len(data[i]["ids"]))  # similar lengths batch together
     batches = [order[i:i + batch] for i in range(0, len(order), batch)]
     total = epochs * len(batches)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=total, pct_start=0.05)
-    start_epoch, history, best = 0, [], None
+    at = {"epoch": 0, "step": 0, "history": [], "best": None, "sums": None, "curve": []}
     if ckpt.exists():
         state = torch.load(ckpt)
         net.load_state_dict(state["net"])
         opt.load_state_dict(state["opt"])
         sched.load_state_dict(state["sched"])
-        start_epoch, history, best = state["epoch"], state["history"], state.get("best")
-        console.print(f"resuming training from epoch {start_epoch}")
+        at = {**at, **{k: state[k] for k in at if k in state}}
+        console.print(f"resuming training from epoch {at['epoch'] + 1}, step {at['step']}")
+
+    def save():
+        torch.save({"net": net.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(), **at}, ckpt)
+
     with _progress() as bar:
-        task = bar.add_task("training", total=total, completed=start_epoch * len(batches))
-        for epoch in range(start_epoch, epochs):
+        task = bar.add_task("training", total=total, completed=at["epoch"] * len(batches) + at["step"])
+        for epoch in range(at["epoch"], epochs):
             rng_epoch = random.Random(seed * 1_000_003 + epoch)  # same order whether resumed or not
-            sums = {"reg": 0.0, "ce": 0.0, "acc": 0.0, "acc2": 0.0}
-            for idx in rng_epoch.sample(batches, len(batches)):
+            sums = at["sums"] or {"reg": 0.0, "ce": 0.0, "acc": 0.0, "acc2": 0.0}
+            for step, idx in enumerate(rng_epoch.sample(batches, len(batches))):
+                if step < at["step"]:
+                    continue
+                if budget.spent():
+                    at.update(step=step, sums=sums)
+                    save()
+                    budget.check("training")
                 emb, feat_in, target_h, labels = _batch([data[i] for i in idx], embed, to_reduced, device)
                 if half_width:
                     feat_in = feat_in + (torch.rand_like(feat_in) * 2 - 1) * half_width
                 with mixed_precision(device):
-                    pred, reg, ce, acc = _loss(net, head_r, emb, feat_in, target_h, labels)
+                    pred, reg, ce, acc = _loss(net, head_r, emb, feat_in, target_h, labels, noise if fused else 0)
                     # unrolled pass: inputs are the draft's own predictions, as from draft position 2 on
                     own = torch.cat([torch.zeros_like(pred[:, :1]), pred[:, :-1].detach()], 1)
                     _, reg2, ce2, acc2 = _loss(net, head_r, emb, own, target_h, labels)
@@ -141,20 +178,28 @@ def train(net, data, embed, head, vocab_map, epochs: int, batch: int, lr: float,
                 sched.step()
                 for k, v in (("reg", reg), ("ce", ce), ("acc", acc), ("acc2", acc2)):
                     sums[k] += float(v.detach())
+                done = epoch * len(batches) + step + 1
+                if done % 50 == 0:
+                    at["curve"].append({"step": done, "loss": round(float(loss.detach()), 4),
+                                        "acc": round(float(acc), 4), "acc2": round(float(acc2), 4)})
+                if done % CHECKPOINT_STEPS == 0:
+                    at.update(step=step + 1, sums=sums)
+                    save()
                 bar.update(task, advance=1, description=f"training e{epoch + 1} acc {float(acc):.2f}")
             row = {k: round(v / len(batches), 4) for k, v in sums.items()}
             if val:
                 row["val"] = evaluate(net, head_r, val, embed, to_reduced, batch, device)
                 score = row["val"]["acc"] + row["val"]["acc2"]
-                if best is None or score > best["score"]:
-                    best = {"score": score, "epoch": epoch + 1,
-                            "net": {k: v.detach().clone() for k, v in net.state_dict().items()}}
-            history.append(row)
+                if at["best"] is None or score > at["best"]["score"]:
+                    at["best"] = {"score": score, "epoch": epoch + 1,
+                                  "net": {k: v.detach().clone() for k, v in net.state_dict().items()}}
+            at["history"].append(row)
             console.print(f"epoch {epoch + 1}: {row}")
-            torch.save({"net": net.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                        "epoch": epoch + 1, "history": history, "best": best}, ckpt)
-    if best is not None:
-        net.load_state_dict(best["net"])
+            at.update(epoch=epoch + 1, step=0, sums=None)
+            save()
+    if at["best"] is not None:
+        net.load_state_dict(at["best"]["net"])
     net.cpu().eval()
     fold_embedding_gain(net, gain)
-    return {"epochs": history, "best_epoch": best["epoch"] if best else epochs, "embedding_gain": round(gain, 3)}
+    return {"epochs": at["history"], "best_epoch": at["best"]["epoch"] if at["best"] else epochs,
+            "embedding_gain": round(gain, 3), "curve": at["curve"]}

@@ -16,14 +16,14 @@ import torch
 from torch.nn import functional as F
 
 from .. import kernels
-from ..errors import ModelLoadError
+from ..errors import IncompatibleDraft, ModelLoadError
 from ..kv import common_prefix_len, few_row_linears, rows_linear
 from ..models import is_runtime
 from ..runtime.weights import QTensor, qlinear
 from ..sampling import PositionNoise, draw, warp
 from .base import Draft
 from .feature_files import MARKER, check_target
-from .feature_net import FeatureDraftNet, quantized, runtime_layer
+from .feature_net import FeatureDraftNet, quantized, runtime_layer, tap_norm
 
 # Stop a block once the draft's own probability that all of it is accepted falls below this. The shipped draft is
 # calibrated (bench prompts: draft confidence 0.2-0.4 -> 21% accepted, 0.8-0.9 -> 77%); at fixed tau=3 this
@@ -81,6 +81,7 @@ class _CachedRows:
 class FeatureDrafter:
     """Drafter protocol + `observe_target(start, hidden)`: the engine hands it the target's final hidden states."""
     wants_target_hidden = True
+    _fuse = None  # EAGLE-3's fused features: taps [R, n x d] -> features [R, d] (a draft with "taps")
 
     def __init__(self, net: FeatureDraftNet, embed, head, vocab_map: torch.Tensor, vocab_size: int,
                  name: str = "feature", min_confidence: float = MIN_CONFIDENCE, max_len: int = 8192,
@@ -111,6 +112,12 @@ class FeatureDrafter:
         else:
             self.head = head[vocab_map].to(self.dtype).contiguous()  # the target's head rows for the reduced vocab
             self._logits = lambda feat: rows_linear(feat, self.head)
+        if "taps" in net.cfg:  # EAGLE-3's fused features: one linear over the tapped states, per committed row
+            fuse_w, norm_w, eps = quantized(net.fuse.weight, fmt), net.fuse_norm.weight.detach().float(), net.cfg["eps"]
+            n = len(net.cfg["taps"])
+            self._fuse = lambda taps: kernels.rmsnorm(qlinear(tap_norm(taps, n).contiguous(), fuse_w, q8=self._q8),
+                                                      norm_w, eps, self._rt._lib) if self._rt is not None else \
+                net.fused(taps).to(self.dtype)
         few_row_linears(self.net)  # drafting runs one row at a time
         self.reset()
 
@@ -134,6 +141,8 @@ class FeatureDrafter:
         self.cache = None
 
     def observe_target(self, start: int, hidden: torch.Tensor) -> None:
+        if self._fuse is not None:
+            hidden = self._fuse(hidden)
         end = start + len(hidden)
         if end > len(self._fbuf):  # grown by doubling: a cycle writes its rows only, never the whole history
             grown = self._fbuf.new_zeros(max(end, 2 * len(self._fbuf)), self._fbuf.shape[1])
@@ -358,6 +367,11 @@ class FeatureDrafter:
             head = target_model.get_output_embeddings().weight.detach()
         drafter = cls(net.float(), embed, head, vocab_map, target_model.config.vocab_size, name or str(path),
                       max_len=getattr(target_model, "max_len", 8192))
+        if "taps" in net.cfg:
+            if not is_runtime(target_model):
+                raise IncompatibleDraft(f"draft {path} reads the target's inner layers: run the target on specdec's "
+                                        "runtime (a GGUF file, or --backend runtime)")
+            target_model.feature_layers = tuple(net.cfg["taps"])
         if drafter._rt is not None:  # the runtime layer holds the weights now: the fp32 copy goes (75 MB on the 1.5B)
             drafter.net.to("meta")
         return drafter

@@ -53,12 +53,25 @@ def attend(q, k, v, cache, rep: int):
     return a, (k, v)
 
 
+def tap_norm(taps: torch.Tensor, n: int) -> torch.Tensor:
+    """Each of the n target states side by side in `taps` [..., n x d] scaled to unit RMS: the residual stream's
+    scale grows with depth (and Qwen's carries a few huge dimensions), so unscaled the deepest would drown the rest."""
+    parts = taps.float().unflatten(-1, (n, -1))
+    return (parts * torch.rsqrt(parts.pow(2).mean(-1, keepdim=True) + 1e-6)).flatten(-2)
+
+
 class FeatureDraftNet(nn.Module):
-    def __init__(self, hidden: int, heads: int, kv_heads: int, intermediate: int, rope_theta: float, eps: float):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, intermediate: int, rope_theta: float, eps: float,
+                 taps: list[int] | None = None):
+        """`taps`: EAGLE-3's fused features. The draft reads the target's residual stream before these layers (low,
+        middle and high), fused by `fuse` into one feature, in place of the target's final hidden state."""
         super().__init__()
         self.cfg = dict(hidden=hidden, heads=heads, kv_heads=kv_heads, intermediate=intermediate,
-                        rope_theta=rope_theta, eps=eps)
+                        rope_theta=rope_theta, eps=eps, **({"taps": list(taps)} if taps else {}))
         self.hd = hidden // heads
+        if taps:
+            self.fuse = nn.Linear(len(taps) * hidden, hidden, bias=False)
+            self.fuse_norm = RMSNorm(hidden, eps)
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
         self.q = nn.Linear(hidden, heads * self.hd, bias=False)
         self.k = nn.Linear(hidden, kv_heads * self.hd, bias=False)
@@ -71,6 +84,10 @@ class FeatureDraftNet(nn.Module):
         self.out_norm = RMSNorm(hidden, eps)
         self.register_buffer("inv_freq", 1.0 / rope_theta ** (torch.arange(0, self.hd, 2).float() / self.hd),
                              persistent=False)
+
+    def fused(self, taps: torch.Tensor) -> torch.Tensor:
+        """The target's states at the tapped layers [..., taps x d] -> the feature the draft reads [..., d]."""
+        return self.fuse_norm(self.fuse(tap_norm(taps, len(self.cfg["taps"])).to(self.fuse.weight.dtype)))
 
     def forward(self, emb, feat, start: int, cache=None, mask=None):
         """emb, feat [B, T, d] -> predicted next features [B, T, d], updated (k, v) cache.
@@ -135,28 +152,46 @@ def save_draft(net: FeatureDraftNet, vocab_map: torch.Tensor, out: Path, target_
     (out / MARKER).write_text(json.dumps(meta, indent=2))
 
 
-def net_for_target(config, init_from=None, ffn: int | None = None) -> FeatureDraftNet:
-    """A draft layer shaped like one of the target's layers (optionally initialised from it). `ffn`: a narrower
-    feed-forward width than the target's (a cheaper step: the 1.5B's 8,960-wide layer makes a step cost ~0.12 of a
-    target pass), initialised from the target layer's first `ffn` units."""
+def last_layer(model) -> dict[str, torch.Tensor] | None:
+    """A target's last decoder layer and final norm as float tensors, by the draft net's names (a transformers
+    model or specdec's runtime); None where its layer is not Llama-shaped (Gemma's (1 + w) norms and post-norms,
+    Qwen3's q/k norms, Phi-3's fused matrices start the draft from random)."""
+    if getattr(model.config, "model_type", "llama") not in ("llama", "mistral", "qwen2"):
+        return None
+    if hasattr(model, "get_decoder"):
+        dec = model.get_decoder()
+        layer, a, m = dec.layers[-1], dec.layers[-1].self_attn, dec.layers[-1].mlp
+        mats = {"q": a.q_proj, "k": a.k_proj, "v": a.v_proj, "o": a.o_proj, "gate": m.gate_proj, "up": m.up_proj,
+                "down": m.down_proj}
+        return {**{k: v.weight.detach().float() for k, v in mats.items()},
+                "mlp_norm": layer.post_attention_layernorm.weight.detach().float(),
+                "out_norm": dec.norm.weight.detach().float()}
+    w = model.layers[-1]
+    return {**{k: getattr(w, k).dequantize() for k in ("q", "k", "v", "o", "gate", "up", "down")},
+            "mlp_norm": w.ffn_norm.float(), "out_norm": model.norm.float()}
+
+
+def net_for_target(config, init_from: dict | None = None, ffn: int | None = None,
+                   taps: list[int] | None = None) -> FeatureDraftNet:
+    """A draft layer shaped like one of the target's layers (optionally initialised from it: `last_layer`). `ffn`: a
+    narrower feed-forward width than the target's (a cheaper step: the 1.5B's 8,960-wide layer makes a step cost
+    ~0.12 of a target pass), initialised from the target layer's first `ffn` units. `taps`: EAGLE-3's fused
+    features from those layers."""
     ffn = ffn or config.intermediate_size
     net = FeatureDraftNet(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
                           ffn, float(getattr(config, "rope_theta", None) or
-                                                          (getattr(config, "rope_parameters", None) or {}).get(
-                                                              "rope_theta", 10000.0)), config.rms_norm_eps)
+                                     (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
+                          config.rms_norm_eps, taps)
     with torch.no_grad():
         nn.init.normal_(net.fc.weight, std=1 / math.sqrt(2 * config.hidden_size))
-        # a Llama-family layer's weights are a head start; other layers (Gemma's (1 + w) norms and post-norms,
-        # Qwen3's q/k norms, Phi-3's fused matrices, head sizes apart from hidden / heads) start from random
-        if init_from is not None and getattr(config, "model_type", "llama") in ("llama", "mistral", "qwen2") \
-                and init_from[0].self_attn.q_proj.weight.shape == net.q.weight.shape:
-            layer, norm = init_from
-            for mine, theirs in [(net.q, layer.self_attn.q_proj), (net.k, layer.self_attn.k_proj),
-                                 (net.v, layer.self_attn.v_proj), (net.o, layer.self_attn.o_proj),
-                                 (net.gate, layer.mlp.gate_proj), (net.up, layer.mlp.up_proj),
-                                 (net.down, layer.mlp.down_proj)]:
-                rows, cols = mine.weight.shape  # the FFN's first `ffn` units where it is narrower
-                mine.weight.copy_(theirs.weight[:rows, :cols])
-            net.mlp_norm.weight.copy_(layer.post_attention_layernorm.weight)
-            net.out_norm.weight.copy_(norm.weight)
+        if taps:
+            nn.init.normal_(net.fuse.weight, std=1 / math.sqrt(len(taps) * config.hidden_size))
+        # a Llama-family layer's weights are a head start (where its head size is hidden / heads)
+        if init_from is not None and init_from["q"].shape == net.q.weight.shape:
+            for name in ("q", "k", "v", "o", "gate", "up", "down"):
+                mine = getattr(net, name).weight
+                rows, cols = mine.shape  # the FFN's first `ffn` units where it is narrower
+                mine.copy_(init_from[name][:rows, :cols])
+            net.mlp_norm.weight.copy_(init_from["mlp_norm"])
+            net.out_norm.weight.copy_(init_from["out_norm"])
     return net

@@ -346,8 +346,8 @@ class Llama:
                 h[r] = torch_layer.rmsnorm(xr, self.norm, self.eps)[0]
         rows = h if logit_rows is None else h[list(logit_rows)]
         logits = qlinear(rows.contiguous(), self._head(head_rows), q8=self.q8) if len(rows) else None
-        if taps:
-            h = torch.cat([seen[t] for t in self.feature_layers], -1)
+        if taps:  # a tap at len(layers) is the final normed state itself
+            h = torch.cat([h if t == len(self.layers) else seen[t] for t in self.feature_layers], -1)
         return (logits, h) if hidden else logits
 
     def keep_head_rows(self, ids: torch.Tensor) -> None:

@@ -1,0 +1,136 @@
+"""`specdec distill --features fused` (EAGLE-3-style) on a tiny target run by specdec's runtime: the target's low,
+middle and high layers fused into the draft's feature, trained on the target's distributions, saved, loaded and
+lossless (greedy, seeded, batched); its budget stops and resumes a run; the fused feature is row-invariant."""
+import json
+
+import pytest
+import torch
+from tiny import VOCAB
+
+from specdec import SpecDecoder, models
+from specdec.cli import main
+from specdec.distill import distill, fused_taps
+from specdec.distill.progress import BudgetSpent
+from specdec.drafters.feature import FeatureDrafter
+from specdec.errors import IncompatibleDraft, InvalidRequest
+
+PROMPTS = ["Hello", "abc", "The cat", "x = 1", "Once", "Why?", "def f(", "12345", "hi there", "ok"]
+RECIPE = dict(max_new_tokens=20, gen_batch=4, reduced=40, epochs=2, batch=4, lr=3e-3, seed=0, eval_limit=2,
+              self_chat=4, val_every=4, features="fused", noise=0.1)
+
+
+@pytest.fixture(scope="module")
+def rt(tiny_dirs):
+    return models.load(tiny_dirs["target"], backend="runtime")
+
+
+@pytest.fixture(autouse=True)
+def untapped(rt):
+    """A test leaves the shared target as it found it: untapped."""
+    yield
+    rt[0].feature_layers = None
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("p") / "p.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": p, "mode": "completion"}) for p in PROMPTS))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def fused(tmp_path_factory, prompt_file, rt):
+    out = tmp_path_factory.mktemp("fused")
+    rep = distill("tiny", str(out), [prompt_file], [], loaded=rt, **RECIPE)
+    return out, rep
+
+
+def test_fused_draft_is_trained_saved_and_reads_the_taps(fused, rt):
+    out, rep = fused
+    meta = json.loads((out / "specdec_draft.json").read_text())
+    L = rt[0].config.num_hidden_layers
+    assert meta["net"]["taps"] == list(fused_taps(L)) == rep["taps"] and rep["features"] == "fused"
+    assert rep["held_out"]["identical_to_target"] and len(rep["train_history"]) == 2
+    assert (out / "training.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "seed": 7}])
+def test_fused_draft_is_lossless(fused, rt, sampling):
+    out, _ = fused
+    model, tok = rt
+    model.feature_layers = None
+    plain = SpecDecoder.from_models(model, tok, draft="none")
+    prompts = ["Hello", "The cat sat", "x = 1"]
+    want = [plain.generate(p, max_new_tokens=24, chat=False, **sampling).token_ids for p in prompts]
+    sd = SpecDecoder.from_models(model, tok, draft=str(out), tau=3)
+    got = [sd.generate(p, max_new_tokens=24, chat=False, **sampling) for p in prompts]
+    assert [g.token_ids for g in got] == want
+    assert sum(len(r.proposed) for g in got for r in g.records) > 0  # it drafted
+
+
+def test_batched_requests_with_a_fused_draft_get_what_target_only_gives(fused, rt):
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    from test_server import LiveServer
+
+    from specdec.server import create_app
+
+    out, _ = fused
+    model, tok = rt
+    model.feature_layers = None
+    prompts = ["def f(x):", "Once upon", "abcabcabc", "1, 2, 3,"]
+    plain = SpecDecoder.from_models(model, tok, draft="none")
+    want = [plain.generate(p, max_new_tokens=20, chat=False).text for p in prompts]
+    sd = SpecDecoder.from_models(model, tok, draft=str(out), tau=3)
+    srv = LiveServer(create_app(sd, model_name="tiny"))
+    try:
+        def ask(p):
+            r = httpx.post(srv.url + "/v1/completions", timeout=60,
+                           json={"prompt": p, "max_tokens": 20, "temperature": 0})
+            return r.json()["choices"][0]["text"]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            assert list(pool.map(ask, prompts)) == want
+        assert srv.metrics()[("specdec_draft_tokens_total", ())] > 0
+    finally:
+        srv.stop()
+
+
+def test_the_fused_feature_is_row_invariant(fused, rt):
+    """The fuse runs per committed row in q8: a many-row call's rows equal one-row calls', bitwise."""
+    out, _ = fused
+    model, tok = rt
+    drafter = FeatureDrafter.load(out, model, models.tokenizer_fingerprint(tok))
+    taps = torch.randn(7, 3 * model.config.hidden_size) * 5
+    many = drafter._fuse(taps)
+    assert torch.equal(many, torch.cat([drafter._fuse(taps[i:i + 1]) for i in range(7)]))
+
+
+def test_a_budget_stops_a_run_and_the_same_call_goes_on(tmp_path, prompt_file, rt, monkeypatch):
+    import specdec.distill.progress as progress
+    clock = iter(range(0, 10 ** 6, 7))  # every check is 7 s later: a 1-minute budget ends after 8 checks
+    monkeypatch.setattr(progress, "monotonic", lambda: next(clock), raising=False)
+    with pytest.raises(BudgetSpent):
+        distill("tiny", str(tmp_path), [prompt_file], [], loaded=rt, budget_minutes=1, **RECIPE)
+    assert not (tmp_path / "specdec_draft.json").exists() and (tmp_path / "work" / "sequences.jsonl").exists()
+    monkeypatch.undo()
+    rep = distill("tiny", str(tmp_path), [prompt_file], [], loaded=rt, **RECIPE)
+    assert rep["held_out"]["identical_to_target"] and rep["sequences"] == len(PROMPTS) + 4
+
+
+def test_bad_input_is_one_line(tmp_path, prompt_file, rt, target, tok, tiny_dirs, capsys):
+    with pytest.raises(InvalidRequest, match="features"):
+        distill("tiny", str(tmp_path), [prompt_file], [], loaded=rt, **{**RECIPE, "features": "middle"})
+    with pytest.raises(InvalidRequest, match="budget"):
+        distill("tiny", str(tmp_path), [prompt_file], [], loaded=rt, budget_minutes=0, **RECIPE)
+    with pytest.raises(InvalidRequest, match="runtime"):
+        distill("tiny", str(tmp_path), [prompt_file], [], loaded=(target, tok), **RECIPE)
+    with pytest.raises(SystemExit):
+        main(["distill", "--target", tiny_dirs["target"], "--features", "middle"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_a_fused_draft_needs_the_runtime_target(fused, target, tok):
+    out, _ = fused
+    with pytest.raises(IncompatibleDraft, match="runtime"):
+        FeatureDrafter.load(out, target, models.tokenizer_fingerprint(tok))
