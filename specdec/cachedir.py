@@ -16,10 +16,11 @@ def cache_root() -> Path:
 
 
 def per_target(kind: str, target: str) -> Path:
-    """The cache directory of `kind` (datastores, drafts) for `target`: a file or directory path (by its resolved
-    path) or a model name."""
+    """The cache directory of `kind` (datastores, drafts, vocab) for `target`: a file by its content (file_sha256:
+    a copy of the file finds the same directory, a changed file another), a directory by its resolved path, or a
+    model name."""
     path = Path(target).expanduser()
-    key = str(path.resolve()) if path.exists() else str(target)
+    key = file_sha256(path) if path.is_file() else str(path.resolve()) if path.exists() else str(target)
     return cache_root() / kind / f"{path.stem or 'model'}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 

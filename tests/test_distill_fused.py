@@ -11,7 +11,7 @@ from specdec import SpecDecoder, models
 from specdec.cli import main
 from specdec.distill import distill, fused_taps
 from specdec.distill.progress import BudgetSpent
-from specdec.drafters.feature import FeatureDrafter
+from specdec.drafters.feature import FeatureDrafter, target_identity
 from specdec.errors import IncompatibleDraft, InvalidRequest
 
 PROMPTS = ["Hello", "abc", "The cat", "x = 1", "Once", "Why?", "def f(", "12345", "hi there", "ok"]
@@ -134,3 +134,31 @@ def test_a_fused_draft_needs_the_runtime_target(fused, target, tok):
     out, _ = fused
     with pytest.raises(IncompatibleDraft, match="runtime"):
         FeatureDrafter.load(out, target, models.tokenizer_fingerprint(tok))
+
+
+def test_the_drafts_safetensors_file_alone_is_the_draft(fused, rt, tmp_path):
+    """The file a user copies and publishes: model.safetensors carries the metadata in its header."""
+    import shutil
+    out, _ = fused
+    model, tok = rt
+    alone = tmp_path / "coder-draft.safetensors"
+    shutil.copy(out / "model.safetensors", alone)
+    plain = SpecDecoder.from_models(model, tok, draft="none")
+    want = plain.generate("The cat sat", max_new_tokens=24, chat=False).token_ids
+    sd = SpecDecoder.from_models(model, tok, draft=str(alone), tau=3)
+    got = sd.generate("The cat sat", max_new_tokens=24, chat=False)
+    assert got.token_ids == want and any(r.proposed for r in got.records)
+
+
+def test_a_fused_draft_refuses_another_target_file(fused, rt, tmp_path):
+    """It reads the target's inner layers: a target file of another content (same tokenizer) is refused."""
+    import shutil
+    out, _ = fused
+    model, tok = rt
+    other = tmp_path / "d"
+    shutil.copytree(out, other)
+    meta = json.loads((other / "specdec_draft.json").read_text())
+    assert meta["target_sha256"] == target_identity(model)
+    (other / "specdec_draft.json").write_text(json.dumps({**meta, "target_sha256": "0" * 64}))
+    with pytest.raises(IncompatibleDraft, match="another target file"):
+        FeatureDrafter.load(other, model, models.tokenizer_fingerprint(tok))

@@ -27,7 +27,7 @@ import torch
 from .. import models
 from ..cli import threads_arg
 from ..drafters.datastore import DatastoreDrafter
-from ..drafters.feature import FeatureDrafter
+from ..drafters.feature import FeatureDrafter, target_identity
 from ..drafters.feature_net import last_layer, net_for_target, save_draft
 from ..errors import InvalidRequest, SpecDecError
 from ..prompts import encode_prompt, load_prompts
@@ -216,7 +216,7 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
                        "embedding_gain": hist["embedding_gain"]},
             "sequences": len(data), "tokens": int(sum(len(d["ids"]) for d in data)),
             "train_history": hist["epochs"], "best_epoch": hist["best_epoch"], "train_curve": hist["curve"],
-            **({"features": "fused", "taps": list(taps)} if fused else {})}
+            **({"features": "fused", "taps": list(taps), "target_sha256": target_identity(model)} if fused else {})}
     save_draft(net, vocab_map, out_dir, fp, target_name=str(target), extra=meta)
     DatastoreDrafter.save([d["ids"].tolist() for d in data], out_dir)  # for `--draft datastore:DIR` (retrieval)
     drafter = FeatureDrafter.load(out_dir, gen, fp)  # measured as it will run: on the runtime where it can

@@ -22,7 +22,7 @@ from ..models import is_runtime
 from ..runtime.weights import QTensor, qlinear
 from ..sampling import PositionNoise, draw, warp
 from .base import Draft
-from .feature_files import MARKER, check_target
+from .feature_files import MARKER, check_target, draft_meta
 from .feature_net import FeatureDraftNet, quantized, runtime_layer, tap_norm
 
 # Stop a block once the draft's own probability that all of it is accepted falls below this. The shipped draft is
@@ -59,6 +59,18 @@ def race_children(logits: torch.Tensor, vocab_map: torch.Tensor, params, noise: 
     value = torch.softmax(score / RACE_SPREAD, -1)[top.indices]
     keep = top.values > float("-inf")  # outside the request's top-k / top-p: never the winner
     return value[keep].tolist(), top.indices[keep].tolist()
+
+
+def target_identity(model) -> str:
+    """What a draft reading a runtime target's inner layers is keyed by: its file's sha256, or for a target that is
+    not one file, a sha256 of its norm weights (every layer's and the final: a fine-tune moves them)."""
+    if model.fingerprint:
+        return model.fingerprint
+    import hashlib
+    h = hashlib.sha256()
+    for t in [w.ffn_norm for w in model.layers] + [model.norm]:
+        h.update(t.detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 class _CachedRows:
@@ -351,12 +363,17 @@ class FeatureDrafter:
     def load(cls, path, target_model, target_fingerprint: str, name: str | None = None) -> FeatureDrafter:
         path = Path(path)
         try:
-            meta = json.loads((path / MARKER).read_text())
             from safetensors.torch import load_file
-            weights = load_file(path / "model.safetensors")
+            if path.is_file():  # the draft's safetensors alone, its metadata in the header
+                meta, weights = draft_meta(path), load_file(path)
+                if meta is None:
+                    raise ValueError("no specdec draft metadata in its header")
+            else:
+                meta, weights = json.loads((path / MARKER).read_text()), load_file(path / "model.safetensors")
         except (OSError, ValueError, KeyError) as e:
             raise ModelLoadError(f"cannot load draft {path}: {e}")
-        check_target(meta, path, target_fingerprint)
+        check_target(meta, path, target_fingerprint,
+                     target_sha256=target_identity(target_model) if is_runtime(target_model) else None)
         net = FeatureDraftNet(**meta["net"])
         vocab_map = weights.pop("vocab_map").long()
         net.load_state_dict({k: v.float() for k, v in weights.items()})

@@ -146,9 +146,10 @@ def save_draft(net: FeatureDraftNet, vocab_map: torch.Tensor, out: Path, target_
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to(dtype).contiguous() for k, v in net.state_dict().items()}
     tensors["vocab_map"] = vocab_map.to(torch.int32).contiguous()
-    save_file(tensors, out / "model.safetensors")
     meta = {"type": "feature", "net": net.cfg, "reduced_vocab": len(vocab_map),
             "target_fingerprint": target_fingerprint, "target_name": target_name, **(extra or {})}
+    # the file alone is the draft too (a copy a user publishes): its header carries the same metadata
+    save_file(tensors, out / "model.safetensors", metadata={MARKER: json.dumps(meta)})
     (out / MARKER).write_text(json.dumps(meta, indent=2))
 
 

@@ -136,7 +136,7 @@ def _datastore(spec, target):
         src = built if built is not None and (built / DATASTORE_FILE).exists() else SHIPPED_DRAFT
     else:
         src = models.resolve(spec.split(":", 1)[1])
-    if is_feature_draft(src):
+    if Path(src).is_dir() and is_feature_draft(src):
         try:
             check_target(json.loads((src / MARKER).read_text()), src, target.fingerprint, "datastore")
         except IncompatibleDraft as e:
