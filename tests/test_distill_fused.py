@@ -5,7 +5,8 @@ import json
 
 import pytest
 import torch
-from tiny import VOCAB
+from test_distill import PROMPTS, prompt_file  # noqa: F401 (a fixture)
+from test_eagle3 import batched_http_is_target_only
 
 from specdec import SpecDecoder, models
 from specdec.cli import main
@@ -14,7 +15,6 @@ from specdec.distill.progress import BudgetSpent
 from specdec.drafters.feature import FeatureDrafter, target_identity
 from specdec.errors import IncompatibleDraft, InvalidRequest
 
-PROMPTS = ["Hello", "abc", "The cat", "x = 1", "Once", "Why?", "def f(", "12345", "hi there", "ok"]
 RECIPE = dict(max_new_tokens=20, gen_batch=4, reduced=40, epochs=2, batch=4, lr=3e-3, seed=0, eval_limit=2,
               self_chat=4, val_every=4, features="fused", noise=0.1)
 
@@ -29,13 +29,6 @@ def untapped(rt):
     """A test leaves the shared target as it found it: untapped."""
     yield
     rt[0].feature_layers = None
-
-
-@pytest.fixture(scope="module")
-def prompt_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("p") / "p.jsonl"
-    path.write_text("\n".join(json.dumps({"prompt": p, "mode": "completion"}) for p in PROMPTS))
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -69,31 +62,8 @@ def test_fused_draft_is_lossless(fused, rt, sampling):
 
 
 def test_batched_requests_with_a_fused_draft_get_what_target_only_gives(fused, rt):
-    from concurrent.futures import ThreadPoolExecutor
-
-    import httpx
-    from test_server import LiveServer
-
-    from specdec.server import create_app
-
-    out, _ = fused
-    model, tok = rt
-    model.feature_layers = None
-    prompts = ["def f(x):", "Once upon", "abcabcabc", "1, 2, 3,"]
-    plain = SpecDecoder.from_models(model, tok, draft="none")
-    want = [plain.generate(p, max_new_tokens=20, chat=False).text for p in prompts]
-    sd = SpecDecoder.from_models(model, tok, draft=str(out), tau=3)
-    srv = LiveServer(create_app(sd, model_name="tiny"))
-    try:
-        def ask(p):
-            r = httpx.post(srv.url + "/v1/completions", timeout=60,
-                           json={"prompt": p, "max_tokens": 20, "temperature": 0})
-            return r.json()["choices"][0]["text"]
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            assert list(pool.map(ask, prompts)) == want
-        assert srv.metrics()[("specdec_draft_tokens_total", ())] > 0
-    finally:
-        srv.stop()
+    rt[0].feature_layers = None
+    batched_http_is_target_only(*rt, str(fused[0]))
 
 
 def test_the_fused_feature_is_row_invariant(fused, rt):
@@ -162,3 +132,17 @@ def test_a_fused_draft_refuses_another_target_file(fused, rt, tmp_path):
     (other / "specdec_draft.json").write_text(json.dumps({**meta, "target_sha256": "0" * 64}))
     with pytest.raises(IncompatibleDraft, match="another target file"):
         FeatureDrafter.load(other, model, models.tokenizer_fingerprint(tok))
+
+
+def test_the_cli_stops_at_its_budget_with_status_75_and_says_how_to_go_on(tmp_path, prompt_file, tiny_dirs,
+                                                                          monkeypatch, capsys):
+    import specdec.distill.progress as progress
+    clock = iter(range(0, 10 ** 6, 30))  # set at 0, checked at 30 s (one batch made), then at 60 s: spent
+    monkeypatch.setattr(progress, "monotonic", lambda: next(clock))
+    args = ["distill", "--target", tiny_dirs["target"], "--out", str(tmp_path), "--prompts", prompt_file,
+            "--features", "fused", "--max-new-tokens", "8", "--gen-batch", "2", "--self-chat", "0",
+            "--reduced-vocab", "40", "--epochs", "1", "--budget-minutes", "1"]
+    assert main(args) == 75
+    err = capsys.readouterr().err
+    assert "budget ran out during target responses" in err and "run the same command again" in err
+    assert len((tmp_path / "work" / "sequences.jsonl").read_text().splitlines()) == 2  # one batch

@@ -133,7 +133,9 @@ def test_the_output_is_the_targets_with_an_eagle3_head(rt, head_dir, sampling):
         model.feature_layers = None
 
 
-def test_batched_requests_with_an_eagle3_head_get_what_target_only_gives(rt, head_dir):
+def batched_http_is_target_only(model, tok, draft: str) -> None:
+    """Four greedy requests at once over HTTP to a server drafting with `draft`: each gets target-only's text, and
+    the server drafted."""
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
@@ -141,11 +143,10 @@ def test_batched_requests_with_an_eagle3_head_get_what_target_only_gives(rt, hea
 
     from specdec.server import create_app
 
-    model, tok = rt
     prompts = ["def f(x):", "Once upon", "abcabcabc", "1, 2, 3,"]
     plain = SpecDecoder.from_models(model, tok, draft="none")
     want = [plain.generate(p, max_new_tokens=20, chat=False).text for p in prompts]
-    sd = SpecDecoder.from_models(model, tok, draft=str(head_dir), tau=3)
+    sd = SpecDecoder.from_models(model, tok, draft=draft, tau=3)
     srv = LiveServer(create_app(sd, model_name="tiny"))
     try:
         def ask(p):
@@ -158,6 +159,10 @@ def test_batched_requests_with_an_eagle3_head_get_what_target_only_gives(rt, hea
     finally:
         srv.stop()
         model.feature_layers = None
+
+
+def test_batched_requests_with_an_eagle3_head_get_what_target_only_gives(rt, head_dir):
+    batched_http_is_target_only(*rt, str(head_dir))
 
 
 def test_a_malformed_head_is_one_clear_error(rt, tmp_path):

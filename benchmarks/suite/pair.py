@@ -71,8 +71,8 @@ SAMPLED = {"temperature": 0.7, "top_p": 1.0}
 # the shipped prompt sets' responses and 1,024 self-chat conversations at 96 tokens, 115k tokens of the standard
 # library's modules and 38k of the language reference teacher-forced, EAGLE's feature noise, a 2,048-wide
 # feed-forward (a step costs ~0.044 of a target pass), 6 epochs; about 1 h 55 min on 2 cores (docs/draft.md).
-FEATURE_RECIPE = ["--max-new-tokens", "96", "--self-chat", "1024", "--stdlib-text", "115000", "--feature-noise", "0.1",
-                  "--draft-ffn", "2048", "--epochs", "6", "--eval-limit", "8"]
+FEATURE_RECIPE = ["--features", "fused", "--max-new-tokens", "96", "--self-chat", "384", "--stdlib-text", "60000",
+                  "--feature-noise", "0.1", "--draft-ffn", "2048", "--epochs", "4", "--eval-limit", "8"]
 
 
 class Refused(SystemExit):
