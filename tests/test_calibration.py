@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from specdec import models
 from specdec.batch import BatchEngine, Sequence
-from specdec.batch.calibration import OnlineCurve, default_budget
+from specdec.batch.calibration import OnlineCurve, background_work, default_budget, work_beside
 from specdec.drafters.base import NoDrafter
 from specdec.sampling import SamplingParams
 
@@ -132,6 +132,33 @@ def test_a_pass_with_prompt_chunks_does_not_reprice_the_curve(rt):
     while engine.running:
         engine.step()
     assert seen == [1, 1]  # three one-row decode passes, the first cold
+
+
+def test_passes_beside_the_processs_own_background_work_price_nothing(rt):
+    """The server reads the vocabulary for structured outputs on a thread right after it says it is ready: passes
+    timed meanwhile shared the cores (two such priced 8 rows at 50 ms for a server's life, where quiet ones take 29),
+    so they refine nothing, and no idle probe runs; after it, passes refine the curve again."""
+    model, tok = rt
+    engine = BatchEngine(model, NoDrafter(), model.config.vocab_size, set(), 256, max_batch_rows=16,
+                         pass_curve={1: 5.0, **{n: 150.0 for n in GRID[1:]}}, curve_is_prior=True)
+    seen = []
+    engine._pass.observe = lambda rows, ms: seen.append(rows)
+
+    def run():
+        engine.add(Sequence(tok("a prompt").input_ids, 4, SamplingParams()))
+        while engine.running:
+            engine.step()
+            assert not engine.failed
+
+    run()  # (the first one-row pass in a process is a cold one, never timed)
+    seen.clear()
+    assert engine.probe_due()
+    with background_work():
+        assert work_beside() and not engine.probe_due()
+        run()
+    assert seen == [] and not work_beside() and engine.probe_due()
+    run()
+    assert seen and set(seen) == {1}
 
 
 def test_a_disturbed_measurement_is_retaken_then_used_for_this_run_only(rt, tmp_path, monkeypatch, capsys):

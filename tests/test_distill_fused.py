@@ -44,6 +44,7 @@ def test_fused_draft_is_trained_saved_and_reads_the_taps(fused, rt):
     L = rt[0].config.num_hidden_layers
     assert meta["net"]["taps"] == list(fused_taps(L)) == rep["taps"] and rep["features"] == "fused"
     assert rep["held_out"]["identical_to_target"] and len(rep["train_history"]) == 2
+    assert 0 < rep["answer_tokens"] < rep["tokens"]
     assert (out / "training.png").stat().st_size > 1000
 
 
@@ -83,9 +84,13 @@ def test_a_budget_stops_a_run_and_the_same_call_goes_on(tmp_path, prompt_file, r
     with pytest.raises(BudgetSpent):
         distill("tiny", str(tmp_path), [prompt_file], [], loaded=rt, budget_minutes=1, **RECIPE)
     assert not (tmp_path / "specdec_draft.json").exists() and (tmp_path / "work" / "sequences.jsonl").exists()
+    first = json.loads((tmp_path / "work" / "seconds.json").read_text())["data"]  # the chunk's time, kept
     monkeypatch.undo()
     rep = distill("tiny", str(tmp_path), [prompt_file], [], loaded=rt, **RECIPE)
     assert rep["held_out"]["identical_to_target"] and rep["sequences"] == len(PROMPTS) + 4
+    # the wall time of both runs: the first one's data phase, then this one's
+    spent = rep["seconds_all_runs"]
+    assert 0 < first < spent["data"] and {"labels", "train"} <= set(spent)
 
 
 def test_bad_input_is_one_line(tmp_path, prompt_file, rt, target, tok, tiny_dirs, capsys):

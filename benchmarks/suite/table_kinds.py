@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 
 NAMES = {"llama": "llama-server", "ours-none": "ours `none`", "ours": "ours `ngram`", "ours-0.5b": "ours 0.5B",
-         "ours-0.5b-32k": "ours 0.5B, 32k head", "ours-0.5b-16k": "ours 0.5B, 16k head"}
+         "ours-0.5b-32k": "ours 0.5B, 32k head", "ours-0.5b-16k": "ours 0.5B, 16k head",
+         "ours-feature": "ours feature draft"}
 WORKLOADS = {"completion": "completion", "chat": "chat", "edits": "edits", "fim": "fill-in",
              "chat-sampled": "chat T0.7", "edits-predicted": "edits predicted", "all": "all"}
 
@@ -41,17 +42,32 @@ def streams_table(result: dict) -> str:
     return grid(["system"] + [f"{lv} stream{'s' if lv > 1 else ''}" for lv in levels] + ["= target-only"], rows)
 
 
+COPIES = {"none", "ngram", "suffix", "recycle", "datastore", "prediction"}  # drafters that run no model
+
+
+def drafts_a_model(command: list[str]) -> bool:
+    """Whether a server's command line drafts with a model (a file, `distilled`, an EAGLE-3 head) rather than only
+    copying: a server without `--draft` on a target other than the default runs `ngram`."""
+    if "--draft" not in command:
+        return False
+    chain = command[command.index("--draft") + 1].split("+")
+    return any(part.split(":")[0] not in COPIES for part in chain)
+
+
 def pair_bounds_table(result: dict) -> str:
     """Speed-up over target-only beside the bound the same run's curve sets (pair.py speed): a copy draft's against
-    copying alone, a model draft's against copying plus the model at its measured acceptance and step cost."""
+    copying alone, a model draft's against copying plus the model at its measured per-token acceptance (shown) and
+    step cost."""
     shown = [w for w in WORKLOADS if w != "all" and any(w in b for b in result["bounds"].values())]
+    commands = result.get("config", {}).get("commands", {})
     rows = []
     for name, b in result["bounds"].items():
-        model = b["draft_step"] >= 0.05
+        model = drafts_a_model(commands[name]) if name in commands else b["draft_step"] >= 0.05
         bound = "copy+model@alpha" if model else "copy"
         label = NAMES.get(name, name).removeprefix("ours ") + (f" (step {b['draft_step']:.3f} of a pass)" if model else "")
-        rows.append([label] + [f"{b[w]['measured']:.2f} \\| {b[w][bound] or b[w]['copy+model']:.2f}" if w in b else "–"
-                               for w in shown])
+        alpha = lambda w: f" (α {b[w]['alpha']:.2f})" if model and b[w].get("alpha") is not None else ""  # noqa: E731
+        rows.append([label] + [f"{b[w]['measured']:.2f} \\| {b[w][bound] or b[w]['copy+model']:.2f}{alpha(w)}"
+                               if w in b else "–" for w in shown])
     return grid(["system"] + [WORKLOADS[w] for w in shown], rows)
 
 

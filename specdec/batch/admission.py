@@ -12,7 +12,7 @@ from ..drafters.base import close, for_request, fork, idle_step, idle_work, make
 from ..policy import AdaptivePolicy
 from ..runtime.blocks import BLOCK, OutOfBlocks
 from ..sampling import PositionNoise
-from .calibration import NOISE_MS, PassTimer, default_budget
+from .calibration import NOISE_MS, PassTimer, default_budget, work_beside
 from .load import Load, check_fits, prefill_ms
 from .requests import Sequence
 
@@ -211,8 +211,9 @@ class Admission:
         return self._pass.due(most, monotonic())
 
     def probe_due(self) -> bool:
-        """Whether a pass size is to be timed in idle time (calibration.OnlineCurve.due), and not backing off."""
-        return monotonic() >= self._probe_after and bool(self._probe_sizes())
+        """Whether a pass size is to be timed in idle time (calibration.OnlineCurve.due), not backing off, and with
+        none of the process's own background work beside it."""
+        return monotonic() >= self._probe_after and not work_beside() and bool(self._probe_sizes())
 
     def probe(self) -> None:
         """Time one such size (the worker calls it only while nothing runs or waits: a new request waits one pass

@@ -27,7 +27,7 @@ from ..verification import (
     verify_tree,
 )
 from .admission import Admission
-from .calibration import OnlineCurve
+from .calibration import OnlineCurve, work_beside
 from ..costs import DraftSteps
 from ..runtime.prefix_cache import PrefixCache
 from .requests import Sequence, State
@@ -408,9 +408,12 @@ class BatchEngine(Admission):
         logits = fit_vocab(logits, self.vocab_size) if logits is not None else None
         t2 = perf_counter()
         verify_ms = (t2 - t1) * 1e3
-        if not prompt_rows and len(tokens) in self._warm_rows:  # a process's first pass of a row count is a cold
-            self._pass.observe(len(tokens), verify_ms)  # one (code and buffers first touched: a 4-row pass timed
-        self._warm_rows.add(len(tokens))  # at 200 ms beside 21 ms one-row passes, priced 4+ rows out): left out
+        # a process's first pass of a row count is a cold one (code and buffers first touched: a 4-row pass timed at
+        # 200 ms beside 21 ms one-row passes, priced 4+ rows out), and one beside its own background work shared the
+        # cores (calibration.background_work): both left out
+        if not prompt_rows and len(tokens) in self._warm_rows and not work_beside():
+            self._pass.observe(len(tokens), verify_ms)
+        self._warm_rows.add(len(tokens))
         self._recent_pass.update(verify_ms)
         if len(tokens) >= 16:  # a big pass's time is its rows' work: the prediction's scale follows it
             predicted = len(tokens) * self.row_ms + self.key_ms * sum(positions)

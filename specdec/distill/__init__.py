@@ -44,7 +44,7 @@ from .data import (
     teacher_labels,
     text_sequences,
 )
-from .progress import DEFAULT_PROMPTS, Budget, BudgetSpent
+from .progress import DEFAULT_PROMPTS, Budget, BudgetSpent, Ledger
 from .training import default_lr, train
 
 __all__ = ["after_last", "assistant_header", "distill", "generate_responses", "pre_query", "reduced_vocab", "report",
@@ -104,6 +104,8 @@ def _runtime_twin(target: str, device: str):
     except SpecDecError:
         return None
     return model
+
+
 def distill(target: str, out: str, prompt_files: list[str], text_files: list[str], max_new_tokens: int = 128,
             gen_batch: int = 64, reduced: int = 8192, epochs: int = 6, batch: int = 8, lr: float | None = None,
             seed: int = 0, limit: int = 0, eval_limit: int = 0, eval_tau: int = 4, device: str = "auto",
@@ -169,9 +171,12 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
     _keyed_per_item(work / "sequences.jsonl", {"max_new_tokens": max_new_tokens, **tapped}, prompts)
     _keyed(work / "self_chat.jsonl", {"max_new_tokens": max_new_tokens, "gen_batch": gen_batch, "seed": seed,
                                       **tapped})
-    seqs = generate_responses(gen, tok, prompts, work / "sequences.jsonl", max_new_tokens, gen_batch, device, budget)
-    chats = self_chat_data(gen, tok, self_chat, work / "self_chat.jsonl", max_new_tokens, gen_batch, seed, device,
-                           budget)
+    ledger = Ledger(work / "seconds.json")
+    with ledger.phase("data"):
+        seqs = generate_responses(gen, tok, prompts, work / "sequences.jsonl", max_new_tokens, gen_batch, device,
+                                  budget)
+        chats = self_chat_data(gen, tok, self_chat, work / "self_chat.jsonl", max_new_tokens, gen_batch, seed,
+                               device, budget)
     t_data = perf_counter() - t0
     if fused:  # greedy answers: the target's argmax at a position is the next token (no labelling pass)
         for it in seqs + chats:
@@ -180,8 +185,10 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
     starts = [len(encode_prompt(tok, p["prompt"], p["chat"])) for p in prompts]
     header = assistant_header(tok)
     starts += [after_last(it["ids"], header) for it in chats] + [0] * len(texts)
+    answered = sum(len(it["ids"]) - s for it, s in zip(seqs + chats, starts))  # tokens the target generated as answers
     seqs += chats + texts
-    data = teacher_labels(gen, seqs, work / ("labels_fused.pt" if fused else "labels.pt"), device, budget)
+    with ledger.phase("labels"):
+        data = teacher_labels(gen, seqs, work / ("labels_fused.pt" if fused else "labels.pt"), device, budget)
     for d, start in zip(data, starts):
         d["start"] = start if loss_on == "response" else 0
     vocab_map = reduced_vocab(data, reduced, models.eos_ids(model, tok), model.config.vocab_size)
@@ -202,8 +209,9 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
     # a resumed run with another shape, schedule or data starts training again
     _keyed(work / "checkpoint.pt", {"net": net.cfg, "lr": lr, "epochs": epochs, "batch": batch, "seed": seed,
                                     **({"noise": noise} if noise else {}), "data": [len(d["ids"]) for d in train_data]})
-    hist = train(net, train_data, embed, head, vocab_map, epochs, batch, lr, seed, work / "checkpoint.pt", device,
-                 val, noise, budget)
+    with ledger.phase("train"):
+        hist = train(net, train_data, embed, head, vocab_map, epochs, batch, lr, seed, work / "checkpoint.pt",
+                     device, val, noise, budget)
     t_train = perf_counter() - t1
     if not fused:
         model.cpu()
@@ -214,7 +222,7 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
                        "max_new_tokens": max_new_tokens, "reduced_vocab": reduced, "loss_on": loss_on,
                        "epochs": epochs, "batch": batch, "lr": lr, "seed": seed, "feature_noise": noise,
                        "embedding_gain": hist["embedding_gain"]},
-            "sequences": len(data), "tokens": int(sum(len(d["ids"]) for d in data)),
+            "sequences": len(data), "tokens": int(sum(len(d["ids"]) for d in data)), "answer_tokens": answered,
             "train_history": hist["epochs"], "best_epoch": hist["best_epoch"], "train_curve": hist["curve"],
             **({"features": "fused", "taps": list(taps), "target_sha256": target_identity(model)} if fused else {})}
     save_draft(net, vocab_map, out_dir, fp, target_name=str(target), extra=meta)
@@ -223,6 +231,7 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
     held_out = load_prompts()[: eval_limit or None]
     rep = {**meta, "seconds": {"data": round(t_data, 1), "labels": round(t1 - t0 - t_data, 1),
                                "train": round(t_train, 1)},
+           "seconds_all_runs": ledger.totals,
            "held_out": report(gen, tok, drafter, held_out, 64, eval_tau)}
     (out_dir / "distill_report.json").write_text(json.dumps(rep, indent=2))
     from ..charts import training

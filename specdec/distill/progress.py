@@ -1,7 +1,10 @@
 """What every phase of `specdec distill` shares: its console, its progress bar, its default prompt sets."""
 from __future__ import annotations
 
-from time import monotonic
+import json
+from contextlib import contextmanager
+from pathlib import Path
+from time import monotonic, perf_counter
 
 from rich.console import Console
 from rich.progress import Progress
@@ -35,3 +38,22 @@ class Budget:
     def check(self, phase: str) -> None:
         if self.spent():
             raise BudgetSpent(phase)
+
+
+class Ledger:
+    """Each phase's wall time over every run that worked on it, in WORK/seconds.json: a run in budgeted chunks, or
+    one resumed after a crash, still reports what the whole took (its own run's seconds are the report's
+    `seconds`)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.totals: dict[str, float] = json.loads(path.read_text()) if path.exists() else {}
+
+    @contextmanager
+    def phase(self, name: str):
+        t0 = perf_counter()  # (not the budget's clock)
+        try:
+            yield
+        finally:  # also when the budget ran out: that chunk's time was spent on this phase
+            self.totals[name] = round(self.totals.get(name, 0.0) + perf_counter() - t0, 3)
+            self.path.write_text(json.dumps(self.totals))
