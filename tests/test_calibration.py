@@ -4,6 +4,7 @@ what was timed; passes that carry prompt chunks never reprice the decode curve."
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -11,11 +12,21 @@ from hypothesis import strategies as st
 
 from specdec import models
 from specdec.batch import BatchEngine, Sequence
-from specdec.batch.calibration import OnlineCurve, background_work, default_budget, work_beside
+from specdec.batch.calibration import OnlineCurve, background_work, default_budget, run_beside, work_beside
 from specdec.drafters.base import NoDrafter
 from specdec.sampling import SamplingParams
 
 GRID = [1, 2, 4, 8, 16, 32, 64]
+
+
+@pytest.fixture(autouse=True)
+def no_work_beside():
+    """An earlier test's server may still be reading its grammar vocabulary on a thread (calibration.background_work,
+    a few seconds): no idle probe is due meanwhile, so these tests start once it is done."""
+    deadline = time.monotonic() + 60
+    while work_beside() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not work_beside()
 
 
 def machine(rows: int) -> float:
@@ -159,6 +170,14 @@ def test_passes_beside_the_processs_own_background_work_price_nothing(rt):
     assert seen == [] and not work_beside() and engine.probe_due()
     run()
     assert seen and set(seen) == {1}
+    # a thread started as such work counts from its start, and until it ends
+    import threading
+    go = threading.Event()
+    thread = run_beside(go.wait)
+    assert work_beside() and not engine.probe_due()
+    go.set()
+    thread.join()
+    assert not work_beside() and engine.probe_due()
 
 
 def test_a_disturbed_measurement_is_retaken_then_used_for_this_run_only(rt, tmp_path, monkeypatch, capsys):

@@ -2,6 +2,9 @@
 and the verification budget they give."""
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import threading
 from contextlib import contextmanager
 from statistics import median
@@ -234,6 +237,26 @@ def background_work():
     finally:
         with _beside_lock:
             _beside[0] -= 1
+
+
+def run_beside(target, *args) -> threading.Thread:
+    """target(*args) on a daemon thread, as background_work from the moment it is started (the next pass already
+    sees it), at the lowest priority where threads have their own (Linux): the passes beside it keep the cores."""
+    marked = background_work()
+    marked.__enter__()  # (here, not on the thread: it may start after the next pass)
+
+    def run():
+        try:
+            if sys.platform.startswith("linux"):
+                with contextlib.suppress(OSError):
+                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            target(*args)
+        finally:
+            marked.__exit__(None, None, None)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
 
 
 def work_beside() -> bool:

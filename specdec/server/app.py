@@ -5,13 +5,11 @@ OpenAI-style error object."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
 import secrets
 import sys
-import threading
 import time
 
 from fastapi import FastAPI, Request
@@ -21,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import models
-from ..batch.calibration import background_work
+from ..batch.calibration import run_beside
 from ..drafters.base import save as save_drafter
 from ..errors import InvalidRequest, SpecDecError
 from ..fim import fim_prompt
@@ -54,15 +52,11 @@ class SafeJSON(JSONResponse):
 def _warm_grammars(decoder) -> None:
     """Read the vocabulary for structured outputs and mask once (2-5 s here the first time in a process, a few ms
     after) at start, not in the first such request."""
-    if sys.platform.startswith("linux"):  # this thread only (Linux's threads have their own nice value): the
-        with contextlib.suppress(OSError):  # passes beside it keep the cores
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    with background_work():
-        try:
-            import torch
-            decoder.grammars.constraint({"type": "json_object"}).masked(torch.zeros(decoder.grammars.vocab_size))
-        except Exception:  # noqa: BLE001 - no llguidance or a tokenizer it cannot read: such requests get a 400 later
-            pass
+    try:
+        import torch
+        decoder.grammars.constraint({"type": "json_object"}).masked(torch.zeros(decoder.grammars.vocab_size))
+    except Exception:  # noqa: BLE001 - no llguidance or a tokenizer it cannot read: such requests get a 400 later
+        pass
 
 
 def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | None = None,
@@ -96,7 +90,7 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
     worker.keys = keys  # each key's first request finds a place in the queue
     worker.wait_ready()
     decoder = worker.decoder
-    threading.Thread(target=_warm_grammars, args=(decoder,), daemon=True).start()
+    run_beside(_warm_grammars, decoder)  # (its passes' times price nothing meanwhile: calibration)
     app = FastAPI(title="specdec", docs_url=None, redoc_url=None, default_response_class=SafeJSON)
     app.state.metrics, app.state.worker, app.state.decoder = metrics, worker, decoder
 
