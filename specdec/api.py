@@ -49,7 +49,8 @@ def default_draft(target: str) -> str:
     distilled draft, `datastore+ngram+shipped`, costs more per step than its extra accepted tokens save there); for
     any other target the same pair once `specdec datastore build` made its datastore, else the n-gram drafter.
     A draft `specdec distill` installed for the target (`distilled`) is not the default: on Qwen2.5-Coder-1.5B
-    its fused feature draft gives 1.54x target-only at one stream but 0.83x at 8 (docs/draft.md)."""
+    its fused feature draft gives 1.24-1.41x target-only on chat and completion at one stream but 0.96x at 8
+    (docs/draft.md)."""
     from .drafters.datastore import FILE, datastore_dir
     if target == models.DEFAULT_MODEL and is_feature_draft(SHIPPED_DRAFT):
         return "datastore+ngram"

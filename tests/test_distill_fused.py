@@ -5,6 +5,8 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_distill import PROMPTS, prompt_file  # noqa: F401 (a fixture)
 from test_eagle3 import batched_http_is_target_only
 
@@ -75,6 +77,27 @@ def test_the_fused_feature_is_row_invariant(fused, rt):
     taps = torch.randn(7, 3 * model.config.hidden_size) * 5
     many = drafter._fuse(taps)
     assert torch.equal(many, torch.cat([drafter._fuse(taps[i:i + 1]) for i in range(7)]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 40)), min_size=1, max_size=12))
+def test_tapped_states_fused_late_are_the_features_of_each_cycles_call(fused, rt, cycles):
+    """The drafter fuses the tapped states it was handed when it reads them (or FUSE_AFTER wait), in one call: its
+    features after any run of cycles (each a rollback of up to 3 positions, then new rows) are bitwise those of a
+    fuse per cycle, and a rolled-back row is never among them."""
+    out, _ = fused
+    model, tok = rt
+    lazy = FeatureDrafter.load(out, model, models.tokenizer_fingerprint(tok))
+    eager = lazy.fork()
+    eager.observe_target = lambda start, hidden: eager._write(start, eager._fuse(hidden))
+    gen, end = torch.Generator().manual_seed(len(cycles)), 0
+    for back, n in cycles:
+        start = max(0, end - back)
+        taps = torch.randn(n, 3 * model.config.hidden_size, generator=gen) * 5
+        lazy.observe_target(start, taps)
+        eager.observe_target(start, taps)
+        end = start + n
+    assert len(lazy.feats) == end and torch.equal(lazy.feats, eager.feats)
 
 
 def test_a_budget_stops_a_run_and_the_same_call_goes_on(tmp_path, prompt_file, rt, monkeypatch):

@@ -7,7 +7,11 @@ prompt set, so a level has N requests in flight from its first second to its las
 - time to first token, p50 and p90, over its requests;
 - failed requests (anything but a complete 200 stream);
 - identity: each answer against the same prompt's answer from the family's target-only server (`ours-none`, or
-  `llama` for llama-server's drafts) at any level: batching must change nothing.
+  `llama` for llama-server's drafts) at any level: batching must change nothing;
+- why (specdec's servers, from /metrics over the level): passes, rows per pass, the share of passes with more rows
+  than the level has streams (draft rows bought), draft tokens and their acceptance, and the ms per pass spent
+  drafting and verifying, and the split's hindsight at that load (accepted / expected, batch/hindsight.py). A
+  draft that loses throughput shows here whether its rows or its drafting cost it.
 """
 from __future__ import annotations
 
@@ -15,7 +19,52 @@ import statistics
 import threading
 import time
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
 from pair import Refused, Server, request, settle
+
+def scrape(server: Server) -> dict[tuple[str, str], float] | None:
+    """specdec's /metrics samples by (name, `le` bucket or `decoding` level); None for a server without them
+    (llama-server)."""
+    if server.name.startswith("llama"):
+        return None
+    try:
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    return {(s.name, s.labels.get("le", s.labels.get("decoding", ""))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples if not set(s.labels) - {"le", "decoding"}}
+
+
+def counts(before: dict | None, after: dict | None, streams: int) -> dict | None:
+    """A level's raw /metrics deltas: passes, rows, passes within the streams' rows, drafted, accepted, seconds."""
+    if before is None or after is None:
+        return None
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    one = lambda name: d.get((name, ""), 0.0)  # noqa: E731
+    buckets = [(float(le), v) for (n, le), v in d.items() if n == "specdec_batch_rows_bucket" and le != "+Inf"]
+    return {"passes": one("specdec_batch_rows_count"), "rows": one("specdec_batch_rows_sum"),
+            "within": max((v for le, v in buckets if le <= streams), default=0.0),  # (buckets 1,2,4,8,12,...)
+            "drafted": one("specdec_draft_tokens_total"), "accepted": one("specdec_accepted_tokens_total"),
+            "draft_s": one("specdec_draft_seconds_sum"), "verify_s": one("specdec_verify_seconds_sum"),
+            "hindsight": after.get(("specdec_draft_hindsight", "8+" if streams >= 8 else "4-7" if streams >= 4 else
+                                    "2-3" if streams >= 2 else "1"))}  # (a gauge: where the window left it)
+
+
+def why(raw: list[dict | None]) -> dict | None:
+    """What a level's passes were made of, over its windows (the module's docstring)."""
+    if not raw or any(r is None for r in raw):
+        return None
+    t = {k: sum(r[k] for r in raw) for k in raw[0] if k != "hindsight"}
+    if not t["passes"]:
+        return None
+    per_pass = lambda k: round(1e3 * t[k] / t["passes"], 2)  # noqa: E731
+    return {"passes": int(t["passes"]), "rows_per_pass": round(t["rows"] / t["passes"], 2),
+            "passes_over_streams": round(1 - t["within"] / t["passes"], 3), "drafted": int(t["drafted"]),
+            "accepted": round(t["accepted"] / t["drafted"], 3) if t["drafted"] else None,
+            "draft_ms_per_pass": per_pass("draft_s"), "verify_ms_per_pass": per_pass("verify_s"),
+            "hindsight": None if raw[-1]["hindsight"] is None else round(raw[-1]["hindsight"], 3)}
 
 
 def run_level(server: Server, prompts: list[dict], streams: int, max_tokens: int, per_stream: int) -> dict:
@@ -32,6 +81,7 @@ def run_level(server: Server, prompts: list[dict], streams: int, max_tokens: int
             with lock:
                 done.append({"i": i, **r})
 
+    before = scrape(server)
     t0 = time.monotonic()
     threads = [threading.Thread(target=client, args=(c,)) for c in range(streams)]
     for t in threads:
@@ -39,13 +89,14 @@ def run_level(server: Server, prompts: list[dict], streams: int, max_tokens: int
     for t in threads:
         t.join()
     wall = time.monotonic() - t0
+    after = scrape(server)
     ok = [r for r in done if r["ok"]]
     ttft = sorted(r["ttft_s"] for r in ok)
     return {"streams": streams, "requests": len(done), "failed": len(done) - len(ok),
             "tokens_per_s": round(sum(r["tokens"] for r in ok) / wall, 2), "wall_s": round(wall, 1),
             "ttft_p50_s": round(statistics.median(ttft), 3) if ttft else None,
             "ttft_p90_s": round(ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))], 3) if ttft else None,
-            "answers": {r["i"]: r["text"] for r in ok}}
+            "counts": counts(before, after, streams), "answers": {r["i"]: r["text"] for r in ok}}
 
 
 def concurrency(servers: dict[str, Server], prompts: list[dict], levels: list[int], max_tokens: int,
@@ -89,6 +140,7 @@ def pool(windows: list[dict]) -> dict:
             "failed": sum(w["failed"] for w in windows), "tokens_per_s": round(tokens / wall, 2),
             "by_window": [w["tokens_per_s"] for w in windows], "wall_s": round(wall, 1),
             "ttft_p50_s": mean("ttft_p50_s"), "ttft_p90_s": mean("ttft_p90_s"),
+            "why": why([w["counts"] for w in windows]),
             "answers": {i: t for w in windows for i, t in w["answers"].items()}}
 
 
@@ -102,3 +154,11 @@ def print_streams(report: dict) -> None:
         same = [r[lv]["identical"].split("/") for lv in r]
         print(f"| {n} | " + " | ".join(cells) + f" | {sum(r[lv]['failed'] for lv in r)} | "
               f"{sum(int(a) for a, _ in same)}/{sum(int(b) for _, b in same)} |")
+    rows = [(n, lv, r[lv]["why"]) for n, r in report.items() for lv in sorted(r) if r[lv].get("why")]
+    if rows:
+        print("\n| system | streams | passes | rows/pass | passes above streams rows | drafted | accepted "
+              "| draft ms/pass | verify ms/pass |\n" + "|---" * 9 + "|")
+    for n, lv, w in rows:
+        print(f"| {n} | {lv} | {w['passes']} | {w['rows_per_pass']} | {w['passes_over_streams']:.0%} | "
+              f"{w['drafted']} | {w['accepted'] if w['accepted'] is not None else '–'} | {w['draft_ms_per_pass']} | "
+              f"{w['verify_ms_per_pass']} |")

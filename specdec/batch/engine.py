@@ -27,8 +27,9 @@ from ..verification import (
     verify_tree,
 )
 from .admission import Admission
+from .hindsight import Hindsight, expected_extra
 from .calibration import OnlineCurve, work_beside
-from ..costs import DraftSteps
+from ..costs import DraftSteps, expected_tokens, interpolate
 from ..runtime.prefix_cache import PrefixCache
 from .requests import Sequence, State
 
@@ -42,6 +43,10 @@ PROBE_EVERY = 8  # a request denied draft rows this many cycles in a row gets on
 # (one such probe a pass, the longest denied first, and rarer in a bigger batch: PROBE_EVERY cycles per 4 decoding
 # requests. At 16 streams on Qwen2.5-1.5B a probe per request every 8 cycles was 38% of the draft rows, each past
 # the pass curve's knee, and each a feature-draft call of ~2 ms)
+PROBE_ALPHA = 0.9  # ... and only where the split would grant it rows if its draft were right this often at every
+# position: a probe re-measures an acceptance to find rows worth buying, and where even 0.9 buys none the pass is
+# only made dearer (Qwen2.5-1.5B at 8 streams: a 9th row costs 20% of an 8-row pass, and the probes put one in a
+# quarter of the passes, each ~0.6 of a token: the feature draft's server fell to 0.85x target-only)
 SIZE_PROBE_EVERY = 50  # a pass size priced from a guess or an old time is bought once in this many passes (2%)
 COPY_BUCKETS = (2, 4, 8, 16)  # a greedy request's copy: the match length from which each set of its estimates counts
 COPY_PRIORS = (0.6, 0.8, 0.9, 0.95)  # (a longer match is likelier to go on, as in suffix decoding), and its prior
@@ -90,6 +95,8 @@ class BatchEngine(Admission):
         self._state: dict[int, tuple] = {}  # id -> (slot, drafter, acceptance estimates)
         self._pass = OnlineCurve(pass_curve or {1: 10.0}, prior=curve_is_prior)
         self.draft_steps = DraftSteps()  # a batched draft's step time by rows (what its drafting is charged)
+        self.hindsight = Hindsight()  # the split's expected tokens against the accepted ones, by load (hindsight.py)
+        self._split: dict[int, Demand] = {}  # this cycle's demands as estimated, uncorrected, by request id
         self.budget_from_curve = False  # max_batch_rows was read off the curve (default_budget): read again (probe)
         self._timer = None  # the probes' pass timer (Admission.probe), while sizes are left to time
         self._probe_after = 0.0  # no probe before this (monotonic s): backing off a busy moment
@@ -100,11 +107,20 @@ class BatchEngine(Admission):
         # the same for greedy copies, by match length (COPY_BUCKETS): a request's copy estimates start from them
         self.copy_priors = PerTenant(lambda: [AdaptivePolicy(1, 16, prior_alpha=p) for p in COPY_PRIORS])
         self.last = {}  # the last step's figures (rows, taus, verify_ms), for metrics; {} when it ran no pass
+        self._priced: dict[int, float] = {}  # the pass curve's prices read this step (pass_ms), from its values then
+        self._curve_now: dict[int, float] = {}
         self.failed: list[tuple[Sequence, BaseException]] = []  # the last step's requests that failed on their own
 
     # ---- the cycle --------------------------------------------------------------------------------------------
     def pass_ms(self, rows: int) -> float:
-        return self._pass(rows)
+        """The pass curve as priced now, each row count read once a pass (the split asks thousands of times a pass,
+        and a read of the online curve took 12 µs: 1.2 ms of a 30 ms pass at 8 streams)."""
+        ms = self._priced.get(rows)
+        if ms is None:
+            if not self._priced:
+                self._curve_now = self._pass.values()
+            ms = self._priced[rows] = interpolate(self._curve_now, rows)
+        return ms
 
     def draft_saving_ms(self) -> float:
         """ms one emitted token is expected to save by a model draft at the batch's load: scheduler.saved_ms for the
@@ -116,6 +132,7 @@ class BatchEngine(Admission):
             est = self._state[s.id][2]
             cost = est.draft_ms.value if est.draft_ms is not None else 0.1
             demands.append(Demand(est.alphas(), cost, s.max_tau, batched=True))
+        demands = self.hindsight.scaled(demands, len(demands))
         taus = plan(demands, len(demands), self.max_batch_rows, self.pass_ms, step_ms=steps)
         return saved_ms(demands, taus, len(demands), self.pass_ms, step_ms=steps)
 
@@ -134,7 +151,7 @@ class BatchEngine(Admission):
         or verification raised (listed in `self.failed` with their errors): one request never fails the others."""
         self.owner.check()
         t0 = perf_counter()
-        self.last, self.failed = {}, []
+        self.last, self.failed, self._priced = {}, [], {}
         self._resume()
         self._release_twins()
         free = getattr(self.drafter, "free", False)
@@ -151,6 +168,7 @@ class BatchEngine(Admission):
             return []
         logits, hidden, verify_ms = made
         results = self._verify_all(drafts, spans, logits, hidden, free, draft_ms, verify_ms, t0, caps, asks)  # 5.
+        self._look_back(len(decoding), drafts, results)
         self.last = {"rows": len(tokens), "taus": [drafts[s.id][0] for s in decoding if s.id in drafts],
                      "verify_ms": verify_ms}
         return results
@@ -265,16 +283,12 @@ class BatchEngine(Admission):
                 if s.id in caps and chunks[s.id] == len(s.tokens) - s.fed:  # its prompt's last chunk, drafts after it
                     decoding.append(s)
         base = self.max_batch_rows - rows_left
-        every = PROBE_EVERY * max(1, -(-len(decoding) // 4))
-        denied = [s for s in decoding if s.idle >= every and caps[s.id] and not s.fixed_tau and (
-            s.id in early or not catch_up_ms(self._state[s.id][1], s.tokens))]  # (a probe never buys a catch-up: the
-        probe = max(denied, key=lambda s: (s.idle, -s.id)).id if denied else None  # split must find it worth it)
         demands = []
         for s in decoding:
             est = self._estimates(s)
             cost = 0.0 if free or s.id in early else est.draft_ms.value if est.draft_ms is not None else 0.1
             cap = caps[s.id]
-            floor = cap if s.fixed_tau else min(cap, 1) if s.id == probe else 0
+            floor = cap if s.fixed_tau else 0
             tree = early.get(s.id)
             if asks.get(s.id, ())[-1:] == ("prediction",):  # its own running acceptance, not the drafter's
                 demands.append(Demand([s.predicted.acceptance()], 0.0, cap, min(floor, 1)))
@@ -291,9 +305,12 @@ class BatchEngine(Admission):
             late = not free and s.id not in early
             demands.append(Demand(est.alphas(), cost, cap, floor, batched=late,
                                   catch_up_ms=catch_up_ms(own, s.tokens) if late and cap else 0.0))
+        self._split = {s.id: d for s, d in zip(decoding, demands)}
+        demands = self.hindsight.scaled(demands, len(decoding))  # what rows bought at this load were accepted at
+        steps = self.draft_steps if self.draft_steps.fit() is not None else None
+        self._probe(decoding, demands, early, base, chunks, steps)
         if not chunks:
             self._size_probe(demands, base)
-        steps = self.draft_steps if self.draft_steps.fit() is not None else None
         for i, s in enumerate(decoding):  # a request whose catch-up was put off drafts nothing late
             if demands[i].batched and put_off(self._state[s.id][1]):
                 demands[i] = replace(demands[i], cap=0, floor=0, batched=False)
@@ -302,15 +319,48 @@ class BatchEngine(Admission):
 
         return decoding, chunks, taus, demands
 
+    def _look_back(self, decoding: int, drafts: dict, results: list) -> None:
+        """The drafted requests' expected extra tokens (as estimated before the correction) against the tokens
+        they had accepted: the correction the split reads next at this load (hindsight.py)."""
+        expected, accepted = 0.0, 0
+        for s, rec in results:
+            proposed = drafts.get(s.id, (0, None, []))[2]
+            if proposed and s.id in self._split:
+                expected += expected_extra(self._split[s.id], len(proposed))
+                accepted += rec.accepted
+        self.hindsight.observe(decoding, expected, accepted)
+
+    def _probe(self, decoding, demands: list[Demand], early: dict, base: int, chunks: dict, steps) -> None:
+        """A floor of one row for the request denied rows longest (PROBE_EVERY cycles per 4 decoding requests), where
+        the split would grant it rows at PROBE_ALPHA: what a re-measured acceptance could change. A probe never buys
+        a model draft's catch-up (the split must find that worth it)."""
+        every = PROBE_EVERY * max(1, -(-len(decoding) // 4))
+        denied = [i for i, s in enumerate(decoding) if s.idle >= every and demands[i].cap and not s.fixed_tau and (
+            s.id in early or not catch_up_ms(self._state[s.id][1], s.tokens))]
+        if not denied:
+            return
+        i = max(denied, key=lambda i: (decoding[i].idle, -decoding[i].id))
+        cap, alone = min(demands[i].cap, self.max_batch_rows - base), len(decoding) / self.pass_ms(base)
+        if all((len(decoding) + expected_tokens([PROBE_ALPHA], d) - 1) / self.pass_ms(base + d) <= alone
+               for d in range(1, cap + 1)):
+            return  # (the split's answer where no other request drafts, at a fraction of its cost)
+        hopeful = replace(demands[i], alphas=[PROBE_ALPHA] * demands[i].cap)
+        if plan(demands[:i] + [hopeful] + demands[i + 1:], base, self.max_batch_rows, self.pass_ms,
+                chunk_rows=sum(chunks.values()), step_ms=steps)[i]:
+            demands[i] = replace(demands[i], floor=min(demands[i].cap, 1))
+
     def _size_probe(self, demands: list[Demand], base: int) -> None:
         """Every SIZE_PROBE_EVERY passes, a pass size the curve prices from a guess or an old time (OnlineCurve.due)
         that the drafts on hand can fill is bought: floors for the likeliest drafts, up to that size. A size priced
         out is then timed in traffic too, at 1 pass in SIZE_PROBE_EVERY (an idle server's probes are dropped while a
-        neighbour has the cores); the rows are drafts, verified like any other."""
+        neighbour has the cores); the rows are drafts, verified like any other. A size is bought at most twice the
+        pass's own rows, so that the probes cost about one more pass in SIZE_PROBE_EVERY (at 8 streams a 32-row
+        pass, 3.6 times an 8-row one, was bought every 50 passes: 5% of the server's time; idle time times the
+        larger sizes), or 8 more rows where that is more (a q8 tile's: 9 rows cost ~2 one-row passes)."""
         self._passes += 1
         if self._passes % SIZE_PROBE_EVERY:
             return
-        room = min(self.max_batch_rows, base + sum(d.cap - d.floor for d in demands))
+        room = min(self.max_batch_rows, base + sum(d.cap - d.floor for d in demands), base + max(base, 8))
         due = [n for n in self._pass.due(room, monotonic()) if n > base + sum(d.floor for d in demands)]
         if not due:
             return
@@ -413,6 +463,7 @@ class BatchEngine(Admission):
         # cores (calibration.background_work): both left out
         if not prompt_rows and len(tokens) in self._warm_rows and not work_beside():
             self._pass.observe(len(tokens), verify_ms)
+            self._priced = {}
         self._warm_rows.add(len(tokens))
         self._recent_pass.update(verify_ms)
         if len(tokens) >= 16:  # a big pass's time is its rows' work: the prediction's scale follows it

@@ -8,6 +8,7 @@ from time import monotonic
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ..analyze import STALE
+from ..batch.hindsight import LEVELS
 
 STALE_AFTER = 3  # passes of a size timed before its price is compared with where it started (analyze: min_cycles)
 MS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -78,6 +79,10 @@ class Metrics:
         self.pass_stale = Gauge("specdec_pass_curve_stale", "1 where a size timed STALE_AFTER times or more is priced "
                                 "now at 1/2 or 2x its start time or beyond: the start curve was wrong (analyze: "
                                 "stale_costs), and the server has corrected it", registry=r)
+        self.hindsight = Gauge("specdec_draft_hindsight", "Draft tokens accepted / the tokens the row split expected "
+                               "of the rows it gave (recent passes), by decoding requests; below 1 the split reads "
+                               "its estimates scaled down where 2+ decode (batch/hindsight.py)", ["decoding"],
+                               registry=r)
         self._prefix_seen = (0, 0)
         self._preempted_seen = 0
 
@@ -90,6 +95,8 @@ class Metrics:
             self.pass_timed.labels(rows=str(rows)).set(timed)
             stale |= timed >= STALE_AFTER and not 1 / STALE <= priced / max(start, 1e-9) <= STALE
         self.pass_stale.set(stale)
+        for i, name in enumerate(LEVELS):
+            self.hindsight.labels(decoding=name).set(engine.hindsight.measured(i))
         self.kv_bytes.set(engine.kv_bytes())
         self.kv_budget.set(engine.model.kv_pool_bytes())  # the pool's size: no /proc/meminfo read a step
         usage = engine.kv_usage()
