@@ -149,6 +149,8 @@ def batched_http_is_target_only(model, tok, draft: str) -> None:
     sd = SpecDecoder.from_models(model, tok, draft=draft, tau=3)
     srv = LiveServer(create_app(sd, model_name="tiny"))
     try:
+        srv.price_rows_cheap()
+
         def ask(p):
             r = httpx.post(srv.url + "/v1/completions", timeout=60,
                            json={"prompt": p, "max_tokens": 20, "temperature": 0})

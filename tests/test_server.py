@@ -73,6 +73,14 @@ class LiveServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.app = app
 
+    def price_rows_cheap(self) -> None:
+        """Rows priced cheap, whatever the tiny model's sub-millisecond passes measure beside other tests (a timed
+        split on CI drafted nothing): a row then pays at any acceptance a random draft has, and the server drafts."""
+        worker = self.app.state.worker
+        worker.wait_ready()  # (the engine is built on the worker's thread)
+        assert worker.engine is not None, "only a model on specdec's runtime is batched and has rows to price"
+        worker.engine.pass_ms = lambda rows: 10.0 + 0.1 * rows
+
     def stop(self):
         self.server.should_exit = True
         self.thread.join(5)

@@ -101,6 +101,8 @@ def test_batched_requests_with_a_trimmed_draft_get_what_target_only_gives(plain,
     sd = SpecDecoder.from_models(plain.model, plain.tokenizer, draft=f"keep:{draft_file}:vocab=4096", tau=3)
     srv = LiveServer(create_app(sd, model_name="tiny"))
     try:
+        srv.price_rows_cheap()
+
         def ask(p):
             r = httpx.post(srv.url + "/v1/completions", json={"prompt": p, "max_tokens": 24, "temperature": 0},
                            timeout=120)
