@@ -20,3 +20,11 @@ def test_a_table_out_of_step_is_caught_and_rewritten(tmp_path, capsys):
     doc.write_text(right.replace("| ours 0.5B | 94.9 |", "| ours 0.5B | 99.9 |"))
     assert tables.main(["--check", str(doc)]) == 1 and "out of step" in capsys.readouterr().out
     assert tables.main([str(doc)]) == 0 and doc.read_text() == right
+
+
+def test_the_readme_stays_a_users_page():
+    """At most 12,000 characters, with exactly the two set-up commands (history and recipes go in docs/)."""
+    text = (ROOT / "README.md").read_text()
+    setups = [line for line in text.splitlines() if line.startswith("python3 -m venv .venv")]
+    assert len(text) <= 12_000 and len(setups) == 2
+    assert 'pip install -e ".[test]"' in setups[1] and setups[1].endswith("python -m pytest -q")
