@@ -13,6 +13,7 @@ from specdec.batch import (
     lower_envelope,
     measure_pass_curve,
 )
+from specdec.drafters.model import ModelDrafter
 from specdec.runtime.blocks import BLOCK
 from specdec.sampling import SamplingParams
 
@@ -797,6 +798,34 @@ def test_no_request_is_probed_where_no_acceptance_could_buy_a_row(rt):
     the pass dearer, and none runs (Qwen2.5-1.5B at 8 streams: a 9th row costs 20% of the pass)."""
     per_pass, probed, _ = run_denied(rt, lambda rows: 10.0 * rows)
     assert sum(per_pass) == 0 and not probed
+
+
+@pytest.mark.parametrize("catch_up_ms_per_token", [0.01, 1e4])
+def test_a_model_draft_fallen_behind_is_probed_where_its_catch_up_would_pay(rt, tiny_dirs, catch_up_ms_per_token):
+    """One stream, a model draft whose running acceptance reads 0 after every cycle: it stops drafting and falls
+    behind the request. Where catching up on the tokens it missed is cheap, it is still probed now and then to the
+    end of the request (before, a draft behind was never probed: at one stream a completion whose first drafts
+    missed never drafted again); where catching up costs more than a right draft could save, never."""
+    model, tok = rt
+    draft = models.load(tiny_dirs["draft"], backend="runtime")[0]
+    drafter = ModelDrafter(draft, draft.config.vocab_size)
+    drafter.draft_cache.ms_per_token = catch_up_ms_per_token  # (as if measured)
+    engine = BatchEngine(model, drafter, model.config.vocab_size, {2}, 128, max_batch_rows=16)
+    engine.pass_ms = lambda rows: 10.0 + 0.1 * rows  # (not refined by the tiny model's passes)
+    prompt = "abcabcabcabc " * 3
+    seq = engine.add(Sequence(tok(prompt).input_ids, 60, SamplingParams()))
+    probed_at = []
+    while engine.running:
+        probed_at += [len(s.generated) for s, rec in engine.step() if rec.proposed]
+        for s in engine.running:
+            for a in engine._state[s.id][2].alpha:
+                a.value, a.n = 0.0, 10
+    assert seq.generated == alone(rt, prompt, SamplingParams(), 60)
+    if catch_up_ms_per_token < 1:
+        assert len(probed_at) >= 4 and max(probed_at) > 40  # (every PROBE_EVERY cycles, the last late on)
+    else:
+        assert probed_at == []
+    engine.close()
 
 
 def test_the_online_pass_curve_stays_on_its_grid_and_never_dips():
