@@ -321,6 +321,37 @@ def test_a_probe_beside_a_slow_one_row_pass_is_a_busy_moment_and_dropped(rt, mon
     assert 2 in engine._pass.confirmed and engine.pass_ms(2) == 12.0
 
 
+@pytest.mark.parametrize("one_row_ms", [11.0, 200.0])
+def test_a_slow_one_row_probe_is_believed_only_the_third_time_in_a_row(rt, monkeypatch, one_row_ms):
+    """Nothing beside a one-row probe says whether the machine was quiet: timed above BUSY x the stored one-row price
+    (a fresh server's first probe beside a second server starting: 813 ms where 49 was stored, and every size up to 9
+    rows priced alike), it is dropped and tried again after a back-off, and believed on the third try in a row (a
+    machine that really is slower). A quiet time is believed at once."""
+    from specdec.batch import admission
+    model, _ = rt
+    engine = BatchEngine(model, NoDrafter(), model.config.vocab_size, set(), 256, max_batch_rows=8,
+                         pass_curve={1: 10.0, 2: 12.0}, curve_is_prior=True)
+
+    class Timer:
+        def __init__(self, model):
+            pass
+
+        def __call__(self, rows):
+            return one_row_ms if rows == 1 else 12.0
+
+        def close(self):
+            pass
+    monkeypatch.setattr(admission, "PassTimer", Timer)
+    tries = 0
+    while 1 not in engine._pass.confirmed:
+        assert engine.probe_due()
+        engine.probe()
+        tries += 1
+        engine._probe_after = 0.0  # (the back-off's time passes here at once)
+    assert tries == (1 if one_row_ms < 20 else admission.SLOW_ONE_TRIES)
+    assert engine.pass_ms(1) == one_row_ms
+
+
 def test_a_size_priced_out_is_bought_in_traffic_at_one_pass_in_fifty(rt):
     """A stored curve prices 4+ rows far above the truth and no idle moment comes to time them: once in
     SIZE_PROBE_EVERY passes the drafts on hand are given floors up to the smallest such size, so traffic times it

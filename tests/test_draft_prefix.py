@@ -281,6 +281,7 @@ def test_the_server_catches_up_when_idle(rt, tiny_dirs):
     decoder = SpecDecoder.from_models(model, tok, draft=drafter)
     srv = LiveServer(create_app(decoder, model_name="tiny", max_queue=8, max_batch_rows=8))
     try:
+        srv.price_rows_cheap()  # (the split then asks the draft, which weighs its catch-up and puts it off)
         prompt = "Once upon a time there was a cat who sat on a mat all day long. " * 2
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 5, "temperature": 0},
                        timeout=60)

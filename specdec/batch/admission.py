@@ -19,6 +19,9 @@ from .requests import Sequence
 
 BUSY = 1.25  # a probe whose one-row pass beside it took this many times the one-row price is a busy moment's: dropped
 PROBE_BACKOFF_S = 10.0  # ... and the next probe waits this long (it would take the cores a neighbour is using)
+SLOW_ONE_TRIES = 3  # a one-row probe above BUSY x the one-row price (timed here, else stored) is believed only on the
+# 3rd such probe in a row, each after a back-off: the first idle probe of a fresh Qwen2.5-Coder-1.5B server, beside a
+# second server starting, priced one row at 813 ms (stored: 49) and, the curve being nondecreasing, 1-9 rows alike
 
 
 class Admission:
@@ -237,7 +240,12 @@ class Admission:
             self._pass.timed_at[n] = monotonic()
         elif checked and busy(self._timer(1)):
             self._probe_after = monotonic() + PROBE_BACKOFF_S
+        elif n == 1 and ms > BUSY * (priced_one or self._pass.measured[1]) + NOISE_MS \
+                and self._slow_ones + 1 < SLOW_ONE_TRIES:  # (nothing beside one row says whether it was quiet)
+            self._slow_ones += 1
+            self._probe_after = monotonic() + PROBE_BACKOFF_S
         else:
+            self._slow_ones = 0
             self._pass.observe(n, ms)
             self._pass.probed.add(n)
         if self.budget_from_curve:
