@@ -5,7 +5,10 @@ Each client sends `per_stream` prompts one after another (greedy, streamed), sta
 prompt set, so a level has N requests in flight from its first second to its last. A level's figures:
 - aggregate tokens/s: every completion token of the level over the level's wall time;
 - time to first token, p50 and p90, over its requests;
-- failed requests (anything but a complete 200 stream);
+- failed requests (anything but a complete 200 stream), and what each failure was;
+- over target-only, window by window (a level named n times: `--streams 8,8,8,8`): each rotation's ratio to
+  target-only's window beside it, their geometric mean and its 95% interval. Pooled windows mix moments of a machine
+  whose speed drifts by a third within minutes; a claim "not below target-only" needs the interval, not one ratio;
 - identity: each answer against the same prompt's answer from the family's target-only server (`ours-none`, or
   `llama` for llama-server's drafts) at any level: batching must change nothing;
 - why (specdec's servers, from /metrics over the level): passes, rows per pass, the share of passes with more rows
@@ -15,6 +18,7 @@ prompt set, so a level has N requests in flight from its first second to its las
 """
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 import time
@@ -96,7 +100,8 @@ def run_level(server: Server, prompts: list[dict], streams: int, max_tokens: int
             "tokens_per_s": round(sum(r["tokens"] for r in ok) / wall, 2), "wall_s": round(wall, 1),
             "ttft_p50_s": round(statistics.median(ttft), 3) if ttft else None,
             "ttft_p90_s": round(ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))], 3) if ttft else None,
-            "counts": counts(before, after, streams), "answers": {r["i"]: r["text"] for r in ok}}
+            "counts": counts(before, after, streams), "answers": {r["i"]: r["text"] for r in ok},
+            "errors": sorted({r.get("error", "no tokens") for r in done if not r["ok"]})}
 
 
 def concurrency(servers: dict[str, Server], prompts: list[dict], levels: list[int], max_tokens: int,
@@ -111,7 +116,7 @@ def concurrency(servers: dict[str, Server], prompts: list[dict], levels: list[in
             runs[name].setdefault(level, []).append(r)
             settle(servers[name])
             log(f"{name} at {level} streams: {r['tokens_per_s']} tokens/s, TTFT p50 {r['ttft_p50_s']} s, "
-                f"{r['failed']} failed")
+                f"{r['failed']} failed" + (f" ({'; '.join(r['errors'])})" if r["errors"] else ""))
     pooled = {n: {lv: pool(ws) for lv, ws in by.items()} for n, by in runs.items()}
     reference = {}
     for family in ("ours-none", "llama"):
@@ -127,7 +132,27 @@ def concurrency(servers: dict[str, Server], prompts: list[dict], levels: list[in
             base = pooled.get("ours-none", {}).get(level)
             if base and n != "ours-none" and base["tokens_per_s"]:
                 out[n][level]["vs_target_only"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
+                paired_ratio = paired(runs[n][level], runs["ours-none"][level])
+                if paired_ratio:
+                    out[n][level]["vs_target_only_paired"] = paired_ratio
     return out
+
+
+def paired(mine: list[dict], base: list[dict]) -> dict | None:
+    """A system's tokens/s over target-only's, window by window of the same rotation (the two ran within a minute
+    of each other; this machine's speed drifts by a third within minutes, and pooled windows mix those moments):
+    the geometric mean of the ratios and its 95% interval (Student's t on their logs), with two rotations or more."""
+    ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(mine, base) if a["tokens_per_s"] and b["tokens_per_s"]]
+    if len(ratios) < 2:
+        return None
+    logs = [math.log(x) for x in ratios]
+    mean, half = statistics.mean(logs), T95[min(len(logs) - 1, len(T95)) - 1] * statistics.stdev(logs) / math.sqrt(len(logs))
+    return {"ratio": round(math.exp(mean), 3), "ci95": [round(math.exp(mean - half), 3), round(math.exp(mean + half), 3)],
+            "rotations": len(ratios), "by_rotation": [round(x, 3) for x in ratios]}
+
+
+T95 = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18, 2.16, 2.14, 2.13, 2.12)  # t(0.975, df)
+# (df 1..16; beyond 16 the last one, 2.12, is within 6% of the normal's 1.96)
 
 
 def pool(windows: list[dict]) -> dict:
@@ -137,7 +162,8 @@ def pool(windows: list[dict]) -> dict:
     mean = lambda k: round(statistics.mean(w[k] for w in windows if w[k] is not None), 3) \
         if any(w[k] is not None for w in windows) else None  # noqa: E731
     return {"streams": windows[0]["streams"], "windows": len(windows), "requests": sum(w["requests"] for w in windows),
-            "failed": sum(w["failed"] for w in windows), "tokens_per_s": round(tokens / wall, 2),
+            "failed": sum(w["failed"] for w in windows),
+            "errors": sorted({e for w in windows for e in w["errors"]}), "tokens_per_s": round(tokens / wall, 2),
             "by_window": [w["tokens_per_s"] for w in windows], "wall_s": round(wall, 1),
             "ttft_p50_s": mean("ttft_p50_s"), "ttft_p90_s": mean("ttft_p90_s"),
             "why": why([w["counts"] for w in windows]),
@@ -154,6 +180,13 @@ def print_streams(report: dict) -> None:
         same = [r[lv]["identical"].split("/") for lv in r]
         print(f"| {n} | " + " | ".join(cells) + f" | {sum(r[lv]['failed'] for lv in r)} | "
               f"{sum(int(a) for a, _ in same)}/{sum(int(b) for _, b in same)} |")
+    pairs = [(n, lv, r[lv]["vs_target_only_paired"]) for n, r in report.items() for lv in sorted(r)
+             if r[lv].get("vs_target_only_paired")]
+    if pairs:
+        print("\n| system | streams | over target-only, window by window: ratio (95% interval) | rotations |\n"
+              + "|---" * 4 + "|")
+    for n, lv, p in pairs:
+        print(f"| {n} | {lv} | {p['ratio']} ({p['ci95'][0]}-{p['ci95'][1]}) | {p['rotations']} |")
     rows = [(n, lv, r[lv]["why"]) for n, r in report.items() for lv in sorted(r) if r[lv].get("why")]
     if rows:
         print("\n| system | streams | passes | rows/pass | passes above streams rows | drafted | accepted "
