@@ -180,24 +180,66 @@ def test_a_catch_up_that_cannot_pay_waits_for_idle_time(draft_model):
 
 def test_a_draft_behind_its_request_prices_its_catch_up(draft_model):
     """ModelDrafter.catch_up_ms: before its first proposal, a prompt shorter than MEASURED past the cached blocks at
-    the measured rate, a longer one nothing (it is weighed over the request's life: DraftCache.pays, which lets short
-    ones through: put off, a request would never draft); after it, nothing for a step's usual 1-2 tokens, tokens it
-    did not draft (a copy's) at the measured rate; a put-off draft none."""
+    the measured rate less what the request's drafting is expected to repay (DraftCache.unrepaid_ms), a longer one
+    nothing (it is weighed over the request's life: DraftCache.pays, which lets short ones through: put off, a
+    request would never draft); after it, nothing for a step's usual 1-2 tokens, tokens it did not draft (a copy's)
+    at the measured rate; a put-off draft none."""
     draft_model.pool.clear_hashes()
     d = ModelDrafter(draft_model, draft_model.config.vocab_size)
     d.draft_cache.ms_per_token = 2.0
     ctx = context(30, 3 * BLOCK)
-    assert len(ctx) < draft_cache.MEASURED and d.catch_up_ms(ctx) == len(ctx) * 2.0
+    assert len(ctx) < draft_cache.MEASURED and d.catch_up_ms(ctx) == len(ctx) * 2.0  # (no budget: all of it)
+    saves = [0.0]
+    d.budget = (8, lambda: saves[0])
+    assert d.catch_up_ms(ctx) == len(ctx) * 2.0  # nothing saved: nothing repaid
+    saves[0] = 5.0
+    assert d.catch_up_ms(ctx) == len(ctx) * 2.0 - 8 * 5.0
+    saves[0] = 12.0  # 8 tokens x 12 ms repay 96 ms
+    assert d.catch_up_ms(ctx) == 0.0
     assert d.draft_cache.pays(len(ctx), (1, lambda: 0.0))  # (short: the split prices it, never put off for good)
     long = ModelDrafter(draft_model, draft_model.config.vocab_size, cache=d.draft_cache)
     assert long.catch_up_ms(context(31, 5 * BLOCK)) == 0.0
-    got = propose(d, ctx, GREEDY).tokens
+    got = propose(d, ctx, GREEDY)
+    assert got.tokens and not d.put_off and same(got, propose(plain(draft_model), ctx, GREEDY))
+    got = got.tokens
     other = [t for t in range(1, 50) if t != got[0]][:20]
     assert d.catch_up_ms(ctx + other[:2]) == 0.0
     assert d.catch_up_ms(ctx + other) == 20 * 2.0
     d.put_off = True
     assert d.catch_up_ms(ctx + other) == 0.0
     d.close()
+
+
+def test_a_request_drafts_from_its_first_decode_though_its_prompt_catch_up_costs_passes(rt, tiny_dirs):
+    """At one stream, a prompt's catch-up of several passes' time is repaid over the request, not by one cycle: the
+    model drafts from the request's first decoding pass (charged to that cycle alone, as it once was, it paid in no
+    cycle, and the pair's 0.5B sat out the first 9-36 passes of each completion). The answer is target-only's."""
+    model, tok = rt
+    drafter = build_drafter(tiny_dirs["draft"], model, tok, backend="runtime")
+    cache = drafter.draft_cache
+    cache.model.pool.clear_hashes()
+    engine = BatchEngine(model, drafter, model.config.vocab_size, set(), 256, max_batch_rows=16, prefill_chunk=64)
+    engine.pass_ms = lambda rows: 10.0 + 0.5 * (rows - 1)
+    cache.ms_per_token, cache.observe = 2.0, lambda tokens, ms: None  # the prompt's catch-up: ~10 passes
+    engine.draft_steps.DECAY = 1.0
+    for _ in range(engine.draft_steps.MIN_SEEN):  # a draft step priced at 0.5 ms, whatever the tiny draft's take
+        engine.draft_steps.observe([1], 0.5)
+    engine.draft_steps.observe = lambda taus, ms: None
+    prompt = tok("The cat sat on the mat. The dog sat on the log. The cat").input_ids
+    assert draft_cache.MEASURED > len(prompt) and len(prompt) * cache.ms_per_token > 4 * engine.pass_ms(8)
+    seq = engine.add(Sequence(prompt, 48, SamplingParams()))  # 48 tokens, each saving ~4 ms, repay ~110 ms
+    records = []
+    while engine.running:
+        records += [rec for _, rec in engine.step()]
+    assert records[0].proposed or records[1].proposed, [len(r.proposed) for r in records]
+    assert cache.put_off == 0 and sum(len(r.proposed) for r in records) >= 12
+    ref = BatchEngine(model, build_drafter("none", model, tok), model.config.vocab_size, set(), 256,
+                      prefix_cache=False)
+    plain_seq = ref.add(Sequence(prompt, 48, SamplingParams()))
+    while ref.running:
+        ref.step()
+    assert seq.generated == plain_seq.generated
+    engine.close()
 
 
 def test_the_batch_engine_puts_off_a_catch_up_and_does_it_when_idle(rt, tiny_dirs):

@@ -175,6 +175,24 @@ def test_adaptive_picks_large_tau_for_strong_cheap_draft():
     assert sum(taus[-100:]) / 100 >= 6
 
 
+def test_a_draft_position_never_measured_is_read_as_good_as_the_one_before_it():
+    """A draft right 0.95 of the time, sized from τ=1: positions 2+ were read at the flat prior (0.6), so a
+    dear draft (a 0.5B step: a third of a pass) stayed at 1-2 tokens a cycle and never measured them. Unmeasured,
+    they read as position 1; measured, what they are; a position seen 1-4 times no better than the one before."""
+    p = AdaptivePolicy(1, max_tau=8)
+    for _ in range(20):
+        p.observe(rec(1, 1, 1))
+    assert p.alphas()[0] > 0.9 and p.alphas()[1:] == [p.alphas()[0]] * 7
+    p.observe(rec(2, 2, 1))  # position 2 rejected once: from position 1's value, down
+    assert p.alpha[1].n == 1 and p.alphas()[1] < p.alphas()[0] and p.alphas()[2] == p.alphas()[1]
+    taus = drive(AdaptivePolicy(1, max_tau=8), alphas=[0.95], draft_ms_per_token=0.3 * T,
+                 verify=lambda n: T * (1 + 0.05 * (n - 1)))
+    assert sum(taus[-100:]) / 100 >= 3, taus[-20:]  # (6.0; read at the flat prior: 2.0)
+    bad = drive(AdaptivePolicy(1, max_tau=8), alphas=[0.95, 0.1], draft_ms_per_token=0.3 * T,
+                verify=lambda n: T * (1 + 0.05 * (n - 1)))
+    assert max(bad[-100:]) <= 2  # measured poor past position 1: not drafted there
+
+
 def test_adaptive_stops_paying_for_empty_drafts():
     """An n-gram drafter that never matches: the policy stops asking (τ=0) except for rare probes."""
     taus = drive(AdaptivePolicy(4), alphas=[0.0], empty=True, verify=lambda n: T + 5 * (n - 1))

@@ -86,7 +86,7 @@ class Admission:
             raise RuntimeError("the batch is full: every running request needs a row")
         est = AdaptivePolicy(seq.max_tau, max(seq.max_tau, 1))
         for mine, ours in zip(est.alpha, self.priors(seq.cache_salt).alpha):
-            mine.value = ours.value
+            mine.value, mine.n = ours.value, ours.n  # (a position the tenant's requests measured counts as seen)
         if not seq.params.greedy and not isinstance(seq.generator, PositionNoise) and (
                 seq.constraint is not None or makes_trees(self.drafter)):
             seq.generator = PositionNoise.fresh()  # trees and grammars verify by the race rule

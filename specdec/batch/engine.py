@@ -103,6 +103,8 @@ class BatchEngine(Admission):
         self._slow_ones = 0  # one-row probes in a row timed above BUSY x the one-row price (Admission.probe)
         self._warm_rows: set[int] = set(self._pass.measured) if not curve_is_prior else set()  # row counts run once
         self._passes = 0  # passes planned (SIZE_PROBE_EVERY)
+        self._steps = 0  # steps begun
+        self._saving = None  # ((step, requests), draft_saving_ms then)
         # acceptance by position over a tenant's requests: its new request's prior (drafters/tenants.py)
         self.priors = PerTenant(lambda: AdaptivePolicy(1, 16))
         # the same for greedy copies, by match length (COPY_BUCKETS): a request's copy estimates start from them
@@ -127,6 +129,9 @@ class BatchEngine(Admission):
         """ms one emitted token is expected to save by a model draft at the batch's load: scheduler.saved_ms for the
         running requests as if each decoded and drafted, its prompt chunks done (the load over the request's life,
         not this pass's). A draft model's catch-up on a prompt is weighed against it (drafters/draft_cache.py)."""
+        key = (self._steps, len(self.running))  # (asked by each request not yet drafting, every cycle: once a step)
+        if self._saving is not None and self._saving[0] == key:
+            return self._saving[1]
         steps = self.draft_steps if self.draft_steps.fit() is not None else None
         demands = []
         for s in self.running:  # (a preempted request too: it runs again before this one is done)
@@ -135,7 +140,8 @@ class BatchEngine(Admission):
             demands.append(Demand(est.alphas(), cost, s.max_tau, batched=True))
         demands = self.hindsight.scaled(demands, len(demands))
         taus = plan(demands, len(demands), self.max_batch_rows, self.pass_ms, step_ms=steps)
-        return saved_ms(demands, taus, len(demands), self.pass_ms, step_ms=steps)
+        self._saving = (key, saved_ms(demands, taus, len(demands), self.pass_ms, step_ms=steps))
+        return self._saving[1]
 
     def pass_curve_report(self) -> list[tuple[int, float, float, int]]:
         """Per size: the time it started from (stored or measured at start), the time priced now, passes timed."""
@@ -152,7 +158,7 @@ class BatchEngine(Admission):
         or verification raised (listed in `self.failed` with their errors): one request never fails the others."""
         self.owner.check()
         t0 = perf_counter()
-        self.last, self.failed, self._priced = {}, [], {}
+        self.last, self.failed, self._priced, self._steps = {}, [], {}, self._steps + 1
         self._resume()
         self._release_twins()
         free = getattr(self.drafter, "free", False)

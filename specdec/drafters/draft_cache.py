@@ -10,8 +10,9 @@
 - **Catch-ups that cannot pay are put off.** A request whose first proposal would run the draft over more context
   than its tokens left can repay (the catch-up's measured ms a token times its length, against the ms each token
   left is expected to save: what the scheduler prices drafting to save at the batch's load, scheduler.saved_ms)
-  drafts nothing with the model; a shorter one than MEASURED tokens is priced by the split cycle by cycle instead
-  (ModelDrafter.catch_up_ms), so a request is never locked out by one moment's prices. A catch-up stalls every
+  drafts nothing with the model; one shorter than MEASURED tokens is priced by the split instead, charged what the
+  request's drafting is not expected to repay (DraftCache.unrepaid_ms), so a request is never locked out by one
+  moment's prices, and a cheap catch-up is not priced as if one cycle had to repay it. A catch-up stalls every
   request in the batch: at 8 streams on the pair the 0.5B's catch-ups were most of its drafting time, and it served
   0.86x target-only's tokens/s. The request's chain's model-free members still propose. When it leaves, its
   context waits for idle time: the server's worker, with nothing to run, catches the draft up on it IDLE_CHUNK
@@ -96,10 +97,20 @@ class DraftCache:
         whole batch, and under load each token's share of a pass, and of its saving, is small."""
         if budget is None or self.ms_per_token is None:
             return True
-        if behind < MEASURED:  # short: the split prices it cycle by cycle (ModelDrafter.catch_up_ms). Put off for
-            return True  # good, a request never drafts: on short chats at one stream every request was, and no
-        left, saves = budget  # acceptance was ever measured again to undo it
+        if behind < MEASURED:  # short: the split prices it (unrepaid_ms). Put off for good, a request never drafts:
+            return True  # on short chats at one stream every request was, and no acceptance was ever measured again
+        left, saves = budget
         return self.ms_per_token * behind <= left * saves()
+
+    def unrepaid_ms(self, behind: int, budget: tuple[int, Callable[[], float]] | None) -> float:
+        """ms of a first catch-up over `behind` tokens that the request's drafting is not expected to repay: its cost
+        less (tokens it may still emit) x (ms a token drafting saves at the batch's load now), at least 0; the whole
+        cost without a budget. What the split charges the cycle that would run it (ModelDrafter.catch_up_ms)."""
+        cost = self.ms_per_token * behind if self.ms_per_token is not None and behind > 0 else 0.0
+        if budget is None or not cost:
+            return cost
+        left, saves = budget
+        return max(0.0, cost - left * saves())
 
     def put_off_for_idle(self, context: list[int], salt: bytes) -> None:
         self.pending.append((list(context), salt))

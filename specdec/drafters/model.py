@@ -35,8 +35,8 @@ class ModelDrafter:
         self.cache_salt = b""  # the tenant of the request it drafts for: its cached blocks are found only by it
         self.budget: tuple[int, float] | None = None  # (tokens the request may emit, ms of a target pass)
         self.put_off = False  # this request's catch-up did not pay: it drafts nothing with the model
-        self._context = None  # the request's context as last proposed for (what a put-off catch-up runs later)
         self._cached: int | None = None  # positions of its first context the draft's prefix cache held (catch_up_ms)
+        self._context = None  # the request's context as last proposed for (what a put-off catch-up runs later)
 
     def propose(self, context, k, params, generator) -> Draft:
         return ModelDrafter.propose_many([self], [context], [k], [params], [generator])[0]
@@ -97,20 +97,23 @@ class ModelDrafter:
 
     def catch_up_ms(self, context) -> float:
         """What its next proposal for `context` would first spend on tokens it did not draft (a chain's copy, the
-        target's corrections, a short prompt past its cached blocks) beyond a step's usual CATCHUP_TOKENS, at the
-        catch-up rate measured; 0 once put off, and for a first catch-up of MEASURED tokens or more (weighed over the
-        request's life instead: DraftCache.pays)."""
+        target's corrections) beyond a step's usual CATCHUP_TOKENS, at the catch-up rate measured, charged to the
+        one cycle that runs it (they recur: each copied stretch leaves the draft behind again); 0 once put off. Its
+        first proposal's, on a prompt shorter than MEASURED, runs once and is repaid over the request's life: only
+        what that leaves unrepaid is charged (DraftCache.unrepaid_ms; a longer one is weighed by DraftCache.pays).
+        Charged whole to one cycle, a 50-token prompt at 2 ms a token paid in no cycle at one stream: the pair's
+        0.5B sat out the first 9-36 passes of each completion until a probe or a moment's prices let it in."""
         cache = self.draft_cache
         if self.put_off or cache is None or cache.ms_per_token is None:
             return 0.0
-        if self.lm.tokens:
-            behind = len(context) - common_prefix_len(self.lm.tokens, context)
-        else:  # before its first proposal: the prompt past what the draft's prefix cache holds (looked up once)
+        if not self.lm.tokens:  # its first: the prompt past the cached blocks (looked up once)
             if self._cached is None:
                 self._cached = len(cache.prefixes.lookup(list(context), self.cache_salt)) * BLOCK
             behind = len(context) - self._cached
-            if behind >= MEASURED:
+            if behind >= MEASURED:  # long: weighed at the first proposal (DraftCache.pays: run, or put off for idle)
                 return 0.0
+            return cache.unrepaid_ms(behind, self.budget) if behind > CATCHUP_TOKENS else 0.0
+        behind = len(context) - common_prefix_len(self.lm.tokens, context)
         return behind * cache.ms_per_token if behind > CATCHUP_TOKENS else 0.0
 
     def _caught_up(self, ran: int, ms: float) -> float:
