@@ -678,3 +678,34 @@ def test_the_datas_states_are_mapped_from_disk_not_held_in_memory(tmp_path, targ
                               tmp_path / "labels.pt", "cpu")
     assert anon_mb() - before < 24  # of 96 MB of states, read twice and written once
     assert all(torch.equal(d["h"], h) for d, h in zip(labelled, states))
+
+
+@pytest.mark.parametrize("unroll", [1, 3])
+def test_each_unrolled_draft_position_reads_what_the_one_before_predicted(tmp_path, prompt_file, tok, target,
+                                                                          monkeypatch, unroll):
+    """EAGLE-3's training-time test: a training step scores draft position 1 on the target's features and each
+    further position on the previous position's predictions, one step back (as a drafted chain reads them)."""
+    import specdec.distill.training as d
+    real_loss, steps = d._loss, []
+
+    def recording(net, head_r, emb, feat_in, *rest, **kw):
+        out = real_loss(net, head_r, emb, feat_in, *rest, **kw)
+        if net.training:
+            steps.append((feat_in.detach().clone(), out[0].detach().clone()))
+        return out
+    monkeypatch.setattr(d, "_loss", recording)
+    rep = distill("tiny", str(tmp_path / "o"), [prompt_file], [], max_new_tokens=8, gen_batch=5, reduced=30,
+                  epochs=1, batch=5, seed=0, eval_limit=1, val_every=0, self_chat=0, loaded=(target, tok),
+                  unroll=unroll)
+    assert rep["recipe"]["unroll"] == unroll
+    assert len(steps) == 2 * unroll  # 10 sequences in batches of 5, `unroll` passes each
+    for step in range(2):
+        calls = steps[step * unroll:(step + 1) * unroll]
+        for (_, pred), (feat_in, _) in zip(calls, calls[1:]):
+            assert torch.equal(feat_in[:, 0], torch.zeros_like(feat_in[:, 0]))
+            assert torch.equal(feat_in[:, 1:], pred[:, :-1])
+
+
+def test_unroll_out_of_range_is_refused(tmp_path, prompt_file, tok, target):
+    with pytest.raises(InvalidRequest, match="--unroll"):
+        distill("tiny", str(tmp_path / "o"), [prompt_file], [], unroll=0, loaded=(target, tok))

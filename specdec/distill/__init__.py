@@ -111,15 +111,17 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
             seed: int = 0, limit: int = 0, eval_limit: int = 0, eval_tau: int = 4, device: str = "auto",
             self_chat: int = 1536, val_every: int = 50, loss_on: str = "response", loaded=None,
             ffn: int | None = None, noise: float = 0.0, stdlib_text: int = 0, features: str = "final",
-            budget_minutes: float | None = None) -> dict:
+            budget_minutes: float | None = None, unroll: int = 2) -> dict:
     """-> the report (distill_report.json); raises BudgetSpent where `budget_minutes` ran out first (what was done
     is kept in OUT/work: the same call goes on from there). `features`: "final" (EAGLE: the target's final hidden
     state) or "fused" (EAGLE-3: its low, middle and high layers fused, trained on its distributions; a target on
-    specdec's runtime)."""
+    specdec's runtime). `unroll`: the draft positions trained (training.train)."""
     if max_new_tokens < 1 or gen_batch < 1 or epochs < 1 or batch < 1 or (lr is not None and lr <= 0) \
             or eval_tau < 1:
         raise InvalidRequest("--max-new-tokens, --gen-batch, --epochs, --batch and --eval-tau must be >= 1, "
                              "--lr > 0")
+    if isinstance(unroll, bool) or not isinstance(unroll, int) or not 1 <= unroll <= 8:
+        raise InvalidRequest(f"--unroll must be an integer from 1 to 8, got {unroll!r}")
     if self_chat < 0 or val_every < 0 or stdlib_text < 0:
         raise InvalidRequest("--self-chat, --val-every and --stdlib-text must be >= 0")
     if not 0 <= noise < 1:
@@ -208,10 +210,12 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
     lr = lr or default_lr(model.config.hidden_size)
     # a resumed run with another shape, schedule or data starts training again
     _keyed(work / "checkpoint.pt", {"net": net.cfg, "lr": lr, "epochs": epochs, "batch": batch, "seed": seed,
-                                    **({"noise": noise} if noise else {}), "data": [len(d["ids"]) for d in train_data]})
+                                    **({"noise": noise} if noise else {}),
+                                    **({"unroll": unroll} if unroll != 2 else {}),
+                                    "data": [len(d["ids"]) for d in train_data]})
     with ledger.phase("train"):
         hist = train(net, train_data, embed, head, vocab_map, epochs, batch, lr, seed, work / "checkpoint.pt",
-                     device, val, noise, budget)
+                     device, val, noise, budget, unroll)
     t_train = perf_counter() - t1
     if not fused:
         model.cpu()
@@ -221,6 +225,7 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
                        "stdlib_text": stdlib_text,
                        "max_new_tokens": max_new_tokens, "reduced_vocab": reduced, "loss_on": loss_on,
                        "epochs": epochs, "batch": batch, "lr": lr, "seed": seed, "feature_noise": noise,
+                       "unroll": unroll,
                        "embedding_gain": hist["embedding_gain"]},
             "sequences": len(data), "tokens": int(sum(len(d["ids"]) for d in data)), "answer_tokens": answered,
             "train_history": hist["epochs"], "best_epoch": hist["best_epoch"], "train_curve": hist["curve"],
@@ -251,7 +256,7 @@ def cmd_distill(args) -> int:
                       args.reduced_vocab, args.epochs, args.batch, args.lr, args.seed, args.limit, args.eval_limit,
                       args.eval_tau, args.device, args.self_chat, args.val_every, args.loss_on, ffn=args.draft_ffn,
                       noise=args.feature_noise, stdlib_text=args.stdlib_text, features=args.features,
-                      budget_minutes=args.budget_minutes)
+                      budget_minutes=args.budget_minutes, unroll=args.unroll)
     except BudgetSpent as e:
         print(f"distill: the {args.budget_minutes}-minute budget ran out during {e}; what was done is kept in "
               f"{args.out}/work: run the same command again to go on", file=sys.stderr)
@@ -300,6 +305,9 @@ def register(sub, model_args, sampling_args):
     d.add_argument("--budget-minutes", type=float, default=None, metavar="M",
                    help="stop after M minutes, keeping what was done (exit status 75); the same command goes on")
     d.add_argument("--epochs", type=int, default=6)
+    d.add_argument("--unroll", type=int, default=2,
+                   help="draft positions trained: 1 on the target's features, each further one on the draft's own "
+                        "prediction from the one before (EAGLE-3's training-time test)")
     d.add_argument("--batch", type=int, default=8)
     d.add_argument("--lr", type=float, default=None,
                    help="peak learning rate (default: 2e-3 for a 576-wide target, scaled as 1/width above that)")

@@ -61,17 +61,18 @@ def _loss(net, head_r, emb, feat_in, target_h, labels, noise: float = 0.0):
 @torch.no_grad()
 def evaluate(net, head_r, data, embed, to_reduced, batch: int, device: str) -> dict:
     """Teacher-forced argmax agreement with the target on `data`: from target features (draft position 1) and
-    from the draft's own features (later positions)."""
+    from the draft's own features (positions 2 and 3)."""
     net.eval()
-    hits = {"acc": 0.0, "acc2": 0.0}
+    hits = {"acc": 0.0, "acc2": 0.0, "acc3": 0.0}
     n = 0
     for i in range(0, len(data), batch):
         emb, feat_in, target_h, labels = _batch(data[i:i + batch], embed, to_reduced, device)
-        pred, _, _, acc = _loss(net, head_r, emb, feat_in, target_h, labels)
-        own = torch.cat([torch.zeros_like(pred[:, :1]), pred[:, :-1]], 1)
-        _, _, _, acc2 = _loss(net, head_r, emb, own, target_h, labels)
         m = int((labels != -100).sum())
-        hits["acc"], hits["acc2"], n = hits["acc"] + float(acc) * m, hits["acc2"] + float(acc2) * m, n + m
+        for key in hits:  # acc: from the target's features; acc2, acc3: from the draft's own, one and two steps on
+            pred, _, _, acc = _loss(net, head_r, emb, feat_in, target_h, labels)
+            hits[key] += float(acc) * m
+            feat_in = torch.cat([torch.zeros_like(pred[:, :1]), pred[:, :-1]], 1)
+        n += m
     net.train()
     return {k: round(v / max(1, n), 4) for k, v in hits.items()}
 
@@ -114,14 +115,17 @@ CHECKPOINT_STEPS = 200  # a checkpoint inside an epoch this often (a run killed 
 
 
 def train(net, data, embed, head_r, vocab_map, epochs: int, batch: int, lr: float, seed: int, ckpt: Path,
-          device: str, val: list[dict] | None = None, noise: float = 0.0, budget: Budget = Budget()) -> dict:
+          device: str, val: list[dict] | None = None, noise: float = 0.0, budget: Budget = Budget(),
+          unroll: int = 2) -> dict:
     """AdamW + one-cycle schedule over `head_r` (the target's head rows for `vocab_map`); after each epoch the
     validation split (sequences never trained on) is scored and the best epoch's weights are kept (early
     stopping). Trains on embeddings scaled by embedding_gain and returns a net that takes raw ones. `noise`: EAGLE's
     feature noise, uniform with this half-width in units of the features' RMS, added to the target features the
     draft reads (a regulariser, and what the draft's own inexact features look like from position 2 on).
     Checkpointed every CHECKPOINT_STEPS steps and each epoch; resumes mid-epoch; raises BudgetSpent (checkpointed)
-    when `budget` runs out. The result's `curve` is the training loss and agreement every 50 steps."""
+    when `budget` runs out. The result's `curve` is the training loss and agreement every 50 steps. `unroll`: the
+    draft positions trained (EAGLE-3's training-time test): position 1 reads the target's features, position k the
+    draft's own prediction from position k - 1 (detached), each at half the first's weight."""
     torch.manual_seed(seed)
     net.to(device).train()
     fused = "taps" in net.cfg
@@ -167,10 +171,12 @@ def train(net, data, embed, head_r, vocab_map, epochs: int, batch: int, lr: floa
                     feat_in = feat_in + (torch.rand_like(feat_in) * 2 - 1) * half_width
                 with mixed_precision(device):
                     pred, reg, ce, acc = _loss(net, head_r, emb, feat_in, target_h, labels, noise if fused else 0)
-                    # unrolled pass: inputs are the draft's own predictions, as from draft position 2 on
-                    own = torch.cat([torch.zeros_like(pred[:, :1]), pred[:, :-1].detach()], 1)
-                    _, reg2, ce2, acc2 = _loss(net, head_r, emb, own, target_h, labels)
-                    loss = ce + reg + 0.5 * (ce2 + reg2)
+                    loss, acc2 = ce + reg, acc
+                    for k in range(2, unroll + 1):  # draft position k reads what the draft predicted at k - 1
+                        own = torch.cat([torch.zeros_like(pred[:, :1]), pred[:, :-1].detach()], 1)
+                        pred, reg_k, ce_k, acc_k = _loss(net, head_r, emb, own, target_h, labels)
+                        loss = loss + 0.5 * (ce_k + reg_k)
+                        acc2 = acc_k if k == 2 else acc2
                 opt.zero_grad()
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
@@ -189,7 +195,7 @@ def train(net, data, embed, head_r, vocab_map, epochs: int, batch: int, lr: floa
             row = {k: round(v / len(batches), 4) for k, v in sums.items()}
             if val:
                 row["val"] = evaluate(net, head_r, val, embed, to_reduced, batch, device)
-                score = row["val"]["acc"] + row["val"]["acc2"]
+                score = sum(row["val"].get(k, 0.0) for k in ("acc", "acc2", "acc3"))
                 if at["best"] is None or score > at["best"]["score"]:
                     at["best"] = {"score": score, "epoch": epoch + 1,
                                   "net": {k: v.detach().clone() for k, v in net.state_dict().items()}}
