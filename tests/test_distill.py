@@ -709,3 +709,17 @@ def test_each_unrolled_draft_position_reads_what_the_one_before_predicted(tmp_pa
 def test_unroll_out_of_range_is_refused(tmp_path, prompt_file, tok, target):
     with pytest.raises(InvalidRequest, match="--unroll"):
         distill("tiny", str(tmp_path / "o"), [prompt_file], [], unroll=0, loaded=(target, tok))
+
+
+def test_the_programming_questions_are_never_a_held_out_prompt():
+    """distill_code_chat.jsonl (in the default distillation set) asks what the pair benchmark's chat asks, about other
+    topics: none of its prompts is a held-out one (the shipped bench sets, the pair benchmark's)."""
+    from specdec.distill.progress import DEFAULT_PROMPTS
+    from specdec.prompts import HERE, load_prompts
+    pair = Path(__file__).parents[1] / "benchmarks" / "suite" / "pair_prompts.jsonl"
+    held = {p["prompt"] for p in load_prompts()} | {json.loads(line)["prompt"] for line in
+                                                    pair.read_text().splitlines() if line.strip()}
+    questions = load_prompts(HERE / "distill_code_chat.jsonl")
+    assert HERE / "distill_code_chat.jsonl" in DEFAULT_PROMPTS
+    assert len(questions) > 300 and all(p["chat"] for p in questions)
+    assert not held & {p["prompt"] for p in questions}

@@ -68,13 +68,13 @@ WORKLOADS = ("completion", "chat", "edits", "fim", "edits-predicted", "chat-samp
 SAMPLED = {"temperature": 0.7, "top_p": 1.0}
 # The feature draft for the 1.5B (EAGLE-3-style: its layers 2, 14 and 25 and its final state fused), built once by
 # `specdec distill` into the target's draft directory, where `--draft distilled` finds it: the target's greedy answers
-# at 96 tokens to the first 1,400 prompts of the shipped sets (656 templated, 744 cut from the standard library) and
-# to 512 self-chat conversations, 60k tokens of the standard library's modules and 20k of the language reference
-# teacher-forced, EAGLE's feature noise, a 2,048-wide feed-forward (a step costs ~0.03 of a target pass), draft
-# positions 1-3 trained (--unroll 3), 4 epochs; about 100 min on 2 cores (docs/draft.md).
-FEATURE_RECIPE = ["--features", "fused", "--max-new-tokens", "96", "--limit", "1400", "--self-chat", "512",
-                  "--stdlib-text", "60000", "--feature-noise", "0.1", "--draft-ffn", "2048", "--epochs", "4",
-                  "--unroll", "3", "--eval-limit", "8"]
+# at 96 tokens to the shipped distillation prompts (656 templated, 1,118 cut from the standard library, 347
+# programming questions) and to 192 self-chat conversations, 60k tokens of the standard library's modules and 20k of
+# the language reference teacher-forced, EAGLE's feature noise, a 2,048-wide feed-forward (a step costs ~0.03 of a
+# target pass), draft positions 1-3 trained (--unroll 3), 4 epochs; about 100 min on 2 cores (docs/draft.md).
+FEATURE_RECIPE = ["--features", "fused", "--max-new-tokens", "96", "--self-chat", "192", "--stdlib-text", "60000",
+                  "--feature-noise", "0.1", "--draft-ffn", "2048", "--epochs", "4", "--unroll", "3",
+                  "--eval-limit", "8"]
 
 
 class Refused(SystemExit):

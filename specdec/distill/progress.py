@@ -14,7 +14,9 @@ from ..prompts import HERE as PROMPT_DIR
 console = Console(stderr=True)
 
 
-DEFAULT_PROMPTS = [PROMPT_DIR / "distill.jsonl", PROMPT_DIR / "distill_stdlib.jsonl"]  # templated + stdlib-cut
+# templated, cut from the standard library, programming questions (templated: concepts, comparisons, small tasks)
+DEFAULT_PROMPTS = [PROMPT_DIR / "distill.jsonl", PROMPT_DIR / "distill_stdlib.jsonl",
+                   PROMPT_DIR / "distill_code_chat.jsonl"]
 
 
 def _progress():
