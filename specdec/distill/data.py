@@ -238,10 +238,11 @@ def teacher_labels(model, items: list[dict], path: Path, device: str, budget: Bu
     if path.exists():
         done = {tuple(d["ids"].tolist()): d for d in torch.load(path, mmap=True)}
     if models.is_runtime(model):
-        def features(ids):
+        def features(ids):  # -> the states, and the argmax of the pass's own logits (the head as the target serves)
             cache = model.new_cache()
             try:
-                return cache.forward(ids, 1, hidden=True)[1].half()
+                logits, h = cache.forward(ids, len(ids), hidden=True)
+                return h.half(), logits.argmax(-1)
             finally:
                 cache.close()
 
@@ -251,7 +252,7 @@ def teacher_labels(model, items: list[dict], path: Path, device: str, budget: Bu
         decoder, head = model.get_decoder(), model.get_output_embeddings()
 
         def features(ids):
-            return decoder(input_ids=torch.tensor([ids], device=device)).last_hidden_state[0].half()
+            return decoder(input_ids=torch.tensor([ids], device=device)).last_hidden_state[0].half(), None
 
         def argmax_of(h):
             return head(h.to(device, head.weight.dtype)).argmax(-1)
@@ -263,13 +264,13 @@ def teacher_labels(model, items: list[dict], path: Path, device: str, budget: Bu
                 out.append(old)
                 bar.advance(task)
                 continue
-            h = it["h"]
+            h, argmax = it["h"], it.get("argmax")
             if h is None:
                 if budget.spent():  # what is labelled so far is kept for the next run
                     save_mapped(out, path)
                     budget.check("teacher labels")
-                h = features(list(it["ids"]))
-            argmax = it.get("argmax")
+                h, passed = features(list(it["ids"]))
+                argmax = passed if argmax is None else argmax
             argmax = argmax_of(h) if argmax is None else argmax
             out.append({"ids": torch.tensor(it["ids"]), "h": h.cpu(), "argmax": argmax.cpu()})
             bar.advance(task)
