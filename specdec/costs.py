@@ -7,6 +7,7 @@ a measured verify curve instead of a flat one).
 """
 from __future__ import annotations
 
+from collections import deque
 from statistics import mean, median
 from time import perf_counter
 
@@ -109,26 +110,28 @@ def best_tree_size(values: list[float], cost) -> int:
 
 
 class PassCosts:
-    """A target's verify curve as one engine measures it, pass by pass (EMA per row count): what trees are sized by.
-    Until two sizes have been seen a few times, the prior: each added row costs PRIOR_ROW of a one-row pass (the
-    hardware note in docs/trees.md: about a third on 2 CPU cores, either numerics mode)."""
+    """A target's verify curve as one engine measures it, pass by pass: what trees are sized by. Each size is priced
+    at the median of its last WINDOW passes, so a pass slowed by another process is outvoted, and a size priced in a
+    busy moment is priced afresh once it runs again (an average kept the moment: with a decay of 0.9, 40 passes to
+    forget a pass timed 50x slow). Until two sizes have been seen MIN_SEEN times, the prior: each added row costs
+    PRIOR_ROW of a one-row pass (the hardware note in docs/trees.md: about a third on 2 CPU cores, either numerics
+    mode)."""
     PRIOR_ROW = 0.35
     MIN_SEEN = 3
+    WINDOW = 5
 
-    def __init__(self, decay: float = 0.9):
-        self.decay, self.ms, self.seen = decay, {}, {}
+    def __init__(self):
+        self.recent: dict[int, deque] = {}
 
     def observe(self, rows: int, ms: float) -> None:
-        n = self.seen.get(rows, 0)
-        self.ms[rows] = ms if n == 0 else self.decay * self.ms[rows] + (1 - self.decay) * ms
-        self.seen[rows] = n + 1
+        self.recent.setdefault(rows, deque(maxlen=self.WINDOW)).append(ms)
 
     def __call__(self, rows: int) -> float:
-        known = {n: v for n, v in self.ms.items() if self.seen[n] >= self.MIN_SEEN}
+        known = {n: median(v) for n, v in self.recent.items() if len(v) >= self.MIN_SEEN}
         if len(known) < 2:
             base = known.get(1) or next(iter(known.values()), 1.0) / (1 + self.PRIOR_ROW * (min(known, default=1) - 1))
             return base * (1 + self.PRIOR_ROW * (rows - 1))
-        return interpolate(non_decreasing(known, {n: self.seen[n] for n in known}), rows)
+        return interpolate(non_decreasing(known, {n: len(self.recent[n]) for n in known}), rows)
 
 
 @torch.inference_mode()

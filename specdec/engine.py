@@ -14,6 +14,11 @@ from .sampling import PositionNoise, SamplingParams, token_logprobs
 from .trace import CycleRecord, shortfall
 from .verification import choice_rows, committed_rows, verify_block, verify_constrained, verify_tree
 
+# A curve timed in a busy moment can price every draft row above its worth, and then only one-row passes run, so
+# the multi-row price is never taken again: speculation off for good. One cycle in PROBE_EVERY whose tree was cut to
+# nothing verifies its best node anyway, at most (T(2) - T(1)) / T(1) / PROBE_EVERY of the time (~2%: 0.35 / 16).
+PROBE_EVERY = 16
+
 StopCheck = Callable[[list[int]], "int | None"]  # generated ids -> how many to keep, if a stop string completed
 
 
@@ -24,6 +29,7 @@ class Engine:
         self.wants_hidden = getattr(drafter, "wants_target_hidden", False)
         self.trees = hasattr(self.target, "forward_tree")  # token trees need the runtime's tree passes
         self.costs = PassCosts()  # the verify curve trees are sized by, measured here
+        self.unpriced = 0  # cycles in a row whose tree the curve cut to nothing (see PROBE_EVERY)
 
     def run(self, prompt: list[int], max_new_tokens: int, params: SamplingParams, policy,
             stop: StopCheck | None = None, constraint=None, logprobs: int | None = None,
@@ -159,6 +165,9 @@ class Engine:
             chain = best_chain(draft)[:depth]
             return Draft(chain) if chain else None
         n = best_tree_size(draft.values or [1.0] * len(draft.tokens), self.costs)
+        self.unpriced = self.unpriced + 1 if n == 0 else 0
+        if self.unpriced >= PROBE_EVERY:  # the curve is only measured on passes that run: price a row afresh
+            n, self.unpriced = 1, 0
         tree = prune(draft, min(n, max_nodes))
         if tree.parents == chain_parents(len(tree.tokens)):
             return Draft(tree.tokens)  # a one-branch tree is a chain: the plain pass

@@ -134,6 +134,43 @@ def test_best_tree_size_trades_tokens_for_rows():
     assert costs(1) == 6.0 and costs(4) == 9.0 and costs(2) == pytest.approx(7.0)
 
 
+def test_a_size_timed_in_a_busy_moment_is_priced_afresh_once_it_runs_again():
+    costs = PassCosts()
+    for _ in range(3):
+        costs.observe(1, 6.0), costs.observe(2, 300.0)  # two-row passes timed while another process ran
+    assert costs(2) == 300.0 and best_tree_size([0.9], costs) == 0
+    costs.observe(2, 7.0), costs.observe(1, 900.0)  # one slow pass of a size does not move its price
+    assert costs(1) == 6.0
+    for _ in range(2):
+        costs.observe(2, 7.0)
+    assert costs(2) == 7.0 and best_tree_size([0.9], costs) == 1  # three fresh passes outvote the busy ones
+
+
+class PricedOut(PassCosts):
+    """A curve frozen where every draft row costs a hundred one-row passes (as if timed while the machine was busy)."""
+
+    def __call__(self, rows):
+        return 1.0 if rows == 1 else 100.0 * rows
+
+    def observe(self, rows, ms):
+        pass
+
+
+def test_a_curve_that_prices_every_draft_out_is_still_probed(gguf_pair, tok):  # noqa: F811
+    """Only passes that run are timed: a curve that cut every tree to nothing would never see a multi-row pass
+    again. One cycle in PROBE_EVERY verifies its best node anyway; the output stays the target's."""
+    from specdec.engine import PROBE_EVERY
+    sd, model = tree_spec(gguf_pair[0], tok, TopTree)
+    sd.engine.costs = PricedOut()
+    out = sd.generate("Hello there", max_new_tokens=40, chat=False)
+    plain = SpecDecoder.from_models(load_gguf(gguf_pair[0]), tok, "none")
+    assert out.token_ids == plain.generate("Hello there", max_new_tokens=40, chat=False).token_ids
+    probed = [r.cycle for r in out.records if r.proposed]
+    assert [len(out.records[c].proposed) for c in probed] == [1] * len(probed)  # its best node only
+    assert len(probed) == (len(out.records) - 1) // PROBE_EVERY >= 1, probed
+    assert all(out.records[c].accepted == 1 for c in probed)  # the target's own top choice
+
+
 def test_tree_helpers():
     assert depths(PARENTS) == [1, 1, 2, 2, 3, 3, 4, 2, 5, 6]
     t = best_first(1, lambda tok, d: [(tok + 1, 0.9), (tok + 2, 0.5)], 5, 3)
