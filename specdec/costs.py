@@ -109,6 +109,24 @@ def best_tree_size(values: list[float], cost) -> int:
     return best
 
 
+class RecentMedian:
+    """The median of the last `n` values: one value slowed by another process (or a cold first pass) is outvoted, and
+    a slow moment is forgotten n/2 values later (an average with a decay of 0.8 still read a 3 s pass as 600 ms)."""
+
+    def __init__(self, n: int, first: float | None = None):
+        self.values = deque([] if first is None else [first], maxlen=n)
+
+    def update(self, x: float) -> None:
+        self.values.append(x)
+
+    @property
+    def value(self) -> float:
+        return median(self.values)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+
 class PassCosts:
     """A target's verify curve as one engine measures it, pass by pass: what trees are sized by. Each size is priced
     at the median of its last WINDOW passes, so a pass slowed by another process is outvoted, and a size priced in a
@@ -121,13 +139,13 @@ class PassCosts:
     WINDOW = 5
 
     def __init__(self):
-        self.recent: dict[int, deque] = {}
+        self.recent: dict[int, RecentMedian] = {}
 
     def observe(self, rows: int, ms: float) -> None:
-        self.recent.setdefault(rows, deque(maxlen=self.WINDOW)).append(ms)
+        self.recent.setdefault(rows, RecentMedian(self.WINDOW)).update(ms)
 
     def __call__(self, rows: int) -> float:
-        known = {n: median(v) for n, v in self.recent.items() if len(v) >= self.MIN_SEEN}
+        known = {n: v.value for n, v in self.recent.items() if len(v) >= self.MIN_SEEN}
         if len(known) < 2:
             base = known.get(1) or next(iter(known.values()), 1.0) / (1 + self.PRIOR_ROW * (min(known, default=1) - 1))
             return base * (1 + self.PRIOR_ROW * (rows - 1))

@@ -176,6 +176,40 @@ def test_bad_budgets_are_refused_in_one_line(tiny_dirs):
     assert describe_kv(model).endswith("512 positions at 256 bytes (float16), 2.0 whole contexts of 256")  # q8: fp16
 
 
+def test_requests_arriving_together_are_predicted_to_share_passes(tiny_dirs, monkeypatch):
+    """Eight requests sent at once, each about 2 s of 0.1 s passes alone, against a 6 s timeout: they share the batch's
+    passes, so none is refused. Their decode summed as if each ran after the others predicted the last ones past
+    16 s, and they got 429 (the pair's 8 streams, a fresh server: 2 of 16 refused)."""
+    model, tok = fresh(tiny_dirs)
+    slow = model.forward
+
+    def slowed(*a, **kw):
+        time.sleep(0.1)
+        return slow(*a, **kw)
+    monkeypatch.setattr(model, "forward", slowed)  # (before the server: its pass curve is timed slowed too)
+    sd = SpecDecoder.from_models(model, tok, draft="none")
+    srv = LiveServer(create_app(sd, model_name="tiny", timeout_s=6.0, max_batch_rows=64, prefill_chunk=64))
+    try:
+        async def requests():
+            async with httpx.AsyncClient(timeout=30) as client:
+                body = lambda i: {"model": "tiny", "prompt": f"item {i}:", "max_tokens": 20}  # noqa: E731
+                assert (await client.post(srv.url + "/v1/completions", json=body(-1))).status_code == 200
+                return await asyncio.gather(*(client.post(srv.url + "/v1/completions", json=body(i))
+                                              for i in range(8)))
+        got = asyncio.run(requests())
+        assert [r.status_code for r in got] == [200] * 8, [r.text for r in got if r.status_code != 200]
+    finally:
+        srv.stop()
+
+
+def test_the_requests_ahead_delay_a_decode_only_where_they_fill_the_batch():
+    from specdec.batch.load import finish_ms
+    ahead = [(10.0, 1000.0)] * 7
+    assert finish_ms(ahead, (10.0, 1000.0), 5.0, 0, 64) == 5.0 + 80.0 + 1000.0  # all prompts, one decode
+    assert finish_ms(ahead, (10.0, 1000.0), 5.0, 0, 4) == 5.0 + 80.0 + 1000.0 + 7000.0 / 4  # the batch is full
+    assert finish_ms([], (10.0, 1000.0), 0.0, 3, 4) == 1010.0  # the last free slot
+
+
 def test_a_request_that_cannot_finish_in_time_gets_429_with_retry_after(tiny_dirs, monkeypatch):
     """A pool of one context, held by a long request on a slowed model: a request waiting for blocks gets 429 with
     Retry-After once its predicted finish passes its deadline (not a 504 after the timeout); one whose own work alone

@@ -295,6 +295,8 @@ def request(server: Server, prompt: dict, max_tokens: int, extra: dict | None = 
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             data = json.loads(line[6:])
+            if isinstance(data.get("error"), dict):  # a stream that failed after its 200 ends with an error event
+                raise Refused(f"{server.name}'s stream ended with an error: {data['error'].get('message')}")
             if "content" in data:  # /infill's events
                 data = {"choices": [{"text": data["content"]}], **({"usage": {"completion_tokens": data[
                     "tokens_predicted"]}} if data.get("stop") and "tokens_predicted" in data else {}), **data}
@@ -312,7 +314,7 @@ def request(server: Server, prompt: dict, max_tokens: int, extra: dict | None = 
     out = {"text": "".join(text), "tokens": tokens, "ttft_s": (first or end) - t0,
            "decode_tps": (tokens - 1) / (last - first) if first and last and last > first and tokens > 1 else None,
            "e2e_tps": tokens / (end - t0)}
-    if "specdec" in extra:
+    if "target_passes" in extra.get("specdec", {}):  # (every chunk carries the seed; the last one the stats)
         s = extra["specdec"]
         out.update(passes=s["target_passes"], proposed=s["proposed"], accepted=s["accepted"],
                    draft_ms=s.get("draft_ms", 0.0), verify_ms=s.get("verify_ms"))

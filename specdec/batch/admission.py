@@ -13,7 +13,7 @@ from ..policy import AdaptivePolicy
 from ..runtime.blocks import BLOCK, OutOfBlocks
 from ..sampling import PositionNoise
 from .calibration import NOISE_MS, PassTimer, default_budget, work_beside
-from .load import Load, check_fits, prefill_ms
+from .load import Load, Work, check_fits, prefill_ms
 from .requests import Sequence
 
 
@@ -268,26 +268,27 @@ class Admission:
             return 0
         return min(len(self.prefixes.lookup(prompt, salt)) * BLOCK, max(0, len(prompt) - 1))
 
-    def work_ms(self, start: int, end: int, max_new_tokens: int) -> float:
-        """Predicted ms one request adds: prefill of positions start..end-1, then one pass per token, each as long
-        as the batch's passes are now (a request's steps share passes with the others' prompt chunks)."""
-        return self.rows_ms(start, end) + max_new_tokens * self._step_ms()
+    def work(self, start: int, end: int, max_new_tokens: int) -> Work:
+        """Predicted (prefill ms, decode ms) of one request: prefill of positions start..end-1, then one pass per
+        token, each as long as the batch's passes are now (a request's steps share passes with the others' prompt
+        chunks)."""
+        return self.rows_ms(start, end), max_new_tokens * self._step_ms()
 
     def _step_ms(self) -> float:
         return max(self.pass_ms(len(self.running) + 1), self._recent_pass.value)
 
     def request_ms(self, prompt: list[int], max_new_tokens: int) -> float:
-        return self.work_ms(self.uncached(prompt), len(prompt), max_new_tokens)
+        return sum(self.work(self.uncached(prompt), len(prompt), max_new_tokens))
 
     def backlog_ms(self) -> float:
         """Predicted ms of prefill the running requests still need (preempted ones: all their tokens again)."""
         return sum(self.rows_ms(s.fed, len(s.tokens)) for s in self.running if s.prefilling or s.preempted)
 
-    def load(self, waiting_ms: float = 0.0) -> Load:
-        """The snapshot other threads predict with (batch/load.py), `waiting_ms` the work of the requests waiting."""
+    def load(self, waiting: tuple[Work, ...] = ()) -> Load:
+        """The snapshot other threads predict with (batch/load.py), `waiting` the work of the requests waiting."""
         pool = self.model.pool
         cached = pool.by_hash.keys() if self.prefixes is not None else ()
         if self.prefixes is not None and self.prefixes.features:  # found only with their hidden states
             cached = [d for d in cached if d in pool.kept]
-        return Load(self.row_ms, self.key_ms, self._work_scale.value, self._step_ms(), self.backlog_ms(), waiting_ms,
-                    pool.blocks, frozenset(cached))
+        return Load(self.row_ms, self.key_ms, self._work_scale.value, self._step_ms(), self.backlog_ms(),
+                    tuple(waiting), len(self.running), self.max_batch_rows, pool.blocks, frozenset(cached))

@@ -29,7 +29,7 @@ from ..verification import (
 from .admission import Admission
 from .hindsight import Hindsight, expected_extra
 from .calibration import OnlineCurve, work_beside
-from ..costs import DraftSteps, expected_tokens, interpolate
+from ..costs import DraftSteps, RecentMedian, expected_tokens, interpolate
 from ..runtime.prefix_cache import PrefixCache
 from .requests import Sequence, State
 
@@ -47,6 +47,7 @@ PROBE_ALPHA = 0.9  # ... and only where the split would grant it rows if its dra
 # position: a probe re-measures an acceptance to find rows worth buying, and where even 0.9 buys none the pass is
 # only made dearer (Qwen2.5-1.5B at 8 streams: a 9th row costs 20% of an 8-row pass, and the probes put one in a
 # quarter of the passes, each ~0.6 of a token: the feature draft's server fell to 0.85x target-only)
+RECENT_PASSES = 9  # the passes lately (a request's steps in admission's prediction): their median, whatever their rows
 SIZE_PROBE_EVERY = 50  # a pass size priced from a guess or an old time is bought once in this many passes (2%)
 COPY_BUCKETS = (2, 4, 8, 16)  # a greedy request's copy: the match length from which each set of its estimates counts
 COPY_PRIORS = (0.6, 0.8, 0.9, 0.95)  # (a longer match is likelier to go on, as in suffix decoding), and its prior
@@ -90,7 +91,7 @@ class BatchEngine(Admission):
         curve = pass_curve or {1: 10.0}
         self.row_ms, self.key_ms = curve[max(curve)] / max(curve), 0.0
         self._work_scale = Ema(1.0, weight=8.0, decay=0.95)  # measured / predicted pass time; calibration = 8 passes
-        self._recent_pass = Ema(min(curve.values()), decay=0.8)  # ms of the passes lately, whatever their rows
+        self._recent_pass = RecentMedian(RECENT_PASSES, min(curve.values()))  # ms of the passes lately, any rows
         self.running: list[Sequence] = []
         self._state: dict[int, tuple] = {}  # id -> (slot, drafter, acceptance estimates)
         self._pass = OnlineCurve(pass_curve or {1: 10.0}, prior=curve_is_prior)
@@ -469,11 +470,12 @@ class BatchEngine(Admission):
         # a process's first pass of a row count is a cold one (code and buffers first touched: a 4-row pass timed at
         # 200 ms beside 21 ms one-row passes, priced 4+ rows out), and one beside its own background work shared the
         # cores (calibration.background_work): both left out
-        if not prompt_rows and len(tokens) in self._warm_rows and not work_beside():
-            self._pass.observe(len(tokens), verify_ms)
-            self._priced = {}
+        if len(tokens) in self._warm_rows:
+            self._recent_pass.update(verify_ms)  # (prompt rows included: a request's steps share those passes)
+            if not prompt_rows and not work_beside():
+                self._pass.observe(len(tokens), verify_ms)
+                self._priced = {}
         self._warm_rows.add(len(tokens))
-        self._recent_pass.update(verify_ms)
         if len(tokens) >= 16:  # a big pass's time is its rows' work: the prediction's scale follows it
             predicted = len(tokens) * self.row_ms + self.key_ms * sum(positions)
             ratio = verify_ms / predicted if predicted > 0 else 1.0

@@ -24,6 +24,19 @@ def check_fits(prompt: list[int], blocks: int) -> None:
                              f"KV memory holds {blocks * BLOCK}")
 
 
+Work = tuple[float, float]  # one request's predicted (prefill ms, decode ms)
+
+
+def finish_ms(ahead: list[Work], own: Work, backlog_ms: float, running: int, slots: int) -> float:
+    """Predicted ms until a request finishes, queued behind the requests `ahead`. Prompts are computed one after
+    another (a pass's prompt rows are its work): the running requests' prefill left (`backlog_ms`) and every prompt
+    ahead delay it whole. Decode passes are shared: the requests ahead delay its decode only where they hold the
+    batch's `slots`, and then, on average, by their decode spread over the slots (summed as if each ran alone, 8
+    requests arriving together were predicted to finish 8 times later than they did, and were refused)."""
+    wait = sum(d for _, d in ahead) / max(1, slots) if running + len(ahead) + 1 > slots else 0.0
+    return backlog_ms + sum(p for p, _ in ahead) + own[0] + own[1] + wait
+
+
 @dataclass(frozen=True)
 class Load:
     row_ms: float
@@ -31,13 +44,15 @@ class Load:
     scale: float  # measured / predicted pass time
     step_ms: float  # a pass with one more request in it, or the passes lately if longer
     backlog_ms: float  # prefill the running requests still need
-    waiting_ms: float  # the predicted work of the requests waiting to join
+    waiting: tuple[Work, ...]  # the predicted work of the requests waiting to join
+    running: int  # requests in the batch
+    slots: int  # requests the batch can hold (one row each)
     blocks: int  # the KV pool's size
     cached: frozenset  # the prefix hashes a request can find (runtime/prefix_cache.py), every tenant's
 
-    def work_ms(self, start: int, end: int, max_new_tokens: int) -> float:
+    def work(self, start: int, end: int, max_new_tokens: int) -> Work:
         """Predicted ms one request adds: its prefill, then one pass per token."""
-        return prefill_ms(self.row_ms, self.key_ms, self.scale, start, end) + max_new_tokens * self.step_ms
+        return prefill_ms(self.row_ms, self.key_ms, self.scale, start, end), max_new_tokens * self.step_ms
 
     def uncached(self, prompt: list[int], salt: bytes = b"") -> int:
         """Where the prefill of `prompt` would start: after the blocks cached for it (its tenant's: the salt is in

@@ -21,6 +21,7 @@ import time
 import traceback
 from pathlib import Path
 
+from ..batch.load import Work, finish_ms
 from ..errors import SpecDecError
 from ..trace import write_jsonl
 
@@ -348,7 +349,7 @@ class BatchWorker(Worker):
     def _publish(self) -> None:
         """The snapshot other threads predict with: the engine itself is this thread's alone (runtime/owner.py)."""
         if self.engine is not None:
-            self.load = self.engine.load(sum(self._work(j) for j in self.waiting))
+            self.load = self.engine.load(tuple(self._work(j) for j in self.waiting))
 
     def trace_meta(self) -> dict:
         if self.engine is None:
@@ -415,32 +416,33 @@ class BatchWorker(Worker):
         return max(0.0, self._last_busy + PROBE_QUIET_S - time.monotonic())
 
     def predict(self, kwargs: dict, salt: bytes = b"") -> tuple[float, float] | None:
-        """The engine's work model (batch.BatchEngine.request_ms): the running requests' prefill backlog, the
-        queued requests' work, then this one's, stretched by SAFETY."""
+        """The engine's work model (batch/load.py finish_ms): the running requests' prefill backlog, then the waiting
+        and queued requests' prompts and this one's, its decode, and the decode of those ahead where they fill the
+        batch, stretched by SAFETY."""
         load = self.load  # (on the caller's thread: only the worker's published snapshot is read)
         if load is None or "prompt_ids" not in kwargs:
             return None
         ids, new = kwargs["prompt_ids"], kwargs.get("max_new_tokens") or 0
         plan = (load.uncached(ids, salt), len(ids), new)  # where its prefill starts is looked up once
-        own = load.work_ms(*plan)
+        own = load.work(*plan)
         with self._jobs.mutex:
             queued = [j for j in self._jobs.queue if j is not None and getattr(j, "plan", None)]
-        queued_ms = sum(load.work_ms(*j.plan) for j in queued)
-        return own, SAFETY * (load.backlog_ms + load.waiting_ms + queued_ms + own) / 1e3, plan
+        ahead = [*load.waiting, *(load.work(*j.plan) for j in queued)]
+        return sum(own), SAFETY * finish_ms(ahead, own, load.backlog_ms, load.running, load.slots) / 1e3, plan
 
-    def _work(self, job: Job) -> float:
+    def _work(self, job: Job) -> Work:
         plan = getattr(job, "plan", None)
-        return self.engine.work_ms(*plan) if plan is not None else 0.0
+        return self.engine.work(*plan) if plan is not None else (0.0, 0.0)
 
     def _expire(self) -> None:
         """Cancelled or timed-out requests leave; a waiting one predicted to finish past its deadline, or (with no
         prediction) still waiting at half its timeout, gets 429."""
         now = time.monotonic()
         timeout = JobTimeout(f"request exceeded the {self.timeout_s:g} s timeout")
-        ahead = self.engine.backlog_ms()
+        ahead, backlog, running = [], self.engine.backlog_ms(), len(self.engine.running)
         for job in list(self.waiting):
-            work = self._work(job)
-            finish = now + (ahead + work) / 1e3  # (no margin for one already waiting: only a sure miss is refused)
+            work = self._work(job)  # (no margin for one already waiting: only a sure miss is refused)
+            finish = now + finish_ms(ahead, work, backlog, running, self.engine.max_batch_rows) / 1e3
             late = finish > job.deadline if getattr(job, "plan", None) else now > job.start_by
             if job.cancelled.is_set() or late:
                 self.waiting.remove(job)
@@ -450,7 +452,7 @@ class BatchWorker(Worker):
                           Busy(f"server busy: the request cannot finish within the {self.timeout_s:g} s timeout "
                                f"(waited {now - job.queued:.0f} s); retry later", finish - job.deadline))
             else:
-                ahead += work
+                ahead.append(work)
         for job, req, seq in list(self.active.values()):
             if job.cancelled.is_set() or now > job.deadline:
                 self._drop(seq)
