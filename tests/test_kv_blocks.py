@@ -210,7 +210,7 @@ def test_the_requests_ahead_delay_a_decode_only_where_they_fill_the_batch():
     assert finish_ms([], (10.0, 1000.0), 0.0, 3, 4) == 1010.0  # the last free slot
 
 
-def test_a_request_that_cannot_finish_in_time_gets_429_with_retry_after(tiny_dirs, monkeypatch):
+def test_a_request_that_cannot_finish_in_time_gets_429_with_retry_after(tiny_dirs, monkeypatch, caplog):
     """A pool of one context, held by a long request on a slowed model: a request waiting for blocks gets 429 with
     Retry-After once its predicted finish passes its deadline (not a 504 after the timeout); one whose own work alone
     would outlast the timeout gets 429 at once; the gauges show the pool in use."""
@@ -246,6 +246,7 @@ def test_a_request_that_cannot_finish_in_time_gets_429_with_retry_after(tiny_dir
         # waiting for blocks the big request holds, the small one is refused once it could no longer finish in time
         assert small.status_code == 429 and int(small.headers["retry-after"]) >= 1, small.text
         assert small.json()["error"]["code"] == "server_busy" and waited < 6.5  # its start_by: 4 s
+        assert any(r.getMessage().startswith("a request ended with 429: server busy") for r in caplog.records)
         # the long one's own steps outlast its timeout: refused at once
         assert long.status_code == 429 and long_s < 1.0 and "would finish" in long.json()["error"]["message"]
         assert int(long.headers["retry-after"]) >= 10

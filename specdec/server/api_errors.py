@@ -46,6 +46,14 @@ def as_api_error(exc) -> APIError:
     return APIError(500, f"internal error in this request: {type(exc).__name__}", "server_error", "internal_error")
 
 
+def job_failure(exc: BaseException) -> APIError:
+    """A request the worker ended with an error (busy, timed out, its worker down, its own bad input) as sent, and
+    logged in one line: a stream that answered 200 first shows it nowhere else."""
+    err = as_api_error(exc)
+    logging.getLogger("specdec.server").warning("a request ended with %d: %s", err.status, err.message)
+    return err
+
+
 def stream_failure(exc: BaseException) -> APIError:
     """What ends a stream that raised: its error as sent (a bug, anything but an APIError, is logged with its
     traceback and sent as this request's own 500), so a stream ends with an error event, never broken off."""

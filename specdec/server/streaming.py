@@ -9,7 +9,7 @@ import time
 from types import SimpleNamespace
 
 from . import tools
-from .api_errors import as_api_error, error_body, stream_failure
+from .api_errors import error_body, job_failure, stream_failure
 from .openai_format import logprobs, spec_stats, usage
 from .reasoning import ReasoningSplit, count
 
@@ -34,7 +34,7 @@ async def collect(job, request, overdue, on_first=None):
             if ev == "end":
                 break
             if ev == "error":
-                raise as_api_error(payload)
+                raise job_failure(payload)
             if on_first is not None and not text:
                 on_first()
             text.append(payload.text)
@@ -57,7 +57,7 @@ async def chunks(job, overdue):
         if kind == "end":
             return
         if kind == "error":
-            raise as_api_error(payload)
+            raise job_failure(payload)
         yield payload
 
 
@@ -142,7 +142,7 @@ async def sse(decoder, jobs, meta, kind, include_usage, prompt_tokens: int, over
                 continue
             ev, payload = item
             if ev == "error":
-                err = as_api_error(payload)
+                err = job_failure(payload)
                 yield f"data: {json.dumps(error_body(err.message, err.type, err.code))}\n\n"
                 break
             final = payload.result is not None
