@@ -315,6 +315,7 @@ def test_a_probe_beside_a_slow_one_row_pass_is_a_busy_moment_and_dropped(rt, mon
     assert engine.probe_due()
     engine.probe()
     assert 2 not in engine._pass.confirmed and not engine.probe_due()  # dropped, backing off
+    assert 0.0 < engine.probe_wait() <= admission.PROBE_BACKOFF_S  # (how long an idle worker sleeps before it)
     engine._probe_after = 0.0
     one_row[0] = 10.0
     engine.probe()
@@ -421,3 +422,37 @@ def test_no_size_is_priced_above_a_larger_size_timed_here():
     for rows, ms in [(1, 32.0)] * 9 + [(2, 18.1)] * 19 + [(4, 19.1)] * 40:  # passes are requests' first (fresh KV)
         first.observe(rows, ms)
     assert first(1) <= 18.1 and first.refined()[1] <= 18.1 and first.refined()[8] == 31.5  # stored as priced
+
+
+def test_an_idle_server_times_its_stored_curve_once_its_background_work_ends(rt):
+    """A server that starts beside its own background work (the grammar vocabulary's read) may not probe then; once
+    the work ends it probes with no request to wake it. (Its worker slept until the first request: a Qwen2.5-1.5B
+    server served 8 streams on a stored curve pricing 9-16 rows at 1.3-1.6x their time, so never bought them.)"""
+    import threading
+
+    from specdec import SpecDecoder
+    from specdec.server.metrics import Metrics
+    from specdec.server.worker import BatchWorker
+    model, tok = rt
+    bad = {1: 5.0, **{n: 150.0 for n in GRID[1:]}}
+    engine = BatchEngine(model, NoDrafter(), model.config.vocab_size, set(), 256, max_batch_rows=default_budget(bad),
+                         pass_curve=bad, curve_is_prior=True)
+    engine.budget_from_curve = True
+    engine._timer = SteadyTimer(PassTimer(model))
+    go = threading.Event()
+    thread = run_beside(go.wait)
+    worker = BatchWorker(SpecDecoder.from_models(model, tok, draft="none"), Metrics(), 8, 60.0, None,
+                         lambda decoder: engine)
+    try:
+        worker.wait_ready()
+        time.sleep(1.5)  # (past PROBE_QUIET_S: it would have probed by now, were it not for the work beside)
+        assert engine._pass.unconfirmed(max(GRID)) == GRID  # nothing timed beside the work
+        go.set()
+        thread.join()
+        deadline = time.monotonic() + 30
+        while engine._pass.unconfirmed(max(GRID)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine._pass.unconfirmed(max(GRID)) == [] and engine.max_batch_rows > 8  # no request came
+    finally:
+        go.set()
+        worker.stop()

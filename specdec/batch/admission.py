@@ -19,6 +19,7 @@ from .requests import Sequence
 
 BUSY = 1.25  # a probe whose one-row pass beside it took this many times the one-row price is a busy moment's: dropped
 PROBE_BACKOFF_S = 10.0  # ... and the next probe waits this long (it would take the cores a neighbour is using)
+PROBE_POLL_S = 0.5  # an idle worker whose probe waits on the process's own background work looks again this often
 SLOW_ONE_TRIES = 3  # a one-row probe above BUSY x the one-row price (timed here, else stored) is believed only on the
 # 3rd such probe in a row, each after a back-off: the first idle probe of a fresh Qwen2.5-Coder-1.5B server, beside a
 # second server starting, priced one row at 813 ms (stored: 49) and, the curve being nondecreasing, 1-9 rows alike
@@ -216,7 +217,19 @@ class Admission:
     def probe_due(self) -> bool:
         """Whether a pass size is to be timed in idle time (calibration.OnlineCurve.due), not backing off, and with
         none of the process's own background work beside it."""
-        return monotonic() >= self._probe_after and not work_beside() and bool(self._probe_sizes())
+        return self.probe_wait() == 0.0
+
+    def probe_wait(self) -> float | None:
+        """Seconds until a due size may be timed (0: now), or None when none is due: how long an idle worker may
+        sleep. A probe held back by a back-off or by background work is due again once that ends, and nothing else
+        wakes the worker then (a server that started beside its vocabulary read slept until the first request, then
+        served 8 streams on a stored curve that priced 9-16 rows at 1.3-1.6x their time: never bought, never
+        timed)."""
+        if not self._probe_sizes():
+            return None
+        if work_beside():
+            return PROBE_POLL_S
+        return max(0.0, self._probe_after - monotonic())
 
     def probe(self) -> None:
         """Time one such size (the worker calls it only while nothing runs or waits: a new request waits one pass

@@ -399,7 +399,8 @@ class BatchWorker(Worker):
         try:
             while True:
                 busy = self.active or self.waiting or self.engine.idle_work()
-                wait = None if not self.engine.probe_due() else self._quiet_left()  # (a probe: once it is quiet)
+                probe = self.engine.probe_wait()  # (a probe: once it may run, and it is quiet)
+                wait = None if probe is None else max(probe, self._quiet_left())
                 job = self._jobs.get(block=not busy and wait != 0.0, timeout=wait or None)
                 if job is None:
                     for j in [*self.waiting, *(a[0] for a in self.active.values())]:
