@@ -46,6 +46,7 @@ class Demand:
     floor: int = 0  # fewest (a request with a fixed τ asks for it)
     batched: bool = False  # drafted by one batched model step with the others (charged by step_ms, not draft_ms)
     catch_up_ms: float = 0.0  # what its draft must run first, once, when τ > 0 (tokens it did not draft: a copy's)
+    valued: bool = False  # its alphas are its draft's own values (a tree's nodes), not measured acceptance
 
 
 def rate(demands: list[Demand], taus: list[int], base_rows: int, pass_ms: Callable[[int], float],

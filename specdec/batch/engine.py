@@ -308,7 +308,7 @@ class BatchEngine(Admission):
             if tree is not None and tree.is_tree:  # node k's value v_k = Π_{j≤k} α_j: α_k = v_k / v_{k-1}
                 v = [1.0] + list(tree.values or [1.0] * len(tree.tokens))
                 alphas = [b / a if a > 0 else 0.0 for a, b in zip(v, v[1:])]
-                demands.append(Demand(alphas, cost, cap, min(floor, 1)))
+                demands.append(Demand(alphas, cost, cap, min(floor, 1), valued=True))
                 continue
             late = not free and s.id not in early
             demands.append(Demand(est.alphas(), cost, cap, floor, batched=late,
@@ -330,13 +330,15 @@ class BatchEngine(Admission):
     def _look_back(self, decoding: int, drafts: dict, results: list) -> None:
         """The drafted requests' expected extra tokens (as estimated before the correction) against the tokens
         they had accepted: the correction the split reads next at this load (hindsight.py)."""
-        expected, accepted = 0.0, 0
+        expected, accepted = {False: 0.0, True: 0.0}, {False: 0, True: 0}  # by kind (Demand.valued)
         for s, rec in results:
             proposed = drafts.get(s.id, (0, None, []))[2]
             if proposed and s.id in self._split:
-                expected += expected_extra(self._split[s.id], len(proposed))
-                accepted += rec.accepted
-        self.hindsight.observe(decoding, expected, accepted)
+                kind = self._split[s.id].valued
+                expected[kind] += expected_extra(self._split[s.id], len(proposed))
+                accepted[kind] += rec.accepted
+        for kind in expected:
+            self.hindsight.observe(decoding, expected[kind], accepted[kind], kind)
 
     def _probe(self, decoding, demands: list[Demand], early: dict, base: int, chunks: dict, steps) -> None:
         """A floor of one row for the request denied rows longest (PROBE_EVERY cycles per 4 decoding requests), where

@@ -13,6 +13,12 @@ each drafted request (costs.expected_tokens − 1 at its rows, from the estimate
 the tokens accepted. Where 2+ requests decode the split reads each estimate's reaches scaled by their ratio
 (accepted / expected, within [FLOOR, 1]): scaling α_1 scales Π_{j≤k} α_j at every k. A lone request is measured but
 not corrected: it is chosen over no one, and its own running acceptance sizes its τ.
+
+Rows sized on a draft's own values (a tree's node values: Demand.valued) are booked apart from rows sized on
+measured acceptance: the two err differently, and one ratio let the better hide the worse. (Qwen2.5-Coder-1.5B's
+feature draft at 8 streams: its trees bought where 5-7 requests decoded were accepted at 0.29 a node, while copies of
+earlier answers were accepted at 0.88; booked together the trees were read at ~0.9 of their values, and lost
+throughput.)
 """
 from __future__ import annotations
 
@@ -33,34 +39,38 @@ def level(decoding: int) -> int:
 
 class Hindsight:
     def __init__(self):
-        self.expected = [PRIOR_TOKENS] * len(LEVELS)
-        self.accepted = [PRIOR_TOKENS] * len(LEVELS)
+        # per kind (False: rows sized on measured acceptance, True: on a draft's own values), per level
+        self.expected = {kind: [PRIOR_TOKENS] * len(LEVELS) for kind in (False, True)}
+        self.accepted = {kind: [PRIOR_TOKENS] * len(LEVELS) for kind in (False, True)}
 
-    def ratio(self, decoding: int) -> float:
-        """The split's correction at this load: 1 for a lone request."""
+    def ratio(self, decoding: int, valued: bool = False) -> float:
+        """The split's correction at this load for that kind of rows: 1 for a lone request."""
         if decoding < 2:
             return 1.0
         i = level(decoding)
-        return min(1.0, max(FLOOR, self.accepted[i] / self.expected[i]))
+        return min(1.0, max(FLOOR, self.accepted[valued][i] / self.expected[valued][i]))
 
-    def measured(self, i: int) -> float:
-        """Accepted / expected at level i, uncapped (what /metrics shows)."""
-        return self.accepted[i] / self.expected[i]
+    def measured(self, i: int, valued: bool = False) -> float:
+        """Accepted / expected at level i for that kind of rows, uncapped (what /metrics shows)."""
+        return self.accepted[valued][i] / self.expected[valued][i]
 
     def scaled(self, demands: list[Demand], decoding: int) -> list[Demand]:
-        r = self.ratio(decoding)
-        if r >= 1.0:
-            return demands
-        # (a lone α is reused at every position: kept unscaled past the first)
-        return [replace(d, alphas=[d.alphas[0] * r, *(d.alphas[1:] or d.alphas)]) if d.alphas else d for d in demands]
+        out = []
+        for d in demands:
+            r = self.ratio(decoding, d.valued)
+            # (a lone α is reused at every position: kept unscaled past the first)
+            out.append(replace(d, alphas=[d.alphas[0] * r, *(d.alphas[1:] or d.alphas)]) if r < 1.0 and d.alphas
+                       else d)
+        return out
 
-    def observe(self, decoding: int, expected: float, accepted: int) -> None:
-        """One pass's drafted requests: their expected extra tokens (uncorrected) and the tokens accepted."""
+    def observe(self, decoding: int, expected: float, accepted: int, valued: bool = False) -> None:
+        """One pass's drafted requests of one kind: their expected extra tokens (uncorrected) and the tokens
+        accepted."""
         if expected <= 0.0:
             return
         i = level(decoding)
-        self.expected[i] = DECAY * self.expected[i] + expected
-        self.accepted[i] = DECAY * self.accepted[i] + accepted
+        self.expected[valued][i] = DECAY * self.expected[valued][i] + expected
+        self.accepted[valued][i] = DECAY * self.accepted[valued][i] + accepted
 
 
 def expected_extra(demand: Demand, rows: int) -> float:

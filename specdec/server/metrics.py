@@ -83,6 +83,8 @@ class Metrics:
                                "of the rows it gave (recent passes), by decoding requests; below 1 the split reads "
                                "its estimates scaled down where 2+ decode (batch/hindsight.py)", ["decoding"],
                                registry=r)
+        self.tree_hindsight = Gauge("specdec_tree_hindsight", "The same for rows sized on a draft's own values (token "
+                                    "trees' nodes), booked apart", ["decoding"], registry=r)
         self._prefix_seen = (0, 0)
         self._preempted_seen = 0
 
@@ -97,6 +99,7 @@ class Metrics:
         self.pass_stale.set(stale)
         for i, name in enumerate(LEVELS):
             self.hindsight.labels(decoding=name).set(engine.hindsight.measured(i))
+            self.tree_hindsight.labels(decoding=name).set(engine.hindsight.measured(i, valued=True))
         self.kv_bytes.set(engine.kv_bytes())
         self.kv_budget.set(engine.model.kv_pool_bytes())  # the pool's size: no /proc/meminfo read a step
         usage = engine.kv_usage()
