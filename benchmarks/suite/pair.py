@@ -339,6 +339,9 @@ def main(argv=None) -> int:
     ap.add_argument("--per-stream", type=int, default=3, help="concurrency mode: requests each client sends a level")
     ap.add_argument("--no-curve", dest="curve", action="store_false",
                     help="skip the same-run pass curve and the bounds beside each speed-up")
+    ap.add_argument("--pass-logs", default=None, metavar="DIR",
+                    help="each specdec server logs its passes to DIR/SYSTEM.jsonl (serve --pass-log; read them with "
+                         "`python benchmarks/serve.py pass-log DIR/*.jsonl`)")
     ap.add_argument("--out", default=None, help="JSON results")
     args = ap.parse_args(argv)
     target, draft = fetch_model("coder15"), fetch_model("coder05")
@@ -350,6 +353,12 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in table]
     if unknown:
         raise Refused(f"unknown system {unknown[0]!r} (choose from {', '.join(table)})")
+    if args.pass_logs:
+        Path(args.pass_logs).mkdir(parents=True, exist_ok=True)
+        for n in names:
+            if n.startswith("ours"):  # (this checkout's servers: an earlier release may not have the option)
+                (Path(args.pass_logs) / f"{n}.jsonl").unlink(missing_ok=True)
+                table[n] = table[n] + ["--pass-log", str(Path(args.pass_logs) / f"{n}.jsonl")]
     workloads = args.workloads.split(",")
     if any(w not in WORKLOADS for w in workloads):
         raise Refused(f"workloads are {', '.join(WORKLOADS)}")

@@ -114,6 +114,7 @@ class BatchEngine(Admission):
         self._priced: dict[int, float] = {}  # the pass curve's prices read this step (pass_ms), from its values then
         self._curve_now: dict[int, float] = {}
         self.failed: list[tuple[Sequence, BaseException]] = []  # the last step's requests that failed on their own
+        self.pass_log = None  # called with each pass's record (pass_log.PassLog: `serve --pass-log`)
 
     # ---- the cycle --------------------------------------------------------------------------------------------
     def pass_ms(self, rows: int) -> float:
@@ -171,14 +172,22 @@ class BatchEngine(Admission):
         tokens, slots, positions, logit_rows, spans, paths = self._pass_rows(drafts, chunks)
         if not tokens:
             return []
+        priced = self.pass_ms(len(tokens)) if self.pass_log is not None else None  # (before the pass reprices it)
         made = self._target_pass(tokens, slots, positions, logit_rows, spans, paths, t1, bool(chunks))  # 4. one pass
         if made is None:
             return []
         logits, hidden, verify_ms = made
+        t2 = perf_counter()
         results = self._verify_all(drafts, spans, logits, hidden, free, draft_ms, verify_ms, t0, caps, asks)  # 5.
         self._look_back(len(decoding), drafts, results)
         self.last = {"rows": len(tokens), "taus": [drafts[s.id][0] for s in decoding if s.id in drafts],
                      "verify_ms": verify_ms}
+        if self.pass_log is not None:
+            self.pass_log({"rows": len(tokens), "prompt_rows": sum(chunks.values()), "decoding": len(decoding),
+                           "draft_rows": sum(len(d[2]) for d in drafts.values()),
+                           "accepted": sum(rec.accepted for _, rec in results), "tree": any(q is not None for q in paths),
+                           "verify_ms": verify_ms, "priced_ms": priced,
+                           "before_ms": (t1 - t0) * 1e3, "after_ms": (perf_counter() - t2) * 1e3, "t": monotonic()})
         return results
 
     def _early_drafts(self, free: bool):

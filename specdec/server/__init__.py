@@ -44,7 +44,7 @@ def cmd_serve(args) -> int:
                      timeout_s=args.timeout, trace_dir=args.trace_dir, batch=not args.no_batch,
                      max_batch_rows=args.max_batch_rows, prefill_chunk=args.prefill_chunk, max_tau=args.max_tau,
                      reasoning_format=args.reasoning_format, response_store_mb=args.response_store_mb,
-                     max_tokens_default=args.max_tokens)
+                     max_tokens_default=args.max_tokens, pass_log=args.pass_log)
     print(describe_kv(app.state.decoder.model), file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
@@ -76,6 +76,9 @@ def register(sub, model_args, sampling_args):
                    help="the answer's length for a request that sets none (max_tokens, max_output_tokens, n_predict "
                         "-1); 0: until the context window (agents such as Codex send none)")
     s.add_argument("--trace-dir", default=None, help="write one per-cycle JSONL trace per request here")
+    s.add_argument("--pass-log", default=None, metavar="FILE",
+                   help="append one JSON line per target pass here: its rows, drafts, accepted tokens and time "
+                        "against the curve's price (batch/pass_log.py; `python benchmarks/serve.py pass-log FILE`)")
     s.add_argument("--max-batch-rows", type=int, default=None,
                    help="rows per target pass, all requests together (default: from the pass curve measured at start)")
     s.add_argument("--prefill-chunk", type=int, default=32, help="prompt rows per pass for a joining request")

@@ -63,7 +63,7 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
                max_queue: int = 16, timeout_s: float = 300.0, max_tokens_default: int = 256,
                max_body_bytes: int = 1 << 20, trace_dir: str | None = None, batch: bool = True,
                max_batch_rows: int | None = None, prefill_chunk: int = 32, max_tau: int = 8,
-               reasoning_format: str = "auto", response_store_mb: float = 64) -> FastAPI:
+               reasoning_format: str = "auto", response_store_mb: float = 64, pass_log: str | None = None) -> FastAPI:
     """`decoder`: a SpecDecoder, or a function that makes one on the model worker's thread (what `specdec serve`
     passes: see worker.Worker). `batch`: on specdec's runtime, serve all admitted requests in each target pass
     (BatchWorker) with `max_batch_rows` rows per pass (default: from the pass curve measured at start,
@@ -71,7 +71,8 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
     `reasoning_format`: auto (a thinking template's reasoning goes to `reasoning_content`, reasoning.py) or none
     (left in the content), a request's own `reasoning_format` over it. `response_store_mb`: the memory for stored
     Responses API responses and for conversations, each (response_store.py, conversations.py; 0 keeps none).
-    `max_tokens_default`: the answer's length for a request that sets none (0: until the context window)."""
+    `max_tokens_default`: the answer's length for a request that sets none (0: until the context window).
+    `pass_log`: a file the batch engine appends each pass's record to (batch/pass_log.py)."""
     metrics = Metrics()
     if (max_batch_rows is not None and max_batch_rows < 1) or prefill_chunk < 1 or max_tau < 0:
         raise InvalidRequest("--max-batch-rows and --prefill-chunk must be >= 1, --max-tau >= 0")
@@ -79,9 +80,11 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
         raise InvalidRequest("--response-store-mb and --max-tokens must be >= 0")
     if reasoning_format not in reasoning.FORMATS:
         raise InvalidRequest(f"--reasoning-format must be one of {', '.join(reasoning.FORMATS)}")
+    log_passes = open_pass_log(pass_log, batch)
     if batch:
         worker = BatchWorker(decoder, metrics, max_queue, timeout_s, trace_dir,
-                             lambda d: batch_engine(d, max_batch_rows, prefill_chunk), max_tau)
+                             lambda d: logging_passes(batch_engine(d, max_batch_rows, prefill_chunk), log_passes),
+                             max_tau)
     else:
         worker = Worker(decoder, metrics, max_queue, timeout_s, trace_dir)
     if isinstance(api_key, list):  # a key given twice is one tenant, not two (it would halve every key's share)
@@ -99,6 +102,8 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
     def shutdown():
         app.state.history.stop()
         worker.stop()
+        if log_passes is not None:
+            log_passes.close()
         try:  # what the drafter learned (recycle's table) is there at the next start
             save_drafter(decoder.engine.drafter)
         except OSError as e:
@@ -352,6 +357,28 @@ def create_app(decoder, model_name: str = "specdec", api_key: str | list[str] | 
 
 
 TIMEOUT_GRACE_S = 5.0
+
+
+def open_pass_log(path: str | None, batch: bool):
+    """--pass-log's writer, or None; a path it cannot write is refused in one line."""
+    if path is None:
+        return None
+    if not batch:
+        raise InvalidRequest("--pass-log logs the batch engine's passes: it cannot go with --no-batch")
+    from ..batch.pass_log import PassLog
+    try:
+        return PassLog(path)
+    except OSError as e:
+        raise InvalidRequest(f"--pass-log {path}: {e.strerror or e}") from None
+
+
+def logging_passes(engine, log):
+    """The engine with its passes logged to `log`; a model only transformers runs has no batch engine to log."""
+    if log is not None and engine is None:
+        raise InvalidRequest("--pass-log needs a model specdec's runtime runs (the batch engine's passes)")
+    if engine is not None:
+        engine.pass_log = log
+    return engine
 
 
 def batch_engine(decoder, max_batch_rows: int | None, prefill_chunk: int):
