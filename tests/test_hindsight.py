@@ -60,8 +60,8 @@ def run(rt, n: int, tokens: int = 48):
 
 def test_rows_bought_on_estimates_too_high_are_bought_at_what_was_accepted(rt):
     """8 requests: the split first buys chains on 0.95 a row and none is accepted; once it has seen that at 8
-    decoding, it reads the estimates at the accepted share (floored at FLOOR: 0.475 a row, less than the row costs)
-    and buys no more rows but a probe now and then."""
+    decoding, it reads the estimates at about the accepted share (the prior decaying, floored at FLOOR: 0.475 a row,
+    less than the row costs) and buys no more rows but a probe now and then."""
     rows, engine = run(rt, 8)
     full = [r for n, r in rows if n == 8]
     first = next(i for i, r in enumerate(full) if r)
@@ -69,7 +69,7 @@ def test_rows_bought_on_estimates_too_high_are_bought_at_what_was_accepted(rt):
     assert sum(r > 1 for r in full) <= 3  # a few passes of chains (PRIOR_TOKENS), then what was accepted counts
     after = [r for r in full[first:] if r <= 1]
     assert len(after) >= 30 and sum(after) <= len(after) // 2  # probes: one a pass at most
-    assert engine.hindsight.measured(level(8)) < 0.5 and engine.hindsight.ratio(8) == FLOOR
+    assert engine.hindsight.measured(level(8)) < 0.6 and engine.hindsight.ratio(8) < 0.6  # (the prior, decaying)
 
 
 def test_a_lone_requests_rows_are_measured_not_corrected(rt):

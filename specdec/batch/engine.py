@@ -356,7 +356,8 @@ class BatchEngine(Admission):
         stream a request whose first drafts missed then never drafted again; Qwen2.5-Coder-1.5B with the 0.5B, a
         completion at 111 passes with drafts on 30 tokens, against 37 passes on another run of the same prompt.)"""
         every = PROBE_EVERY * max(1, -(-len(decoding) // 4))
-        denied = [i for i, s in enumerate(decoding) if s.idle >= every and demands[i].cap and not s.fixed_tau]
+        denied = [i for i, s in enumerate(decoding)  # (asked every `every` cycles of a request's denial, not each
+                  if s.idle >= every and not s.idle % every and demands[i].cap and not s.fixed_tau]  # cycle: a split)
         if not denied:
             return
         i = max(denied, key=lambda i: (decoding[i].idle, -decoding[i].id))
@@ -673,8 +674,10 @@ class BatchEngine(Admission):
         n = len(nodes)
         if hidden is not None:  # target features of the committed positions (all but the newest token)
             fed = len(s.tokens) - fed_before
-            rows = committed_rows(fed, nodes) if draft is not None and draft.is_tree and proposed else range(fed + n)
-            drafter.observe_target(fed_before, hidden[[start + r for r in rows]])
+            if draft is not None and draft.is_tree and proposed:
+                drafter.observe_target(fed_before, hidden[[start + r for r in committed_rows(fed, nodes)]])
+            else:  # (a chain's committed rows are the first ones: a view, not a gather)
+                drafter.observe_target(fed_before, hidden[start: start + fed + n])
         if hasattr(drafter, "observe_verify"):
             drafter.observe_verify(s.tokens, draft, block, nodes)
         emitted, finish = cut([proposed[i] for i in nodes] + [token], s.tokens, len(s.prompt), s.stop,
