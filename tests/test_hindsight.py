@@ -190,3 +190,36 @@ def test_one_kinds_correction_never_moves_the_others(passes):
         scaled_d, scaled_v = both.scaled([d, v], n)
         assert scaled_d.alphas[0] == pytest.approx(0.9 * both.ratio(n)) and \
             scaled_v.alphas[0] == pytest.approx(0.9 * both.ratio(n, True))
+
+
+class SlowWrongDraft(WrongDraft):
+    """WrongDraft at 40 ms a proposal: dearer than the rows it could save."""
+
+    def propose(self, context, k, params, generator):
+        import time
+        time.sleep(0.04)
+        return super().propose(context, k, params, generator)
+
+
+def test_a_denied_requests_probe_is_weighed_once_a_period(rt, monkeypatch):
+    """8 requests whose drafts are never accepted and cost more than a pass: they are denied rows, and the probe's
+    second split (which prices the draft's cost, and declines) is asked only when a denial reaches a multiple of the
+    probe period, not every cycle (asked every cycle it cost 0.3 ms of each 60 ms pass at 8 streams)."""
+    from specdec.batch import engine as engine_module
+    model, tok = rt
+    prompts = [f"abcabc {i} " * 3 for i in range(8)]
+    sd = SpecDecoder.from_models(model, tok, draft="none")
+    refs = [tok(p).input_ids + sd.generate(p, max_new_tokens=64, chat=False).token_ids for p in prompts]
+    engine = BatchEngine(model, SlowWrongDraft(refs, model.config.vocab_size), model.config.vocab_size, set(), 256,
+                         max_batch_rows=64)
+    engine.pass_ms = lambda rows: 10.0 + 2.0 * rows  # noqa: E731
+    for p in prompts:
+        engine.add(Sequence(tok(p).input_ids, 64, SamplingParams()))
+    calls, real = [], engine_module.plan
+    monkeypatch.setattr(engine_module, "plan", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    passes = 0
+    while engine.running:
+        engine.step()
+        passes += 1
+    every = engine_module.PROBE_EVERY * 2  # (8 decoding: a period per 4 requests)
+    assert passes >= 60 and len(calls) - passes <= 8 * passes // every  # the split, and a probe's once a period
