@@ -286,8 +286,9 @@ def test_a_size_no_pass_timed_for_a_while_is_timed_again():
     now = monotonic()
     assert curve.due(64, now) == []  # measured here, just now
     later = now + calibration.REPROBE_S + 1
+    assert curve.next_due(64, now) == pytest.approx(calibration.REPROBE_S, abs=1.0)  # (an idle worker's sleep)
     curve.timed_at[1] = later  # one-row passes run all the time
-    assert curve.due(64, later) == [2, 4] and curve.due(2, later) == [2]
+    assert curve.due(64, later) == [2, 4] and curve.due(2, later) == [2] and curve.next_due(64, later) == 0.0
     curve.observe(2, 80.0)  # a busy moment, within ROWS_SLACK: believed, for now, and timed again later
     curve.timed_at[2] = later
     assert curve.due(64, later) == [4]
@@ -424,10 +425,14 @@ def test_no_size_is_priced_above_a_larger_size_timed_here():
     assert first(1) <= 18.1 and first.refined()[1] <= 18.1 and first.refined()[8] == 31.5  # stored as priced
 
 
-def test_an_idle_server_times_its_stored_curve_once_its_background_work_ends(rt):
+def test_an_idle_server_times_its_stored_curve_once_its_background_work_ends(rt, monkeypatch):
     """A server that starts beside its own background work (the grammar vocabulary's read) may not probe then; once
-    the work ends it probes with no request to wake it. (Its worker slept until the first request: a Qwen2.5-1.5B
-    server served 8 streams on a stored curve pricing 9-16 rows at 1.3-1.6x their time, so never bought them.)"""
+    the work ends it probes with no request to wake it, and again once a size falls due (REPROBE_S), as /metrics
+    says. (Its worker slept until the first request: a Qwen2.5-1.5B server served 8 streams on a stored curve
+    pricing 9-16 rows at 1.3-1.6x their time, so never bought them.)"""
+    from prometheus_client import generate_latest
+
+    from specdec.batch import calibration
     import threading
 
     from specdec import SpecDecoder
@@ -439,6 +444,7 @@ def test_an_idle_server_times_its_stored_curve_once_its_background_work_ends(rt)
                          pass_curve=bad, curve_is_prior=True)
     engine.budget_from_curve = True
     engine._timer = SteadyTimer(PassTimer(model))
+    monkeypatch.setattr(calibration, "REPROBE_S", 4.0)  # (5 minutes, shortened)
     go = threading.Event()
     thread = run_beside(go.wait)
     worker = BatchWorker(SpecDecoder.from_models(model, tok, draft="none"), Metrics(), 8, 60.0, None,
@@ -453,6 +459,14 @@ def test_an_idle_server_times_its_stored_curve_once_its_background_work_ends(rt)
         while engine._pass.unconfirmed(max(GRID)) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert engine._pass.unconfirmed(max(GRID)) == [] and engine.max_batch_rows > 8  # no request came
+        text = generate_latest(worker.metrics.registry).decode()
+        assert "specdec_pass_probes_pending 0.0" in text
+        first = engine._pass.timed_at[max(GRID)]
+        engine._timer = SteadyTimer(PassTimer(model))
+        deadline = time.monotonic() + 30
+        while engine._pass.timed_at[max(GRID)] == first and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine._pass.timed_at[max(GRID)] > first  # woken to time it again, no request coming
     finally:
         go.set()
         worker.stop()

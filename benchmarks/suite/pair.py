@@ -255,9 +255,10 @@ class Server:
 
 
 def settle(server: Server, timeout_s: float = 120.0) -> None:
-    """Wait until the server has no idle-time work left (a draft's put-off catch-ups: specdec's /metrics gauge
-    `specdec_draft_catchups_pending`; servers without it have none), so that it never runs beside another server's
-    measured request. A user reading an answer gives a server this time."""
+    """Wait until the server has no idle-time work left (a draft's put-off catch-ups and the pass sizes it times:
+    specdec's /metrics gauges `specdec_draft_catchups_pending` and `specdec_pass_probes_pending`; servers without
+    them have none), so that it never runs beside another server's measured request. A user reading an answer gives
+    a server this time."""
     if server.name.startswith("llama"):
         return
     end = time.monotonic() + timeout_s
@@ -266,8 +267,9 @@ def settle(server: Server, timeout_s: float = 120.0) -> None:
             text = httpx.get(server.url + "/metrics", timeout=5).text
         except httpx.HTTPError:
             return
-        line = next((x for x in text.splitlines() if x.startswith("specdec_draft_catchups_pending ")), None)
-        if line is None or float(line.split()[1]) == 0:
+        pending = [float(x.split()[1]) for x in text.splitlines()
+                   if x.startswith(("specdec_draft_catchups_pending ", "specdec_pass_probes_pending "))]
+        if not any(pending):
             return
         time.sleep(0.05)
 

@@ -210,9 +210,11 @@ class Admission:
         """One step of that work (the worker calls it only while nothing runs or waits) -> whether any remains."""
         return idle_step(self.drafter)
 
+    def _probe_most(self) -> int:
+        return max(self._pass.grid) if self.budget_from_curve else self.max_batch_rows
+
     def _probe_sizes(self) -> list[int]:
-        most = max(self._pass.grid) if self.budget_from_curve else self.max_batch_rows
-        return self._pass.due(most, monotonic())
+        return self._pass.due(self._probe_most(), monotonic())
 
     def probe_due(self) -> bool:
         """Whether a pass size is to be timed in idle time (calibration.OnlineCurve.due), not backing off, and with
@@ -220,16 +222,22 @@ class Admission:
         return self.probe_wait() == 0.0
 
     def probe_wait(self) -> float | None:
-        """Seconds until a due size may be timed (0: now), or None when none is due: how long an idle worker may
-        sleep. A probe held back by a back-off or by background work is due again once that ends, and nothing else
-        wakes the worker then (a server that started beside its vocabulary read slept until the first request, then
-        served 8 streams on a stored curve that priced 9-16 rows at 1.3-1.6x their time: never bought, never
-        timed)."""
-        if not self._probe_sizes():
+        """Seconds until a size may be timed (0: now): how long an idle worker may sleep; None without a curve to
+        time. A probe held back by a back-off or by background work, or a size falling due again (REPROBE_S), is due
+        when that ends, and nothing else wakes the worker then (a server that started beside its vocabulary read
+        slept until the first request, then served 8 streams on a stored curve that priced 9-16 rows at 1.3-1.6x
+        their time: never bought, never timed)."""
+        now = monotonic()
+        wait = self._pass.next_due(self._probe_most(), now)
+        if wait is None:
             return None
-        if work_beside():
+        if wait == 0.0 and work_beside():
             return PROBE_POLL_S
-        return max(0.0, self._probe_after - monotonic())
+        return max(wait, self._probe_after - now, 0.0)
+
+    def probes_pending(self) -> int:
+        """Sizes due to be timed now (/metrics: a benchmark waits for them before it measures a neighbour)."""
+        return len(self._probe_sizes())
 
     def probe(self) -> None:
         """Time one such size (the worker calls it only while nothing runs or waits: a new request waits one pass

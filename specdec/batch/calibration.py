@@ -367,6 +367,13 @@ class OnlineCurve:
         return self.unconfirmed(most) or [n for n in sorted(self.grid) if n <= most
                                           and now - self.timed_at.get(n, now) > REPROBE_S]
 
+    def next_due(self, most: int, now: float) -> float | None:
+        """Seconds until a size up to `most` rows falls due (0: one is due now), None when none is on the grid."""
+        if self.due(most, now):
+            return 0.0
+        times = [self.timed_at.get(n, now) + REPROBE_S - now for n in self.grid if n <= most]
+        return max(0.0, min(times)) if times else None
+
     def observe(self, rows: int, ms: float) -> None:
         if not self.plausible(rows, ms):  # timed while something else had the cores: it says nothing of the curve
             self.implausible += 1

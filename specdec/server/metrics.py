@@ -57,6 +57,8 @@ class Metrics:
         self.kv_usage = Gauge("specdec_kv_cache_usage", "Share of the KV pool in use, 0..1", registry=r)
         self.catchups = Gauge("specdec_draft_catchups_pending", "A draft model's catch-ups put off for idle time, "
                               "queued or under way", registry=r)
+        self.probes = Gauge("specdec_pass_probes_pending", "Pass sizes due to be timed in idle time (a stored curve's "
+                            "guesses, or sizes no pass timed for 5 minutes)", registry=r)
         self.kv_usage_alias = Gauge("vllm:kv_cache_usage_perc", "Alias of specdec_kv_cache_usage (0..1, as vLLM's)",
                                     registry=r)
         self.preemptions = Counter("vllm:num_preemptions", "Requests preempted for KV memory (recomputed later)",
@@ -106,6 +108,7 @@ class Metrics:
         self.kv_usage.set(usage)
         self.kv_usage_alias.set(usage)
         self.catchups.set(engine.idle_work())
+        self.probes.set(engine.probes_pending())
         self.preemptions.inc(engine.preemptions - self._preempted_seen)
         self._preempted_seen = engine.preemptions
         cache = engine.prefixes
