@@ -254,24 +254,31 @@ class Server:
         self.log.close()
 
 
+SETTLE_POLL_S = 0.25  # settle's /metrics reads: one client, a read every quarter second (a new client a read, every
+# 50 ms, took a quarter of a core: the server's probes, timed beside it, saw a busy machine and backed off for good)
+PROBES_SETTLE_S = 30.0  # ... and the most it waits for a server's pass-size probes (a busy moment backs one off 10 s)
+
+
 def settle(server: Server, timeout_s: float = 120.0) -> None:
-    """Wait until the server has no idle-time work left (a draft's put-off catch-ups and the pass sizes it times:
-    specdec's /metrics gauges `specdec_draft_catchups_pending` and `specdec_pass_probes_pending`; servers without
-    them have none), so that it never runs beside another server's measured request. A user reading an answer gives
-    a server this time."""
+    """Wait until the server has no idle-time work left (a draft's put-off catch-ups, up to `timeout_s`, and the
+    pass sizes it times, up to PROBES_SETTLE_S: specdec's /metrics gauges `specdec_draft_catchups_pending` and
+    `specdec_pass_probes_pending`; servers without them have none), so that it never runs beside another server's
+    measured request. A user reading an answer gives a server this time."""
     if server.name.startswith("llama"):
         return
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        try:
-            text = httpx.get(server.url + "/metrics", timeout=5).text
-        except httpx.HTTPError:
-            return
-        pending = [float(x.split()[1]) for x in text.splitlines()
-                   if x.startswith(("specdec_draft_catchups_pending ", "specdec_pass_probes_pending "))]
-        if not any(pending):
-            return
-        time.sleep(0.05)
+    start = time.monotonic()
+    with httpx.Client(timeout=5) as client:
+        while time.monotonic() < start + timeout_s:
+            try:
+                text = client.get(server.url + "/metrics").text
+            except httpx.HTTPError:
+                return
+            pending = {x.split()[0]: float(x.split()[1]) for x in text.splitlines()
+                       if x.startswith(("specdec_draft_catchups_pending ", "specdec_pass_probes_pending "))}
+            probes = pending.get("specdec_pass_probes_pending", 0) and time.monotonic() < start + PROBES_SETTLE_S
+            if not pending.get("specdec_draft_catchups_pending", 0) and not probes:
+                return
+            time.sleep(SETTLE_POLL_S)
 
 
 def request(server: Server, prompt: dict, max_tokens: int, extra: dict | None = None) -> dict:
