@@ -312,6 +312,43 @@ def test_a_catch_up_is_weighed_against_what_drafting_saves_at_the_batchs_load(rt
     engine.close()
 
 
+def test_a_put_off_catch_up_is_weighed_again_once_the_load_falls(rt, tiny_dirs):
+    """9 requests at once, draft rows cheap: a drafted token saves little of a pass 9 requests share, and most
+    requests' catch-ups on their prompts (0.5 ms a token) are put off. The longest request then runs alone, where a
+    drafted token saves most: its catch-up is weighed again, pays, and it drafts (put off for good, it drafted
+    nothing for its life: the pair's 0.5B at 8 streams ran each window's last requests alone and undrafted). Every
+    answer is target-only's."""
+    model, tok = rt
+    drafter = build_drafter(tiny_dirs["draft"], model, tok, backend="runtime")
+    cache = drafter.draft_cache
+    cache.model.pool.clear_hashes()
+    engine = BatchEngine(model, drafter, model.config.vocab_size, set(), 256, max_batch_rows=128, prefill_chunk=64)
+    engine.pass_ms = lambda rows: 10.0 + 0.1 * rows  # noqa: E731
+    cache.ms_per_token, cache.observe = 0.5, lambda tokens, ms: None  # (not timed: priced)
+    engine.draft_steps.DECAY = 1.0  # a draft step priced at 0.1 ms (not timed: a timed test)
+    for _ in range(engine.draft_steps.MIN_SEEN):
+        engine.draft_steps.observe([1], 0.1)
+    engine.draft_steps.observe = lambda taus, ms: None
+    prompts = [tok(f"Note {i}: the cat sat on the mat, the dog sat on the log. " * 3).input_ids for i in range(9)]
+    assert min(map(len, prompts)) >= draft_cache.MEASURED
+    lengths = [40] + [6] * 8
+    seqs = [engine.add(Sequence(p, n, SamplingParams())) for p, n in zip(prompts, lengths)]
+    alone = 0  # draft tokens the long request proposed once it ran alone
+    while engine.running:
+        by_itself = len(engine.running) == 1
+        for s, rec in engine.step():
+            if s is seqs[0] and by_itself:
+                alone += len(rec.proposed)
+    assert cache.put_off >= 5 and alone > 0, (cache.put_off, alone)
+    ref = BatchEngine(model, build_drafter("none", model, tok), model.config.vocab_size, set(), 256,
+                      prefix_cache=False)
+    refs = [ref.add(Sequence(p, n, SamplingParams())) for p, n in zip(prompts, lengths)]
+    while ref.running:
+        ref.step()
+    assert [s.generated for s in seqs] == [r.generated for r in refs]
+    engine.close()
+
+
 def test_the_server_catches_up_when_idle(rt, tiny_dirs):
     """Over HTTP: the worker does a put-off catch-up by itself once nothing runs, and /metrics shows it pending until
     then; the answer is target-only's."""

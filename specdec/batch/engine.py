@@ -6,7 +6,7 @@ from time import monotonic, perf_counter
 
 import torch
 
-from ..drafters.base import Draft, catch_up_ms, makes_trees, propose_many, put_off
+from ..drafters.base import Draft, catch_up_ms, makes_trees, propose_many, put_off, reconsider
 from ..drafters.tenants import PerTenant
 from ..drafters.tree import best_chain, depths, path, prune
 from ..engine import cut
@@ -185,8 +185,8 @@ class BatchEngine(Admission):
         if self.pass_log is not None:
             self.pass_log({"rows": len(tokens), "prompt_rows": sum(chunks.values()), "decoding": len(decoding),
                            "draft_rows": sum(len(d[2]) for d in drafts.values()),
-                           "accepted": sum(rec.accepted for _, rec in results), "tree": any(q is not None for q in paths),
-                           "verify_ms": verify_ms, "priced_ms": priced,
+                           "accepted": sum(rec.accepted for _, rec in results),
+                           "tree": any(q is not None for q in paths), "verify_ms": verify_ms, "priced_ms": priced,
                            "before_ms": (t1 - t0) * 1e3, "after_ms": (perf_counter() - t2) * 1e3, "t": monotonic()})
         return results
 
@@ -329,9 +329,12 @@ class BatchEngine(Admission):
         if not chunks:
             self._size_probe(demands, base)
         for i, s in enumerate(decoding):  # a request whose catch-up was put off drafts nothing late
-            if demands[i].batched and put_off(self._state[s.id][1]):
-                demands[i] = replace(demands[i], cap=0, floor=0, batched=False)
-                asks[s.id] = (0, 0, "put_off", "budget", None)  # (its records say so: trace.SHORTFALLS)
+            own = self._state[s.id][1]
+            if demands[i].batched and put_off(own):
+                reconsider(own, s.tokens)  # (unless the load fell: its catch-up pays now)
+                if put_off(own):
+                    demands[i] = replace(demands[i], cap=0, floor=0, batched=False)
+                    asks[s.id] = (0, 0, "put_off", "budget", None)  # (its records say so: trace.SHORTFALLS)
         taus = plan(demands, base, self.max_batch_rows, self.pass_ms, chunk_rows=sum(chunks.values()), step_ms=steps)
 
         return decoding, chunks, taus, demands

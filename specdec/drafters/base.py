@@ -72,6 +72,13 @@ def put_off(drafter) -> bool:
     return any(getattr(m, "put_off", False) for m in [drafter, *getattr(drafter, "members", [])])
 
 
+def reconsider(drafter, context) -> None:
+    """A drafter's (a chain's members') put-off model draft weighed again at the load now (ModelDrafter.reconsider)."""
+    for m in [drafter, *getattr(drafter, "members", [])]:
+        if getattr(m, "put_off", False) and hasattr(m, "reconsider"):
+            m.reconsider(context)
+
+
 def catch_up_ms(drafter, context) -> float:
     """What a drafter's (a chain's members') model draft would first spend catching up on `context`
     (ModelDrafter.catch_up_ms); 0 for drafters without one."""

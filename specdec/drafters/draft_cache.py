@@ -14,10 +14,12 @@
   request's drafting is not expected to repay (DraftCache.unrepaid_ms), so a request is never locked out by one
   moment's prices, and a cheap catch-up is not priced as if one cycle had to repay it. A catch-up stalls every
   request in the batch: at 8 streams on the pair the 0.5B's catch-ups were most of its drafting time, and it served
-  0.86x target-only's tokens/s. The request's chain's model-free members still propose. When it leaves, its
-  context waits for idle time: the server's worker, with nothing to run, catches the draft up on it IDLE_CHUNK
-  tokens at a time (a request that arrives waits at most one chunk) and names the blocks, so the
-  conversation's next turn finds them. A server measures the rate at start (once per draft file and machine);
+  0.86x target-only's tokens/s. Each cycle while it is put off, the catch-up is weighed again for the tokens the
+  request has left at the load then (ModelDrafter.reconsider): once the load falls and it pays (a request left alone
+  at the end of a burst), it runs and the request drafts. The request's chain's model-free members still propose.
+  When it leaves still put off, its context waits for idle time: the server's worker, with nothing to run, catches
+  the draft up on it IDLE_CHUNK tokens at a time (a request that arrives waits at most one chunk) and names the
+  blocks, so the conversation's next turn finds them. A server measures the rate at start (once per draft file and machine);
   catch-ups of at least MEASURED tokens refine it. Without a rate nothing is put off.
 
 Nothing here reaches an output: verification accepts or corrects whatever the draft proposes, and a position's K/V

@@ -34,7 +34,8 @@ class ModelDrafter:
         self.draft_cache = cache if cache is not None else draft_cache(self.lm)
         self.cache_salt = b""  # the tenant of the request it drafts for: its cached blocks are found only by it
         self.budget: tuple[int, float] | None = None  # (tokens the request may emit, ms of a target pass)
-        self.put_off = False  # this request's catch-up did not pay: it drafts nothing with the model
+        self.put_off = False  # this request's catch-up did not pay: it drafts nothing with the model (for now)
+        self._put_off_at: int | None = None  # its context's length then (the tokens it may still emit: reconsider)
         self._cached: int | None = None  # positions of its first context the draft's prefix cache held (catch_up_ms)
         self._context = None  # the request's context as last proposed for (what a put-off catch-up runs later)
 
@@ -84,16 +85,30 @@ class ModelDrafter:
         """Before a proposal: whether the model drafts for this request (not once its catch-up was put off); a first
         proposal starts from the cached blocks its context begins with."""
         self._context = context
+        self.reconsider(context)
         if self.put_off:
             return False
         cache = self.draft_cache
         if cache is not None and not self.lm.tokens:
             cache.restore(self.lm, list(context), self.cache_salt)
             if not cache.pays(len(context) - len(self.lm.tokens), self.budget):
-                self.put_off = True
+                self.put_off, self._put_off_at = True, len(context)
                 cache.put_off += 1
                 return False
         return True
+
+    def reconsider(self, context) -> None:
+        """A put-off catch-up weighed again at the batch's load now, for the tokens the request may still emit: where
+        it pays now (the load fell), this proposal catches up and drafts. Put off for good, a request that arrived
+        under load drafted nothing for its life, alone at the end of a burst too, where a drafted token saves most
+        (the pair at 8 streams: the 0.5B's last requests of each window ran alone undrafted, and its windows took as
+        long as target-only's)."""
+        cache = self.draft_cache
+        if not self.put_off or cache is None or self.budget is None or self._put_off_at is None:
+            return
+        left = self.budget[0] - (len(context) - self._put_off_at)
+        if left > 0 and cache.pays(len(context) - len(self.lm.tokens), (left, self.budget[1])):
+            self.put_off = False
 
     def catch_up_ms(self, context) -> float:
         """What its next proposal for `context` would first spend on tokens it did not draft (a chain's copy, the
@@ -143,4 +158,4 @@ class ModelDrafter:
 
     def reset(self) -> None:
         self.lm.reset()
-        self.put_off, self._context, self._cached = False, None, None
+        self.put_off, self._put_off_at, self._context, self._cached = False, None, None, None
