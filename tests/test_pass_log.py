@@ -89,3 +89,15 @@ def test_the_benchmark_reads_a_log(tmp_path, capsys):
     assert bench.main([str(path)]) == 0
     out = capsys.readouterr().out
     assert "| none | 1 | 0 | 0 |" in out and "| tree ≤4 | 1 | 5 | 2 |" in out
+
+
+def test_the_benchmark_refuses_a_missing_or_foreign_file_in_one_line(tmp_path, capsys):
+    sys.path.insert(0, "benchmarks/suite")
+    import pass_log as bench
+    assert bench.main([str(tmp_path / "missing.jsonl")]) == 2
+    (tmp_path / "x.jsonl").write_text("not json\n")
+    assert bench.main([str(tmp_path / "x.jsonl")]) == 2
+    (tmp_path / "y.jsonl").write_text('{"rows": 3}\n')
+    assert bench.main([str(tmp_path / "y.jsonl")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(line.startswith("pass-log: ") for line in err)

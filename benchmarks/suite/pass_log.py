@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 from collections import defaultdict
 
-from specdec.batch.pass_log import read, summary
+from specdec.batch.pass_log import FIELDS, read, summary
 from specdec.costs import interpolate
 
 
@@ -35,7 +36,15 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     baseline = args.baseline_ms
     for path in args.files:
-        records = read(path)
+        try:
+            records = read(path)
+            lacking = next((f for r in records for f in FIELDS if not isinstance(r, dict) or f not in r), None)
+            if lacking is not None:
+                raise ValueError(f"a line without {lacking!r}")
+        except (OSError, ValueError) as e:  # (a missing file, or not a pass log: one line, not a traceback)
+            print(f"pass-log: {path}: {e.strerror if isinstance(e, OSError) else 'not a pass log (' + str(e) + ')'}",
+                  file=sys.stderr)
+            return 2
         if not records:
             print(f"{path}: no passes")
             continue
