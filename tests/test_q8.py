@@ -195,19 +195,19 @@ def test_q8_runs_k_quants_and_5_bit_blocks_as_the_blocks_they_equal(fmt):
             assert qt.packed() is None and torch.equal(qlinear(xt, qt, q8=True), qlinear(xt, qt))
 
 
-needs_amx = pytest.mark.skipif(not kernels.available() or kernels.library().rows_amx(kernels.AMX_ROWS) == 0,
-                               reason="no AMX-INT8 here (or the OS refuses its tile state)")
-
-
-@needs_amx
+@needs_kernel
 @pytest.mark.parametrize("fmt", [kernels.Q4_0, kernels.Q4_1, kernels.Q8_0, kernels.Q5_0, kernels.Q2_K, kernels.Q3_K,
                                  kernels.Q4_K, kernels.Q5_K, kernels.Q6_K], ids=lambda f: kernels.FORMATS[f])
-def test_amx_tiles_give_the_bits_vnni_gives(fmt):
-    """Tiles of 9..16 rows take AMX tile multiplies (passes of 17+ rows in even tiles, 24 = 12 + 12): the same exact
-    integer sums, so the same bits as VNNI's tiles and the numpy reference, whatever the rows and their tiling."""
+def test_every_tiling_gives_the_same_bits(fmt):
+    """Passes of 9+ rows run in wide VNNI tiles of 9..16 rows (17+ in even tiles, 24 = 12 + 12, 17 = 9 + 8), in AMX
+    tiles where asked, or in 8-row tiles: the same exact integer sums scaled in the same order, so the same bits as
+    each other and as the numpy reference, whatever the rows and their tiling."""
     from specdec.runtime.quantize import quantize
     lib = kernels.library()
-    n, k = 37, 512  # two super-blocks: a chunk of 8 blocks and the next; 3 groups, the last partial
+    arms = lib.tilings()
+    if lib.isa == "avx512":
+        assert "wide" in arms  # every AVX-512 VNNI build has wide tiles
+    n, k = 37, 512  # two super-blocks: an AMX chunk of 8 blocks and the next; 3 groups, the last partial
     w = np.random.default_rng(fmt).standard_normal((n, k)).astype(F32)
     data = quantize(w, fmt) if fmt in K_TYPES else np.ascontiguousarray(
         gguf.quants.quantize(w, T(fmt)))
@@ -216,31 +216,29 @@ def test_amx_tiles_give_the_bits_vnni_gives(fmt):
     want = q8_linear(fmt, x, data, n)
     xt, wt = torch.from_numpy(x), torch.from_numpy(data)
     try:
-        for rows in (9, 12, 16, 17, 24, 41):
-            got = {}
-            for amx in (kernels.AMX_ROWS, 0):
-                assert lib.rows_amx(amx) == amx
-                got[amx] = kernels.linear(fmt, xt[:rows], wt, n, lib=lib, q8=True).numpy()
-            assert np.array_equal(got[kernels.AMX_ROWS], got[0]), rows
-            assert np.array_equal(got[0], want[:rows]), rows
+        for rows in (8, 9, 10, 12, 15, 16, 17, 24, 41):
+            for arm, (amx, wide) in arms.items():
+                lib.rows_amx(amx), lib.rows_wide(wide)
+                got = kernels.linear(fmt, xt[:rows], wt, n, lib=lib, q8=True).numpy()
+                assert np.array_equal(got, want[:rows]), (rows, arm)
     finally:
-        lib.rows_amx(lib.amx_rows)
+        lib.rows_amx(lib.amx_rows), lib.rows_wide(lib.wide)
 
 
-@needs_amx
-def test_amx_whole_passes_are_row_invariant(q8_model):
-    """Passes of 9..40 rows through AMX tiles equal the same passes on VNNI and one-token steps, bitwise."""
+@needs_kernel
+def test_every_tiling_keeps_whole_passes_row_invariant(q8_model):
+    """Passes of 8..40 rows in each tiling equal one-token steps, bitwise."""
     lib, model = kernels.library(), q8_model
     ids = torch.randint(3, 90, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     a, b = model.acquire_slot(), model.acquire_slot()
     steps = torch.cat([model.forward([t], [b], [i]) for i, t in enumerate(ids)])
     try:
-        for n in (9, 16, 25, 40):
-            for amx in (kernels.AMX_ROWS, 0):
-                lib.rows_amx(amx)
-                assert torch.equal(model.forward(ids[:n], [a] * n, list(range(n))), steps[:n]), (n, amx)
+        for n in (8, 9, 13, 16, 25, 40):
+            for arm, (amx, wide) in lib.tilings().items():
+                lib.rows_amx(amx), lib.rows_wide(wide)
+                assert torch.equal(model.forward(ids[:n], [a] * n, list(range(n))), steps[:n]), (n, arm)
     finally:
-        lib.rows_amx(lib.amx_rows)
+        lib.rows_amx(lib.amx_rows), lib.rows_wide(lib.wide)
         model.release_slot(a), model.release_slot(b)
 
 

@@ -32,7 +32,10 @@ COMMON = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]  # no fuse
 ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vnni", "-mfma", "-mf16c"],
              "avx2": ["-mavx2", "-mfma", "-mf16c"]}
 NUMERICS = ("exact", "q8")
-AMX_ROWS = 9  # q8 passes of at least this many rows use AMX tiles (9..16 rows a tile) where it is (docs/numerics.md)
+# q8 passes of 9+ rows: wide VNNI tiles of 9..16 rows (rows_wide; SPECDEC_WIDE=0: 8-row tiles), or with SPECDEC_AMX=1
+# AMX tiles from AMX_ROWS rows where the CPU has them. Wide VNNI tiles cost no more than AMX ones at any size measured
+# and less at 9..12 rows (docs/numerics.md), so AMX is off unless asked. The same bits every way.
+AMX_ROWS = 9
 MAX_ROWS = 8  # few_rows_linear serves up to this many rows (kv.rows_linear decides which row counts it asks for)
 
 FORMATS = formats.NAMES  # ggml's type id -> name, for the formats the kernels serve (formats.TABLE)
@@ -146,10 +149,12 @@ class Library:
         self.rows_argmax.argtypes, self.rows_argmax.restype = [p, i, i, p, i], None
         self.rows_race = lib.rows_race
         self.rows_race.argtypes, self.rows_race.restype = [p, i, i, p, p, i], None
-        # q8 tiles of at least AMX_ROWS rows take AMX tile multiplies where the CPU and the OS allow (SPECDEC_AMX=0:
-        # never); the same bits either way. amx_rows: the threshold in force (0: off).
-        self.rows_amx = _amx(lib)
-        self.amx_rows = self.rows_amx(0 if os.environ.get("SPECDEC_AMX", "1") == "0" else AMX_ROWS)
+        # q8 tiles of at least AMX_ROWS rows take AMX tile multiplies with SPECDEC_AMX=1 where the CPU and the OS
+        # allow; else wide VNNI tiles (SPECDEC_WIDE=0: 8-row ones). The same bits every way. amx_rows: the threshold
+        # in force (0: off); wide: 1 where wide tiles run.
+        self.rows_amx, self.rows_wide = _switch(lib, "rows_amx"), _switch(lib, "rows_wide")
+        self.amx_rows = self.rows_amx(AMX_ROWS if os.environ.get("SPECDEC_AMX", "0") == "1" else 0)
+        self.wide = self.rows_wide(0 if os.environ.get("SPECDEC_WIDE", "1") == "0" else 1)
         # how far ahead q8 tiles prefetch weights (one-row tiles, the others, the others into L2): chosen for this
         # CPU, no bit changes
         self.rows_prefetch = _prefetch(lib)
@@ -160,6 +165,17 @@ class Library:
         rows_formats = lib.rows_formats
         rows_formats.argtypes, rows_formats.restype = [p, i], i
         formats.check(rows_formats)  # and the format table, against formats.TABLE
+
+    def tilings(self) -> dict[str, tuple[int, int]]:
+        """(rows_amx, rows_wide) of each q8 tiling this build and CPU run: "8-row" VNNI tiles, "wide" ones of 9..16
+        rows (AVX-512 VNNI builds), "amx" tiles (where the CPU and the OS allow). Leaves the tiling in force."""
+        out = {"8-row": (0, 0)}
+        if self.rows_wide(1):
+            out["wide"] = (0, 1)
+        if self.rows_amx(AMX_ROWS):
+            out["amx"] = (AMX_ROWS, 0)
+        self.rows_amx(self.amx_rows), self.rows_wide(self.wide)
+        return out
 
     def set_prefetch(self, one: int = -1, many: int = -1, l2: int = -1) -> tuple[int, int, int]:
         """Bytes q8 tiles prefetch ahead: `one` for one-row tiles (decode steps), `many` for the others, `l2` for
@@ -229,15 +245,15 @@ def cpuinfo(field: str) -> str:
     return ""
 
 
-def _amx(lib):
-    """rows_amx(min_rows) -> the threshold in force, or a stand-in returning 0 for an older build
-    (benchmarks/runtime.py same-kernels loads them)."""
+def _switch(lib, name: str):
+    """A tile switch, `name`(int) -> the setting in force, or a stand-in returning 0 for an older build that lacks
+    it (benchmarks/runtime.py same-kernels loads them)."""
     try:
-        rows_amx = lib.rows_amx
+        switch = getattr(lib, name)
     except AttributeError:
-        return lambda min_rows: 0
-    rows_amx.argtypes, rows_amx.restype = [ctypes.c_int], ctypes.c_int
-    return rows_amx
+        return lambda value: 0
+    switch.argtypes, switch.restype = [ctypes.c_int], ctypes.c_int
+    return switch
 
 
 @cache

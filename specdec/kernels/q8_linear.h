@@ -91,6 +91,36 @@ static inline void q8_tile(const QX& Q, int m0, const uint8_t* G, float* y, long
             for (int o = 0; o < (int)bb; o += 64) _mm_prefetch((const char*)blk + ahead + o, _MM_HINT_T0);
         if (M > 1 && q8_ahead_l2)
             for (int o = 0; o < (int)bb; o += 64) _mm_prefetch((const char*)blk + q8_ahead_l2 + o, _MM_HINT_T1);
+        auto scale = [&](int m, I16 ia, I16 ib) {  // row m's block sums into its fp32 chain
+            const long at = (long)(m0 + m) * nb + bl;
+            const V16 sv = vset1(Q.s[at]);
+            if constexpr (HALVES) {  // Σ q·x per half, each scaled by its d
+                acc[m] = vfma(i16_to_f(ia), vmul(d, sv), acc[m]);
+                acc[m] = vfma(i16_to_f(ib), vmul(second, sv), acc[m]);
+                if constexpr (FMT == Q2_K) {  // and each half's min times its Σx
+                    const int32_t h0 = Q.h0[at], total = -Q.o4[at] / 8;
+                    acc[m] = vfma(f16_to_f((const uint16_t*)blk + 32), vset1(Q.s[at] * (float)h0), acc[m]);
+                    acc[m] = vfma(f16_to_f((const uint16_t*)blk + 48), vset1(Q.s[at] * (float)(total - h0)), acc[m]);
+                }
+            } else {
+                acc[m] = vfma(i16_to_f(ia), vmul(d, sv), acc[m]);
+                if (FMT == Q4_1 || FMT == Q5_K || FMT == Q4_K) acc[m] = vfma(second, vset1(Q.sq[at]), acc[m]);
+            }
+        };
+        constexpr int SUMS = FMT == Q4_K ? Q4_1 : FMT;  // Q4_K's quants are Q4_1's
+#if defined(__AVX512VNNI__)
+        if constexpr (!AMX) {  // each row scaled as soon as summed: registers hold the weights and M chains only
+            WB w;
+            q8_unpack<SUMS>(blk + F::SCALES, &w);
+#pragma GCC unroll 16
+            for (int m = 0; m < M; m++) {
+                I16 ia, ib;
+                q8_row_sums<SUMS>(Q, m0 + m, bl, w, &ia, &ib);
+                scale(m, ia, ib);
+            }
+            continue;
+        }
+#endif
         I16 ia[M], ib[M];
 #ifdef Q8_HAS_AMX
         if constexpr (AMX) {
@@ -99,23 +129,8 @@ static inline void q8_tile(const QX& Q, int m0, const uint8_t* G, float* y, long
             amx_block_sums<FMT, M>(Q, m0, bl, tsa[bl % AMX_CHUNK], tsb[HALVES ? bl % AMX_CHUNK : 0], ia, ib);
         } else
 #endif
-        q8_block_sums<FMT == Q4_K ? Q4_1 : FMT, M>(Q, m0, bl, blk + F::SCALES, ia, ib);  // Q4_K's quants are Q4_1's
-        for (int m = 0; m < M; m++) {
-            const long at = (long)(m0 + m) * nb + bl;
-            const V16 sv = vset1(Q.s[at]);
-            if constexpr (HALVES) {  // Σ q·x per half, each scaled by its d
-                acc[m] = vfma(i16_to_f(ia[m]), vmul(d, sv), acc[m]);
-                acc[m] = vfma(i16_to_f(ib[m]), vmul(second, sv), acc[m]);
-                if constexpr (FMT == Q2_K) {  // and each half's min times its Σx
-                    const int32_t h0 = Q.h0[at], total = -Q.o4[at] / 8;
-                    acc[m] = vfma(f16_to_f((const uint16_t*)blk + 32), vset1(Q.s[at] * (float)h0), acc[m]);
-                    acc[m] = vfma(f16_to_f((const uint16_t*)blk + 48), vset1(Q.s[at] * (float)(total - h0)), acc[m]);
-                }
-            } else {
-                acc[m] = vfma(i16_to_f(ia[m]), vmul(d, sv), acc[m]);
-                if (FMT == Q4_1 || FMT == Q5_K || FMT == Q4_K) acc[m] = vfma(second, vset1(Q.sq[at]), acc[m]);
-            }
-        }
+        q8_block_sums<SUMS, M>(Q, m0, bl, blk + F::SCALES, ia, ib);
+        for (int m = 0; m < M; m++) scale(m, ia[m], ib[m]);
     }
     if constexpr (q8_scaled_up(FMT))  // the scales were stored times Q8_SCALE_UP (q8_repack.h): exact
         for (int m = 0; m < M; m++) acc[m] = vmul(acc[m], vset1(1.0f / Q8_SCALE_UP));
@@ -137,7 +152,37 @@ static inline void q8_tile(const QX& Q, int m0, const uint8_t* G, float* y, long
     }
 }
 
-// Group g (16 weight rows of a repacked matrix) against all R rows of x, Q8_M rows at a time.
+#if Q8_M >= 8
+// Passes of 9+ rows in wide tiles of 9..16 rows, even ones (24: 12 + 12; 17: 9 + 8): each block unpacked once per
+// tile, each row's sums scaled as soon as made, so the registers hold the block's weights and one chain a row. A
+// second 8-row tile would unpack the weights again: on the 2-core Xeon a 9-row pass of the 1.5B costs 73.7 ms that
+// way, 64.8 in one wide tile, against 60.4 for 8 rows (docs/numerics.md). 0: off (rows_wide); the same bits.
+static int q8_wide = 1;
+#else
+static const int q8_wide = 0;  // AVX2: 16 registers hold no wide tile
+#endif
+
+template <int FMT, bool AMX>
+static inline void q8_wide_tile(int rows, const QX& Q, int m0, const uint8_t* G, float* y, long ldy, const float* b,
+                                int cols, bool acc_out) {
+#if Q8_M >= 8
+    switch (rows) {  // 9..16
+        case 9: q8_tile<FMT, 9, AMX>(Q, m0, G, y, ldy, b, cols, acc_out); break;
+        case 10: q8_tile<FMT, 10, AMX>(Q, m0, G, y, ldy, b, cols, acc_out); break;
+        case 11: q8_tile<FMT, 11, AMX>(Q, m0, G, y, ldy, b, cols, acc_out); break;
+        case 12: q8_tile<FMT, 12, AMX>(Q, m0, G, y, ldy, b, cols, acc_out); break;
+        case 13: q8_tile<FMT, 13, AMX>(Q, m0, G, y, ldy, b, cols, acc_out); break;
+        case 14: q8_tile<FMT, 14, AMX>(Q, m0, G, y, ldy, b, cols, acc_out); break;
+        case 15: q8_tile<FMT, 15, AMX>(Q, m0, G, y, ldy, b, cols, acc_out); break;
+        default: q8_tile<FMT, 16, AMX>(Q, m0, G, y, ldy, b, cols, acc_out); break;
+    }
+#else
+    (void)rows, (void)Q, (void)m0, (void)G, (void)y, (void)ldy, (void)b, (void)cols, (void)acc_out;
+#endif
+}
+
+// Group g (16 weight rows of a repacked matrix) against all R rows of x: wide tiles (or AMX ones) while 9+ rows are
+// left, then Q8_M rows at a time.
 template <int FMT>
 static void q8_group(const QX& Q, int R, const uint8_t* Wq, int g, int N, float* y, long ldy, const float* b,
                      bool acc_out) {
@@ -145,26 +190,21 @@ static void q8_group(const QX& Q, int R, const uint8_t* Wq, int g, int N, float*
     const int n0 = 16 * g, cols = N - n0 < 16 ? N - n0 : 16;
     float* yn = y + n0;
     const float* bn = b ? b + n0 : nullptr;
-    for (int m0 = 0; m0 < R; m0 += Q8_M) {
+    for (int m0 = 0; m0 < R;) {
+        const int left = R - m0, rows = (left + (left + 15) / 16 - 1) / ((left + 15) / 16);  // even tiles of <= 16
 #ifdef Q8_HAS_AMX
-        if (q8_amx_rows && R - m0 >= q8_amx_rows) {  // AMX: the rows left in even tiles of up to 16 (24: 12 + 12)
-            const int left = R - m0, rows = (left + (left + 15) / 16 - 1) / ((left + 15) / 16);
-            switch (rows) {
-                case 1: case 2: case 3: case 4: case 5: case 6: case 7: case 8:  // unreachable: rows >= 9
-                case 9: q8_tile<FMT, 9, true>(Q, m0, G, yn, ldy, bn, cols, acc_out); break;
-                case 10: q8_tile<FMT, 10, true>(Q, m0, G, yn, ldy, bn, cols, acc_out); break;
-                case 11: q8_tile<FMT, 11, true>(Q, m0, G, yn, ldy, bn, cols, acc_out); break;
-                case 12: q8_tile<FMT, 12, true>(Q, m0, G, yn, ldy, bn, cols, acc_out); break;
-                case 13: q8_tile<FMT, 13, true>(Q, m0, G, yn, ldy, bn, cols, acc_out); break;
-                case 14: q8_tile<FMT, 14, true>(Q, m0, G, yn, ldy, bn, cols, acc_out); break;
-                case 15: q8_tile<FMT, 15, true>(Q, m0, G, yn, ldy, bn, cols, acc_out); break;
-                default: q8_tile<FMT, 16, true>(Q, m0, G, yn, ldy, bn, cols, acc_out); break;
-            }
-            m0 += rows - Q8_M;
+        if (q8_amx_rows && left > Q8_M && rows >= q8_amx_rows) {  // AMX tile multiplies: the same integer sums
+            q8_wide_tile<FMT, true>(rows, Q, m0, G, yn, ldy, bn, cols, acc_out);
+            m0 += rows;
             continue;
         }
 #endif
-        switch (R - m0 < Q8_M ? R - m0 : Q8_M) {
+        if (q8_wide && left > Q8_M) {
+            q8_wide_tile<FMT, false>(rows, Q, m0, G, yn, ldy, bn, cols, acc_out);
+            m0 += rows;
+            continue;
+        }
+        switch (left < Q8_M ? left : Q8_M) {
             case 1: q8_tile<FMT, 1>(Q, m0, G, yn, ldy, bn, cols, acc_out); break;
 #if Q8_M >= 3
             case 2: q8_tile<FMT, 2>(Q, m0, G, yn, ldy, bn, cols, acc_out); break;
@@ -178,5 +218,6 @@ static void q8_group(const QX& Q, int R, const uint8_t* Wq, int g, int N, float*
 #endif
             default: q8_tile<FMT, Q8_M>(Q, m0, G, yn, ldy, bn, cols, acc_out); break;
         }
+        m0 += left < Q8_M ? left : Q8_M;
     }
 }

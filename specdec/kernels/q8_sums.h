@@ -121,18 +121,21 @@ static int q8_ahead_one = 2048, q8_ahead = 4096, q8_ahead_l2 = 0;
 // for Q6_K, Q3_K and Q2_K a[m] and b[m] over its two 16-column halves (from -32, -4 and 0 times Σx of each half). Integer sums are exact, so the
 // grouping below changes no bit.
 #if defined(__AVX512VNNI__)
+// Row `row` of x against a block's unpacked weights w: its sums a (and b: the halves).
+template <int FMT>
+static inline void q8_row_sums(const QX& Q, int row, int bl, const WB& w, I16* a, I16* b) {
+    const long at = (long)row * Q.nb + bl;
+    const int8_t* xq = Q.q + (long)row * Q.K + 32 * bl;
+    int32_t sa, sb;
+    q8_starts<FMT>(Q, at, &sa, &sb);
+    if constexpr (FMT == Q6_K || FMT == Q3_K || FMT == Q2_K) q8_dot_halves(w, xq, sa, sb, a, b);
+    else *a = q8_dot<FMT>(w, xq, sa);
+}
 template <int FMT, int M>
 static inline void q8_block_sums(const QX& Q, int m0, int bl, const uint8_t* qs, I16* a, I16* b) {
     WB w;  // 8 of 32 registers: unpacked once for the M rows
     q8_unpack<FMT>(qs, &w);
-    for (int m = 0; m < M; m++) {
-        const long at = (long)(m0 + m) * Q.nb + bl;
-        const int8_t* xq = Q.q + (long)(m0 + m) * Q.K + 32 * bl;
-        int32_t sa, sb;
-        q8_starts<FMT>(Q, at, &sa, &sb);
-        if constexpr (FMT == Q6_K || FMT == Q3_K || FMT == Q2_K) q8_dot_halves(w, xq, sa, sb, &a[m], &b[m]);
-        else a[m] = q8_dot<FMT>(w, xq, sa);
-    }
+    for (int m = 0; m < M; m++) q8_row_sums<FMT>(Q, m0 + m, bl, w, &a[m], &b[m]);
 }
 #else
 // AVX2 has 16 registers: a block's unpacked weights alone would fill them. Chunk by chunk instead: a chunk's weights

@@ -32,6 +32,16 @@ extern "C" long row_bytes(int fmt, int K) { return row_bytes_of(fmt, K); }
 
 // q8 tiles of at least min_rows rows of x take AMX tile multiplies (0: none), where the build, the CPU and the OS
 // allow; returns the threshold now in force (0 where AMX cannot serve). The bits are the same either way.
+// q8 passes of 9+ rows in wide VNNI tiles (1) or in 8-row ones (0; -1 keeps it): the threshold in force, the same
+// bits either way (q8_linear.h). AVX2 builds have none: 0.
+extern "C" int rows_wide(int on) {
+#if Q8_M >= 8
+    if (on >= 0) q8_wide = on ? 1 : 0;
+#endif
+    (void)on;
+    return q8_wide;
+}
+
 extern "C" int rows_amx(int min_rows) {
 #ifdef Q8_HAS_AMX
     static const bool granted = amx_granted();

@@ -21,11 +21,11 @@ from ..cachedir import cache_root, write_atomically
 
 
 def machine() -> str:
-    """What a timing depends on besides the model: the CPU, how many cores and threads, the kernel build and its
-    prefetch distances."""
+    """What a timing depends on besides the model: the CPU, how many cores and threads, the kernel build, its
+    prefetch distances and its tiles (AMX, wide)."""
     cpu = kernels.cpuinfo("model name") or "unknown"
     lib = kernels.library()
-    build = f"{lib.key}|ahead {lib.prefetch}" if lib else "torch"
+    build = f"{lib.key}|ahead {lib.prefetch}|amx {lib.amx_rows}|wide {lib.wide}" if lib else "torch"
     return f"{cpu}|{os.cpu_count()}|{torch.get_num_threads()}|{build}"
 
 
