@@ -108,8 +108,9 @@ static inline void q8_tile(const QX& Q, int m0, const uint8_t* G, float* y, long
             }
         };
         constexpr int SUMS = FMT == Q4_K ? Q4_1 : FMT;  // Q4_K's quants are Q4_1's
-#if defined(__AVX512VNNI__)
-        if constexpr (!AMX) {  // each row scaled as soon as summed: registers hold the weights and M chains only
+#if Q8_M >= 8
+        if constexpr (!AMX && M > Q8_M) {  // a wide tile: each row scaled as soon as summed, so that the registers
+                                           // hold the weights and M chains only
             WB w;
             q8_unpack<SUMS>(blk + F::SCALES, &w);
 #pragma GCC unroll 16
