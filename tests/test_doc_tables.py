@@ -28,3 +28,14 @@ def test_the_readme_stays_a_users_page():
     setups = [line for line in text.splitlines() if line.startswith("python3 -m venv .venv")]
     assert len(text) <= 12_000 and len(setups) == 2
     assert 'pip install -e ".[test]"' in setups[1] and setups[1].endswith("python -m pytest -q")
+
+
+def test_a_bound_the_run_did_not_measure_is_shown_as_none():
+    """A sampled workload whose acceptance the run did not measure has no bound at its α: the table shows "–", not
+    the bound at α = 1 beside "α 0.00" (docs/pair_wide_2026-12-07.json's 0.5B on sampled chat)."""
+    from table_kinds import pair_bounds_table
+    result = {"bounds": {"ours-0.5b": {"draft_step": 0.235, "chat-sampled": {
+        "measured": 1.15, "alpha": 0.0, "copy": 1.01, "copy+model": 2.67, "copy+model@alpha": None}}},
+        "config": {"commands": {"ours-0.5b": ["specdec", "serve", "--draft", "coder05.gguf"]}}}
+    row = pair_bounds_table(result).splitlines()[-1]
+    assert row.endswith("| 1.15 \\| – |") and "2.67" not in row

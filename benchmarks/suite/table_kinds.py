@@ -65,9 +65,14 @@ def pair_bounds_table(result: dict) -> str:
         model = drafts_a_model(commands[name]) if name in commands else b["draft_step"] >= 0.05
         bound = "copy+model@alpha" if model else "copy"
         label = NAMES.get(name, name).removeprefix("ours ") + (f" (step {b['draft_step']:.3f} of a pass)" if model else "")
-        alpha = lambda w: f" (α {b[w]['alpha']:.2f})" if model and b[w].get("alpha") is not None else ""  # noqa: E731
-        rows.append([label] + [f"{b[w]['measured']:.2f} \\| {b[w][bound] or b[w]['copy+model']:.2f}{alpha(w)}"
-                               if w in b else "–" for w in shown])
+        def cell(w):  # no bound where the run measured no acceptance (a sampled workload's α): not α = 1's
+            if w not in b:
+                return "–"
+            if b[w].get(bound) is None:
+                return f"{b[w]['measured']:.2f} \\| –"
+            alpha = f" (α {b[w]['alpha']:.2f})" if model and b[w].get("alpha") is not None else ""
+            return f"{b[w]['measured']:.2f} \\| {b[w][bound]:.2f}{alpha}"
+        rows.append([label] + [cell(w) for w in shown])
     return grid(["system"] + [WORKLOADS[w] for w in shown], rows)
 
 
