@@ -300,6 +300,22 @@ def test_prefetch_distances_change_no_bit(fmt):
         lib.set_prefetch(*before)
 
 
+def test_tiling_switches_read_0_or_1_and_say_so_of_anything_else(monkeypatch, capsys):
+    """SPECDEC_WIDE (default on) and SPECDEC_AMX (default off): 0 or 1; another value is one stderr line naming it,
+    and the default."""
+    for name, default in (("SPECDEC_WIDE", True), ("SPECDEC_AMX", False)):
+        monkeypatch.delenv(name, raising=False)
+        assert kernels.env_switch(name, default) is default and not capsys.readouterr().err
+        for value, want in (("0", False), ("1", True), (" 1 ", True)):
+            monkeypatch.setenv(name, value)
+            assert kernels.env_switch(name, default) is want
+        for bad in ("yes", "2", "off"):
+            monkeypatch.setenv(name, bad)
+            assert kernels.env_switch(name, default) is default
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and name in err and repr(bad) in err
+
+
 def test_prefetch_distances_by_cpu_and_override(monkeypatch, capsys):
     """The distances come from the CPU's vendor; SPECDEC_Q8_AHEAD=ONE[,MANY[,L2]] overrides them; a malformed value
     is one stderr line and the CPU's distances."""

@@ -153,8 +153,8 @@ class Library:
         # allow; else wide VNNI tiles (SPECDEC_WIDE=0: 8-row ones). The same bits every way. amx_rows: the threshold
         # in force (0: off); wide: 1 where wide tiles run.
         self.rows_amx, self.rows_wide = _switch(lib, "rows_amx"), _switch(lib, "rows_wide")
-        self.amx_rows = self.rows_amx(AMX_ROWS if os.environ.get("SPECDEC_AMX", "0") == "1" else 0)
-        self.wide = self.rows_wide(0 if os.environ.get("SPECDEC_WIDE", "1") == "0" else 1)
+        self.amx_rows = self.rows_amx(AMX_ROWS if env_switch("SPECDEC_AMX", False) else 0)
+        self.wide = self.rows_wide(1 if env_switch("SPECDEC_WIDE", True) else 0)
         # how far ahead q8 tiles prefetch weights (one-row tiles, the others, the others into L2): chosen for this
         # CPU, no bit changes
         self.rows_prefetch = _prefetch(lib)
@@ -216,6 +216,16 @@ def _prefetch(lib):
 # "Prefetch"). SPECDEC_Q8_AHEAD=ONE[,MANY[,L2]] overrides.
 PREFETCH = {"GenuineIntel": (2048, 4096, 0), "AuthenticAMD": (0, 8192, 16384)}
 PREFETCH_OTHER = (2048, 4096, 0)
+
+
+def env_switch(name: str, default: bool) -> bool:
+    """An on/off environment variable: 1 or 0, else `default` (a malformed value says so in one line)."""
+    value = os.environ.get(name, "").strip()
+    if value in ("0", "1"):
+        return value == "1"
+    if value:
+        print(f"specdec: {name}={value!r} is not 0 or 1; using {int(default)}", file=sys.stderr)
+    return default
 
 
 def prefetch_distances() -> tuple[int, int, int]:
