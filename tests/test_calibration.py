@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 
 from specdec import models
 from specdec.batch import BatchEngine, Sequence
-from specdec.batch.engine import TREE_PASSES
 from specdec.batch.calibration import OnlineCurve, PassTimer, background_work, default_budget, run_beside, work_beside
 from specdec.drafters.base import NoDrafter
 from specdec.sampling import SamplingParams
@@ -471,40 +470,3 @@ def test_an_idle_server_times_its_stored_curve_once_its_background_work_ends(rt,
     finally:
         go.set()
         worker.stop()
-
-
-def test_tree_passes_are_priced_apart_from_the_curve(rt):
-    """A tree pass costs more than its rows as chains (the 1.5B: 3-4 ms a pass). Tree passes never reprice the curve,
-    which every later server of the target reads back (a feature draft's server stored 16 rows at 110 ms where
-    plain passes take 97); what a tree row cost beyond the curve's price is charged to the split's draft rows, so
-    trees that cost more than they commit get no rows, and the output stays target-only's."""
-    from test_batch import PROMPTS, OracleTreeDraft, alone
-    model, tok = rt
-    prompt = tok(PROMPTS[2]).input_ids
-    ref = alone(rt, PROMPTS[2], SamplingParams(), 24)
-    engine = BatchEngine(model, OracleTreeDraft(prompt + ref, model.config.vocab_size), model.config.vocab_size,
-                         set(), 128, max_batch_rows=16, pass_curve={n: 1.0 for n in GRID})
-    trees, observed, forward = [], [], model.forward
-
-    def timed(*args, paths=None, **kw):
-        trees.append(paths is not None)
-        return forward(*args, paths=paths, **kw)
-    engine.model.forward = timed
-    engine._pass.observe = lambda rows, ms: observed.append(trees[-1])
-    seq = engine.add(Sequence(prompt, 24, SamplingParams()))
-    while engine.running:
-        engine.step()
-    assert seq.generated == ref and sum(trees) >= 3 and not any(observed)  # (every warm pass here is a tree pass)
-    assert len(engine._tree_excess) >= 1  # each warm tree pass's excess, per tree row
-
-    engine.model.forward = forward
-    for _ in range(TREE_PASSES):
-        engine._tree_excess.update(1e6)  # tree rows far dearer than anything they commit
-    assert engine.tree_row_ms() == 1e6 and engine.split_pass_ms(3)(5) == engine.pass_ms(5) + 2e6
-    trees.clear()
-    engine.model.forward = timed
-    seq = engine.add(Sequence(prompt, 24, SamplingParams()))
-    while engine.running:
-        engine.step()
-    assert seq.generated == ref and not any(trees)  # no tree row bought
-    engine.close()

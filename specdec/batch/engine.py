@@ -48,12 +48,6 @@ PROBE_ALPHA = 0.9  # ... and only where the split would grant it rows if its dra
 # only made dearer (Qwen2.5-1.5B at 8 streams: a 9th row costs 20% of an 8-row pass, and the probes put one in a
 # quarter of the passes, each ~0.6 of a token: the feature draft's server fell to 0.85x target-only)
 RECENT_PASSES = 9  # the passes lately (a request's steps in admission's prediction): their median, whatever their rows
-# Tree passes cost more than the curve's price for their rows: on the 1.5B (2-core Xeon, q8), 8 decode rows and 4 or 8
-# tree rows took 4.3 and 3.2 ms more than the same rows as chains (docs/draft.md). They are kept out of the curve,
-# which every server of the target reads back (a feature draft's server stored 16 rows at 110 ms where plain passes
-# take 97), and their excess over it, per tree row, is charged to the split's draft rows: the median of the last
-# TREE_PASSES.
-TREE_PASSES = 15
 SIZE_PROBE_EVERY = 50  # a pass size priced from a guess or an old time is bought once in this many passes (2%)
 COPY_BUCKETS = (2, 4, 8, 16)  # a greedy request's copy: the match length from which each set of its estimates counts
 COPY_PRIORS = (0.6, 0.8, 0.9, 0.95)  # (a longer match is likelier to go on, as in suffix decoding), and its prior
@@ -98,7 +92,6 @@ class BatchEngine(Admission):
         self.row_ms, self.key_ms = curve[max(curve)] / max(curve), 0.0
         self._work_scale = Ema(1.0, weight=8.0, decay=0.95)  # measured / predicted pass time; calibration = 8 passes
         self._recent_pass = RecentMedian(RECENT_PASSES, min(curve.values()))  # ms of the passes lately, any rows
-        self._tree_excess = RecentMedian(TREE_PASSES)  # ms a tree row cost over the curve's price (TREE_PASSES)
         self.running: list[Sequence] = []
         self._state: dict[int, tuple] = {}  # id -> (slot, drafter, acceptance estimates)
         self._pass = OnlineCurve(pass_curve or {1: 10.0}, prior=curve_is_prior)
@@ -133,16 +126,6 @@ class BatchEngine(Admission):
                 self._curve_now = self._pass.values()
             ms = self._priced[rows] = interpolate(self._curve_now, rows)
         return ms
-
-    def tree_row_ms(self) -> float:
-        """What a tree row costs beyond the curve's price for its row (TREE_PASSES): 0 until tree passes ran."""
-        return max(0.0, self._tree_excess.value) if len(self._tree_excess) else 0.0
-
-    def split_pass_ms(self, base: int):
-        """The pass time the split is charged for `base` rows and its draft rows beyond them, each at the curve's
-        price plus tree_row_ms (a drafter that grows trees: its rows are tree rows)."""
-        extra = self.tree_row_ms()
-        return self.pass_ms if not extra else lambda rows: self.pass_ms(rows) + extra * max(0, rows - base)
 
     def draft_saving_ms(self) -> float:
         """ms one emitted token is expected to save by a model draft at the batch's load: scheduler.saved_ms for the
@@ -352,8 +335,7 @@ class BatchEngine(Admission):
                 if put_off(own):
                     demands[i] = replace(demands[i], cap=0, floor=0, batched=False)
                     asks[s.id] = (0, 0, "put_off", "budget", None)  # (its records say so: trace.SHORTFALLS)
-        taus = plan(demands, base, self.max_batch_rows, self.split_pass_ms(base), chunk_rows=sum(chunks.values()),
-                    step_ms=steps)
+        taus = plan(demands, base, self.max_batch_rows, self.pass_ms, chunk_rows=sum(chunks.values()), step_ms=steps)
 
         return decoding, chunks, taus, demands
 
@@ -382,13 +364,12 @@ class BatchEngine(Admission):
         if not denied:
             return
         i = max(denied, key=lambda i: (decoding[i].idle, -decoding[i].id))
-        price = self.split_pass_ms(base)
-        cap, alone = min(demands[i].cap, self.max_batch_rows - base), len(decoding) / price(base)
-        if all((len(decoding) + expected_tokens([PROBE_ALPHA], d) - 1) / price(base + d) <= alone
+        cap, alone = min(demands[i].cap, self.max_batch_rows - base), len(decoding) / self.pass_ms(base)
+        if all((len(decoding) + expected_tokens([PROBE_ALPHA], d) - 1) / self.pass_ms(base + d) <= alone
                for d in range(1, cap + 1)):
             return  # (the split's answer where no other request drafts, at a fraction of its cost)
         hopeful = replace(demands[i], alphas=[PROBE_ALPHA] * demands[i].cap)
-        if plan(demands[:i] + [hopeful] + demands[i + 1:], base, self.max_batch_rows, price,
+        if plan(demands[:i] + [hopeful] + demands[i + 1:], base, self.max_batch_rows, self.pass_ms,
                 chunk_rows=sum(chunks.values()), step_ms=steps)[i]:
             demands[i] = replace(demands[i], floor=min(demands[i].cap, 1))
 
@@ -401,7 +382,7 @@ class BatchEngine(Admission):
         pass, 3.6 times an 8-row one, was bought every 50 passes: 5% of the server's time; idle time times the
         larger sizes), or 8 more rows where that is more (a q8 tile's: 9 rows cost ~2 one-row passes)."""
         self._passes += 1
-        if self._passes % SIZE_PROBE_EVERY or makes_trees(self.drafter):  # (tree passes time no size: TREE_PASSES)
+        if self._passes % SIZE_PROBE_EVERY:
             return
         room = min(self.max_batch_rows, base + sum(d.cap - d.floor for d in demands), base + max(base, 8))
         due = [n for n in self._pass.due(room, monotonic()) if n > base + sum(d.floor for d in demands)]
@@ -489,8 +470,8 @@ class BatchEngine(Admission):
     def _target_pass(self, tokens, slots, positions, logit_rows, spans, paths, t1, prompt_rows: bool = False):
         """The one target pass -> (logits, hidden states or None, its ms), or None when it raised (whose rows failed
         leave; the others run again next step). Its time refines the work model, and the pass curve unless it
-        carried prompt chunks (`prompt_rows`: a chunk's rows read long contexts; booked under the pass's rows, a
-        server's own load once priced every size at 8x) or tree rows (their excess is priced apart: TREE_PASSES)."""
+        carried prompt chunks (`prompt_rows`): the curve prices decode and draft rows, and a chunk's rows read
+        long contexts (booked under the pass's rows, a server's own load once priced every size at 8x)."""
         try:
             out = self.model.forward(tokens, slots, positions, logit_rows, hidden=self.wants_hidden,
                                      paths=paths if any(q is not None for q in paths) else None)
@@ -506,10 +487,7 @@ class BatchEngine(Admission):
         # cores (calibration.background_work): both left out
         if len(tokens) in self._warm_rows:
             self._recent_pass.update(verify_ms)  # (prompt rows included: a request's steps share those passes)
-            tree_rows = sum(q is not None for q in paths)
-            if tree_rows and not prompt_rows and not work_beside():  # priced apart (TREE_PASSES)
-                self._tree_excess.update((verify_ms - self.pass_ms(len(tokens))) / tree_rows)
-            elif not prompt_rows and not work_beside():
+            if not prompt_rows and not work_beside():
                 self._pass.observe(len(tokens), verify_ms)
                 self._priced = {}
         self._warm_rows.add(len(tokens))
