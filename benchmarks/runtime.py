@@ -11,7 +11,7 @@ from entry import dispatch  # noqa: E402
 
 COMMANDS = {
     "numerics": "numerics.py", "lossless": "lossless.py", "same-kernels": "same_kernels.py",
-    "verify-curve": "verify_curve.py", "ab-curve": "ab_curve.py", "tile-curve": "tile_curve.py",
+    "verify-curve": "verify_curve.py", "ab-curve": "ab_curve.py", "tile-curve": "tile_curve.py", "tree-cost": "tree_cost.py",
     "prefetch-ab": "prefetch_ab.py", "vnni-peak": "vnni_peak.py", "gguf-target": "gguf_target.py",
     "synthetic-gguf": "synthetic_gguf.py",
 }

@@ -40,7 +40,7 @@ static inline void kv_put_row(uint16_t* p, const float* x, int n) {  // n a mult
 // keys in order. The heads go together so each key and value is read once for all of them (grouped-query attention
 // is memory-bound: a batch of sequences reads every slot's whole cache each pass). Keys are stored in transposed
 // blocks of 16 positions: 16 keys' scores come from hd broadcast multiply-adds, no horizontal sums. Each score is
-// one multiply-add chain over the dimensions in order (a tree row's mapped keys by fmaf, as a lane does it);
+// one multiply-add chain over the dimensions in order (a tree row's mapped keys gathered into a block of that layout);
 // each output is one chain over the keys in order. Nothing depends on other rows or heads.
 //
 // A tree row (Keys.map) sees logical positions 0..kbase-1 where they are stored and kbase..pos at the storage
@@ -103,29 +103,31 @@ static void attend(const Dims* d, int layer, int slot, int pos, const Keys& keys
     const int Lplain = L < keys.kbase ? L : keys.kbase;  // keys stored at their own position
     const float scale = d->attn_scale > 0.0f ? d->attn_scale : 1.0f / sqrtf((float)hd);
     const Pages<const T> K(d, d->kpool, slot, layer, g), V(d, d->vpool, slot, layer, g);
-    int j = j0;
-    // whole blocks, and the partial block of plain keys as lanes too (a lane's chain is the scalar fmaf chain; lanes
-    // past L are padding, set to -inf below)
-    for (; j < Lplain && (j + 16 <= Lplain || Lplain == L); j += 16) {
+    auto score = [&](const T* blk, const T* next, int j) {  // 16 keys' scores, one lane each
         V16 acc[NH];
         for (int h = 0; h < NH; h++) acc[h] = vzero();
-        const T* blk = K.block(j);
-        const T* next = j + 16 < Lplain ? K.block(j + 16) : blk;  // blocks are apart: no hardware prefetch across
         for (int c = 0; c < hd; c++) {
             _mm_prefetch((const char*)(next + 16 * c), _MM_HINT_T0);
             const V16 k = kv_load(blk + 16 * c);
             for (int h = 0; h < NH; h++) acc[h] = vfma(vset1(q[h * hd + c]), k, acc[h]);
         }
         for (int h = 0; h < NH; h++) vstore(p + h * L16 + j, vmul(acc[h], vset1(scale)));
-    }
-    for (; j < L; j++) {
-        const int sj = keys.at(j);
-        const T* blk = K.key(sj);
-        for (int h = 0; h < NH; h++) {
-            float acc = 0.0f;
-            for (int c = 0; c < hd; c++) acc = fmaf(q[h * hd + c], kv_get(blk + 16 * c), acc);
-            p[h * L16 + j] = acc * scale;
+    };
+    int j = j0;
+    // whole blocks, and the partial block of plain keys as lanes too (a lane's chain is the scalar fmaf chain; lanes
+    // past L are padding, set to -inf below)
+    for (; j < Lplain && (j + 16 <= Lplain || Lplain == L); j += 16)
+        score(K.block(j), j + 16 < Lplain ? K.block(j + 16) : K.block(j), j);  // blocks are apart: prefetch the next
+    // the rest of a tree row (a partial block of plain keys, then its path): each key's column copied into a block of
+    // the same layout, so each lane is the same chain as above; unused lanes are zeros (padding, set to -inf below)
+    alignas(64) T gathered[16 * 256];
+    for (; j < L; j += 16) {
+        const int n = L - j < 16 ? L - j : 16;
+        for (int i = 0; i < 16; i++) {
+            const T* key = i < n ? K.key(keys.at(j + i)) : nullptr;
+            for (int c = 0; c < hd; c++) gathered[16 * c + i] = key ? key[16 * c] : (T)0;
         }
+        score(gathered, gathered, j);
     }
     float sum[NH];
     for (int h = 0; h < NH; h++) {

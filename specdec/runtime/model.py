@@ -378,9 +378,13 @@ class Llama:
             if not 1 <= len(path) <= pos + 1 or min(path) < 0 or max(path) >= self.max_len:
                 raise ValueError("a tree row's path must hold 1..position+1 storage positions inside the KV slots")
             store.append(path[-1])
-            kbase.append(pos + 1 - len(path))
+            base = pos + 1 - len(path)
+            plain = 0  # leading positions stored where they stand are plain keys (read a block at a time)
+            while plain < len(path) and path[plain] == base + plain:
+                plain += 1
+            kbase.append(base + plain)
             moff.append(len(maps))
-            maps.extend(path)
+            maps.extend(path[plain:])
         return store + kbase + moff + maps
 
     @torch.inference_mode()
