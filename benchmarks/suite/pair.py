@@ -455,6 +455,7 @@ def start(servers: dict, names: list[str], table: dict) -> None:
         servers[name] = Server(name, table[name], logs)
         log(f"{name} ready in {servers[name].ready_s:.1f} s")
         request(servers[name], {"workload": "chat", "prompt": "Hi"}, 4)  # warm-up
+        settle(servers[name])  # (a stored curve's sizes timed now, not beside the next server's start or run)
 
 
 def streams_run(args, names, table, workloads, levels) -> int:
