@@ -199,3 +199,24 @@ def test_plain_texts_labels_are_the_tokens_the_target_itself_would_pick(rt, tmp_
         cache.close()
     assert labelled["argmax"].tolist() == want
     assert labelled["h"].shape == (len(ids), 4 * model.config.hidden_size)
+
+
+def test_forks_fused_together_get_the_features_of_their_own_calls(fused, rt):
+    """The engine fuses every fork's waiting taps in one call (FeatureDrafter.fuse_together): each fork's features
+    are bitwise those of fusing its own, and the forks' features stay apart."""
+    out, _ = fused
+    model, tok = rt
+    base = FeatureDrafter.load(out, model, models.tokenizer_fingerprint(tok))
+    forks, alone = [base.fork() for _ in range(3)], [base.fork() for _ in range(3)]
+    gen = torch.Generator().manual_seed(0)
+    for step, n in enumerate([5, 1, 3]):
+        for a, b in zip(forks, alone):
+            taps = torch.randn(n + step, 3 * model.config.hidden_size, generator=gen) * 5
+            start = max(0, len(a._fbuf[: a._flen]) + sum(len(r) for _, r in a._taps) - 1)  # each a 1-row rollback
+            a.observe_target(start, taps)
+            b.observe_target(start, taps)
+        FeatureDrafter.fuse_together(forks)
+        assert all(not f._taps for f in forks)
+    for a, b in zip(forks, alone):
+        assert torch.equal(a.feats, b.feats)
+    assert not torch.equal(forks[0].feats[:5], forks[1].feats[:5])

@@ -185,6 +185,21 @@ class FeatureDrafter:
         self._fbuf[start:end] = hidden
         self._flen = end
 
+    @staticmethod
+    def fuse_together(drafters) -> None:
+        """Every fork's waiting tapped states fused in one call (forks share the fusion): a call per request cost
+        ~0.5 ms of Python and a small q8 linear each, at 4 streams 2 ms of every pass. Row-invariant: each fork's
+        features are those of its own call, bit for bit."""
+        waiting = [d for d in drafters if d._taps and d._fuse is drafters[0]._fuse]
+        if len(waiting) < 2:
+            return
+        runs = [(d._taps[0][0], torch.cat([rows for _, rows in d._taps])) for d in waiting]
+        fused, at = waiting[0]._fuse(torch.cat([rows for _, rows in runs])), 0
+        for d, (start, rows) in zip(waiting, runs):
+            d._taps = []
+            d._write(start, fused[at:at + len(rows)])
+            at += len(rows)
+
     @property
     def feats(self) -> torch.Tensor:
         self._fuse_waiting()
@@ -285,6 +300,7 @@ class FeatureDrafter:
         """Each drafter's rows the draft has not run yet, as `d._rows` (tokens, input features, first position) ->
         the indices that can draft (the target has scored their context)."""
         live = []
+        FeatureDrafter.fuse_together([d for d, k in zip(drafters, ks) if k >= 1])
         for i, (d, ctx) in enumerate(zip(drafters, contexts)):
             L = len(ctx)
             if len(d.feats) < L - 1 or L < 2 or ks[i] < 1:
