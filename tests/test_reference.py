@@ -68,6 +68,28 @@ def test_exact_linear_equals_its_twin_on_every_format(fmt):
             assert np.array_equal(got.numpy(), want[:rows]), (lib.isa, rows)
 
 
+@pytest.mark.parametrize("fmt", [f.id for f in formats.TABLE], ids=lambda f: formats.NAMES[f])
+def test_dequantized_rows_equal_their_twin_on_every_format(fmt):
+    """rows_dequantize (embedding lookups, QTensor.rows) against reference/formats.py (gguf's dequantization), both
+    builds, bitwise: rows in any order, repeated, none; an id outside the rows is an error, never a read."""
+    from specdec.kernels.reference.formats import dequantize
+    from specdec.runtime.weights import QTensor
+    f = formats.of(fmt)
+    k = 256 if f.block == 256 else (37 if f.is_float else 96)
+    n = 21
+    data = np.ascontiguousarray(blocks_of(fmt, n, k, seed=fmt))
+    want = dequantize(fmt, data, n, k)
+    w = torch.from_numpy(data)
+    for lib in builds():
+        for idx in ([0], [20, 3, 3, 7], list(range(n)), []):
+            got = kernels.dequantize_rows(fmt, w, n, k, torch.tensor(idx, dtype=torch.long), lib=lib)
+            assert got.shape == (len(idx), k) and np.array_equal(got.numpy(), want[idx]), (lib.isa, idx)
+        for bad in ([n], [-1]):
+            with pytest.raises(ValueError):
+                kernels.dequantize_rows(fmt, w, n, k, torch.tensor(bad), lib=lib)
+    assert np.array_equal(QTensor(fmt, w, n, k).rows([5, 1]).numpy(), want[[5, 1]])
+
+
 @pytest.mark.parametrize("fmt", [f.id for f in formats.TABLE if f.q8], ids=lambda f: formats.NAMES[f])
 def test_q8_linear_equals_its_twin_on_every_format(fmt):
     """q8_linear.h (tiles of 1..8 rows on AVX-512, of 9..16 by AMX where the CPU has it, 1..4 on AVX2; a 16-row

@@ -137,6 +137,8 @@ class Library:
         self.rows_repacked_bytes.argtypes, self.rows_repacked_bytes.restype = [i, i, i], lng
         self.row_bytes = lib.row_bytes
         self.row_bytes.argtypes, self.row_bytes.restype = [i, i], lng
+        self.rows_dequantize = lib.rows_dequantize
+        self.rows_dequantize.argtypes, self.rows_dequantize.restype = [i, p, i, i, p, i, p], i
         self.rows_rmsnorm = lib.rows_rmsnorm
         self.rows_rmsnorm.argtypes, self.rows_rmsnorm.restype = [p, i, i, p, f, p, i], None
         self.decoder_layers = lib.decoder_layers
@@ -375,6 +377,24 @@ def linear(fmt: int, x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.
     if rc:
         raise ValueError(f"kernel cannot serve format {FORMATS.get(fmt, fmt)} with {k} columns")
     return y
+
+
+def dequantize_rows(fmt: int, weight: torch.Tensor, n: int, k: int, idx: torch.Tensor,
+                    lib: Library | None = None) -> torch.Tensor:
+    """Rows `idx` of W (`n` rows of `fmt`, `k` columns, a uint8 block tensor) as fp32 [len(idx), k]: gguf's reference
+    values, the weights the kernels multiply by (an embedding lookup)."""
+    lib = lib or library()
+    rb = lib.row_bytes(fmt, k)
+    if rb < 0 or weight.dtype != torch.uint8 or tuple(weight.shape) != (n, rb) or not weight.is_contiguous():
+        raise ValueError(f"dequantize_rows: weight {tuple(weight.shape)} is not {n} contiguous rows of {rb} bytes "
+                         f"({FORMATS.get(fmt, fmt)} with {k} columns)")
+    idx = idx.to(torch.long).contiguous()
+    if idx.dim() != 1 or (len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= n)):
+        raise ValueError(f"dequantize_rows: row ids must be 0..{n - 1}")
+    out = torch.empty(len(idx), k)
+    if lib.rows_dequantize(fmt, weight.data_ptr(), n, k, idx.data_ptr(), len(idx), out.data_ptr()):
+        raise ValueError(f"kernel cannot dequantize format {FORMATS.get(fmt, fmt)} with {k} columns")
+    return out
 
 
 def decoder_layers(lib: Library, dims: abi.Dims, layers, x: torch.Tensor, slots: list[int], positions: list[int],

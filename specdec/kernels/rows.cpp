@@ -125,6 +125,56 @@ extern "C" int rows_linear(int fmt, const float* x, int R, int K, const uint8_t*
     return 0;
 }
 
+// Rows idx[0..R-1] of W (N rows of `fmt`, K columns) dequantized to fp32 into out [R, K]: the weights each linear
+// multiplies by (its L1 buffer's values), which are gguf's reference dequantization. An embedding lookup: gguf's
+// numpy reference took 0.1-0.6 ms a call on the 1.5B's Q4_K rows. Returns 0, or -1 (format, K or an index).
+template <class F>
+static void dequantize_row(const uint8_t* row, int K, float* out, float* S) {
+    if constexpr (F::SPR > 0) F::scales(row, K, S);
+    int c = 0;
+    for (; c + F::CH <= K / 16; c += F::CH) {
+        V16 w[F::CH];
+        F::chunk(row, S, c, K, w);
+        for (int h = 0; h < F::CH; h++) vstore(out + 16 * (c + h), w[h]);
+    }
+    if (F::TAIL && K % 16) {
+        alignas(64) float t[16];
+        V16 w;
+        F::tail(row, K, &w);
+        vstore(t, w);
+        memcpy(out + K / 16 * 16, t, 4L * (K % 16));
+    }
+}
+
+extern "C" int rows_dequantize(int fmt, const uint8_t* W, int N, int K, const long* idx, int R, float* out) {
+    const long rb = row_bytes_of(fmt, K);
+    if (rb < 0 || R < 0) return -1;
+    for (int r = 0; r < R; r++)
+        if (idx[r] < 0 || idx[r] >= N) return -1;
+    std::vector<float> S((size_t)K / 8 + 16);  // the most scales a row has: Q2_K's, 4 per 32 columns
+    for (int r = 0; r < R; r++) {
+        const uint8_t* row = W + idx[r] * rb;
+        float* o = out + (long)r * K;
+        switch (fmt) {
+            case F32: dequantize_row<FmtF32>(row, K, o, S.data()); break;
+            case F16: dequantize_row<FmtF16>(row, K, o, S.data()); break;
+            case BF16: dequantize_row<FmtBF16>(row, K, o, S.data()); break;
+            case Q4_0: dequantize_row<FmtQ4_0>(row, K, o, S.data()); break;
+            case Q4_1: dequantize_row<FmtQ4_1>(row, K, o, S.data()); break;
+            case Q5_0: dequantize_row<FmtQ5_0>(row, K, o, S.data()); break;
+            case Q5_1: dequantize_row<FmtQ5_1>(row, K, o, S.data()); break;
+            case Q8_0: dequantize_row<FmtQ8_0>(row, K, o, S.data()); break;
+            case Q2_K: dequantize_row<FmtQ2_K>(row, K, o, S.data()); break;
+            case Q3_K: dequantize_row<FmtQ3_K>(row, K, o, S.data()); break;
+            case Q4_K: dequantize_row<FmtQ4_K>(row, K, o, S.data()); break;
+            case Q5_K: dequantize_row<FmtQ5_K>(row, K, o, S.data()); break;
+            case Q6_K: dequantize_row<FmtQ6_K>(row, K, o, S.data()); break;
+            default: return -1;
+        }
+    }
+    return 0;
+}
+
 extern "C" void rows_rmsnorm(const float* x, int R, int D, const float* w, float eps, float* out, int threads) {
 #pragma omp parallel num_threads(threads)
     rmsnorm(x, R, D, w, eps, out);
