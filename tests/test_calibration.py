@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from specdec import models
 from specdec.batch import BatchEngine, Sequence
-from specdec.batch.calibration import OnlineCurve, PassTimer, background_work, default_budget, run_beside, work_beside
+from specdec.batch.calibration import SPIKE, OnlineCurve, PassTimer, background_work, default_budget, run_beside, work_beside
 from specdec.drafters.base import NoDrafter
 from specdec.sampling import SamplingParams
 
@@ -470,3 +470,21 @@ def test_an_idle_server_times_its_stored_curve_once_its_background_work_ends(rt,
     finally:
         go.set()
         worker.stop()
+
+
+def test_one_slow_pass_moves_a_price_a_bounded_step_and_a_lasting_change_still_moves_it():
+    """A pass timed at 2.5x its price (a neighbour's busy moment, still plausible) raises that size's price by a
+    bounded step (calibration.SPIKE), so the split still buys the rows it bought; 20 passes at 1.5x are learnt; a
+    quiet idle probe's time is believed as it is."""
+    curve = OnlineCurve({n: machine(n) for n in GRID})
+    chosen = best_rows(curve)
+    assert chosen == best_rows(machine) == 4
+    curve.observe(chosen, 2.5 * machine(chosen))
+    assert curve(chosen) <= SPIKE * machine(chosen) and best_rows(curve) == chosen
+    slower = OnlineCurve({n: machine(n) for n in GRID})
+    for _ in range(20):
+        slower.observe(4, 1.5 * machine(4))
+    assert slower(4) >= 1.4 * machine(4)
+    probed = OnlineCurve({n: machine(n) for n in GRID})
+    probed.observe(4, 1.5 * machine(4), quiet=True)
+    assert probed(4) == pytest.approx(machine(4) * (1 + 0.5 / 2.8))  # (the Ema's first step: weight 2.8)

@@ -267,7 +267,7 @@ class Admission:
             self._probe_after = monotonic() + PROBE_BACKOFF_S
         else:
             self._slow_ones = 0
-            self._pass.observe(n, ms)
+            self._pass.observe(n, ms, quiet=True)
             self._pass.probed.add(n)
         if self.budget_from_curve:
             self.max_batch_rows = default_budget(self._pass.values())

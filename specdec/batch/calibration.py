@@ -271,6 +271,11 @@ REFINED_AFTER = 20  # passes of a size before a server's refinement of its time 
 # ROWS_SLACK·n·T(1) is a wrong stored guess, and a time above it was taken while something else had the cores (a
 # neighbour's load: a 4-row probe timed at 450 ms beside 21 ms one-row passes, stored, priced 4+ rows out for good)
 ROWS_SLACK = 1.5
+# One traffic pass moves a timed size's price by a bounded step: a time above SPIKE x its price (a neighbour's busy
+# moment, still plausible) enters as SPIKE x the price. The first traffic times weigh up to a third, and at one stream
+# a size priced out is never bought, so never timed again here (REPROBE_S): one such pass priced the 0.5B's rows out
+# for minutes. A lasting change still moves the price, pass by pass; a quiet idle probe's time enters as it is.
+SPIKE = 1.25
 
 
 class OnlineCurve:
@@ -374,7 +379,8 @@ class OnlineCurve:
         times = [self.timed_at.get(n, now) + REPROBE_S - now for n in self.grid if n <= most]
         return max(0.0, min(times)) if times else None
 
-    def observe(self, rows: int, ms: float) -> None:
+    def observe(self, rows: int, ms: float, quiet: bool = False) -> None:
+        """A pass of `rows` timed at `ms`: in traffic, or by a quiet idle probe (`quiet`: believed as it is)."""
         if not self.plausible(rows, ms):  # timed while something else had the cores: it says nothing of the curve
             self.implausible += 1
             return
@@ -383,7 +389,8 @@ class OnlineCurve:
         if rows in self.grid and rows not in self.confirmed:  # the first time of it here: the stored one was a guess
             self.grid[rows] = Ema(ms, weight=0.0, decay=0.9)
         if rows in self.grid or rows > sizes[-1]:
-            self.grid.setdefault(rows, Ema(ms, weight=0.0, decay=0.9)).update(ms)
+            e = self.grid.setdefault(rows, Ema(ms, weight=0.0, decay=0.9))
+            e.update(ms if quiet or rows not in self.confirmed else min(ms, SPIKE * e.value))
             self.confirmed.add(rows)
             return
         lo = max((n for n in sizes if n < rows), default=None)
@@ -393,4 +400,4 @@ class OnlineCurve:
             return
         predicted = self(rows)
         if predicted > 0:
-            self.grid[near].update(self.grid[near].value * ms / predicted)
+            self.grid[near].update(self.grid[near].value * (ms / predicted if quiet else min(ms / predicted, SPIKE)))
