@@ -488,3 +488,36 @@ def test_one_slow_pass_moves_a_price_a_bounded_step_and_a_lasting_change_still_m
     probed = OnlineCurve({n: machine(n) for n in GRID})
     probed.observe(4, 1.5 * machine(4), quiet=True)
     assert probed(4) == pytest.approx(machine(4) * (1 + 0.5 / 2.8))  # (the Ema's first step: weight 2.8)
+
+
+def test_a_one_row_price_busy_three_probes_in_a_row_is_stale_and_replaced(rt, monkeypatch):
+    """A probe is dropped where the one-row pass before it took BUSY x the one-row price (a neighbour's moment), and
+    retried after a back-off of at most PROBE_BACKOFF_S, less up to half at random. The third such verdict in a row
+    means the price is stale (the machine slower than when it was timed): the one-row time replaces it and the
+    probe runs. Judged against a stale price, idle servers never probed again, and three of them sharing a machine
+    took each other for busy neighbours."""
+    from specdec.batch import admission
+    model, _ = rt
+    engine = BatchEngine(model, NoDrafter(), model.config.vocab_size, set(), 256, max_batch_rows=8,
+                         pass_curve={1: 10.0, 2: 300.0}, curve_is_prior=True)
+    engine._pass.observe(1, 10.0)
+
+    class Timer:
+        def __init__(self, model):
+            pass
+
+        def __call__(self, rows):
+            return 30.0 if rows == 1 else 36.0
+
+        def close(self):
+            pass
+    monkeypatch.setattr(admission, "PassTimer", Timer)
+    waits = []
+    for _ in range(admission.SLOW_ONE_TRIES - 1):
+        engine.probe()
+        assert 2 not in engine._pass.confirmed
+        waits.append(engine.probe_wait())
+        engine._probe_after = 0.0  # (the back-off's time passes here at once)
+    assert all(admission.PROBE_BACKOFF_S / 2 - 0.1 <= w <= admission.PROBE_BACKOFF_S for w in waits)
+    engine.probe()
+    assert engine.pass_ms(1) == 30.0 and 2 in engine._pass.confirmed and engine.pass_ms(2) == 36.0

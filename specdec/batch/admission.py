@@ -4,6 +4,7 @@ and resumption, leaving; and the predicted work admission and the 429 prediction
 from __future__ import annotations
 
 import contextlib
+import random
 import sys
 import traceback
 from time import monotonic
@@ -23,6 +24,12 @@ PROBE_POLL_S = 0.5  # an idle worker whose probe waits on the process's own back
 SLOW_ONE_TRIES = 3  # a one-row probe above BUSY x the one-row price (timed here, else stored) is believed only on the
 # 3rd such probe in a row, each after a back-off: the first idle probe of a fresh Qwen2.5-Coder-1.5B server, beside a
 # second server starting, priced one row at 813 ms (stored: 49) and, the curve being nondecreasing, 1-9 rows alike
+
+
+def _backoff() -> float:
+    """How long a dropped probe waits: PROBE_BACKOFF_S, less up to half of it at random (idle servers sharing a
+    machine, backing off alike, would retry alike)."""
+    return PROBE_BACKOFF_S * random.uniform(0.5, 1.0)
 
 
 class Admission:
@@ -252,19 +259,27 @@ class Admission:
         n, priced_one = sizes[0], self._pass(1) if 1 in self._pass.confirmed else None
         busy = lambda ms: ms is not None and ms > BUSY * priced_one + NOISE_MS  # noqa: E731
         checked = priced_one is not None and n > 1  # one-row passes before and after it say whether it was quiet
-        if checked and busy(self._timer(1)):  # busy now: nothing more is run (it would take a neighbour's cores)
-            self._probe_after = monotonic() + PROBE_BACKOFF_S
-            return
+        if checked and busy(before := self._timer(1)):  # busy now: nothing more is run (a neighbour's cores)
+            self._busy_ones += 1
+            if self._busy_ones < SLOW_ONE_TRIES:
+                self._probe_after = monotonic() + _backoff()
+                return
+            # busy the third time in a row: the one-row price is what is stale (the machine is slower than when it was
+            # timed), not the moment. Judged against it, idle probes never ran again and settled nothing, and three
+            # idle servers probing alike took each other for busy neighbours, back-off after back-off
+            self._pass.replace(1, before)
+            priced_one = before
+        self._busy_ones = 0
         ms = self._timer(n) if n > 1 else min(self._timer(1) or 0.0 for _ in range(3)) or None  # (one row: the
         if ms is None:  # fastest of three, with nothing beside it to say whether it was quiet)  # no room in the KV budget now: priced as stored until a pass of it runs
             self._pass.confirmed.add(n)
             self._pass.timed_at[n] = monotonic()
         elif checked and busy(self._timer(1)):
-            self._probe_after = monotonic() + PROBE_BACKOFF_S
+            self._probe_after = monotonic() + _backoff()
         elif n == 1 and ms > BUSY * (priced_one or self._pass.measured[1]) + NOISE_MS \
                 and self._slow_ones + 1 < SLOW_ONE_TRIES:  # (nothing beside one row says whether it was quiet)
             self._slow_ones += 1
-            self._probe_after = monotonic() + PROBE_BACKOFF_S
+            self._probe_after = monotonic() + _backoff()
         else:
             self._slow_ones = 0
             self._pass.observe(n, ms, quiet=True)

@@ -379,6 +379,13 @@ class OnlineCurve:
         times = [self.timed_at.get(n, now) + REPROBE_S - now for n in self.grid if n <= most]
         return max(0.0, min(times)) if times else None
 
+    def replace(self, rows: int, ms: float) -> None:
+        """A size's price replaced by a time believed over it (a machine slower than when the size was timed)."""
+        self.grid[rows] = Ema(ms, weight=0.0, decay=0.9)
+        self.grid[rows].update(ms)
+        self.confirmed.add(rows)
+        self.timed_at[rows] = monotonic()
+
     def observe(self, rows: int, ms: float, quiet: bool = False) -> None:
         """A pass of `rows` timed at `ms`: in traffic, or by a quiet idle probe (`quiet`: believed as it is)."""
         if not self.plausible(rows, ms):  # timed while something else had the cores: it says nothing of the curve

@@ -102,6 +102,7 @@ class BatchEngine(Admission):
         self._timer = None  # the probes' pass timer (Admission.probe), while sizes are left to time
         self._probe_after = 0.0  # no probe before this (monotonic s): backing off a busy moment
         self._slow_ones = 0  # one-row probes in a row timed above BUSY x the one-row price (Admission.probe)
+        self._busy_ones = 0  # probes in a row whose one-row pass before them took BUSY x the one-row price
         self._warm_rows: set[int] = set(self._pass.measured) if not curve_is_prior else set()  # row counts run once
         self._passes = 0  # passes planned (SIZE_PROBE_EVERY)
         self._steps = 0  # steps begun
