@@ -283,7 +283,8 @@ class Admission:
         else:
             self._slow_ones = 0
             self._pass.observe(n, ms, quiet=True)
-            self._pass.probed.add(n)
+            if not self._pass.doubted:  # (else it prices this run; what is stored only ever lowers: refined())
+                self._pass.probed.add(n)
         if self.budget_from_curve:
             self.max_batch_rows = default_budget(self._pass.values())
         if not self._probe_sizes():

@@ -296,6 +296,7 @@ class OnlineCurve:
         self.confirmed: set[int] = set() if prior else set(self.measured)  # sizes timed by this process
         self.implausible = 0  # passes timed above ROWS_SLACK·rows one-row passes, left out
         self.probed: set[int] = set()  # sizes timed by a quiet idle probe (Admission.probe): stored as timed
+        self.doubted = False  # the one-row price was replaced by a time judged busy (replace): probes stored no more
         self.timed_at: dict[int, float] = dict.fromkeys(self.confirmed, monotonic())  # when each size was last timed
 
     def values(self) -> dict[int, float]:
@@ -385,6 +386,7 @@ class OnlineCurve:
         self.grid[rows].update(ms)
         self.confirmed.add(rows)
         self.timed_at[rows] = monotonic()
+        self.doubted = True  # probes judged beside it price this run only: a busy time may have replaced the price
 
     def observe(self, rows: int, ms: float, quiet: bool = False) -> None:
         """A pass of `rows` timed at `ms`: in traffic, or by a quiet idle probe (`quiet`: believed as it is)."""
