@@ -100,6 +100,26 @@ def test_generation_records_the_hidden_states_teacher_forcing_would_compute(tmp_
     assert all(torch.equal(a["h"], b["h"]) for a, b in zip(reloaded, items))
 
 
+def test_a_prompt_answered_at_its_own_length(tmp_path, tok, target):
+    """A prompt line's own max_new_tokens replaces the run's: each response is the target's greedy continuation
+    cut at its own limit (a batch holds prompts of one limit), and a bad limit is refused with the line."""
+    from specdec.distill import generate_responses
+    from specdec.prompts import load_prompts
+    lines = [{"prompt": p, "mode": "completion", **({"max_new_tokens": 3} if i in (1, 2, 4) else {})}
+             for i, p in enumerate(PROMPTS[:6])]
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
+    prompts = load_prompts(tmp_path / "p.jsonl")
+    items = generate_responses(target, tok, prompts, tmp_path / "s.jsonl", 9, 4, "cpu")
+    for p, d in zip(prompts, items):
+        ids = SpecDecoder.from_models(target, tok, "none").encode(p["prompt"], False)
+        want = reference_greedy(target, ids, p.get("max_new_tokens", 9))
+        assert d["ids"][:len(ids)] == ids and d["ids"][len(ids):] == want[:len(d["ids"]) - len(ids)]
+        assert len(d["ids"]) - len(ids) == len(want) - 1  # (the last token has no hidden state)
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "x", "max_new_tokens": 0}))
+    with pytest.raises(SpecDecError, match="bad.jsonl:1: max_new_tokens"):
+        load_prompts(tmp_path / "bad.jsonl")
+
+
 def test_a_narrower_draft_ffn_is_trained_saved_and_lossless(tmp_path, prompt_file, tok, target):
     """--draft-ffn: the draft layer's feed-forward is narrower than the target's (128 here), initialised from its
     first units; the saved draft has that width and drafts losslessly. Wider than the target's is refused."""
@@ -719,7 +739,13 @@ def test_the_programming_questions_are_never_a_held_out_prompt():
     pair = Path(__file__).parents[1] / "benchmarks" / "suite" / "pair_prompts.jsonl"
     held = {p["prompt"] for p in load_prompts()} | {json.loads(line)["prompt"] for line in
                                                     pair.read_text().splitlines() if line.strip()}
+    from specdec.prompts.code_chat import ANSWER_TOKENS, HELD_OUT_TOPICS, questions as templated
     questions = load_prompts(HERE / "distill_code_chat.jsonl")
     assert HERE / "distill_code_chat.jsonl" in DEFAULT_PROMPTS
-    assert len(questions) > 300 and all(p["chat"] for p in questions)
+    assert len(questions) > 1400 and all(p["chat"] for p in questions)
     assert not held & {p["prompt"] for p in questions}
+    # the later lines are the generator's, answered at the pair's chat length, about none of the held-out topics
+    later = [p for p in questions if "max_new_tokens" in p]
+    assert [p["prompt"] for p in later] == [q for q in templated() if q in {p["prompt"] for p in later}]
+    assert len(later) > 1000 and {p["max_new_tokens"] for p in later} == {ANSWER_TOKENS}
+    assert not any(w in p["prompt"].lower() for p in later for w in HELD_OUT_TOPICS)

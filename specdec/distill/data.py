@@ -109,18 +109,24 @@ class _Store:
 @torch.inference_mode()
 def generate_responses(model, tok, prompts: list[dict], path: Path, max_new_tokens: int, batch: int,
                        device: str, budget: Budget = Budget()) -> list[dict]:
-    """Greedy responses, batched with left padding (resumable)."""
+    """Greedy responses, batched with left padding (resumable). A prompt's own "max_new_tokens" (its file's line)
+    replaces `max_new_tokens`; a batch holds consecutive prompts with the same limit."""
     store = _Store(path)
     eos = sorted(models.eos_ids(model, tok))
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
     todo = prompts[len(store.items):]
+    limit = [p.get("max_new_tokens") or max_new_tokens for p in todo]
     with _progress() as bar:
         task = bar.add_task("target responses", total=len(prompts), completed=len(store.items))
-        for i in range(0, len(todo), batch):
+        i = 0
+        while i < len(todo):
             budget.check("target responses")
-            chunk = [encode_prompt(tok, p["prompt"], p["chat"]) for p in todo[i:i + batch]]
-            store.add(_greedy_batch(model, chunk, max_new_tokens, pad, eos, device))
+            n = next((k for k in range(1, min(batch, len(todo) - i)) if limit[i + k] != limit[i]),
+                     min(batch, len(todo) - i))
+            chunk = [encode_prompt(tok, p["prompt"], p["chat"]) for p in todo[i:i + n]]
+            store.add(_greedy_batch(model, chunk, limit[i], pad, eos, device))
             bar.advance(task, len(chunk))
+            i += n
     return store.items
 
 

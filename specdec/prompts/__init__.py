@@ -12,7 +12,8 @@ SETS = ("chat", "code", "summarize")
 
 
 def load_prompts(path=None) -> list[dict]:
-    """Read a JSONL file of {"prompt": str, "mode": "chat"|"completion"} (extra fields ignored).
+    """Read a JSONL file of {"prompt": str, "mode": "chat"|"completion", "max_new_tokens": int (optional: the
+    length `specdec distill` answers it at)} (extra fields ignored).
     With no path: all shipped sets."""
     files = [Path(path)] if path else [HERE / f"{name}.jsonl" for name in SETS]
     out = []
@@ -33,7 +34,10 @@ def load_prompts(path=None) -> list[dict]:
             mode = obj.get("mode", "chat")
             if mode not in ("chat", "completion"):
                 raise SpecDecError(f"{f}:{i}: mode must be 'chat' or 'completion', got {mode!r}")
-            out.append({"prompt": obj["prompt"], "chat": mode == "chat"})
+            limit = obj.get("max_new_tokens")
+            if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+                raise SpecDecError(f"{f}:{i}: max_new_tokens must be a positive integer, got {limit!r}")
+            out.append({"prompt": obj["prompt"], "chat": mode == "chat", **({"max_new_tokens": limit} if limit else {})})
     if not out:
         raise SpecDecError(f"no prompts in {path}")
     return out
