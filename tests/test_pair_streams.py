@@ -39,3 +39,39 @@ def test_the_interval_is_students_on_the_log_ratios():
 def test_one_rotation_claims_nothing():
     assert pair_streams.paired(windows(120.0), windows(100.0)) is None
     assert pair_streams.paired(windows(0.0, 0.0), windows(100.0, 90.0)) is None  # a window with nothing served
+
+
+def answer(stream, tokens, pieces, end):
+    return {"stream": stream, "tokens": tokens, "timeline": {"start": 0.0, "end": end, "pieces": pieces}}
+
+
+def test_all_busy_ends_when_the_first_stream_runs_out_and_counts_the_text_that_had_arrived():
+    # stream 0: two answers of 10 tokens, done at t=4; stream 1: one answer of 20 tokens, half of its text by t=4
+    done = [answer(0, 10, [(1.0, 5), (2.0, 5)], 2.0), answer(0, 10, [(3.0, 4), (4.0, 6)], 4.0),
+            answer(1, 20, [(2.0, 30), (4.0, 10), (5.0, 40)], 6.0)]
+    tokens, seconds = pair_streams.all_busy(done, 0.0, 2)
+    assert seconds == 4.0 and tokens == pytest.approx(10 + 10 + 20 * 40 / 80)
+    # the tail (stream 1 alone from 4 to 6 s) is left out: the window's rate would be 40 / 6
+    assert tokens / seconds == pytest.approx(7.5) != pytest.approx(40 / 6)
+
+
+def test_a_draft_that_only_shortens_some_answers_is_not_charged_for_the_tail():
+    # target-only: both streams take 4 s for 40 tokens; the draft halves stream 0's time only, and every pass
+    # delivered as much or more; over the window (4 s) it looks equal, while both streams were busy it is faster
+    base = [answer(c, 40, [(t, 10) for t in (1.0, 2.0, 3.0, 4.0)], 4.0) for c in (0, 1)]
+    draft = [answer(0, 40, [(t, 20) for t in (1.0, 2.0)], 2.0),
+             answer(1, 40, [(t, 10) for t in (1.0, 2.0, 3.0, 4.0)], 4.0)]
+    b, d = pair_streams.all_busy(base, 0.0, 2), pair_streams.all_busy(draft, 0.0, 2)
+    assert b[0] / b[1] == pytest.approx(20.0) and d[0] / d[1] == pytest.approx(30.0)
+
+
+def test_a_stream_without_an_answer_was_never_all_busy():
+    assert pair_streams.all_busy([answer(0, 5, [(1.0, 3)], 1.0)], 0.0, 2) == (0.0, 0.0)
+
+
+def test_the_paired_ratio_reads_either_rate():
+    base = [{"tokens_per_s": 100.0, "busy_tokens_per_s": 100.0}] * 2
+    mine = [{"tokens_per_s": 95.0, "busy_tokens_per_s": 105.0}] * 2
+    assert pair_streams.paired(mine, base)["ratio"] == pytest.approx(0.95)
+    assert pair_streams.paired(mine, base, "busy_tokens_per_s")["ratio"] == pytest.approx(1.05)
+    assert pair_streams.paired(mine, [{"tokens_per_s": 1.0}] * 2, "busy_tokens_per_s") is None  # (an older window)

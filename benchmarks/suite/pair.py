@@ -281,7 +281,7 @@ def settle(server: Server, timeout_s: float = 120.0) -> None:
             time.sleep(SETTLE_POLL_S)
 
 
-def request(server: Server, prompt: dict, max_tokens: int, extra: dict | None = None) -> dict:
+def request(server: Server, prompt: dict, max_tokens: int, extra: dict | None = None, timeline: bool = False) -> dict:
     """One streamed request, greedy unless the prompt says otherwise (`extra`: more body fields, e.g. specdec's tau and policy): text, tokens, ttft,
     decode and end-to-end rate, acceptance where reported."""
     chat = prompt["workload"] not in ("completion", "fim")
@@ -295,7 +295,7 @@ def request(server: Server, prompt: dict, max_tokens: int, extra: dict | None = 
     else:
         body["prompt"] = prompt["prompt"]
     path = "/infill" if prompt["workload"] == "fim" else "/v1/chat/completions" if chat else "/v1/completions"
-    text, first, last, usage, extra = [], None, None, None, {}
+    text, first, last, usage, extra, arrivals = [], None, None, None, {}, []
     t0 = time.monotonic()
     with httpx.stream("POST", server.url + path, json=body, timeout=600) as r:
         if r.status_code != 200:
@@ -316,6 +316,7 @@ def request(server: Server, prompt: dict, max_tokens: int, extra: dict | None = 
                     first = first or now
                     last = now
                     text.append(piece)
+                    arrivals.append((now, len(piece)))
             usage = data.get("usage") or usage
             extra.update({k: data[k] for k in ("specdec", "timings") if data.get(k)})
     end = time.monotonic()
@@ -323,6 +324,8 @@ def request(server: Server, prompt: dict, max_tokens: int, extra: dict | None = 
     out = {"text": "".join(text), "tokens": tokens, "ttft_s": (first or end) - t0,
            "decode_tps": (tokens - 1) / (last - first) if first and last and last > first and tokens > 1 else None,
            "e2e_tps": tokens / (end - t0)}
+    if timeline:  # when the text came: (monotonic s, characters) per piece, for pair_streams' all-busy throughput
+        out["timeline"] = {"start": t0, "end": end, "pieces": arrivals}
     if "target_passes" in extra.get("specdec", {}):  # (every chunk carries the seed; the last one the stats)
         s = extra["specdec"]
         out.update(passes=s["target_passes"], proposed=s["proposed"], accepted=s["accepted"],

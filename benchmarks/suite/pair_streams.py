@@ -4,6 +4,8 @@ servers in turn (the order rotating), so that drift hits each alike.
 Each client sends `per_stream` prompts one after another (greedy, streamed), starting at its own offset in the
 prompt set, so a level has N requests in flight from its first second to its last. A level's figures:
 - aggregate tokens/s: every completion token of the level over the level's wall time;
+- tokens/s while all N streams were busy (all_busy): up to the moment the first stream ran out of prompts, what a
+  server under steady load delivers, without the window's tail where finished streams wait for the slowest;
 - time to first token, p50 and p90, over its requests;
 - failed requests (anything but a complete 200 stream), and what each failure was;
 - over target-only, window by window (a level named n times: `--streams 8,8,8,8`): each rotation's ratio to
@@ -78,12 +80,12 @@ def run_level(server: Server, prompts: list[dict], streams: int, max_tokens: int
         for k in range(per_stream):
             i = (c + k * streams) % len(prompts)
             try:
-                r = request(server, prompts[i], max_tokens)
+                r = request(server, prompts[i], max_tokens, timeline=True)
                 r["ok"] = r["tokens"] > 0
             except (Refused, Exception) as e:  # noqa: BLE001  a refusal or a transport error: a failed request
                 r = {"ok": False, "error": f"{e.__class__.__name__}: {str(e)[:200]}"}
             with lock:
-                done.append({"i": i, **r})
+                done.append({"i": i, "stream": c, **r})
 
     before = scrape(server)
     t0 = time.monotonic()
@@ -96,12 +98,39 @@ def run_level(server: Server, prompts: list[dict], streams: int, max_tokens: int
     after = scrape(server)
     ok = [r for r in done if r["ok"]]
     ttft = sorted(r["ttft_s"] for r in ok)
+    busy_tokens, busy_s = all_busy(ok, t0, streams)
     return {"streams": streams, "requests": len(done), "failed": len(done) - len(ok),
             "tokens_per_s": round(sum(r["tokens"] for r in ok) / wall, 2), "wall_s": round(wall, 1),
+            "busy_tokens_per_s": round(busy_tokens / busy_s, 2) if busy_s > 0 else None, "busy_s": round(busy_s, 2),
             "ttft_p50_s": round(statistics.median(ttft), 3) if ttft else None,
             "ttft_p90_s": round(ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))], 3) if ttft else None,
             "counts": counts(before, after, streams), "answers": {r["i"]: r["text"] for r in ok},
             "errors": sorted({r.get("error", "no tokens") for r in done if not r["ok"]})}
+
+
+def all_busy(requests: list[dict], t0: float, streams: int) -> tuple[float, float]:
+    """Tokens delivered while every stream had a request in flight, and for how long: from the level's start to
+    the moment the first stream ran out of prompts (its last answer's end). A request in flight then counts the
+    share of its text that had arrived (its tokens x characters received / characters in all): the answers are
+    the same text on every system (checked by `identical`), so that share means the same tokens on each.
+
+    A level's wall time also holds its tail, where streams that finished wait for the slowest: a draft that speeds
+    some answers more than others spends more of the window at fewer streams, where a pass carries fewer rows, and
+    the window's tokens/s falls with it though every pass delivered more (docs/serving.md). A server under steady
+    load has no such tail: this is its throughput."""
+    ends = {}
+    for r in requests:
+        ends[r["stream"]] = max(ends.get(r["stream"], 0.0), r["timeline"]["end"])
+    if len(ends) < streams:  # a stream with no answer at all: never busy the whole time
+        return 0.0, 0.0
+    until = min(ends.values())
+    tokens = 0.0
+    for r in requests:
+        pieces = r["timeline"]["pieces"]
+        total = sum(n for _, n in pieces)
+        if total:
+            tokens += r["tokens"] * sum(n for t, n in pieces if t <= until) / total
+    return tokens, until - t0
 
 
 def concurrency(servers: dict[str, Server], prompts: list[dict], levels: list[int], max_tokens: int,
@@ -135,14 +164,18 @@ def concurrency(servers: dict[str, Server], prompts: list[dict], levels: list[in
                 paired_ratio = paired(runs[n][level], runs["ours-none"][level])
                 if paired_ratio:
                     out[n][level]["vs_target_only_paired"] = paired_ratio
+                busy_ratio = paired(runs[n][level], runs["ours-none"][level], "busy_tokens_per_s")
+                if busy_ratio:
+                    out[n][level]["vs_target_only_all_busy"] = busy_ratio
     return out
 
 
-def paired(mine: list[dict], base: list[dict]) -> dict | None:
-    """A system's tokens/s over target-only's, window by window of the same rotation (the two ran within a minute
-    of each other; this machine's speed drifts by a third within minutes, and pooled windows mix those moments):
-    the geometric mean of the ratios and its 95% interval (Student's t on their logs), with two rotations or more."""
-    ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(mine, base) if a["tokens_per_s"] and b["tokens_per_s"]]
+def paired(mine: list[dict], base: list[dict], key: str = "tokens_per_s") -> dict | None:
+    """A system's tokens/s (`key`: over the window, or while all streams were busy) over target-only's, window by
+    window of the same rotation (the two ran within a minute of each other; this machine's speed drifts by a third
+    within minutes, and pooled windows mix those moments): the geometric mean of the ratios and its 95% interval
+    (Student's t on their logs), with two rotations or more."""
+    ratios = [a[key] / b[key] for a, b in zip(mine, base) if a.get(key) and b.get(key)]
     if len(ratios) < 2:
         return None
     logs = [math.log(x) for x in ratios]
@@ -159,12 +192,16 @@ def pool(windows: list[dict]) -> dict:
     """A level's windows as one: tokens over wall time, TTFT medians averaged, failures summed."""
     tokens = sum(w["tokens_per_s"] * w["wall_s"] for w in windows)
     wall = sum(w["wall_s"] for w in windows)
+    busy = [w for w in windows if w.get("busy_tokens_per_s")]
+    busy_s = sum(w["busy_s"] for w in busy)
     mean = lambda k: round(statistics.mean(w[k] for w in windows if w[k] is not None), 3) \
         if any(w[k] is not None for w in windows) else None  # noqa: E731
     return {"streams": windows[0]["streams"], "windows": len(windows), "requests": sum(w["requests"] for w in windows),
             "failed": sum(w["failed"] for w in windows),
             "errors": sorted({e for w in windows for e in w["errors"]}), "tokens_per_s": round(tokens / wall, 2),
             "by_window": [w["tokens_per_s"] for w in windows], "wall_s": round(wall, 1),
+            "busy_tokens_per_s": round(sum(w["busy_tokens_per_s"] * w["busy_s"] for w in busy) / busy_s, 2)
+            if busy_s else None, "busy_share": round(busy_s / wall, 3) if wall else None,
             "ttft_p50_s": mean("ttft_p50_s"), "ttft_p90_s": mean("ttft_p90_s"),
             "why": why([w["counts"] for w in windows]),
             "answers": {i: t for w in windows for i, t in w["answers"].items()}}
@@ -183,10 +220,12 @@ def print_streams(report: dict) -> None:
     pairs = [(n, lv, r[lv]["vs_target_only_paired"]) for n, r in report.items() for lv in sorted(r)
              if r[lv].get("vs_target_only_paired")]
     if pairs:
-        print("\n| system | streams | over target-only, window by window: ratio (95% interval) | rotations |\n"
-              + "|---" * 4 + "|")
+        print("\n| system | streams | over target-only, window by window: ratio (95% interval) | while all streams "
+              "were busy | rotations |\n" + "|---" * 5 + "|")
     for n, lv, p in pairs:
-        print(f"| {n} | {lv} | {p['ratio']} ({p['ci95'][0]}-{p['ci95'][1]}) | {p['rotations']} |")
+        b = report[n][lv].get("vs_target_only_all_busy")
+        busy = f"{b['ratio']} ({b['ci95'][0]}-{b['ci95'][1]})" if b else "–"
+        print(f"| {n} | {lv} | {p['ratio']} ({p['ci95'][0]}-{p['ci95'][1]}) | {busy} | {p['rotations']} |")
     rows = [(n, lv, r[lv]["why"]) for n, r in report.items() for lv in sorted(r) if r[lv].get("why")]
     if rows:
         print("\n| system | streams | passes | rows/pass | passes above streams rows | drafted | accepted "
