@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from specdec import SpecDecoder, models
-from specdec.batch.pass_log import FIELDS, PassLog, read, summary
+from specdec.batch.pass_log import FIELDS, PassLog, by_load, read, summary
 from specdec.errors import InvalidRequest
 from specdec.server import create_app
 from specdec.trace import read_jsonl
@@ -56,6 +56,21 @@ def test_the_summary_prices_drafts_on_the_curve():
     assert got["none"] == {"passes": 1, "draft_rows": 0, "accepted": 0, "verify_over_priced": 1.0, "outside_ms": 1.0,
                            "saved_ms": 0}
     assert got["chain ≤4"]["saved_ms"] == 7 - 2 - 1 and got["chain ≤4"]["verify_over_priced"] == 1.05
+
+
+def test_by_load_counts_tokens_per_second_of_server_time_and_each_loads_share():
+    """A draft that delivers more a second at every load than target-only can deliver less in all: it spends more of
+    its time at one request (the tail); by_load shows both."""
+    def p(decoding, accepted, ms):
+        return dict(rows=decoding + accepted, prompt_rows=0, decoding=decoding, draft_rows=accepted,
+                    accepted=accepted, tree=False, verify_ms=ms, priced_ms=ms, before_ms=0.0, after_ms=0.0, t=0.0)
+    base = [p(8, 0, 80.0)] * 9 + [p(1, 0, 40.0)] * 8  # 80 tokens in 1.04 s
+    draft = [p(8, 1, 80.0)] * 8 + [p(1, 1, 40.0)] * 8  # 88 tokens in 0.96 s: 8 passes at full width fewer
+    b, d = by_load(base), by_load(draft)
+    assert b["8+"] == {"passes": 9, "tokens": 72, "s": 0.72, "tokens_per_s": 100.0, "share": 0.9}
+    assert d["8+"]["tokens_per_s"] == 112.5 > b["8+"]["tokens_per_s"] and d["1"]["tokens_per_s"] == 50.0 > 25.0
+    assert d["1"]["share"] == round(16 / 88, 3) and d["1"]["share"] > b["1"]["share"]
+    assert set(by_load([p(0, 0, 5.0)] + base)) == {"1", "8+"}  # a pass that decoded nothing: no load
 
 
 def test_a_pass_log_that_cannot_be_written_is_refused_or_stops_quietly(rt_sd, tmp_path, capsys):

@@ -5,7 +5,8 @@ pass carried, its drafts priced on the curve the server priced them with (specde
 
 Per file: passes, total seconds (pass + outside it), and per group (no drafts; chains or trees, where at most 4 or
 more requests decoded; with prompt chunks or not): passes, draft rows, accepted, the pass's time over its price, ms
-a pass outside the pass, and the drafts' net saving in seconds. `--baseline-ms`: target-only's own ms a pass outside
+a pass outside the pass, and the drafts' net saving in seconds; then per load (decoding requests 1, 2-3, 4-7, 8+):
+tokens a second of the server's time and the load's share of the tokens. `--baseline-ms`: target-only's own ms a pass outside
 the pass (its log says: its `none` group's), charged to no draft.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ import statistics
 import sys
 from collections import defaultdict
 
-from specdec.batch.pass_log import FIELDS, read, summary
+from specdec.batch.pass_log import FIELDS, by_load, read, summary
 from specdec.costs import interpolate
 
 
@@ -61,6 +62,9 @@ def main(argv=None) -> int:
         for name, g in groups.items():
             print(f"| {name} | {g['passes']} | {g['draft_rows']} | {g['accepted']} | {g['verify_over_priced']} "
                   f"| {g['outside_ms']} | {g['saved_ms'] / 1e3:.2f} |")
+        print("\n| decoding requests | passes | tokens | s | tokens/s | share of the tokens |\n|---|---|---|---|---|---|")
+        for load, g in by_load(records).items():
+            print(f"| {load} | {g['passes']} | {g['tokens']} | {g['s']} | {g['tokens_per_s']} | {g['share']:.0%} |")
     return 0
 
 

@@ -7,6 +7,10 @@ accepted (draft tokens kept), tree (any request verified a token tree), verify_m
 price for its rows when it was planned), before_ms (planning and drafting), after_ms (verification and bookkeeping),
 t (monotonic seconds at its end).
 
+`by_load` groups them by decoding requests (1, 2-3, 4-7, 8+) into tokens delivered per second of the server's time
+and each load's share of the tokens: a draft can deliver more at every load and still less in all, where it leaves
+the server at low loads for longer (a closed set of requests' tail, where finished streams wait for the slowest).
+
 `summary` groups the passes by what they carried (no drafts; chains or trees, where at most 4 or more requests
 decoded; with prompt chunks or not) and prices each group's drafts on the curve: what their accepted tokens would
 have cost target-only (T(base rows) / decoding each) less what their rows added to the pass (T(rows) − T(base
@@ -83,3 +87,23 @@ def summary(records: list[dict], pass_ms: Callable[[float], float], baseline_ms:
         g["outside_ms"] = round(g["outside_ms"] / g["passes"], 2)
         g["saved_ms"] = round(g["saved_ms"])
     return dict(sorted(out.items()))
+
+
+LOADS = ((1, 1), (2, 3), (4, 7), (8, None))  # decoding requests: 1, 2-3, 4-7, 8+
+
+
+def by_load(records: list[dict]) -> dict[str, dict]:
+    """Per load (LOADS, passes that decoded nothing left out): passes, tokens (decoded + accepted), seconds (the
+    pass and outside it), tokens a second, and the load's share of all tokens."""
+    out = {}
+    for low, high in LOADS:
+        rs = [r for r in records if r["decoding"] >= low and (high is None or r["decoding"] <= high)]
+        if rs:
+            tokens = sum(r["decoding"] + r["accepted"] for r in rs)
+            s = sum(r["verify_ms"] + r["before_ms"] + r["after_ms"] for r in rs) / 1e3
+            out[f"{low}" if low == high else f"{low}+" if high is None else f"{low}-{high}"] = {
+                "passes": len(rs), "tokens": tokens, "s": round(s, 2), "tokens_per_s": round(tokens / s, 1) if s else None}
+    total = sum(g["tokens"] for g in out.values())
+    for g in out.values():
+        g["share"] = round(g["tokens"] / total, 3) if total else None
+    return out
