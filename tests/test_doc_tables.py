@@ -22,6 +22,15 @@ def test_a_table_out_of_step_is_caught_and_rewritten(tmp_path, capsys):
     assert tables.main([str(doc)]) == 0 and doc.read_text() == right
 
 
+def test_a_missing_doc_or_result_is_one_line_and_help_prints_the_usage(tmp_path, capsys):
+    assert tables.main([str(tmp_path / "missing.md")]) == 2
+    assert capsys.readouterr().err.strip() == f"tables: {tmp_path / 'missing.md'}: No such file or directory"
+    doc = tmp_path / "d.md"
+    doc.write_text("<!-- table: pair docs/no_such_result.json -->\n<!-- /table -->\n")
+    assert tables.main([str(doc)]) == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
+    assert tables.main(["-h"]) == 0 and "<!-- table:" in capsys.readouterr().out
+
+
 def test_the_readme_stays_a_users_page():
     """At most 12,000 characters, with exactly the two set-up commands (history and recipes go in docs/)."""
     text = (ROOT / "README.md").read_text()

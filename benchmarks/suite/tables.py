@@ -33,11 +33,18 @@ def render(doc: str) -> str:
 
 def main(argv=None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
+    if {"-h", "--help"} & set(args):
+        print(__doc__)
+        return 0
     check = "--check" in args
     stale = []
     for path in [Path(a) for a in args if a != "--check"] or DOCS:
-        doc = path.read_text()
-        new = render(doc)
+        try:
+            doc = path.read_text()
+            new = render(doc)
+        except (OSError, ValueError) as e:  # a missing doc or result, or a result that is not JSON: one line
+            print(f"tables: {path}: {e.strerror if isinstance(e, OSError) else e}", file=sys.stderr)
+            return 2
         if new != doc:
             stale.append(str(path))
             if not check:
