@@ -75,3 +75,16 @@ def test_the_paired_ratio_reads_either_rate():
     assert pair_streams.paired(mine, base)["ratio"] == pytest.approx(0.95)
     assert pair_streams.paired(mine, base, "busy_tokens_per_s")["ratio"] == pytest.approx(1.05)
     assert pair_streams.paired(mine, [{"tokens_per_s": 1.0}] * 2, "busy_tokens_per_s") is None  # (an older window)
+
+
+def test_the_servers_time_by_load_is_read_from_their_pass_logs(tmp_path, capsys):
+    import json
+    pair = pytest.importorskip("pair")
+    rec = dict(rows=8, prompt_rows=0, decoding=8, draft_rows=0, accepted=0, tree=False, verify_ms=80.0,
+               priced_ms=80.0, before_ms=0.0, after_ms=0.0, t=0.0)
+    (tmp_path / "ours-none.jsonl").write_text(json.dumps(rec) + "\n" + json.dumps(dict(rec, decoding=1, rows=1,
+                                                                                    verify_ms=40.0)) + "\n")
+    out = pair.server_loads(str(tmp_path), ["ours-none", "ours-0.5b", "llama"])  # (no log: left out)
+    assert list(out) == ["ours-none"] and out["ours-none"]["8+"]["tokens_per_s"] == 100.0
+    assert out["ours-none"]["1"] == {"passes": 1, "tokens": 1, "s": 0.04, "tokens_per_s": 25.0, "share": 0.111}
+    assert "ours-none: 1: 25.0 (11%)" in capsys.readouterr().out

@@ -462,6 +462,22 @@ def start(servers: dict, names: list[str], table: dict) -> None:
         settle(servers[name])  # (a stored curve's sizes timed now, not beside the next server's start or run)
 
 
+def server_loads(pass_logs: str, names: list[str]) -> dict:
+    """Each specdec server's time by load, from its pass log (all the levels it served): tokens a second of server
+    time at 1, 2-3, 4-7 and 8+ decoding requests and each load's share of the tokens (batch/pass_log.by_load)."""
+    from specdec.batch.pass_log import by_load, read
+    out = {}
+    for n in names:
+        path = Path(pass_logs) / f"{n}.jsonl"
+        if n.startswith("ours") and path.exists():
+            out[n] = by_load(read(str(path)))
+    if out:
+        print("\nper second of server time (pass logs): tokens/s (share of the tokens) at 1 / 2-3 / 4-7 / 8+ requests")
+        for n, b in out.items():
+            print(f"  {n}: " + " | ".join(f"{k}: {g['tokens_per_s']} ({g['share']:.0%})" for k, g in b.items()))
+    return out
+
+
 def streams_run(args, names, table, workloads, levels) -> int:
     """The concurrency mode (pair_streams.py): greedy prompts only."""
     from pair_streams import concurrency, print_streams
@@ -475,8 +491,10 @@ def streams_run(args, names, table, workloads, levels) -> int:
         for s in servers.values():
             s.stop()
     print_streams(report)
+    loads = server_loads(args.pass_logs, names) if args.pass_logs else {}
     if args.out:
-        Path(args.out).write_text(json.dumps({"streams": report, "config": {
+        Path(args.out).write_text(json.dumps({"streams": report, **({"server_by_load": loads} if loads else {}),
+                                              "config": {
             "levels": levels, "per_stream": args.per_stream, "max_tokens": args.max_tokens, "cpu": cpu_name(),
             "prompts": len(prompts), "commands": {n: table[n] for n in names}}}, indent=1) + "\n")
         chart({"streams": report}, args.out)
