@@ -14,9 +14,11 @@ from ..prompts import HERE as PROMPT_DIR
 console = Console(stderr=True)
 
 
-# templated, cut from the standard library, programming questions (templated: concepts, comparisons, small tasks)
+# templated, cut from the standard library, programming questions (templated: concepts, comparisons, small tasks),
+# code to complete (templated: function and class heads in seven languages). A later set goes last: a resumed run
+# keeps the answers to the sets before it.
 DEFAULT_PROMPTS = [PROMPT_DIR / "distill.jsonl", PROMPT_DIR / "distill_stdlib.jsonl",
-                   PROMPT_DIR / "distill_code_chat.jsonl"]
+                   PROMPT_DIR / "distill_code_chat.jsonl", PROMPT_DIR / "distill_code_completion.jsonl"]
 
 
 def _progress():

@@ -151,6 +151,8 @@ def questions() -> list[str]:
     out += [f"Write a {lang} function that {t}." for i, t in enumerate(_split(LANGUAGE_TASKS))
             for lang in LANGUAGES[i % 3::3]]
     out += [f"Give me three tips for {a}." for a in _split(ACTIVITIES)]
+    out += [f.format(t) for i, t in enumerate(_split(CONCEPTS))  # (a later batch: two more forms a concept)
+            for f in (CONCEPT_FORMS[(i + 1) % 7], CONCEPT_FORMS[(i + 6) % 7])]
     held = {p["prompt"] for p in load_prompts()}
     return [q for q in dict.fromkeys(out) if q not in held and not any(w in q.lower() for w in HELD_OUT_TOPICS)]
 
