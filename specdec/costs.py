@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from statistics import mean, median
-from time import perf_counter
+from time import monotonic, perf_counter
 
 import torch
 
@@ -177,20 +177,37 @@ class DraftSteps:
     """A batched draft's step time by the rows it runs, D(n) = a + b·n, fitted online from whole proposals: a
     proposal that ran steps with n_1, n_2, … rows took Σ_k D(n_k) = a·K + b·Σ_k n_k (least squares over the recent
     proposals, each weighted DECAY^age). A step over many requests costs one weight read, not one per request: what
-    the verification budget must charge when it weighs a model draft against the rows it saves (scheduler.plan)."""
+    the verification budget must charge when it weighs a model draft against the rows it saves (scheduler.plan).
+
+    A price that stops drafting is never timed again, so two rules keep one bad moment from pricing a draft out for
+    good. A proposal enters as at most CLIP times what the fit priced it at: on the pair, one 2.2 s stall of the
+    shared machine (a 2-step proposal that takes 30 ms) took the 0.5B's step from 17.5 ms to 54.7 and it drafted
+    nothing for the 17 requests after it; a lasting change still moves the price, up to CLIP-fold a proposal. And a
+    fit that no proposal has updated for STALE_S is forgotten: the requests' own estimates price drafting until
+    MIN_SEEN new proposals are fitted."""
     DECAY = 0.95
     MIN_SEEN = 4
+    CLIP = 3.0
+    STALE_S = 30.0
 
-    def __init__(self):
+    def __init__(self, clock=monotonic):
+        self._clock = clock
+        self._reset()
+
+    def _reset(self) -> None:
         self._m = [[0.0, 0.0], [0.0, 0.0]]  # Σ w·x xᵀ, x = (K, Σn)
         self._v = [0.0, 0.0]  # Σ w·x·ms
-        self.seen = 0
+        self.seen, self._last = 0, None
 
     def observe(self, taus: list[int], ms: float) -> None:
         """One proposal: the depth each request drafted, and the ms its steps took (catch-ups left out)."""
         x = (max(taus, default=0), sum(taus))
         if not x[0] or ms <= 0:
             return
+        ab = self.fit()
+        if ab is not None and ab[0] * x[0] + ab[1] * x[1] > 0:
+            ms = min(ms, self.CLIP * (ab[0] * x[0] + ab[1] * x[1]))
+        self._last = self._clock()
         for r in range(2):
             self._v[r] = self.DECAY * self._v[r] + x[r] * ms
             for c in range(2):
@@ -201,6 +218,8 @@ class DraftSteps:
         """(a, b) in ms, both ≥ 0; None until MIN_SEEN proposals. Where the depths seen cannot tell a from b (every
         proposal one request), a step's whole time is put on its fixed part a: the dearer reading for a lone row's
         siblings, the right one for a lone row."""
+        if self._last is not None and self._clock() - self._last > self.STALE_S:
+            self._reset()
         if self.seen < self.MIN_SEEN:
             return None
         (p, q), (_, r) = self._m

@@ -896,6 +896,29 @@ def test_a_model_draft_whose_batched_steps_cost_more_than_they_save_drafts_nothi
         assert s.generated == alone(rt, p, SamplingParams(), 24)
 
 
+def test_a_draft_priced_out_by_a_stall_drafts_again_once_the_price_is_stale(rt):
+    """A draft step priced at a million ms (a stall's reading) drafts nothing; no proposal then updates that price,
+    and after DraftSteps.STALE_S it is forgotten: the requests draft again, each still what it gets alone."""
+    model, tok = rt
+    engine = BatchEngine(model, build_drafter("target", model, tok, backend="runtime"), model.config.vocab_size, {2},
+                         128, max_batch_rows=32)
+    engine.pass_ms = lambda rows: 10.0 + 0.1 * rows
+    now = [0.0]
+    engine.draft_steps._clock = lambda: now[0]
+    for _ in range(engine.draft_steps.MIN_SEEN):
+        engine.draft_steps.observe([1], 1e6)
+    prompts = ["abcabcabcabc " * (i + 1) for i in range(4)]
+    seqs = [engine.add(Sequence(tok(p).input_ids, 24, SamplingParams())) for p in prompts]
+    before = [len(rec.proposed) for _ in range(4) for _, rec in engine.step()]
+    now[0] += engine.draft_steps.STALE_S + 1
+    after = []
+    while engine.running:
+        after += [len(rec.proposed) for _, rec in engine.step()]
+    assert sum(before) == 0 and max(after) > 1
+    for p, s in zip(prompts, seqs):
+        assert s.generated == alone(rt, p, SamplingParams(), 24)
+
+
 def test_a_new_requests_copy_estimates_start_from_earlier_requests(rt):
     """A chain's greedy n-gram copies are sized on estimates by match length; a new request's start from the
     running average of earlier requests' (per tenant), not from the fixed COPY_PRIORS: copies the model never

@@ -128,6 +128,31 @@ def test_draft_steps_are_fitted_from_whole_proposals():
     assert abs(lone.fit()[0] - 9.0) < 1e-9 and lone.fit()[1] == 0.0
 
 
+def test_one_stall_does_not_price_a_draft_out_and_a_price_no_proposal_updates_is_forgotten():
+    """costs.DraftSteps: a proposal enters as at most CLIP times its price (the pair's 0.5B, whose steps took 15 ms,
+    once took 2.2 s in a stall of the shared machine and drafted nothing after it), a lasting change still moves
+    the price within a few proposals, and a price no proposal has updated for STALE_S is forgotten."""
+    from specdec.costs import DraftSteps
+    now = [0.0]
+    steps = DraftSteps(clock=lambda: now[0])
+    for _ in range(20):
+        steps.observe([2], 30.0)
+    assert abs(steps(1) - 15.0) < 1e-9
+    steps.observe([2], 2189.0)  # one stall
+    assert steps(1) < 1.25 * 15.0
+    for _ in range(10):  # a lasting slowdown, three times the cost
+        now[0] += 1.0
+        steps.observe([2], 90.0)
+    assert steps(1) > 2 * 15.0  # (as without the clip: DECAY sets the pace)
+    now[0] += DraftSteps.STALE_S - 1
+    assert steps(1) is not None  # not stale yet
+    now[0] += 2
+    assert steps.fit() is None and steps(1) is None  # priced by the requests' own estimates until refitted
+    for _ in range(DraftSteps.MIN_SEEN):
+        steps.observe([1], 9.0)
+    assert abs(steps(1) - 9.0) < 1e-9
+
+
 def test_what_drafting_saves_a_token_shrinks_with_the_load():
     """saved_ms: one stream whose pass commits E tokens saves T(1)·(1 − 1/E) a token; at 8 streams on a machine
     whose 8 rows already cost what more rows do (each further row 1/8 of a pass), drafting saves nothing; between,
