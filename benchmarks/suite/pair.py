@@ -68,11 +68,11 @@ WORKLOADS = ("completion", "chat", "edits", "fim", "edits-predicted", "chat-samp
 SAMPLED = {"temperature": 0.7, "top_p": 1.0}
 # The feature draft for the 1.5B (EAGLE-3-style: its layers 2, 14 and 25 and its final state fused), built once by
 # `specdec distill` into the target's draft directory, where `--draft distilled` finds it: the target's greedy answers
-# to the shipped distillation prompts (656 templated, 1,118 cut from the standard library, 1,494 programming
-# questions) at 64 tokens (the last 1,147 questions at 128: the chat length here) and to 96 self-chat conversations,
-# 30k tokens of the standard library's modules teacher-forced, EAGLE's feature noise, a 2,048-wide feed-forward (a
-# step costs ~0.04 of a target pass), draft positions 1-3 trained (--unroll 3), 4 epochs; about 85 min on 2 cores
-# (docs/draft.md).
+# to the shipped distillation prompts (656 templated, 1,118 cut from the standard library, 1,987 programming
+# questions, 510 heads of code to complete) at 64 tokens (the last 1,640 questions and the heads at 128: the length
+# here) and to 96 self-chat conversations, 30k tokens of the standard library's modules teacher-forced, EAGLE's
+# feature noise, a 2,048-wide feed-forward (a step costs ~0.03 of a target pass), draft positions 1-3 trained
+# (--unroll 3), 4 epochs; about 110 min on 2 cores (docs/draft.md).
 FEATURE_RECIPE = ["--features", "fused", "--max-new-tokens", "64", "--self-chat", "96", "--stdlib-text", "30000",
                   "--feature-noise", "0.1", "--draft-ffn", "2048", "--epochs", "4", "--unroll", "3",
                   "--eval-limit", "8"]
@@ -174,7 +174,7 @@ def feature_draft(target: Path) -> Path:
     out = installed_draft(str(target))
     if is_feature_draft(out):
         return out
-    log(f"training the 1.5B's feature draft once into {out} (about 85 min on 2 cores; resumable)")
+    log(f"training the 1.5B's feature draft once into {out} (about 110 min on 2 cores; resumable)")
     subprocess.run([str(Path(sys.executable).with_name("specdec")), "distill", "--target", str(target),
                     *FEATURE_RECIPE], check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     return out
