@@ -205,8 +205,9 @@ class DraftSteps:
         if not x[0] or ms <= 0:
             return
         ab = self.fit()
-        if ab is not None and ab[0] * x[0] + ab[1] * x[1] > 0:
-            ms = min(ms, self.CLIP * (ab[0] * x[0] + ab[1] * x[1]))
+        priced = ab[0] * x[0] + ab[1] * x[1] if ab is not None else 0.0
+        if priced > 0:
+            ms = min(ms, self.CLIP * priced)
         self._last = self._clock()
         for r in range(2):
             self._v[r] = self.DECAY * self._v[r] + x[r] * ms
