@@ -220,3 +220,43 @@ def test_forks_fused_together_get_the_features_of_their_own_calls(fused, rt):
     for a, b in zip(forks, alone):
         assert torch.equal(a.feats, b.feats)
     assert not torch.equal(forks[0].feats[:5], forks[1].feats[:5])
+
+
+def test_a_draft_goes_on_from_another_instead_of_starting_again(fused, prompt_file, rt, tmp_path):
+    """--init-from: the trained draft's weights are where training starts (its fc brought back to the scaled
+    embeddings, its fused norm kept), on more data; the result is lossless and records where it came from."""
+    from safetensors.torch import load_file
+    out, rep = fused
+    assert abs(rep["recipe"]["embedding_gain"] - 1) > 0.5  # an fc left scaled would show
+    still = distill("tiny", str(tmp_path / "still"), [prompt_file], [], loaded=rt,
+                    **{**RECIPE, "epochs": 1, "lr": 1e-30}, init_from=str(out))
+    before, after = load_file(out / "model.safetensors"), load_file(tmp_path / "still" / "model.safetensors")
+    for name, w in before.items():  # a step of 1e-30 moves nothing: the draft is the one it started from, bit for bit
+        assert torch.equal(after[name], w), name
+    assert still["recipe"]["init_from"]["path"] == str(out)
+    assert still["recipe"]["init_from"]["recipe"]["epochs"] == RECIPE["epochs"]
+    more = {**RECIPE, "epochs": 1, "self_chat": 8}  # more data, one epoch: on from the draft, or from the start
+    warm = distill("tiny", str(tmp_path / "warm"), [prompt_file], [], loaded=rt, **more, init_from=str(out))
+    cold = distill("tiny", str(tmp_path / "cold"), [prompt_file], [], loaded=rt, **more)
+    assert warm["held_out"]["identical_to_target"]
+    assert warm["train_history"][0]["val"]["acc"] > cold["train_history"][0]["val"]["acc"]
+
+
+def test_a_draft_to_go_on_from_is_checked_before_any_data(fused, prompt_file, rt, tmp_path, tiny_dirs, capsys):
+    out, _ = fused
+    for bad, match in ((tmp_path / "none", "not a draft"), (out, "draft-ffn")):
+        with pytest.raises(InvalidRequest, match=match):
+            distill("tiny", str(tmp_path / "o"), [prompt_file], [], loaded=rt,
+                    **{**RECIPE, "ffn": 32 if bad == out else None}, init_from=str(bad))
+        assert not (tmp_path / "o" / "work" / "sequences.jsonl").exists()
+    other = tmp_path / "other"
+    other.mkdir()
+    meta = json.loads((out / "specdec_draft.json").read_text())
+    (other / "specdec_draft.json").write_text(json.dumps({**meta, "target_fingerprint": "0" * 16}))
+    (other / "model.safetensors").write_bytes((out / "model.safetensors").read_bytes())
+    with pytest.raises(IncompatibleDraft, match="another target"):
+        distill("tiny", str(tmp_path / "o"), [prompt_file], [], loaded=rt, **RECIPE, init_from=str(other))
+    assert main(["distill", "--target", tiny_dirs["target"], "--out", str(tmp_path / "o"), "--features", "fused",
+                 "--reduced-vocab", "40", "--init-from", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--init-from" in err and "not a draft" in err and len(err.splitlines()) == 1

@@ -45,7 +45,7 @@ from .data import (
     text_sequences,
 )
 from .progress import DEFAULT_PROMPTS, Budget, BudgetSpent, Ledger
-from .training import default_lr, train
+from .training import default_lr, start_from, train
 
 __all__ = ["after_last", "assistant_header", "distill", "generate_responses", "pre_query", "reduced_vocab", "report",
            "self_chat_data", "teacher_labels", "text_sequences"]
@@ -111,11 +111,13 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
             seed: int = 0, limit: int = 0, eval_limit: int = 0, eval_tau: int = 4, device: str = "auto",
             self_chat: int = 1536, val_every: int = 50, loss_on: str = "response", loaded=None,
             ffn: int | None = None, noise: float = 0.0, stdlib_text: int = 0, features: str = "final",
-            budget_minutes: float | None = None, unroll: int = 2) -> dict:
+            budget_minutes: float | None = None, unroll: int = 2, init_from: str | None = None) -> dict:
     """-> the report (distill_report.json); raises BudgetSpent where `budget_minutes` ran out first (what was done
     is kept in OUT/work: the same call goes on from there). `features`: "final" (EAGLE: the target's final hidden
     state) or "fused" (EAGLE-3: its low, middle and high layers fused, trained on its distributions; a target on
-    specdec's runtime). `unroll`: the draft positions trained (training.train)."""
+    specdec's runtime). `unroll`: the draft positions trained (training.train). `init_from`: a draft of this
+    target and shape (its directory or file) to train on from, instead of the target's last layer: more data or
+    epochs for a draft without training it again from the start."""
     if max_new_tokens < 1 or gen_batch < 1 or epochs < 1 or batch < 1 or (lr is not None and lr <= 0) \
             or eval_tau < 1:
         raise InvalidRequest("--max-new-tokens, --gen-batch, --epochs, --batch and --eval-tau must be >= 1, "
@@ -167,6 +169,12 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
         # the data (generation with hidden states, labels) on specdec's runtime where it runs the target on this CPU
         gen = loaded[2] if loaded and len(loaded) > 2 else None if loaded else _runtime_twin(target, device)
         gen = gen or model
+    torch.manual_seed(seed)  # the draft, and the one it goes on from, before hours of data: a bad one fails fast
+    if ffn is not None and ffn > model.config.intermediate_size:
+        raise InvalidRequest(f"--draft-ffn {ffn} is wider than the target's own {model.config.intermediate_size}")
+    net = net_for_target(model.config, init_from=last_layer(model), ffn=ffn, taps=taps if fused else None)
+    origin = start_from(net, init_from, models.tokenizer_fingerprint(tok),
+                        target_identity(model) if models.is_runtime(model) else None) if init_from else None
     t0 = perf_counter()
     # resumable data is keyed on what made it: other prompts, limits, lengths or taps start that file again
     tapped = {"taps": list(gen.feature_layers)} if fused else {}
@@ -199,10 +207,6 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
     else:
         embed = model.get_input_embeddings().weight.detach().cpu()
         head = model.get_output_embeddings().weight.detach().cpu()[vocab_map]
-    torch.manual_seed(seed)
-    if ffn is not None and ffn > model.config.intermediate_size:
-        raise InvalidRequest(f"--draft-ffn {ffn} is wider than the target's own {model.config.intermediate_size}")
-    net = net_for_target(model.config, init_from=last_layer(model), ffn=ffn, taps=taps if fused else None)
     t1 = perf_counter()
     # every val_every-th sequence is held out of training to pick the epoch (early stopping)
     val = [d for i, d in enumerate(data) if val_every and i % val_every == val_every - 1]
@@ -212,10 +216,11 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
     _keyed(work / "checkpoint.pt", {"net": net.cfg, "lr": lr, "epochs": epochs, "batch": batch, "seed": seed,
                                     **({"noise": noise} if noise else {}),
                                     **({"unroll": unroll} if unroll != 2 else {}),
+                                    **({"init_from": origin["sha256"]} if origin else {}),
                                     "data": [len(d["ids"]) for d in train_data]})
     with ledger.phase("train"):
         hist = train(net, train_data, embed, head, vocab_map, epochs, batch, lr, seed, work / "checkpoint.pt",
-                     device, val, noise, budget, unroll)
+                     device, val, noise, budget, unroll, warm=origin is not None)
     t_train = perf_counter() - t1
     if not fused:
         model.cpu()
@@ -225,7 +230,7 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
                        "stdlib_text": stdlib_text,
                        "max_new_tokens": max_new_tokens, "reduced_vocab": reduced, "loss_on": loss_on,
                        "epochs": epochs, "batch": batch, "lr": lr, "seed": seed, "feature_noise": noise,
-                       "unroll": unroll,
+                       "unroll": unroll, **({"init_from": origin["recipe"]} if origin else {}),
                        "embedding_gain": hist["embedding_gain"]},
             "sequences": len(data), "tokens": int(sum(len(d["ids"]) for d in data)), "answer_tokens": answered,
             "train_history": hist["epochs"], "best_epoch": hist["best_epoch"], "train_curve": hist["curve"],
@@ -256,7 +261,7 @@ def cmd_distill(args) -> int:
                       args.reduced_vocab, args.epochs, args.batch, args.lr, args.seed, args.limit, args.eval_limit,
                       args.eval_tau, args.device, args.self_chat, args.val_every, args.loss_on, ffn=args.draft_ffn,
                       noise=args.feature_noise, stdlib_text=args.stdlib_text, features=args.features,
-                      budget_minutes=args.budget_minutes, unroll=args.unroll)
+                      budget_minutes=args.budget_minutes, unroll=args.unroll, init_from=args.init_from)
     except BudgetSpent as e:
         print(f"distill: the {args.budget_minutes}-minute budget ran out during {e}; what was done is kept in "
               f"{args.out}/work: run the same command again to go on", file=sys.stderr)
@@ -308,6 +313,9 @@ def register(sub, model_args, sampling_args):
     d.add_argument("--unroll", type=int, default=2,
                    help="draft positions trained: 1 on the target's features, each further one on the draft's own "
                         "prediction from the one before (EAGLE-3's training-time test)")
+    d.add_argument("--init-from", default=None, metavar="DRAFT",
+                   help="train on from this draft of the same target and shape (a directory or its safetensors "
+                        "file) instead of from the target's last layer: new data or epochs without starting again")
     d.add_argument("--batch", type=int, default=8)
     d.add_argument("--lr", type=float, default=None,
                    help="peak learning rate (default: 2e-3 for a 576-wide target, scaled as 1/width above that)")

@@ -2,12 +2,15 @@
 target's features and, unrolled, on its own; resumable from a checkpoint."""
 from __future__ import annotations
 
+import hashlib
 import random
 from pathlib import Path
 
 import torch
 from torch.nn import functional as F
 
+from ..drafters.feature_files import check_target, read_draft
+from ..errors import InvalidRequest
 from .progress import Budget, _progress, console
 
 
@@ -111,12 +114,31 @@ def fold_embedding_gain(net, gain: float) -> None:
     net.fc.weight[:, : net.cfg["hidden"]] *= gain  # fc([g·e; h]) == fc'([e; h])
 
 
+def start_from(net, path: str, target_fingerprint: str, target_sha256: str | None) -> dict:
+    """Load the draft at `path` (a directory or its safetensors file) into `net`, which training then goes on
+    from: it must serve this target and have `net`'s shape. -> its file's sha256 (what a checkpoint is keyed on)
+    and its recipe. Its fc still takes raw embeddings: `train(..., warm=True)` scales them back."""
+    try:
+        meta, weights = read_draft(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise InvalidRequest(f"--init-from {path}: not a draft ({getattr(e, 'strerror', None) or e})") from None
+    check_target(meta, path, target_fingerprint, "--init-from draft", target_sha256)
+    if meta.get("net") != net.cfg:
+        raise InvalidRequest(f"--init-from {path}: its layer is {meta.get('net')}, this run's is {net.cfg} "
+                             "(the same --draft-ffn and --features are needed)")
+    weights.pop("vocab_map", None)  # the head rows are the target's, chosen again from this run's data
+    net.load_state_dict({k: v.float() for k, v in weights.items()})
+    file = Path(path) if Path(path).is_file() else Path(path) / "model.safetensors"
+    return {"sha256": hashlib.sha256(file.read_bytes()).hexdigest(),
+            "recipe": {"path": str(path), **{k: meta[k] for k in ("recipe", "sequences", "tokens") if k in meta}}}
+
+
 CHECKPOINT_STEPS = 200  # a checkpoint inside an epoch this often (a run killed loses at most this many steps)
 
 
 def train(net, data, embed, head_r, vocab_map, epochs: int, batch: int, lr: float, seed: int, ckpt: Path,
           device: str, val: list[dict] | None = None, noise: float = 0.0, budget: Budget = Budget(),
-          unroll: int = 2) -> dict:
+          unroll: int = 2, warm: bool = False) -> dict:
     """AdamW + one-cycle schedule over `head_r` (the target's head rows for `vocab_map`); after each epoch the
     validation split (sequences never trained on) is scored and the best epoch's weights are kept (early
     stopping). Trains on embeddings scaled by embedding_gain and returns a net that takes raw ones. `noise`: EAGLE's
@@ -125,12 +147,15 @@ def train(net, data, embed, head_r, vocab_map, epochs: int, batch: int, lr: floa
     Checkpointed every CHECKPOINT_STEPS steps and each epoch; resumes mid-epoch; raises BudgetSpent (checkpointed)
     when `budget` runs out. The result's `curve` is the training loss and agreement every 50 steps. `unroll`: the
     draft positions trained (EAGLE-3's training-time test): position 1 reads the target's features, position k the
-    draft's own prediction from position k - 1 (detached), each at half the first's weight."""
+    draft's own prediction from position k - 1 (detached), each at half the first's weight. `warm`: `net` is a
+    trained draft (start_from), its fused norm kept and its fc brought back to the scaled embeddings."""
     torch.manual_seed(seed)
     net.to(device).train()
     fused = "taps" in net.cfg
     gain = embedding_gain(embed, data)
-    if fused:  # the fused feature starts at the final state's scale: what the draft's own features will have
+    if warm:  # a saved draft takes raw embeddings (fold_embedding_gain): undone, with this data's gain
+        fold_embedding_gain(net, 1 / gain)
+    elif fused:  # the fused feature starts at the final state's scale: what the draft's own features will have
         with torch.no_grad():
             net.fuse_norm.weight.fill_(hidden_rms(data, embed.shape[1]))
     half_width = 0.0 if fused else noise * hidden_rms(data, embed.shape[1])

@@ -9,7 +9,6 @@ predicted features are discarded after each proposal and recomputed once the tar
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import torch
@@ -22,7 +21,7 @@ from ..models import is_runtime
 from ..runtime.weights import QTensor, qlinear
 from ..sampling import PositionNoise, draw, warp
 from .base import Draft
-from .feature_files import MARKER, check_target, draft_meta
+from .feature_files import check_target, read_draft
 from .feature_net import FeatureDraftNet, quantized, runtime_layer, tap_norm
 
 # Stop a block once the draft's own probability that all of it is accepted falls below this. The shipped draft is
@@ -402,13 +401,7 @@ class FeatureDrafter:
     def load(cls, path, target_model, target_fingerprint: str, name: str | None = None) -> FeatureDrafter:
         path = Path(path)
         try:
-            from safetensors.torch import load_file
-            if path.is_file():  # the draft's safetensors alone, its metadata in the header
-                meta, weights = draft_meta(path), load_file(path)
-                if meta is None:
-                    raise ValueError("no specdec draft metadata in its header")
-            else:
-                meta, weights = json.loads((path / MARKER).read_text()), load_file(path / "model.safetensors")
+            meta, weights = read_draft(path)
         except (OSError, ValueError, KeyError) as e:
             raise ModelLoadError(f"cannot load draft {path}: {e}")
         check_target(meta, path, target_fingerprint,

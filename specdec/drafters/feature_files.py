@@ -42,6 +42,19 @@ def draft_meta(path) -> dict | None:
         return None
 
 
+def read_draft(path) -> tuple[dict, dict]:
+    """-> a draft's metadata and tensors (its directory, or its safetensors file alone); ValueError or OSError where
+    it is not one."""
+    from safetensors.torch import load_file
+    path = Path(path)
+    if path.is_file():  # the draft's safetensors alone, its metadata in the header
+        meta = draft_meta(path)
+        if meta is None:
+            raise ValueError("no specdec draft metadata in its header")
+        return meta, load_file(path)
+    return json.loads((path / MARKER).read_text()), load_file(path / "model.safetensors")
+
+
 def installed_draft(target: str) -> Path:
     """Where `specdec distill --target T` without --out keeps T's feature draft: `--draft distilled` runs it."""
     return per_target("drafts", target)
