@@ -19,6 +19,7 @@ from .cli import backend_arg
 from .kv import stock_linears
 from .policy import make_policy
 from .sampling import SamplingParams
+from .trace import acceptance_by_position
 from .prompts import load_prompts
 
 
@@ -36,6 +37,7 @@ class Config:
     cycles: int = 0
     draft_ms: float = 0.0
     outputs: list = field(default_factory=list)
+    records: list = field(default_factory=list)  # specdec's cycles (acceptance by position)
 
     @property
     def label(self) -> str:
@@ -107,17 +109,17 @@ class Bench:
             t0 = perf_counter()
             out = llamacpp.decode(self._llama, ids, max_new_tokens,
                                   self._decoders[self.configs[0].label].engine.eos_ids, self.sampling)
-            return out, perf_counter() - t0, 0, 0, 0, 0.0
+            return out, perf_counter() - t0, 0, 0, 0, 0.0, []
         if not c.hf:
             s = self.sampling or SamplingParams()
             out = self._decoders[c.label].generate(prompt["prompt"], max_new_tokens=max_new_tokens,
                                                    chat=prompt["chat"], temperature=s.temperature, top_p=s.top_p,
                                                    top_k=s.top_k, seed=s.seed)
             s = out.stats
-            return out.token_ids, s["wall_s"], s["proposed"], s["accepted"], s["cycles"], s["draft_ms"]
+            return out.token_ids, s["wall_s"], s["proposed"], s["accepted"], s["cycles"], s["draft_ms"], out.records
         ids = self._decoders[self.configs[0].label].encode(prompt["prompt"], prompt["chat"])
         with stock_linears(self._hf(self.model)):  # transformers as its users run it
-            return self._run_hf(c, ids, max_new_tokens)
+            return *self._run_hf(c, ids, max_new_tokens), []
 
     def _run_hf(self, c: Config, ids: list[int], max_new_tokens: int):
         if c.draft in self.feature_drafts:
@@ -153,7 +155,8 @@ class Bench:
             for i, p in enumerate(prompts):
                 order = self.configs[i % len(self.configs):] + self.configs[: i % len(self.configs)]
                 for c in order:  # rotate the order per prompt: no configuration always runs first
-                    ids, secs, prop, acc, cyc, draft_ms = self._run_one(c, p, self.max_new_tokens)
+                    ids, secs, prop, acc, cyc, draft_ms, records = self._run_one(c, p, self.max_new_tokens)
+                    c.records += records
                     c.outputs.append(ids)
                     c.tokens += len(ids)
                     c.seconds += secs
@@ -177,6 +180,8 @@ class Bench:
                 "speedup": round(tps / base_tps, 3),
                 "acceptance_rate": round(c.accepted / c.proposed, 4) if c.proposed else None,
                 "mean_accepted_len": round(c.accepted / c.cycles, 4) if c.cycles else None,
+                # alpha_k = P(draft k accepted | 1..k-1 were) over every prompt's cycles: what a tau is chosen by
+                "acceptance_by_position": acceptance_by_position(c.records) if c.proposed else None,
                 "target_passes_per_token": round(c.cycles / c.tokens, 4) if c.cycles else None,
                 # what drafting costs: ms per drafted token, and as a share of a target-only step (the cost model's c)
                 "draft_ms_per_token": round(c.draft_ms / c.proposed, 3) if c.proposed else None,
@@ -188,13 +193,14 @@ class Bench:
 
 def print_table(rows: list[dict], console: Console, numerics: str = "exact") -> None:
     table = Table(title=f"specdec bench, numerics {numerics} (speedup vs specdec target-only, same run)")
-    for col in ["config", "tokens/s", "speedup", "accept", "mean acc len", "passes/tok", "draft ms/tok",
-                "draft/pass", "identical"]:
+    for col in ["config", "tokens/s", "speedup", "accept", "α by position", "mean acc len", "passes/tok",
+                "draft ms/tok", "draft/pass", "identical"]:
         table.add_column(col, justify="left" if col == "config" else "right")
     fmt = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
     for r in rows:
+        by_position = "/".join(fmt(a) for a in (r.get("acceptance_by_position") or [])[:4]) or "-"
         table.add_row(r["config"], fmt(r["tokens_per_s"]), fmt(r["speedup"], "{:.2f}x"), fmt(r["acceptance_rate"]),
-                      fmt(r["mean_accepted_len"]), fmt(r["target_passes_per_token"]),
+                      by_position, fmt(r["mean_accepted_len"]), fmt(r["target_passes_per_token"]),
                       fmt(r["draft_ms_per_token"], "{:.3f}"), fmt(r["draft_share_of_pass"], "{:.3f}"),
                       "-" if r["identical_to_baseline"] is None else "yes" if r["identical_to_baseline"] else "NO")
     console.print(table)

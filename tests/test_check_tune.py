@@ -210,7 +210,11 @@ def test_bench_json_schema(tiny_dirs, tmp_path, capsys):
     assert all(r["draft_ms_per_token"] > 0 and r["draft_share_of_pass"] > 0 for r in model_rows)
     ngram = [r for r in rows if r["engine"] == "specdec" and r["draft"] == "ngram" and r["acceptance_rate"]]
     assert all(r["draft_share_of_pass"] < min(m["draft_share_of_pass"] for m in model_rows) for r in ngram)
-    assert rows[0]["draft_ms_per_token"] is None
+    assert rows[0]["draft_ms_per_token"] is None and rows[0]["acceptance_by_position"] is None
+    # alpha_k per position: the first is the share of drafting cycles that kept their first draft
+    for r in [r for r in rows if r["engine"] == "specdec" and r["acceptance_rate"]]:
+        alphas = r["acceptance_by_position"]
+        assert len(alphas) == r["tau"] and all(a is None or 0 <= a <= 1 for a in alphas)
     assert "specdec bench" in capsys.readouterr().out
     assert main(["bench", "--target", tiny_dirs["target"], "--prompts", str(prompts), "--policy", "magic"]) == 2
     assert main(["bench", "--target", tiny_dirs["target"], "--prompts", str(tmp_path / "nope.jsonl")]) == 2
@@ -229,6 +233,19 @@ def test_serve_and_tune_bad_input(argv, message, tiny_dirs, capsys):
     assert main([*argv, "--target", tiny_dirs["target"]]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_bench_acceptance_by_position_of_the_target_drafting_for_itself_is_all_ones(tiny_dirs, tmp_path, capsys):
+    """The target as its own greedy draft is right at every position (a verify row equals a one-token step), and
+    a random draft model is not: bench's alpha_k tells them apart, position by position."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(PROMPTS[:2]) + "\n")
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--target", tiny_dirs["target"], "--prompts", str(prompts), "--draft", "target", "--draft",
+                 tiny_dirs["draft"], "--tau", "3", "--max-new-tokens", "16", "--json", str(out)]) == 0
+    rows = {r["draft"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows["target"]["acceptance_by_position"] == [1.0, 1.0, 1.0]
+    assert rows[tiny_dirs["draft"]]["acceptance_by_position"][0] < 1.0
 
 
 def test_bench_sampled(tiny_dirs, tmp_path, capsys):
