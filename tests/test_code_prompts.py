@@ -62,3 +62,47 @@ def test_the_python_heads_are_python_and_the_other_languages_are_all_there():
 def test_a_task_becomes_a_function_name_and_an_imperative_docstring(task, name):
     assert snake_name(task) == name
     assert doc(task).split()[0] == name.split("_")[0].capitalize() or name.startswith("is_")
+
+
+SOURCE = '''
+def mean(xs):
+    """Average of xs."""
+    total = 0
+    for x in xs:
+        total += x
+    n = len(xs)
+    return total / n
+'''
+
+
+def test_fill_in_gaps_are_real_cuts_of_a_function_ending_and_starting_at_a_line(tmp_path):
+    from specdec.prompts.code_fim import gaps
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    for i in range(8):
+        (lib / f"m{i}.py").write_text(SOURCE.replace("mean", f"mean{i}"))
+    out = gaps(seed=1, n=8, root=lib)
+    assert out == gaps(seed=1, n=8, root=lib) and len(out) == 8
+    for g in out:
+        assert g["prompt"].endswith("\n") and g["suffix"].startswith("\n") and g["suffix"].strip()
+        name = NAMED.findall(g["prompt"])[0]
+        src = SOURCE.replace("mean", name[:4] + name[4:]).strip("\n").split("\n")
+        before, after = g["prompt"].rstrip("\n").split("\n"), g["suffix"].strip("\n").split("\n")
+        if after[0].startswith("def "):  # the whole body: the signature and docstring, then the next function
+            assert before == src[:2] and len(after) == len(src)
+        else:  # one to four lines of the body taken out, in order
+            assert before == src[:len(before)] and after == src[len(src) - len(after):]
+            assert 1 <= len(src) - len(before) - len(after) <= 4 and len(before) >= 2
+    assert any(g["suffix"].lstrip("\n").startswith("def ") for g in out)
+
+
+def test_the_shipped_fill_in_prompts_are_fim_lines_about_nothing_held_out():
+    rows = load_prompts(HERE / "distill_code_fim.jsonl", fim=True)
+    assert len(rows) == 400 and all(not r["chat"] and r["max_new_tokens"] == 64 for r in rows)
+    assert all(r["prompt"].endswith("\n") and r["suffix"].startswith("\n") for r in rows)
+    defined = re.compile(r"\b(?:def|class)\s+(\w+)")
+    names = {n.lower() for p in held_out() for n in defined.findall(p)} - {"__init__"}
+    assert {"add", "most_common", "is_prime", "binary_search"} <= names
+    ours = [r["prompt"] + r["suffix"] for r in rows]
+    assert not names & {n.lower() for p in ours for n in defined.findall(p)}
+    assert not [p for p in ours if any(w in p.lower() for w in HELD_OUT_WORDS)]

@@ -145,3 +145,41 @@ def test_a_lone_surrogate_in_an_infill_is_a_400(live):
                  {"input_prefix": "x", "input_extra": [{"filename": "a.py", "text": "y\udfff"}], "n_predict": 4}):
         r = httpx.post(live.url + "/infill", content=json.dumps(body), headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["message"], r.text
+
+
+def test_distill_answers_a_fill_in_prompt_as_infill_would_and_trains_on_the_middle(coder, tmp_path):
+    """A `mode: fim` line in a distill prompt file is the prompt /infill sends; the target's greedy middle is the
+    answer the draft is trained on (its loss starts after the prompt)."""
+    from specdec.distill import distill
+    sd, _ = coder
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"prompt": PREFIX, "suffix": SUFFIX, "mode": "fim"}, {"prompt": "x = 1", "mode": "completion"},
+        {"prompt": "def f(a):\n", "suffix": "\n    return a\n", "mode": "fim", "max_new_tokens": 6}]))
+    rep = distill("coder", str(tmp_path / "d"), [str(prompts)], [], max_new_tokens=12, gen_batch=2, reduced=30,
+                  epochs=1, batch=2, self_chat=0, val_every=0, eval_limit=1, features="fused",
+                  loaded=(sd.model, sd.tokenizer))
+    seqs = [json.loads(line)["ids"] for line in (tmp_path / "d" / "work" / "sequences.jsonl").read_text().splitlines()]
+    for (prefix, suffix, n), ids in zip([(PREFIX, SUFFIX, 12), ("def f(a):\n", "\n    return a\n", 6)],
+                                        [seqs[0], seqs[2]]):
+        prompt = fim_prompt(sd.tokenizer, prefix, suffix)
+        want = sd.generate("", prompt_ids=prompt, max_new_tokens=n, chat=False).token_ids
+        assert ids[:len(prompt)] == prompt and ids[len(prompt):len(prompt) + len(want)] == want
+    assert rep["answer_tokens"] > 0 and rep["held_out"]["identical_to_target"]
+
+
+def test_fill_in_prompts_are_refused_for_a_target_without_fim_tokens_and_outside_distill(rt_plain, tmp_path):
+    from specdec.distill import distill
+    from specdec.errors import SpecDecError
+    from specdec.prompts import load_prompts
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": PREFIX, "suffix": SUFFIX, "mode": "fim"}) + "\n")
+    with pytest.raises(InvalidRequest, match="no FIM tokens"):
+        distill("plain", str(tmp_path / "d"), [str(prompts)], [], features="fused", reduced=30,
+                loaded=(rt_plain.model, rt_plain.tokenizer))
+    assert not (tmp_path / "d" / "work" / "sequences.jsonl").exists()  # refused before any data
+    with pytest.raises(SpecDecError, match="mode must be 'chat' or 'completion', got 'fim'"):
+        load_prompts(prompts)  # bench, tune, check: a prompt without its suffix would be another request
+    prompts.write_text(json.dumps({"prompt": PREFIX, "mode": "fim"}) + "\n")
+    with pytest.raises(SpecDecError, match="suffix"):
+        load_prompts(prompts, fim=True)

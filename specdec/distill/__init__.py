@@ -30,7 +30,8 @@ from ..drafters.datastore import DatastoreDrafter
 from ..drafters.feature import FeatureDrafter, target_identity
 from ..drafters.feature_net import last_layer, net_for_target, save_draft
 from ..errors import InvalidRequest, SpecDecError
-from ..prompts import encode_prompt, load_prompts
+from ..fim import fim_tokens
+from ..prompts import load_prompts, prompt_ids
 from ..prompts.stdlib import corpus as stdlib_corpus
 from .data import (
     _keyed,
@@ -144,7 +145,7 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
         (work / ".write-test").write_text("ok")
     except OSError as e:
         raise SpecDecError(f"cannot write to {out}: {e.strerror}")
-    prompts = [p for f in (prompt_files or DEFAULT_PROMPTS) for p in load_prompts(f)]
+    prompts = [p for f in (prompt_files or DEFAULT_PROMPTS) for p in load_prompts(f, fim=True)]
     if limit:
         prompts = prompts[:limit]
     budget, fused = Budget(budget_minutes), features == "fused"
@@ -156,6 +157,9 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
         device = "cpu"
     else:
         model, tok = loaded[:2] if loaded else models.load(target, backend="transformers")  # training: transformers
+    if any("suffix" in p for p in prompts) and fim_tokens(tok) is None:
+        raise InvalidRequest("the prompts include fill-in-the-middle ones (mode fim), and this target has no FIM "
+                             "tokens: leave that file out")
     if reduced > model.config.vocab_size:
         raise InvalidRequest(f"--reduced-vocab {reduced} exceeds the target's vocabulary ({model.config.vocab_size})")
     # read before hours of generation, so a bad path fails fast
@@ -192,7 +196,7 @@ def distill(target: str, out: str, prompt_files: list[str], text_files: list[str
         for it in seqs + chats:
             it["argmax"] = torch.tensor([*it["ids"][1:], -100])
     # where each response starts: drafts are only ever asked to continue responses (as EAGLE's loss mask)
-    starts = [len(encode_prompt(tok, p["prompt"], p["chat"])) for p in prompts]
+    starts = [len(prompt_ids(tok, p)) for p in prompts]
     header = assistant_header(tok)
     starts += [after_last(it["ids"], header) for it in chats] + [0] * len(texts)
     answered = sum(len(it["ids"]) - s for it, s in zip(seqs + chats, starts))  # tokens the target generated as answers

@@ -12,7 +12,7 @@ import torch
 from .. import models
 from ..errors import SpecDecError
 from ..generate import generate_batch
-from ..prompts import encode_prompt
+from ..prompts import encode_prompt, prompt_ids
 from ..runtime.weights import qlinear
 from ..sampling import SamplingParams
 from .progress import Budget, _progress, console
@@ -123,7 +123,7 @@ def generate_responses(model, tok, prompts: list[dict], path: Path, max_new_toke
             budget.check("target responses")
             n = next((k for k in range(1, min(batch, len(todo) - i)) if limit[i + k] != limit[i]),
                      min(batch, len(todo) - i))
-            chunk = [encode_prompt(tok, p["prompt"], p["chat"]) for p in todo[i:i + n]]
+            chunk = [prompt_ids(tok, p) for p in todo[i:i + n]]
             store.add(_greedy_batch(model, chunk, limit[i], pad, eos, device))
             bar.advance(task, len(chunk))
             i += n

@@ -11,9 +11,10 @@ HERE = Path(__file__).parent
 SETS = ("chat", "code", "summarize")
 
 
-def load_prompts(path=None) -> list[dict]:
+def load_prompts(path=None, fim: bool = False) -> list[dict]:
     """Read a JSONL file of {"prompt": str, "mode": "chat"|"completion", "max_new_tokens": int (optional: the
-    length `specdec distill` answers it at)} (extra fields ignored).
+    length `specdec distill` answers it at)} (extra fields ignored). With `fim` (`specdec distill`'s files), also
+    {"prompt": prefix, "suffix": str, "mode": "fim"}: code to fill in between the two (`prompt_ids`).
     With no path: all shipped sets."""
     files = [Path(path)] if path else [HERE / f"{name}.jsonl" for name in SETS]
     out = []
@@ -32,15 +33,28 @@ def load_prompts(path=None) -> list[dict]:
             if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
                 raise SpecDecError(f"{f}:{i}: each line needs a non-empty string field 'prompt'")
             mode = obj.get("mode", "chat")
-            if mode not in ("chat", "completion"):
-                raise SpecDecError(f"{f}:{i}: mode must be 'chat' or 'completion', got {mode!r}")
+            if mode not in ("chat", "completion", *(("fim",) if fim else ())):
+                raise SpecDecError(f"{f}:{i}: mode must be 'chat' or 'completion'{' or fim' if fim else ''}, "
+                                   f"got {mode!r}")
+            if mode == "fim" and not isinstance(obj.get("suffix"), str):
+                raise SpecDecError(f"{f}:{i}: a fim prompt needs a string field 'suffix' (the code after the gap)")
             limit = obj.get("max_new_tokens")
             if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
                 raise SpecDecError(f"{f}:{i}: max_new_tokens must be a positive integer, got {limit!r}")
-            out.append({"prompt": obj["prompt"], "chat": mode == "chat", **({"max_new_tokens": limit} if limit else {})})
+            out.append({"prompt": obj["prompt"], "chat": mode == "chat", **({"max_new_tokens": limit} if limit else {}),
+                        **({"suffix": obj["suffix"]} if mode == "fim" else {})})
     if not out:
         raise SpecDecError(f"no prompts in {path}")
     return out
+
+
+def prompt_ids(tokenizer, prompt: dict) -> list[int]:
+    """A loaded prompt (load_prompts) -> the target's prompt ids: the fill-in-the-middle prompt for a fim one
+    (fim.fim_prompt: what /infill sends the model), else encode_prompt's."""
+    if "suffix" in prompt:
+        from ..fim import fim_prompt
+        return fim_prompt(tokenizer, prompt["prompt"], prompt["suffix"])
+    return encode_prompt(tokenizer, prompt["prompt"], prompt["chat"])
 
 
 # what a template is rendered with by specdec itself, which a request's chat_template_kwargs may not replace
