@@ -47,14 +47,16 @@ def default_draft(target: str) -> str:
     """For the default target: the shipped datastore's continuation when it has a confident one, else a copy from
     the context when an n-gram matches (the fastest measured setup on the runtime, docs/benchmarks.md: the shipped
     distilled draft, `datastore+ngram+shipped`, costs more per step than its extra accepted tokens save there); for
-    any other target the same pair once `specdec datastore build` made its datastore, else the n-gram drafter.
-    A draft `specdec distill` installed for the target (`distilled`) is not the default: on Qwen2.5-Coder-1.5B
-    its fused feature draft gives 1.24-1.41x target-only on chat and completion at one stream but 0.96x at 8
-    (docs/draft.md)."""
+    any other target the same copies (the datastore once `specdec datastore build` made it), then the draft
+    `specdec distill` installed for it where there is one (`distilled`): on Qwen2.5-Coder-1.5B, at one stream, that
+    chain gave 1.65x target-only on completion, 1.64x on chat and 1.47x on fill-in where `ngram` alone gave 1.10x,
+    1.22x and 0.75x (docs/draft.md)."""
     from .drafters.datastore import FILE, datastore_dir
+    from .drafters.feature_files import installed_draft
     if target == models.DEFAULT_MODEL and is_feature_draft(SHIPPED_DRAFT):
         return "datastore+ngram"
-    return "datastore+ngram" if (datastore_dir(target) / FILE).exists() else "ngram"
+    copies = "datastore+ngram" if (datastore_dir(target) / FILE).exists() else "ngram"
+    return f"{copies}+distilled" if is_feature_draft(installed_draft(target)) else copies
 
 
 @dataclass

@@ -601,8 +601,8 @@ def test_the_embedding_gain_folds_into_fc_so_the_saved_draft_takes_raw_embedding
 
 def test_distill_without_out_installs_the_targets_distilled_draft(tiny_dirs, tmp_path, monkeypatch, capsys):
     """`specdec distill` without --out writes the draft to the target's draft directory in the cache; `--draft
-    distilled` (and `ngram+distilled`) then runs it, token-identical to target-only; the default draft stays
-    ngram; asking for it before one is installed is one line and exit 2."""
+    distilled` (and `ngram+distilled`, the target's default draft from then on) runs it, token-identical to
+    target-only; asking for it before one is installed is one line and exit 2."""
     from specdec.api import default_draft
     from specdec.drafters.feature_files import installed_draft, is_feature_draft
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
@@ -615,9 +615,10 @@ def test_distill_without_out_installs_the_targets_distilled_draft(tiny_dirs, tmp
                  "0", "--epochs", "1", "--eval-limit", "1", "--reduced-vocab", "40", "--val-every", "0"]) == 0
     capsys.readouterr()
     assert is_feature_draft(installed_draft(target)) and str(tmp_path) in str(installed_draft(target))
-    assert default_draft(target) == "ngram"
+    assert default_draft(target) == "ngram+distilled"  # the copies first, then the target's own draft
     plain = SpecDecoder(target=target, draft="none").generate("Hello", max_new_tokens=16)
-    sd = SpecDecoder(target=target, draft="ngram+distilled")
+    sd = SpecDecoder(target=target)
+    assert sd.draft_name == f"ngram+{installed_draft(target)}"
     assert sd.generate("Hello", max_new_tokens=16).token_ids == plain.token_ids
 
 

@@ -72,10 +72,12 @@ SAMPLED = {"temperature": 0.7, "top_p": 1.0}
 # questions, 510 heads of code to complete) at 64 tokens (the last 1,640 questions and the heads at 128: the length
 # here) and to 96 self-chat conversations, 30k tokens of the standard library's modules teacher-forced, EAGLE's
 # feature noise, a 2,048-wide feed-forward (a step costs ~0.03 of a target pass), draft positions 1-3 trained
-# (--unroll 3), 4 epochs; about 110 min on 2 cores (docs/draft.md).
+# (--unroll 3), 4 epochs; about 110 min on 2 cores. Then FEATURE_MORE: 704 more self-chat conversations and 3 more
+# epochs at a lower peak rate, on from that draft (--init-from); about 65 min more (docs/draft.md).
 FEATURE_RECIPE = ["--features", "fused", "--max-new-tokens", "64", "--self-chat", "96", "--stdlib-text", "30000",
                   "--feature-noise", "0.1", "--draft-ffn", "2048", "--epochs", "4", "--unroll", "3",
                   "--eval-limit", "8"]
+FEATURE_MORE = {"--self-chat": "800", "--epochs": "3", "--lr": "3e-4"}
 
 
 class Refused(SystemExit):
@@ -168,15 +170,24 @@ def llama_bin(tool: str = "llama-server") -> Path:
 
 
 def feature_draft(target: Path) -> Path:
-    """The 1.5B's feature draft (FEATURE_RECIPE), trained once into the target's own draft directory in specdec's
-    cache, where `--draft distilled` finds it; resumable if interrupted."""
-    from specdec.drafters.feature_files import installed_draft, is_feature_draft
+    """The 1.5B's feature draft (FEATURE_RECIPE, then FEATURE_MORE on from it), trained once into the target's own
+    draft directory in specdec's cache, where `--draft distilled` finds it; resumable if interrupted."""
+    from specdec.drafters.feature_files import MARKER, installed_draft, is_feature_draft
     out = installed_draft(str(target))
-    if is_feature_draft(out):
+    if is_feature_draft(out) and "init_from" in json.loads((out / MARKER).read_text()).get("recipe", {}):
         return out
-    log(f"training the 1.5B's feature draft once into {out} (about 110 min on 2 cores; resumable)")
-    subprocess.run([str(Path(sys.executable).with_name("specdec")), "distill", "--target", str(target),
-                    *FEATURE_RECIPE], check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    distill = [str(Path(sys.executable).with_name("specdec")), "distill", "--target", str(target)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if not is_feature_draft(out):
+        log(f"training the 1.5B's feature draft once into {out} (about 3 h on 2 cores in two runs; resumable)")
+        subprocess.run([*distill, *FEATURE_RECIPE], check=True, env=env)
+    more = list(FEATURE_RECIPE)
+    for flag, value in FEATURE_MORE.items():
+        if flag in more:
+            more[more.index(flag) + 1] = value
+        else:
+            more += [flag, value]
+    subprocess.run([*distill, *more, "--init-from", str(out)], check=True, env=env)
     return out
 
 
