@@ -6,7 +6,7 @@ import re
 
 NAMES = {"llama": "llama-server", "ours-none": "ours `none`", "ours": "ours `ngram`", "ours-0.5b": "ours 0.5B",
          "ours-0.5b-32k": "ours 0.5B, 32k head", "ours-0.5b-16k": "ours 0.5B, 16k head",
-         "ours-feature": "ours feature draft"}
+         "ours-feature": "ours feature draft", "ours-ngram-feature": "ours `ngram+distilled`"}
 WORKLOADS = {"completion": "completion", "chat": "chat", "edits": "edits", "fim": "fill-in",
              "chat-sampled": "chat T0.7", "edits-predicted": "edits predicted", "all": "all"}
 
