@@ -20,7 +20,7 @@ from .kv import stock_linears
 from .policy import make_policy
 from .sampling import SamplingParams
 from .trace import acceptance_by_position
-from .prompts import load_prompts
+from .prompts import load_prompts, prompt_ids
 
 
 @dataclass
@@ -105,21 +105,28 @@ class Bench:
 
     def _run_one(self, c: Config, prompt: dict, max_new_tokens: int):
         if c.llamacpp:
-            ids = self._decoders[self.configs[0].label].encode(prompt["prompt"], prompt["chat"])
+            ids = self._prompt_ids(prompt)
             t0 = perf_counter()
             out = llamacpp.decode(self._llama, ids, max_new_tokens,
                                   self._decoders[self.configs[0].label].engine.eos_ids, self.sampling)
             return out, perf_counter() - t0, 0, 0, 0, 0.0, []
         if not c.hf:
             s = self.sampling or SamplingParams()
-            out = self._decoders[c.label].generate(prompt["prompt"], max_new_tokens=max_new_tokens,
+            fim = {"prompt_ids": self._prompt_ids(prompt)} if "suffix" in prompt else {}  # code to fill in
+            out = self._decoders[c.label].generate("" if fim else prompt["prompt"], max_new_tokens=max_new_tokens,
                                                    chat=prompt["chat"], temperature=s.temperature, top_p=s.top_p,
-                                                   top_k=s.top_k, seed=s.seed)
+                                                   top_k=s.top_k, seed=s.seed, **fim)
             s = out.stats
             return out.token_ids, s["wall_s"], s["proposed"], s["accepted"], s["cycles"], s["draft_ms"], out.records
-        ids = self._decoders[self.configs[0].label].encode(prompt["prompt"], prompt["chat"])
+        ids = self._prompt_ids(prompt)
         with stock_linears(self._hf(self.model)):  # transformers as its users run it
             return *self._run_hf(c, ids, max_new_tokens), []
+
+    def _prompt_ids(self, prompt: dict) -> list[int]:
+        """The prompt's ids as every configuration gets them: a fill-in one's as /infill sends it (prompt_ids)."""
+        decoder = self._decoders[self.configs[0].label]
+        return prompt_ids(decoder.tokenizer, prompt) if "suffix" in prompt else decoder.encode(prompt["prompt"],
+                                                                                             prompt["chat"])
 
     def _run_hf(self, c: Config, ids: list[int], max_new_tokens: int):
         if c.draft in self.feature_drafts:
@@ -208,7 +215,7 @@ def print_table(rows: list[dict], console: Console, numerics: str = "exact") -> 
 
 def cmd_bench(args) -> int:
     from .api import default_draft
-    prompts = load_prompts(args.prompts)
+    prompts = load_prompts(args.prompts, fim=True)  # fill-in lines too: {"prompt": prefix, "suffix", "mode": "fim"}
     if args.limit:
         prompts = prompts[: args.limit]
     bench = Bench(args.target, args.draft or [default_draft(args.target)], args.tau or [2, 4, 6], args.max_new_tokens,

@@ -183,3 +183,22 @@ def test_fill_in_prompts_are_refused_for_a_target_without_fim_tokens_and_outside
     prompts.write_text(json.dumps({"prompt": PREFIX, "mode": "fim"}) + "\n")
     with pytest.raises(SpecDecError, match="suffix"):
         load_prompts(prompts, fim=True)
+
+
+def test_bench_runs_fill_in_prompts_as_infill_sends_them(coder, rt_plain, tiny_dirs, tmp_path, capsys):
+    from rich.console import Console
+
+    from specdec.bench import Bench
+    from specdec.prompts import load_prompts
+    sd, path = coder
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": PREFIX, "suffix": SUFFIX, "mode": "fim"}) + "\n"
+                       + json.dumps({"prompt": "x = 1", "mode": "completion"}) + "\n")
+    bench = Bench(path, ["ngram"], [3], 12, False)
+    rows = bench.run(load_prompts(prompts, fim=True), Console(quiet=True))
+    want = sd.generate("", prompt_ids=fim_prompt(sd.tokenizer, PREFIX, SUFFIX), max_new_tokens=12, chat=False)
+    assert all(c.outputs[0] == want.token_ids for c in bench.configs) and rows[1]["identical_to_baseline"]
+    assert main(["bench", "--target", tiny_dirs["target"], "--prompts", str(prompts), "--tau", "2",
+                 "--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "fill-in-the-middle" in err[0]
